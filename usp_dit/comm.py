@@ -1,0 +1,203 @@
+"""Communication for USP: the Ulysses all-to-all (sequence <-> heads), uneven gathers, the ring.
+
+Layout: activations are ``(batch, seq, heads, *rest)`` (``rest`` is ``(head_dim,)`` for Q/K/V and
+outputs, empty for a log-sum-exp). Every op accepts uneven sizes: sequence shards of different
+lengths and head ranges of different widths, overlapping head ranges included (several ranks reading
+the same K/V head under MQA). All differentiable ops are adjoint pairs, so their backward is exact.
+
+Note [Ulysses all-to-all]
+    rank u holds x_u (B, S_u, H, ...)            rank u receives y_u (B, S_0+..+S_{U-1}, h_u, ...)
+    x_u[:, :, lo_v:hi_v] ──── to rank v ────►    y_v[:, off_u:off_u+S_u]
+    The backward sends each piece home and sums pieces of overlapping head ranges.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+# torch >= 2.12 renamed all_gather_tensor to all_gather_single (same semantics).
+_all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
+
+
+def exchange(chunks: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """All-to-all of arbitrarily shaped pieces: ``chunks[v]`` goes to rank ``v`` of ``group``.
+
+    Returns the pieces received from each rank, ``recv_shapes[u]`` being the shape of the piece from
+    rank ``u``. Pieces travel flattened in one ``all_to_all_single`` with uneven split sizes.
+    """
+    send = torch.cat([c.reshape(-1) for c in chunks])
+    in_splits = [c.numel() for c in chunks]
+    out_splits = [math.prod(s) for s in recv_shapes]
+    recv = funcol.wait_tensor(funcol.all_to_all_single(send, out_splits, in_splits, group))
+    return [piece.view(shape) for piece, shape in zip(recv.split(out_splits), recv_shapes)]
+
+
+@dataclass(frozen=True)
+class A2APlan:
+    """One Ulysses exchange: who holds which sequence shard and who takes which heads.
+
+    ``seq_sizes[u]``: shard length on Ulysses rank ``u``; ``head_ranges[u]``: heads rank ``u`` takes;
+    ``num_heads``: heads of the sequence-sharded tensor; ``rank``: this rank in ``group``.
+    """
+
+    group: dist.ProcessGroup
+    rank: int
+    seq_sizes: tuple[int, ...]
+    head_ranges: tuple[tuple[int, int], ...]
+    num_heads: int
+
+    @property
+    def heads_partition(self) -> bool:
+        """True when the head ranges tile all heads exactly once (no summing needed)."""
+        edges = [lo for lo, _ in self.head_ranges] + [self.head_ranges[-1][1]]
+        return edges[0] == 0 and edges[-1] == self.num_heads and all(
+            self.head_ranges[i][1] == edges[i + 1] for i in range(len(self.head_ranges))
+        )
+
+
+def seq_to_heads(x: torch.Tensor, plan: A2APlan) -> torch.Tensor:
+    """``(B, S_me, H, *rest)`` sequence shard -> ``(B, sum(S), h_me, *rest)`` head slice (no autograd)."""
+    b, rest = x.shape[0], tuple(x.shape[3:])
+    lo_me, hi_me = plan.head_ranges[plan.rank]
+    chunks = [x[:, :, lo:hi] for lo, hi in plan.head_ranges]
+    shapes = [(b, s, hi_me - lo_me, *rest) for s in plan.seq_sizes]
+    return torch.cat(exchange(chunks, shapes, plan.group), dim=1)
+
+
+def heads_to_seq(y: torch.Tensor, plan: A2APlan) -> torch.Tensor:
+    """Adjoint of ``seq_to_heads``: ``(B, sum(S), h_me, *rest)`` -> ``(B, S_me, H, *rest)``.
+
+    Pieces of overlapping head ranges are summed (the adjoint of sending one head to several ranks).
+    """
+    b, rest = y.shape[0], tuple(y.shape[3:])
+    s_me = plan.seq_sizes[plan.rank]
+    chunks = list(y.split(list(plan.seq_sizes), dim=1))
+    shapes = [(b, s_me, hi - lo, *rest) for lo, hi in plan.head_ranges]
+    pieces = exchange(chunks, shapes, plan.group)
+    if plan.heads_partition:
+        return torch.cat(pieces, dim=2)
+    out = y.new_zeros((b, s_me, plan.num_heads, *rest))
+    for (lo, hi), piece in zip(plan.head_ranges, pieces):
+        out[:, :, lo:hi] += piece
+    return out
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, plan: A2APlan) -> torch.Tensor:
+        ctx.plan = plan
+        return seq_to_heads(x, plan)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return heads_to_seq(grad.contiguous(), ctx.plan), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, plan: A2APlan) -> torch.Tensor:
+        ctx.plan = plan
+        return heads_to_seq(y, plan)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return seq_to_heads(grad.contiguous(), ctx.plan), None
+
+
+def all_to_all_seq_to_heads(x: torch.Tensor, plan: A2APlan) -> torch.Tensor:
+    """Differentiable ``seq_to_heads``; backward sends gradients home (summing shared heads)."""
+    return _SeqToHeads.apply(x, plan)
+
+
+def all_to_all_heads_to_seq(y: torch.Tensor, plan: A2APlan) -> torch.Tensor:
+    """Differentiable ``heads_to_seq``."""
+    return _HeadsToSeq.apply(y, plan)
+
+
+def gather_uneven(x: torch.Tensor, sizes: list[int], dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather pieces of different lengths along ``dim`` (no autograd).
+
+    Pieces are padded to the longest, gathered in one collective and trimmed.
+    """
+    longest = max(sizes)
+    x0 = x.movedim(dim, 0)
+    if x0.shape[0] < longest:
+        pad = x0.new_zeros((longest - x0.shape[0], *x0.shape[1:]))
+        x0 = torch.cat([x0, pad])
+    full = funcol.wait_tensor(_all_gather(x0.contiguous(), 0, group))
+    pieces = [p[:n] for p, n in zip(full.split(longest), sizes)]
+    return torch.cat(pieces).movedim(0, dim)
+
+
+class _GatherUneven(torch.autograd.Function):
+    """All-gather whose backward sums the gradient over ranks and keeps this rank's piece.
+
+    That is the adjoint of "every rank's loss reads the gathered tensor": the gradient of the sum
+    of all ranks' losses.
+    """
+
+    @staticmethod
+    def forward(ctx, x, sizes, dim, group):
+        ctx.sizes, ctx.dim, ctx.group = sizes, dim, group
+        return gather_uneven(x, sizes, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group))
+        rank = dist.get_rank(ctx.group)
+        start = sum(ctx.sizes[:rank])
+        return total.narrow(ctx.dim, start, ctx.sizes[rank]), None, None, None
+
+
+def all_gather_uneven(x: torch.Tensor, sizes: list[int], dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Differentiable all-gather of pieces of lengths ``sizes`` along ``dim`` (identity without a group)."""
+    if group is None:
+        return x
+    return _GatherUneven.apply(x, list(sizes), dim, group)
+
+
+def all_gather_sizes(n: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
+    """Every rank's ``n`` (e.g. its shard length), in rank order."""
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    return funcol.wait_tensor(_all_gather(t, 0, group)).tolist()
+
+
+class RingExchanger:
+    """Passes tensors to the next rank of a ring and receives from the previous one, non-blocking.
+
+    ``start`` posts one send and one receive (``batch_isend_irecv``) and returns at once, so the
+    caller computes on the current block while the next one travels (double buffering: the buffer
+    being sent is never the one being filled). Empty tensors are skipped on both sides, which stay
+    in step because both know every block's size.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next_peer = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev_peer = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def start(self, send: torch.Tensor | None, recv: torch.Tensor | None, tag: int = 0) -> list[dist.Work]:
+        """Post ``send`` to the next rank and ``recv`` from the previous; returns the handles.
+
+        Streams that may be in flight together (K/V blocks and their gradients) use different tags.
+        """
+        # The caller keeps both buffers alive until ``wait``: the transfers read and write them in place.
+        ops = []
+        if send is not None and send.numel():
+            assert send.is_contiguous(), "ring send buffers must be contiguous"
+            ops.append(dist.P2POp(dist.isend, send, self.next_peer, self.group, tag))
+        if recv is not None and recv.numel():
+            ops.append(dist.P2POp(dist.irecv, recv, self.prev_peer, self.group, tag))
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    @staticmethod
+    def wait(works: list[dist.Work]) -> None:
+        """Block until the transfers of one ``start`` are done."""
+        for work in works:
+            work.wait()

@@ -1,0 +1,45 @@
+"""USPConfig: the parallel degrees of one Unified Sequence Parallel layout, validated once."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class USPConfig:
+    """Degrees of the rank grid, outermost to innermost: data-parallel, cfg, ring, ulysses.
+
+    ``ulysses_degree`` ranks exchange heads for sequence with an all-to-all (cheap inside a node,
+    so they are neighbouring ranks); ``ring_degree`` ranks pass K/V blocks around a ring;
+    ``cfg_degree`` splits the conditional / unconditional batch halves; the data-parallel degree is
+    whatever is left of the world size.
+    """
+
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    cfg_degree: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("ulysses_degree", "ring_degree", "cfg_degree"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    @property
+    def sequence_degree(self) -> int:
+        """Ranks that share one sequence: ``ulysses_degree * ring_degree``."""
+        return self.ulysses_degree * self.ring_degree
+
+    @property
+    def model_degree(self) -> int:
+        """Ranks that run one model replica: ``cfg_degree * ulysses_degree * ring_degree``."""
+        return self.cfg_degree * self.sequence_degree
+
+    def data_parallel_degree(self, world_size: int) -> int:
+        """The data-parallel degree for ``world_size`` ranks; raises if the grid does not fit."""
+        if world_size % self.model_degree:
+            raise ValueError(
+                f"world_size={world_size} is not a multiple of cfg_degree*ring_degree*ulysses_degree="
+                f"{self.cfg_degree}*{self.ring_degree}*{self.ulysses_degree}={self.model_degree}; "
+                f"choose degrees whose product divides the world size"
+            )
+        return world_size // self.model_degree

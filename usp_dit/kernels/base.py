@@ -1,0 +1,185 @@
+"""The attention-kernel protocol, capability flags and the registry of named backends.
+
+Layout (every backend, both directions):
+    q, out, dq: (batch, seq_q, heads, head_dim)
+    k, v, dk, dv: (batch, seq_k, kv_heads, head_dim), heads % kv_heads == 0; query head i reads
+        K/V head i // (heads // kv_heads) (grouped-query attention)
+    lse: (batch, seq_q, heads), float32 (float64 for float64 inputs, so that a float64 run is a
+        float64 reference end to end), natural log, softmax scale applied:
+        lse[b, i, h] = log(sum_j exp(scale * q[b, i, h] . k[b, j, h // group]))
+    It may be a strided view (kernels produce (batch, heads, seq)); callers must not assume it is
+    contiguous.
+
+A backend's quirks (its own layout, LSE shape, padding, version differences) stay in its adapter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class BackendCaps:
+    """What a backend can do: devices, dtypes, largest head_dim, and whether it has a backward."""
+
+    devices: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    max_head_dim: int
+    supports_backward: bool
+    head_dim_multiple: int = 1
+
+    def why_not(self, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> str | None:
+        """The reason this backend cannot run the case, or ``None`` when it can."""
+        if device not in self.devices:
+            return f"device {device!r} not in {sorted(self.devices)}"
+        if dtype not in self.dtypes:
+            return f"dtype {dtype} not in {sorted(str(d) for d in self.dtypes)}"
+        if head_dim > self.max_head_dim or head_dim % self.head_dim_multiple:
+            return f"head_dim={head_dim} not supported (max {self.max_head_dim}, multiple of {self.head_dim_multiple})"
+        if needs_grad and not self.supports_backward:
+            return "it has no backward (forward only) but gradients are needed"
+        return None
+
+
+class AttentionBackend(Protocol):
+    """One attention kernel behind the protocol above."""
+
+    name: str
+    caps: BackendCaps
+
+    def available(self) -> bool:
+        """True when the kernel can run in this process (package installed, op present)."""
+        ...
+
+    def require(self) -> None:
+        """Raise ``RuntimeError`` naming the install line when ``available()`` is false."""
+        ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(out, lse)``: out like ``q``; lse ``(batch, seq_q, heads)`` float32."""
+        ...
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients ``(dq, dk, dv)`` given the final ``out`` and ``lse`` of these queries.
+
+        ``out`` and ``lse`` may come from a merge over more keys than ``k`` holds (ring attention):
+        the result is then the contribution of this K/V block, which is what makes ring backward exact.
+        """
+        ...
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the log-sum-exp (and of ring merges) for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``(B, S, kv_heads, D)`` -> ``(B, S, num_heads, D)``, each K/V head repeated for its query group."""
+    group = num_heads // x.shape[2]
+    return x if group == 1 else x.repeat_interleave(group, dim=2)
+
+
+def reduce_kv(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Adjoint of ``expand_kv``: sums the gradients of each query group onto its K/V head."""
+    b, s, h, d = dx.shape
+    group = h // num_kv_heads
+    return dx if group == 1 else dx.view(b, s, num_kv_heads, group, d).sum(dim=3)
+
+
+_REGISTRY: dict[str, AttentionBackend] = {}
+
+# Preference order for backend="auto", fastest first, per device type. Measured on one NVIDIA H200
+# (torch 2.11, cu130) on 2026-12-02 at the shapes of shared/shapes.md: cuDNN SDPA 622 TF/s forward
+# at the Flux shape, FA2 (SDPA flash) 317, mem-efficient 164. On CPU the fused flash kernel of
+# PyTorch beats the reference by avoiding the S x S score matrix.
+_AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "cuda": ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "reference"),
+    "cpu": ("sdpa_cpu", "reference"),
+}
+
+
+def register_backend(backend: AttentionBackend) -> AttentionBackend:
+    """Add ``backend`` to the registry under ``backend.name`` (a later one replaces an earlier)."""
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def list_backends() -> list[str]:
+    """Names of the registered backends."""
+    return sorted(_REGISTRY)
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """The registered backend called ``name``.
+
+    Raises:
+        ValueError: no backend has that name.
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"backend={name!r} is not registered; choose 'auto' or one of {list_backends()}")
+    return _REGISTRY[name]
+
+
+def _with_backward(device: str, dtype: torch.dtype, head_dim: int) -> list[str]:
+    return [n for n, b in _REGISTRY.items() if b.caps.why_not(device, dtype, head_dim, True) is None]
+
+
+def select_backend(name: str, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> AttentionBackend:
+    """Resolve ``name`` ("auto" or a registered name) to a backend that can run this case.
+
+    Raises:
+        ValueError: unknown name.
+        RuntimeError: the backend's package is not installed (its adapter says how to install it).
+        NotImplementedError: the backend cannot run this device / dtype / head_dim, or has no
+            backward while gradients are needed (the message names backends that have one).
+    """
+    if name == "auto":
+        for candidate in _AUTO_ORDER.get(device, ("reference",)):
+            backend = _REGISTRY.get(candidate)
+            if backend and backend.available() and backend.caps.why_not(device, dtype, head_dim, needs_grad) is None:
+                return backend
+        raise NotImplementedError(f"no registered backend runs device={device!r}, dtype={dtype}, head_dim={head_dim}")
+    backend = get_backend(name)
+    reason = backend.caps.why_not(device, dtype, head_dim, needs_grad)
+    if reason is not None:
+        hint = f"; backends with a backward here: {_with_backward(device, dtype, head_dim)}" if needs_grad else ""
+        raise NotImplementedError(f"backend={name!r} cannot run this case: {reason}{hint}")
+    if not backend.available():
+        backend.require()
+    return backend
+
+
+class KernelAttention(torch.autograd.Function):
+    """Attention of one block through a backend, with the backend's own backward.
+
+    Returns ``(out, lse)``; ``lse`` is not differentiable (a gradient reaching it raises).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, backend: AttentionBackend, scale: float):
+        out, lse = backend.forward(q, k, v, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.backend, ctx.scale = backend, scale
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dlse is not None:
+            raise NotImplementedError("backpropagating through the returned log-sum-exp is not supported")
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            return None, None, None, None, None
+        dq, dk, dv = ctx.backend.backward(dout, q, k, v, out, lse, ctx.scale)
+        return dq, dk, dv, None, None

@@ -1,0 +1,119 @@
+"""PyTorch's CUDA SDPA kernels that return a log-sum-exp: cuDNN, flash (FA2) and mem-efficient.
+
+Each is called through its ``aten`` op so that the LSE comes back and the backward can be fed an
+external out/LSE (ring attention). Quirks kept here:
+- the ops work in (B, H, S, D); ``_sdpa_layout`` converts (views, no copy);
+- cuDNN returns LSE as (B, H, S, 1); mem-efficient pads it along S to a multiple of 32 and its
+  backward reads that padded shape;
+- the backward ops take the RNG / varlen bookkeeping tensors the forward returned; with no dropout
+  their values are never read, so the ones of the latest forward on this device are reused;
+- cuDNN's backward wants ``out`` and ``dout`` with the same strides.
+"""
+from __future__ import annotations
+
+import torch
+
+from usp_dit.kernels._sdpa_layout import grads_to_bshd, lse_to_bhs, lse_to_bsh, to_bhsd
+from usp_dit.kernels.base import BackendCaps, register_backend
+
+_aten = torch.ops.aten
+_HALF = frozenset({torch.float16, torch.bfloat16})
+
+
+class _CudaSDPA:
+    name = "sdpa"
+    op_name = ""
+
+    def __init__(self) -> None:
+        self._aux: dict[str, tuple] = {}
+
+    def available(self) -> bool:
+        return torch.cuda.is_available() and hasattr(_aten, self.op_name)
+
+    def require(self) -> None:
+        if not self.available():
+            raise RuntimeError(
+                f"{self.name} needs a CUDA build of PyTorch and a GPU: pip install torch (CUDA build)"
+            )
+
+
+def _bhsd_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) -> (B, H, S, D) view of a (B, S, H, D)-contiguous tensor."""
+    return x.contiguous().transpose(1, 2)
+
+
+class SDPACuDNNBackend(_CudaSDPA):
+    name = "sdpa_cudnn"
+    op_name = "_scaled_dot_product_cudnn_attention"
+    caps = BackendCaps(frozenset({"cuda"}), _HALF, max_head_dim=128, supports_backward=True, head_dim_multiple=8)
+
+    def forward(self, q, k, v, scale):
+        qt, kt, vt = to_bhsd(q, k, v)
+        res = _aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, False, False, scale=scale)
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = res
+        self._aux[str(q.device)] = (seed, offset, cum_q, cum_k)
+        return out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype)
+
+    def backward(self, dout, q, k, v, out, lse, scale):
+        qt, kt, vt = to_bhsd(q, k, v)
+        seed, offset, cum_q, cum_k = self._aux[str(q.device)]
+        lse_bhs = lse_to_bhs(lse, q.dtype).unsqueeze(-1)
+        dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
+            _bhsd_contiguous(dout), qt, kt, vt, _bhsd_contiguous(out), lse_bhs, seed, offset, None,
+            cum_q, cum_k, q.shape[1], k.shape[1], 0.0, False, scale=scale,
+        )
+        return grads_to_bshd(dq, dk, dv, k.shape[2])
+
+
+class SDPAFlashBackend(_CudaSDPA):
+    name = "sdpa_flash"
+    op_name = "_scaled_dot_product_flash_attention"
+    caps = BackendCaps(frozenset({"cuda"}), _HALF, max_head_dim=256, supports_backward=True, head_dim_multiple=8)
+
+    def forward(self, q, k, v, scale):
+        qt, kt, vt = to_bhsd(q, k, v)
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
+            qt, kt, vt, 0.0, False, False, scale=scale
+        )
+        self._aux[str(q.device)] = (cum_q, cum_k, seed, offset)
+        return out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype)
+
+    def backward(self, dout, q, k, v, out, lse, scale):
+        qt, kt, vt = to_bhsd(q, k, v)
+        cum_q, cum_k, seed, offset = self._aux[str(q.device)]
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+            _bhsd_contiguous(dout), qt, kt, vt, _bhsd_contiguous(out), lse_to_bhs(lse, q.dtype),
+            cum_q, cum_k, q.shape[1], k.shape[1], 0.0, False, seed, offset, scale=scale,
+        )
+        return grads_to_bshd(dq, dk, dv, k.shape[2])
+
+
+class SDPAEfficientBackend(_CudaSDPA):
+    name = "sdpa_efficient"
+    op_name = "_scaled_dot_product_efficient_attention"
+    caps = BackendCaps(
+        frozenset({"cuda"}), _HALF | {torch.float32}, max_head_dim=512, supports_backward=True, head_dim_multiple=8
+    )
+
+    def forward(self, q, k, v, scale):
+        qt, kt, vt = to_bhsd(q, k, v)
+        out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, False, scale=scale)
+        self._aux[str(q.device)] = (seed, offset)
+        return out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype)
+
+    def backward(self, dout, q, k, v, out, lse, scale):
+        qt, kt, vt = to_bhsd(q, k, v)
+        seed, offset = self._aux[str(q.device)]
+        sq = q.shape[1]
+        padded = (sq + 31) // 32 * 32  # the kernel reads its LSE with a padded row stride
+        lse_bhs = lse.new_zeros((lse.shape[0], lse.shape[2], padded), dtype=torch.float32)
+        lse_bhs[:, :, :sq] = lse.transpose(1, 2)
+        dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+            _bhsd_contiguous(dout), qt, kt, vt, None, _bhsd_contiguous(out), lse_bhs, seed, offset,
+            0.0, [True, True, True, False], False, scale=scale,
+        )
+        return grads_to_bshd(dq, dk, dv, k.shape[2])
+
+
+for _backend in (SDPACuDNNBackend(), SDPAFlashBackend(), SDPAEfficientBackend()):
+    register_backend(_backend)

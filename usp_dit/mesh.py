@@ -1,0 +1,194 @@
+"""The rank grid: a ``torch.distributed`` DeviceMesh with axes ("dp", "cfg", "ring", "ulysses").
+
+Axes are ordered outermost to innermost, so a Ulysses group is made of neighbouring ranks (NVLink
+neighbours on one node) and the ``ring_degree * ulysses_degree`` ranks of one sequence group are
+contiguous. A second, flattened view ("dp", "cfg", "seq") gives the sequence group used to shard and
+gather tokens.
+
+Note [sequence rank order]
+    seq_rank = ring_rank * ulysses_degree + ulysses_rank
+    The Ulysses all-to-all gathers shards seq_rank = r*U .. r*U+U-1 into ring block r, so every
+    ring block is one contiguous range of the full sequence.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from usp_dit.comm import RingExchanger
+from usp_dit.config import USPConfig
+
+_AXES = ("dp", "cfg", "ring", "ulysses")
+
+
+@dataclass(eq=False)
+class USPMesh:
+    """One USP layout in one process: degrees, this rank's coordinates and the process groups.
+
+    Groups are ``None`` when their axis has size 1 (nothing to communicate). Several meshes of
+    different shapes may coexist in one process.
+    """
+
+    config: USPConfig
+    dp_degree: int
+    device_type: str
+    device_mesh: DeviceMesh | None = None
+    seq_mesh: DeviceMesh | None = None
+
+    @property
+    def ulysses_degree(self) -> int:
+        return self.config.ulysses_degree
+
+    @property
+    def ring_degree(self) -> int:
+        return self.config.ring_degree
+
+    @property
+    def cfg_degree(self) -> int:
+        return self.config.cfg_degree
+
+    @property
+    def sequence_degree(self) -> int:
+        return self.config.sequence_degree
+
+    def _local_rank(self, axis: str) -> int:
+        return 0 if self.device_mesh is None else self.device_mesh.get_local_rank(axis)
+
+    def _group(self, mesh: DeviceMesh | None, axis: str, degree: int) -> dist.ProcessGroup | None:
+        return None if mesh is None or degree == 1 else mesh.get_group(axis)
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self._local_rank("ulysses")
+
+    @property
+    def ring_rank(self) -> int:
+        return self._local_rank("ring")
+
+    @property
+    def cfg_rank(self) -> int:
+        return self._local_rank("cfg")
+
+    @property
+    def dp_rank(self) -> int:
+        return self._local_rank("dp")
+
+    @property
+    def seq_rank(self) -> int:
+        """Index of this rank's shard in the sequence (Note [sequence rank order])."""
+        return self.ring_rank * self.ulysses_degree + self.ulysses_rank
+
+    @property
+    def ulysses_group(self) -> dist.ProcessGroup | None:
+        return self._group(self.device_mesh, "ulysses", self.ulysses_degree)
+
+    @property
+    def ring_group(self) -> dist.ProcessGroup | None:
+        return self._group(self.device_mesh, "ring", self.ring_degree)
+
+    @property
+    def cfg_group(self) -> dist.ProcessGroup | None:
+        return self._group(self.device_mesh, "cfg", self.cfg_degree)
+
+    @property
+    def seq_group(self) -> dist.ProcessGroup | None:
+        return self._group(self.seq_mesh, "seq", self.sequence_degree)
+
+    @functools.cached_property
+    def ring_exchanger(self) -> RingExchanger:
+        """The K/V ring of this rank's ring group (built once, reused by every call)."""
+        if self.ring_group is None:
+            raise ValueError("ring_degree is 1: there is no ring")
+        return RingExchanger(self.ring_group)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"USPMesh(dp={self.dp_degree}, cfg={c.cfg_degree}, ring={c.ring_degree}, "
+            f"ulysses={c.ulysses_degree}, device_type={self.device_type!r})"
+        )
+
+
+def single_rank_mesh(device_type: str = "cpu") -> USPMesh:
+    """A mesh of one rank with no process group: every axis has size 1."""
+    return USPMesh(USPConfig(), dp_degree=1, device_type=device_type)
+
+
+def _ensure_process_group() -> None:
+    """Start the default process group from torchrun's environment if it is not running yet."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend)
+
+
+def _device_type() -> str:
+    backend = dist.get_backend()
+    return "cuda" if "nccl" in str(backend) else "cpu"
+
+
+def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1) -> USPMesh:
+    """Build the USP rank grid over the default process group and make it the default mesh.
+
+    Starts the default process group from torchrun's environment variables when needed (NCCL
+    with CUDA, else gloo). With a world size of 1 and no process group, returns a single-rank mesh
+    without starting one. Ranks beyond ``cfg * ring * ulysses`` form the data-parallel axis.
+
+    Raises:
+        ValueError: a degree is not a positive int, or the degrees do not fit the world size.
+    """
+    config = USPConfig(ulysses_degree, ring_degree, cfg_degree)
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not dist.is_initialized() and env_world == 1:
+        config.data_parallel_degree(1)
+        mesh = single_rank_mesh("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        _ensure_process_group()
+        world = dist.get_world_size()
+        dp = config.data_parallel_degree(world)
+        device_type = _device_type()
+        shape = (dp, cfg_degree, ring_degree, ulysses_degree)
+        device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=_AXES)
+        seq_mesh = init_device_mesh(
+            device_type, (dp, cfg_degree, config.sequence_degree), mesh_dim_names=("dp", "cfg", "seq")
+        )
+        mesh = USPMesh(config, dp, device_type, device_mesh, seq_mesh)
+    set_default_mesh(mesh)
+    return mesh
+
+
+class _Default:
+    """Holds the mesh that ``usp_attention(mesh=None)`` uses (the last one ``init_usp`` built)."""
+
+    mesh: USPMesh | None = None
+
+
+def set_default_mesh(mesh: USPMesh | None) -> None:
+    """Make ``mesh`` the one used when no mesh is passed (``None`` clears it)."""
+    _Default.mesh = mesh
+
+
+def resolve_mesh(mesh: USPMesh | None) -> USPMesh:
+    """``mesh`` itself, else the default mesh, else a single-rank mesh in a single process.
+
+    Raises:
+        ValueError: no mesh was given or initialised while several processes are running: computing
+            attention on the local shard alone would silently give a wrong answer.
+    """
+    if mesh is not None:
+        return mesh
+    if _Default.mesh is not None:
+        return _Default.mesh
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            "mesh=None but no USP mesh was initialised in this multi-process job: "
+            "call usp_dit.init_usp(ulysses_degree=..., ring_degree=...) first or pass mesh="
+        )
+    return single_rank_mesh()
