@@ -1,0 +1,59 @@
+"""The contract between ``enable_usp`` and the per-model-family adapters.
+
+An adapter makes one Diffusers transformer class run sequence-parallel on a ``USPMesh``: it shards
+the tokens once at the transformer input, swaps the attention processors for ones that call
+``usp_dit.usp_attention``, slices positional tables like the tokens, and gathers the output once.
+It must leave the model exactly as it found it on ``disable``.
+
+What is *not* the adapter's business: pipelines, CFG parallel (the batch split over the "cfg" axis
+is done around the adapter's forward by ``usp_dit.pipelines.api``), kernels.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from usp_dit.mesh import USPMesh
+
+
+class ModelAdapter(Protocol):
+    """One model family (e.g. Flux): see the module docstring."""
+
+    name: str
+
+    def matches(self, transformer: torch.nn.Module) -> bool:
+        """True when this adapter handles ``transformer`` (checked by class)."""
+        ...
+
+    def enable(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> None:
+        """Make ``transformer`` sequence-parallel over ``mesh``'s sequence group, in place."""
+        ...
+
+    def disable(self, transformer: torch.nn.Module) -> None:
+        """Restore the original processors and forward exactly."""
+        ...
+
+
+_ADAPTERS: list[ModelAdapter] = []
+
+
+def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
+    """Add an adapter; later registrations are tried first."""
+    _ADAPTERS.insert(0, adapter)
+    return adapter
+
+
+def find_adapter(transformer: torch.nn.Module) -> ModelAdapter:
+    """The adapter for ``transformer``.
+
+    Raises:
+        NotImplementedError: no adapter handles this class (the message names the supported ones).
+    """
+    for adapter in _ADAPTERS:
+        if adapter.matches(transformer):
+            return adapter
+    supported = sorted(a.name for a in _ADAPTERS)
+    raise NotImplementedError(
+        f"usp_dit has no adapter for {type(transformer).__name__}; supported model families: {supported}"
+    )
