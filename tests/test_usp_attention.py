@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from tests.reference import attention_ref, joint_attention_ref
 from usp_dit import init_usp, shard_sequence, single_rank_mesh, usp_attention
-from usp_dit.testing import rel_err, run_spawned
+from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
@@ -171,9 +171,8 @@ def _grid_world4():
 @pytest.fixture(scope="module")
 def grid_results():
     results = {1: [run_grid(1)], 2: run_spawned(_grid_world2, 2), 4: run_spawned(_grid_world4, 4)}
-    for world, per_rank in results.items():
-        for rank, res in enumerate(per_rank):
-            assert "__error__" not in res, f"world {world} rank {rank} crashed:\n{res.get('__error__')}"
+    for per_rank in results.values():
+        assert_no_crash(per_rank)
     return results
 
 

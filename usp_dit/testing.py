@@ -56,6 +56,14 @@ def run_spawned(fn: Callable[[], Any], world_size: int) -> list[Any]:
     return results
 
 
+def assert_no_crash(results: list[Any]) -> None:
+    """Fail with every crashed rank's traceback (a peer's 'connection closed' hides the real cause)."""
+    crashed = [(rank, r["__error__"]) for rank, r in enumerate(results) if isinstance(r, dict) and "__error__" in r]
+    if crashed:
+        text = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in crashed)
+        raise AssertionError(f"{len(crashed)} rank(s) crashed:\n{text}")
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected| (0 for empty tensors), in float64.
 

@@ -1,0 +1,116 @@
+"""Bad input and impossible combinations raise clear errors (single process, no process group)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import usp_dit
+from usp_dit import init_usp, usp_attention
+from usp_dit.kernels import base as kbase
+from usp_dit.kernels import get_backend, list_backends, select_backend
+from usp_dit.kernels.base import BackendCaps
+
+
+def _qkv(s=5, h=4, hk=4, d=16, dtype=torch.float32, grad=False):
+    g = torch.Generator().manual_seed(0)
+    make = lambda heads: torch.randn(1, s, heads, d, generator=g, dtype=dtype).requires_grad_(grad)  # noqa: E731
+    return make(h), make(hk), make(hk)
+
+
+def test_degrees_must_fit_world_size():
+    with pytest.raises(ValueError, match="world_size=1 is not a multiple of .*=2"):
+        init_usp(ulysses_degree=2)
+    with pytest.raises(ValueError, match="ring_degree must be a positive int, got 0"):
+        init_usp(ring_degree=0)
+    mesh = init_usp()  # world size 1 needs no process group
+    assert mesh.device_mesh is None and mesh.sequence_degree == 1
+    assert not torch.distributed.is_initialized()
+
+
+def test_shape_errors_name_the_argument():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="q must be"):
+        usp_attention(q[0], k, v)
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        usp_attention(q, k, v[:, :3])
+    with pytest.raises(ValueError, match=r"q heads \(4\) must be a multiple of k/v heads \(3\)"):
+        usp_attention(q, k[:, :, :3], v[:, :, :3])
+    with pytest.raises(ValueError, match="share a dtype"):
+        usp_attention(q, k.double(), v.double())
+    with pytest.raises(ValueError, match="must be given together"):
+        usp_attention(q, k, v, joint_q=q)
+    with pytest.raises(ValueError, match="joint_k must be"):
+        usp_attention(q, k, v, joint_q=q, joint_k=k[:, :, :2], joint_v=v)
+
+
+def test_registry_and_selection():
+    names = list_backends()
+    for name in ("reference", "sdpa_cpu", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"):
+        assert name in names
+        assert isinstance(get_backend(name).caps.supports_backward, bool)
+    with pytest.raises(ValueError, match="backend='nope' is not registered"):
+        get_backend("nope")
+    assert select_backend("auto", "cpu", torch.float32, 64, True).name == "sdpa_cpu"
+    assert select_backend("auto", "cpu", torch.float16, 64, True).name == "reference"
+    with pytest.raises(NotImplementedError, match="backend='sdpa_cudnn' cannot run this case: device 'cpu'"):
+        select_backend("sdpa_cudnn", "cpu", torch.bfloat16, 64, False)
+    with pytest.raises(NotImplementedError, match="head_dim=70"):
+        select_backend("sdpa_flash", "cuda", torch.bfloat16, 70, False)
+
+
+class _ForwardOnly:
+    name = "test_forward_only"
+    caps = BackendCaps(frozenset({"cpu"}), frozenset({torch.float32}), 256, supports_backward=False)
+
+    def available(self):
+        return True
+
+    def require(self):
+        return None
+
+    def forward(self, q, k, v, scale):
+        return get_backend("reference").forward(q, k, v, scale)
+
+
+class _Missing(_ForwardOnly):
+    name = "test_missing"
+
+    def available(self):
+        return False
+
+    def require(self):
+        raise RuntimeError("test_missing needs a package: pip install test-missing-kernel")
+
+
+def test_forward_only_backend_under_autograd_raises(monkeypatch):
+    monkeypatch.setitem(kbase._REGISTRY, _ForwardOnly.name, _ForwardOnly())
+    q, k, v = _qkv()
+    out = usp_attention(q, k, v, backend="test_forward_only")  # fine without gradients
+    assert out.shape == q.shape
+    q, k, v = _qkv(grad=True)
+    with pytest.raises(NotImplementedError, match="no backward.*backends with a backward here: .*reference"):
+        usp_attention(q, k, v, backend="test_forward_only")
+
+
+def test_missing_package_raises_runtime_error_with_install_line(monkeypatch):
+    monkeypatch.setitem(kbase._REGISTRY, _Missing.name, _Missing())
+    q, k, v = _qkv()
+    with pytest.raises(RuntimeError, match="pip install test-missing-kernel"):
+        usp_attention(q, k, v, backend="test_missing")
+
+
+def test_lse_is_not_differentiable_loudly():
+    q, k, v = _qkv(grad=True)
+    out, lse = usp_attention(q, k, v, return_lse=True)
+    with pytest.raises(NotImplementedError, match="log-sum-exp"):
+        (out.sum() + lse.sum()).backward()
+
+
+def test_world_size_one_joint_and_empty_joint():
+    q, k, v = _qkv(s=6)
+    jq, jk, jv = _qkv(s=3)
+    out, jout = usp_attention(q, k, v, joint_q=jq, joint_k=jk, joint_v=jv, mesh=usp_dit.single_rank_mesh())
+    assert out.shape == q.shape and jout.shape == jq.shape
+    out0, jout0 = usp_attention(q, k, v, joint_q=jq[:, :0], joint_k=jk[:, :0], joint_v=jv[:, :0])
+    torch.testing.assert_close(out0, usp_attention(q, k, v), rtol=0, atol=0)
+    assert jout0.shape == (1, 0, 4, 16)
