@@ -109,9 +109,14 @@ _AUTO_ORDER: dict[str, tuple[str, ...]] = {
 }
 
 
+# Resolved selections, so that the per-call cost of ``select_backend`` is one dict lookup.
+_SELECTED: dict[tuple, AttentionBackend] = {}
+
+
 def register_backend(backend: AttentionBackend) -> AttentionBackend:
     """Add ``backend`` to the registry under ``backend.name`` (a later one replaces an earlier)."""
     _REGISTRY[backend.name] = backend
+    _SELECTED.clear()
     return backend
 
 
@@ -144,6 +149,15 @@ def select_backend(name: str, device: str, dtype: torch.dtype, head_dim: int, ne
         NotImplementedError: the backend cannot run this device / dtype / head_dim, or has no
             backward while gradients are needed (the message names backends that have one).
     """
+    key = (name, device, dtype, head_dim, needs_grad)
+    if key in _SELECTED and _REGISTRY.get(_SELECTED[key].name) is _SELECTED[key]:
+        return _SELECTED[key]
+    backend = _select(name, device, dtype, head_dim, needs_grad)
+    _SELECTED[key] = backend
+    return backend
+
+
+def _select(name: str, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> AttentionBackend:
     if name == "auto":
         for candidate in _AUTO_ORDER.get(device, ("reference",)):
             backend = _REGISTRY.get(candidate)
