@@ -1,0 +1,138 @@
+"""Shared machinery of the video adapters: shard tokens at the first block, gather after ``proj_out``.
+
+Layout: hidden states (batch, seq, channels); RoPE tables ``(cos, sin)`` have the sequence on dim 0
+(CogVideoX (seq, head_dim), Mochi (seq, heads, head_dim // 2)).
+
+Note [where the sequence is split]
+    Patch embedding runs on the full latent on every rank (it is a cheap strided conv / linear and
+    the token sequence does not exist before it). The first transformer block receives the full
+    sequence and a forward pre-hook hands it this rank's shard; every block, the final norm and
+    ``proj_out`` then run on the shard, and a forward hook on ``proj_out`` gathers the result
+    (``proj_out``'s width, patch**2 * channels, is the smallest in the model: the cheapest gather).
+
+        patch embed (full) ─► [pre-hook block 0: shard_sequence] ─► blocks ─► norm_out ─► proj_out
+                              ─► [hook proj_out: gather_sequence] ─► unpatchify (full)
+
+    The hooks are active whenever the patch is installed (not only inside one forward call), so a
+    gradient-checkpointing recompute of block 0 during backward shards its saved full input again.
+
+Everything is installed with ``register_forward_*hook`` handles and processor swaps whose original
+objects are kept, so ``remove`` leaves the model exactly as it was.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from usp_dit.mesh import USPMesh
+from usp_dit.sharding import gather_sequence, shard_sequence
+
+
+@dataclass(eq=False)
+class ShardState:
+    """What the hooks and processors of one enabled transformer share.
+
+    ``seq_len``: full token count of the sequence being processed (set when it is sharded; given
+    to ``usp_attention`` and ``gather_sequence`` so they need no all-gather of shard lengths).
+    ``rope_len``: token count of the RoPE table sliced for the current call, checked against
+    ``seq_len`` (``None`` when the call has no table).
+    """
+
+    mesh: USPMesh
+    backend: str
+    seq_len: int | None = None
+    rope_len: int | None = None
+
+
+def shard_rope(table: Any, state: ShardState, name: str) -> Any:
+    """This rank's rows of a ``(cos, sin)`` RoPE table, sliced on dim 0 exactly like the tokens.
+
+    Args:
+        table: ``None`` or a pair of tensors (seq, ...) rotating the video tokens.
+        name: the argument's name, for error messages.
+
+    Raises:
+        NotImplementedError: the table is not a (cos, sin) pair of tensors of equal length.
+    """
+    if table is None:
+        state.rope_len = None
+        return None
+    if not (isinstance(table, (tuple, list)) and len(table) == 2 and all(torch.is_tensor(t) for t in table)):
+        raise NotImplementedError(f"{name} must be a (cos, sin) pair of tensors (seq, ...), got {type(table).__name__}")
+    cos, sin = table
+    if cos.dim() < 2 or cos.shape[0] != sin.shape[0]:
+        raise NotImplementedError(
+            f"{name} must be (cos, sin) tables with the sequence on dim 0, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    state.rope_len = cos.shape[0]
+    return type(table)(shard_sequence(t, state.mesh, dim=0) for t in table)
+
+
+def _get_arg(args: tuple, kwargs: dict, name: str, index: int) -> torch.Tensor:
+    return kwargs[name] if name in kwargs else args[index]
+
+
+def _set_arg(args: tuple, kwargs: dict, name: str, index: int, value: Any) -> tuple[tuple, dict]:
+    if name in kwargs:
+        return args, {**kwargs, name: value}
+    return args[:index] + (value,) + args[index + 1:], kwargs
+
+
+@dataclass(eq=False)
+class TokenShardHooks:
+    """Note [where the sequence is split]: shard at ``first_block``'s input, gather at ``out_proj``'s output.
+
+    ``first_block`` must take ``hidden_states`` (batch, seq, channels) as its first argument.
+    """
+
+    state: ShardState
+    first_block: torch.nn.Module
+    out_proj: torch.nn.Module
+    handles: list[RemovableHandle] = field(default_factory=list)
+
+    def install(self) -> None:
+        self.handles.append(self.first_block.register_forward_pre_hook(self._shard_input, with_kwargs=True))
+        self.handles.append(self.out_proj.register_forward_hook(self._gather_output))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _shard_input(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """(B, S, C) full hidden states -> (B, S_local, C), this rank's contiguous piece."""
+        x = _get_arg(args, kwargs, "hidden_states", 0)
+        seq_len = x.shape[1]
+        rope_len = self.state.rope_len
+        if rope_len is not None and rope_len != seq_len:
+            raise ValueError(
+                f"the rotary table has {rope_len} rows but the transformer has {seq_len} video tokens: "
+                f"they must match for the table to be sliced like the tokens"
+            )
+        self.state.seq_len = seq_len
+        return _set_arg(args, kwargs, "hidden_states", 0, shard_sequence(x, self.state.mesh, dim=1))
+
+    def _gather_output(self, module, args: tuple, out_local: torch.Tensor) -> torch.Tensor:
+        """(B, S_local, C_out) -> (B, S, C_out), identical on every rank of the sequence group."""
+        return gather_sequence(out_local, self.state.mesh, dim=1, seq_len=self.state.seq_len)
+
+
+def argument_hook(fn, name: str, transform):
+    """A forward pre-hook (``with_kwargs=True``) replacing argument ``name`` of ``fn`` by ``transform(value)``.
+
+    ``fn`` is the module's forward (bound); the argument may be passed by keyword or position and
+    keeps its passing style. ``transform(None)`` is called when the argument is not given.
+    """
+    index = list(inspect.signature(fn).parameters).index(name)
+
+    def hook(module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if name not in kwargs and index >= len(args):
+            transform(None)
+            return args, kwargs
+        return _set_arg(args, kwargs, name, index, transform(_get_arg(args, kwargs, name, index)))
+
+    return hook

@@ -1,0 +1,158 @@
+"""CogVideoX adapter: ``CogVideoXTransformer3DModel`` (2B, 5B, 1.5; text- and image-to-video) on a USP grid.
+
+Layout: video tokens (batch, seq, channels), ``seq = frames * (height / p) * (width / p)`` in the
+order the patch embedding produces them; text tokens (batch, text_seq, channels); Q/K/V
+(batch, seq, heads, head_dim); the 5B RoPE table ``(cos, sin)``, each (seq, head_dim).
+
+Where the tokens are split (``_token_sharding`` Note [where the sequence is split]): the patch
+embedding (which also adds 2B's sin-cos positional table and prepends the projected text) runs on
+the full latent; block 0's input is sharded; ``proj_out``'s output is gathered before unpatchify.
+The RoPE table the pipeline passes as ``image_rotary_emb`` is sliced once per call, by a pre-hook
+on the transformer, with the same ``shard_sequence`` as the tokens (row i rotates token i).
+
+Text tokens: **replicated**. CogVideoX carries text as a separate stream (``encoder_hidden_states``)
+through every block, with its own modulation gates, and concatenates it in front of the video
+tokens only inside attention and the feed-forward. Splitting it would mean re-slicing that stream
+in every block; replicated, it rides along unchanged and ``usp_attention`` takes it as joint tokens
+(their queries are still split over the ring ranks inside attention, so attention work on text is
+not repeated; only the small per-token text work of norms, projections and the MLP is). Per-rank
+token count, CogVideoX-5B at 49 frames x 480 x 720 (13 latent frames x 30 x 45 patches = 17550
+video tokens, 226 text tokens): on 4 ranks 4388, 4388, 4387, 4387 video + 226 text each (text is
+5 % of a rank's tokens); on 8 ranks 2194 x 6, 2193 x 2 video + 226 text.
+
+Attention processors are swapped with ``set_attn_processor`` for ``USPCogVideoXAttnProcessor``
+(same maths as diffusers' ``CogVideoXAttnProcessor2_0`` with attention done by ``usp_attention``);
+the originals are kept and put back on ``disable``. Unsupported: ``attention_mask`` (no CogVideoX
+pipeline passes one) and processors other than the stock (fused or not) ones, e.g. LoRA-replaced.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from diffusers import CogVideoXTransformer3DModel
+from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0, FusedCogVideoXAttnProcessor2_0
+from diffusers.models.embeddings import apply_rotary_emb
+
+from usp_dit.mesh import USPMesh
+from usp_dit.pipelines._token_sharding import ShardState, TokenShardHooks, argument_hook, shard_rope
+from usp_dit.pipelines.base import register_adapter
+from usp_dit.usp import usp_attention
+
+_STOCK_PROCESSORS = (CogVideoXAttnProcessor2_0, FusedCogVideoXAttnProcessor2_0)
+
+
+def _heads(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, S, C) -> q, k, v each (B, S, H, D), after the per-head LayerNorms of q and k."""
+    q, k, v = (proj(x).unflatten(2, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v))
+    if attn.norm_q is not None:
+        q = attn.norm_q(q)  # LayerNorm over head_dim: the same whichever dim holds heads
+    if attn.norm_k is not None:
+        k = attn.norm_k(k)
+    return q, k, v
+
+
+def _out_proj(attn, x: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) -> (B, S, C) through the shared output projection (and its dropout)."""
+    return attn.to_out[1](attn.to_out[0](x.flatten(2)))
+
+
+class USPCogVideoXAttnProcessor:
+    """CogVideoX joint attention of this rank's video shard and the replicated text tokens.
+
+    Inputs: ``hidden_states`` (B, S_local, C), ``encoder_hidden_states`` (B, T, C),
+    ``image_rotary_emb`` this rank's rows ``(cos, sin)`` (S_local, D) or None.
+    Returns ``(video_out (B, S_local, C), text_out (B, T, C))``; text_out is the same on every rank.
+    """
+
+    def __init__(self, state: ShardState) -> None:
+        self.state = state
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if attention_mask is not None:
+            raise NotImplementedError("usp_dit's CogVideoX processor does not support attention_mask")
+        if attn.is_cross_attention:
+            raise NotImplementedError("usp_dit's CogVideoX processor supports self-attention layers only")
+        q, k, v = _heads(attn, hidden_states)
+        text_q, text_k, text_v = _heads(attn, encoder_hidden_states)
+        if image_rotary_emb is not None:  # RoPE rotates video tokens only, as in the stock processor
+            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        out, text_out = usp_attention(
+            q, k, v, joint_q=text_q, joint_k=text_k, joint_v=text_v,
+            mesh=self.state.mesh, backend=self.state.backend, seq_len=self.state.seq_len,
+        )
+        return _out_proj(attn, out), _out_proj(attn, text_out)
+
+
+class _Patch:
+    """Everything ``enable`` changed on one transformer, and how to undo it."""
+
+    def __init__(self, transformer: CogVideoXTransformer3DModel, mesh: USPMesh, backend: str) -> None:
+        self.transformer = transformer
+        self.state = ShardState(mesh, backend)
+        self.original_processors = transformer.attn_processors
+        self.hooks = TokenShardHooks(self.state, transformer.transformer_blocks[0], transformer.proj_out)
+        self.rope_handle = None
+
+    def install(self) -> None:
+        t = self.transformer
+        rope_hook = argument_hook(t.forward, "image_rotary_emb", lambda x: shard_rope(x, self.state, "image_rotary_emb"))
+        self.rope_handle = t.register_forward_pre_hook(rope_hook, with_kwargs=True)
+        self.hooks.install()
+        t.set_attn_processor(USPCogVideoXAttnProcessor(self.state))
+
+    def remove(self) -> None:
+        self.transformer.set_attn_processor(dict(self.original_processors))
+        self.hooks.remove()
+        self.rope_handle.remove()
+
+
+def _check_supported(transformer: CogVideoXTransformer3DModel) -> None:
+    """NotImplementedError for a model this adapter would not run exactly."""
+    if len(transformer.transformer_blocks) == 0:
+        raise NotImplementedError("CogVideoXTransformer3DModel with num_layers=0 has nothing to parallelise")
+    for name, proc in transformer.attn_processors.items():
+        if not isinstance(proc, _STOCK_PROCESSORS):
+            raise NotImplementedError(
+                f"{name} is {type(proc).__name__}; usp_dit's CogVideoX adapter replaces only "
+                f"{[c.__name__ for c in _STOCK_PROCESSORS]} (its maths would be lost silently otherwise)"
+            )
+
+
+class CogVideoXAdapter:
+    """``ModelAdapter`` for ``CogVideoXTransformer3DModel`` (see the module docstring)."""
+
+    name = "CogVideoX"
+
+    def __init__(self) -> None:
+        self._patches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def matches(self, transformer: torch.nn.Module) -> bool:
+        return isinstance(transformer, CogVideoXTransformer3DModel)
+
+    def enable(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> None:
+        """Shard tokens over ``mesh``'s sequence group, in place. Raises ValueError if already enabled."""
+        if transformer in self._patches:
+            raise ValueError("this CogVideoXTransformer3DModel is already sequence-parallel: call disable first")
+        _check_supported(transformer)
+        patch = _Patch(transformer, mesh, backend)
+        patch.install()
+        self._patches[transformer] = patch
+
+    def disable(self, transformer: torch.nn.Module) -> None:
+        """Put back the original processors and remove every hook. Raises ValueError if not enabled."""
+        patch = self._patches.pop(transformer, None)
+        if patch is None:
+            raise ValueError("this CogVideoXTransformer3DModel is not sequence-parallel (enable was not called)")
+        patch.remove()
+
+
+ADAPTER = register_adapter(CogVideoXAdapter())
