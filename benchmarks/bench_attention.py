@@ -1,0 +1,189 @@
+"""Attention benchmarks on one GPU (the lent H200): the figures behind docs/PERFORMANCE.md.
+
+    PYTHONPATH=. python3 benchmarks/bench_attention.py --suite all --out results.json
+
+Suites (each prints a markdown table; every pair of numbers in a row is measured side by side,
+interleaved, in one run):
+- world1: ``usp_attention`` at world size 1 against calling the same kernel directly through
+  ``F.scaled_dot_product_attention`` with that kernel forced, forward (inference) and
+  forward+backward. Goal: ratio <= 1.03.
+- backends: TFLOP/s of every CUDA backend through its adapter, forward and forward+backward
+  (4*S^2*H*D flops forward, 3.5x that for forward+backward).
+- ring: the ring schedule on one GPU without communication (N x N blocks merged by LSE) against one
+  whole-sequence call of the same backend: t_whole / t_blocks.
+
+Shapes are those of shared/shapes.md (batch 1, bf16, image + text tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from usp_dit import usp_attention
+from usp_dit.kernels import KernelAttention, get_backend
+from usp_dit.kernels.blockwise import blockwise_forward
+
+SHAPES = {  # name: (tokens, heads, head_dim)
+    "flux": (4096 + 512, 24, 128),
+    "cogvideox": (17550 + 226, 48, 64),
+    "mochi": (44520 + 256, 24, 128),
+    "wan": (75600 + 512, 40, 128),
+}
+SDPA_ENUM = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+             "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def time_ms(fn: Callable[[], object], iters: int) -> float:
+    """Mean ms of ``iters`` back-to-back calls between two CUDA events (after one warm-up call)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def side_by_side(fns: dict[str, Callable[[], object]], iters: int, repeats: int = 5) -> dict[str, float]:
+    """Median over ``repeats`` rounds, each round timing every function once (interleaved)."""
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():  # warm-up: compile, autotune, allocate
+        for _ in range(2):
+            fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(time_ms(fn, iters))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def make_qkv(shape: str, requires_grad: bool = False):
+    s, h, d = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return [torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(requires_grad)
+            for _ in range(3)]
+
+
+def iters_for(shape: str) -> int:
+    return {"flux": 50, "cogvideox": 10, "mochi": 4, "wan": 2}[shape]
+
+
+def suite_world1(shapes: list[str]) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        for name in ("sdpa_cudnn", "sdpa_flash"):
+            for mode in ("fwd", "fwd+bwd"):
+                if mode == "fwd+bwd" and shape in ("mochi", "wan"):
+                    continue
+                grad = mode == "fwd+bwd"
+                q, k, v = make_qkv(shape, grad)
+                dout = torch.randn_like(q)
+
+                def direct():
+                    with sdpa_kernel([SDPA_ENUM[name]]):
+                        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+                    out = out.transpose(1, 2)
+                    if grad:
+                        out.backward(dout)
+
+                def ours():
+                    out = usp_attention(q, k, v, backend=name)
+                    if grad:
+                        out.backward(dout)
+
+                with torch.inference_mode(not grad):
+                    t = side_by_side({"direct": direct, "usp": ours}, iters_for(shape))
+                rows.append({"suite": "world1", "shape": shape, "backend": name, "mode": mode,
+                             "direct_ms": t["direct"], "usp_ms": t["usp"], "ratio": t["usp"] / t["direct"]})
+                print(f"| {shape} | {name} | {mode} | {t['direct']:.3f} | {t['usp']:.3f} | {t['usp'] / t['direct']:.3f} |",
+                      flush=True)
+    return rows
+
+
+def suite_backends(shapes: list[str]) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        s, h, d = SHAPES[shape]
+        flops = 4 * s * s * h * d
+        for name in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient"):
+            if shape == "wan" and name != "sdpa_cudnn":
+                continue
+            backend = get_backend(name)
+            q, k, v = make_qkv(shape, True)
+            dout = torch.randn_like(q)
+            scale = d ** -0.5
+
+            def fwd():
+                with torch.no_grad():
+                    backend.forward(q, k, v, scale)
+
+            def fwd_bwd():
+                out, _ = KernelAttention.apply(q, k, v, backend, scale)
+                out.backward(dout)
+
+            t = side_by_side({"fwd": fwd, "fwd+bwd": fwd_bwd}, iters_for(shape), repeats=3)
+            row = {"suite": "backends", "shape": shape, "backend": name, "fwd_ms": t["fwd"],
+                   "fwd_tflops": flops / t["fwd"] / 1e9, "fwdbwd_ms": t["fwd+bwd"],
+                   "fwdbwd_tflops": 3.5 * flops / t["fwd+bwd"] / 1e9}
+            rows.append(row)
+            print(f"| {shape} | {name} | {t['fwd']:.2f} | {row['fwd_tflops']:.0f} | {t['fwd+bwd']:.2f} | "
+                  f"{row['fwdbwd_tflops']:.0f} |", flush=True)
+    return rows
+
+
+def suite_ring(shapes: list[str], backend_name: str = "sdpa_cudnn") -> list[dict]:
+    rows = []
+    backend = get_backend(backend_name)
+    for shape in shapes:
+        q, k, v = make_qkv(shape)
+        scale = SHAPES[shape][2] ** -0.5
+        fns = {"whole": lambda: backend.forward(q, k, v, scale)}
+        for n in (2, 4, 8):
+            fns[f"N={n}"] = (lambda n=n: blockwise_forward(q, k, v, backend, scale, n))
+        with torch.inference_mode():
+            t = side_by_side(fns, iters_for(shape), repeats=3)
+        ratios = {n: t["whole"] / t[f"N={n}"] for n in (2, 4, 8)}
+        rows.append({"suite": "ring", "shape": shape, "backend": backend_name, "whole_ms": t["whole"],
+                     **{f"ratio_n{n}": r for n, r in ratios.items()}})
+        print(f"| {shape} | {backend_name} | {t['whole']:.2f} | " + " | ".join(f"{ratios[n]:.2f}" for n in (2, 4, 8)) + " |",
+              flush=True)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", default="all", choices=["all", "world1", "backends", "ring"])
+    p.add_argument("--shapes", default="flux,cogvideox,mochi,wan")
+    p.add_argument("--out", default=None, help="write all rows as JSON here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shapes = args.shapes.split(",")
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    rows = []
+    if args.suite in ("all", "world1"):
+        print("\n| shape | kernel | mode | direct ms | usp_attention ms | ratio |\n|---|---|---|---|---|---|")
+        rows += suite_world1(shapes)
+    if args.suite in ("all", "backends"):
+        print("\n| shape | backend | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s |\n|---|---|---|---|---|---|")
+        rows += suite_backends(shapes)
+    if args.suite in ("all", "ring"):
+        print("\n| shape | backend | whole ms | N=2 | N=4 | N=8 |\n|---|---|---|---|---|---|")
+        rows += suite_ring([s for s in shapes if s != "wan"])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""GPU kernels (skipped without CUDA; run on the lent H200): output, LSE and gradients of every CUDA
+backend against a float64 reference, on the whole sequence and under the ring schedule simulated
+on one GPU (N virtual ranks, ``blockwise``).
+
+Pass rule for bf16/fp16 (flash-attention's rule): the blockwise error of a quantity is at most
+2x the same kernel's error on the whole sequence, plus 1e-5 of slack so that quantities the kernel
+gets to float32 rounding (the LSE) do not fail on noise; and the whole-sequence error itself is
+below 2e-2 (bf16 has 8 mantissa bits).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.reference import attention_ref
+from usp_dit import usp_attention
+from usp_dit.kernels import get_backend
+from usp_dit.kernels.blockwise import blockwise_backward, blockwise_forward
+from usp_dit.testing import rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BACKENDS = ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient"]
+SHAPES = [(1, 1000, 4, 4, 64), (2, 777, 8, 2, 128), (1, 4608, 24, 24, 128)]
+
+
+def _inputs(b, s, h, hk, d, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda *shape: torch.randn(*shape, generator=g, device="cuda", dtype=torch.float64)  # noqa: E731
+    return mk(b, s, h, d), mk(b, s, hk, d), mk(b, s, hk, d), mk(b, s, h, d)
+
+
+def _errors(backend, q, k, v, dout, dtype, n, ref):
+    scale = q.shape[-1] ** -0.5
+    qc, kc, vc, doc = (t.to(dtype) for t in (q, k, v, dout))
+    out, lse = blockwise_forward(qc, kc, vc, backend, scale, n)
+    grads = blockwise_backward(doc, qc, kc, vc, out, lse, backend, scale, n)
+    names = ["out", "lse", "dq", "dk", "dv"]
+    return dict(zip(names, [rel_err(out, ref[0]), rel_err(lse, ref[1])] + [rel_err(a, b) for a, b in zip(grads, ref[2:])]))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_backend_whole_and_blockwise(name, dtype, shape):
+    backend = get_backend(name)
+    q, k, v, dout = _inputs(*shape)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_ref(*leaves, shape[-1] ** -0.5)
+    ref = (out.detach(), lse.detach(), *torch.autograd.grad(out, leaves, dout))
+    whole = _errors(backend, q, k, v, dout, dtype, 1, ref)
+    assert max(whole.values()) < 2e-2, whole
+    for n in (2, 4, 8):
+        blocks = _errors(backend, q, k, v, dout, dtype, n, ref)
+        bad = {key: (blocks[key], whole[key]) for key in whole if blocks[key] > 2 * whole[key] + 1e-5}
+        assert not bad, f"N={n}: (blockwise, whole) errors {bad}"
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_world_size_one_is_the_kernel(name):
+    """At P = 1 usp_attention returns exactly what the kernel returns (no extra arithmetic)."""
+    backend = get_backend(name)
+    q, k, v, _ = (t.to(torch.bfloat16) for t in _inputs(1, 512, 8, 8, 128))
+    out, lse = usp_attention(q, k, v, backend=name, return_lse=True)
+    ref_out, ref_lse = backend.forward(q, k, v, 128 ** -0.5)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_auto_picks_cudnn_for_bf16():
+    from usp_dit.kernels import select_backend
+
+    assert select_backend("auto", "cuda", torch.bfloat16, 128, True).name == "sdpa_cudnn"
