@@ -114,3 +114,22 @@ def test_world_size_one_joint_and_empty_joint():
     out0, jout0 = usp_attention(q, k, v, joint_q=jq[:, :0], joint_k=jk[:, :0], joint_v=jv[:, :0])
     torch.testing.assert_close(out0, usp_attention(q, k, v), rtol=0, atol=0)
     assert jout0.shape == (1, 0, 4, 16)
+
+
+class _NoLSE(_ForwardOnly):
+    name = "test_no_lse"
+    caps = BackendCaps(frozenset({"cpu"}), frozenset({torch.float32}), 256, supports_backward=False, returns_lse=False)
+
+    def forward(self, q, k, v, scale):
+        return get_backend("reference").forward(q, k, v, scale)[0], None
+
+
+def test_backend_without_lse_refused_where_lse_is_needed(monkeypatch):
+    monkeypatch.setitem(kbase._REGISTRY, _NoLSE.name, _NoLSE())
+    q, k, v = _qkv()
+    torch.testing.assert_close(usp_attention(q, k, v, backend="test_no_lse"), usp_attention(q, k, v, backend="reference"))
+    with pytest.raises(NotImplementedError, match="returns no log-sum-exp, which return_lse=True needs"):
+        usp_attention(q, k, v, backend="test_no_lse", return_lse=True)
+    ring_mesh = usp_dit.USPMesh(usp_dit.USPConfig(ring_degree=2), dp_degree=1, device_type="cpu")
+    with pytest.raises(NotImplementedError, match="ring_degree=2 .*backend that returns one: .*reference"):
+        usp_attention(q, k, v, backend="test_no_lse", mesh=ring_mesh)

@@ -17,7 +17,7 @@ import torch
 
 from usp_dit.comm import RingExchanger, all_gather_sizes, all_gather_uneven
 from usp_dit.kernels import KernelAttention, select_backend
-from usp_dit.kernels.base import AttentionBackend, lse_dtype
+from usp_dit.kernels.base import AttentionBackend, backends_with_lse, lse_dtype
 from usp_dit.mesh import USPMesh, resolve_mesh
 from usp_dit.partition import offsets, ring_block_sizes, split_sizes
 from usp_dit.ring import RingAttention, RingSpec
@@ -58,6 +58,17 @@ def _joint_tuple(joint_q, joint_k, joint_v):
     return (joint_q, joint_k, joint_v) if all(given) else None
 
 
+def _check_lse(kernel: AttentionBackend, return_lse: bool, mesh: USPMesh) -> None:
+    """NotImplementedError when the case needs a log-sum-exp that the backend does not return."""
+    if kernel.caps.returns_lse or not (return_lse or mesh.ring_degree > 1):
+        return
+    need = "return_lse=True" if return_lse else f"ring_degree={mesh.ring_degree} (ring merges use it)"
+    raise NotImplementedError(
+        f"backend={kernel.name!r} returns no log-sum-exp, which {need} needs; "
+        f"use it with ring_degree=1, or a backend that returns one: {backends_with_lse()}"
+    )
+
+
 def _shard_sizes(mesh: USPMesh, local_len: int, seq_len: int | None, device: torch.device) -> list[int]:
     """Shard length of every rank of the sequence group, in sequence-rank order."""
     p = mesh.sequence_degree
@@ -74,6 +85,8 @@ def _shard_sizes(mesh: USPMesh, local_len: int, seq_len: int | None, device: tor
 
 def _local_attention(q, k, v, kernel: AttentionBackend, scale: float):
     """One kernel call; skips autograd bookkeeping when no gradient is needed (no P = 1 tax)."""
+    if torch.compiler.is_compiling():  # traced as an opaque custom op with a fake implementation
+        return torch.ops.usp_dit.attention(q, k, v, scale, kernel.name)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return KernelAttention.apply(q, k, v, kernel, scale)
     return kernel.forward(q, k, v, scale)
@@ -88,7 +101,12 @@ def _single_rank(q, k, v, joint, kernel, scale):
     out, lse = _local_attention(
         torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1), kernel, scale
     )
-    return (out[:, :n], lse[:, :n]), (out[:, n:], lse[:, n:])
+    return (out[:, :n], _rows(lse, 0, n)), (out[:, n:], _rows(lse, n, None))
+
+
+def _rows(lse: torch.Tensor | None, start: int, stop: int | None) -> torch.Tensor | None:
+    """lse[:, start:stop], passing through ``None`` (a backend that returns no LSE)."""
+    return None if lse is None else lse[:, start:stop]
 
 
 def _sharded(q, k, v, joint, kernel, scale, mesh: USPMesh, seq_len):
@@ -117,12 +135,15 @@ def _sharded(q, k, v, joint, kernel, scale, mesh: USPMesh, seq_len):
     else:
         out_ext, lse_ext = _local_attention(q_blk, k_blk, v_blk, kernel, scale)
     out = gather_heads(out_ext[:, :n_blk], layout.q_plan)
-    lse = gather_heads(lse_ext[:, :n_blk], layout.q_plan)
+    lse = None if lse_ext is None else gather_heads(lse_ext[:, :n_blk], layout.q_plan)
     if joint is None:
         return (out, lse), None
     head_sizes = [hi - lo for lo, hi in layout.heads.q_ranges]
     joint_res = []
-    for t in (out_ext[:, n_blk:], lse_ext[:, n_blk:]):
+    for t in (out_ext[:, n_blk:], _rows(lse_ext, n_blk, None)):
+        if t is None:
+            joint_res.append(None)
+            continue
         t = all_gather_uneven(t, joint_sizes, 1, mesh.ring_group)
         joint_res.append(all_gather_uneven(t, head_sizes, 2, mesh.ulysses_group))
     return (out, lse), tuple(joint_res)
@@ -185,6 +206,7 @@ def usp_attention(
     tensors = (q, k, v) + (joint or ())
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad)
+    _check_lse(kernel, return_lse, mesh)
     if mesh.sequence_degree == 1:
         main, joint_res = _single_rank(q, k, v, joint, kernel, scale)
     else:

@@ -29,6 +29,8 @@ class BackendCaps:
     max_head_dim: int
     supports_backward: bool
     head_dim_multiple: int = 1
+    head_dims: frozenset[int] | None = None  # an explicit list, for kernels built for a few sizes
+    returns_lse: bool = True  # False: out only (usable without a ring, never merged)
 
     def why_not(self, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> str | None:
         """The reason this backend cannot run the case, or ``None`` when it can."""
@@ -38,6 +40,8 @@ class BackendCaps:
             return f"dtype {dtype} not in {sorted(str(d) for d in self.dtypes)}"
         if head_dim > self.max_head_dim or head_dim % self.head_dim_multiple:
             return f"head_dim={head_dim} not supported (max {self.max_head_dim}, multiple of {self.head_dim_multiple})"
+        if self.head_dims is not None and head_dim not in self.head_dims:
+            return f"head_dim={head_dim} not in {sorted(self.head_dims)}"
         if needs_grad and not self.supports_backward:
             return "it has no backward (forward only) but gradients are needed"
         return None
@@ -58,7 +62,8 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(out, lse)``: out like ``q``; lse ``(batch, seq_q, heads)`` float32."""
+        """Returns ``(out, lse)``: out like ``q``; lse ``(batch, seq_q, heads)`` float32, or
+        ``None`` for a backend whose caps say ``returns_lse=False``."""
         ...
 
     def backward(
@@ -134,6 +139,11 @@ def get_backend(name: str) -> AttentionBackend:
     if name not in _REGISTRY:
         raise ValueError(f"backend={name!r} is not registered; choose 'auto' or one of {list_backends()}")
     return _REGISTRY[name]
+
+
+def backends_with_lse() -> list[str]:
+    """Names of the registered backends that return a log-sum-exp (usable in a ring)."""
+    return sorted(n for n, b in _REGISTRY.items() if b.caps.returns_lse)
 
 
 def _with_backward(device: str, dtype: torch.dtype, head_dim: int) -> list[str]:
