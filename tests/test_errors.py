@@ -133,3 +133,13 @@ def test_backend_without_lse_refused_where_lse_is_needed(monkeypatch):
     ring_mesh = usp_dit.USPMesh(usp_dit.USPConfig(ring_degree=2), dp_degree=1, device_type="cpu")
     with pytest.raises(NotImplementedError, match="ring_degree=2 .*backend that returns one: .*reference"):
         usp_attention(q, k, v, backend="test_no_lse", mesh=ring_mesh)
+
+
+def test_auto_choice_is_logged_once(caplog):
+    kbase._SELECTED.clear()
+    q, k, v = _qkv(d=24)
+    with caplog.at_level("INFO", logger="usp_dit"):
+        usp_attention(q, k, v)
+        usp_attention(q, k, v)
+    chose = [r for r in caplog.records if "chose 'sdpa_cpu'" in r.getMessage()]
+    assert len(chose) == 1 and "head_dim=24" in chose[0].getMessage()

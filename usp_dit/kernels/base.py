@@ -17,7 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import logging
+
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ def reduce_kv(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 _REGISTRY: dict[str, AttentionBackend] = {}
+_log = logging.getLogger("usp_dit")
 
 # Preference order for backend="auto", fastest first, per device type. Measured on one NVIDIA H200
 # (torch 2.11, cu130) on 2026-12-02 at the shapes of shared/shapes.md: cuDNN SDPA 622 TF/s forward
@@ -164,7 +168,19 @@ def select_backend(name: str, device: str, dtype: torch.dtype, head_dim: int, ne
         return _SELECTED[key]
     backend = _select(name, device, dtype, head_dim, needs_grad)
     _SELECTED[key] = backend
+    if name == "auto":
+        _log_choice(backend, device, dtype, head_dim, needs_grad)
     return backend
+
+
+def _log_choice(backend: AttentionBackend, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> None:
+    """Say once (per case, on rank 0) which backend "auto" chose."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    _log.info(
+        "usp_dit: backend='auto' chose %r for device=%s dtype=%s head_dim=%d backward=%s",
+        backend.name, device, dtype, head_dim, needs_grad,
+    )
 
 
 def _select(name: str, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> AttentionBackend:
