@@ -109,6 +109,7 @@ def _rows(lse: torch.Tensor | None, start: int, stop: int | None) -> torch.Tenso
     return None if lse is None else lse[:, start:stop]
 
 
+@torch.compiler.disable  # P2P ring transfers are not traceable: compiled models run this part eagerly
 def _sharded(q, k, v, joint, kernel, scale, mesh: USPMesh, seq_len):
     """P > 1: Ulysses all-to-all, ring (or one local call), all-to-all back, joint gathers."""
     u_deg, r_deg, r = mesh.ulysses_degree, mesh.ring_degree, mesh.ring_rank
