@@ -11,6 +11,7 @@ interleaved, in one run):
   (4*S^2*H*D flops forward, 3.5x that for forward+backward).
 - ring: the ring schedule on one GPU without communication (N x N blocks merged by LSE) against one
   whole-sequence call of the same backend: t_whole / t_blocks.
+- ring_graphs: the same, every variant replayed from a CUDA graph (GPU-side cost only).
 
 Shapes are those of shared/shapes.md (batch 1, bf16, image + text tokens).
 """
@@ -139,6 +140,41 @@ def suite_backends(shapes: list[str]) -> list[dict]:
     return rows
 
 
+def cuda_graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured once in a CUDA graph; returns the replay (no per-launch CPU cost)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def suite_ring_graphs(shapes: list[str], backend_name: str = "sdpa_cudnn") -> list[dict]:
+    """The ring suite with every variant replayed from a CUDA graph: the GPU-side cost of blocks and
+    merges without Python and launch overhead (what a captured or compiled step would pay)."""
+    rows = []
+    backend = get_backend(backend_name)
+    for shape in shapes:
+        q, k, v = make_qkv(shape)
+        scale = SHAPES[shape][2] ** -0.5
+        with torch.inference_mode():
+            fns = {"whole": cuda_graphed(lambda: backend.forward(q, k, v, scale))}
+            for n in (2, 4, 8):
+                fns[f"N={n}"] = cuda_graphed(lambda n=n: blockwise_forward(q, k, v, backend, scale, n))
+            t = side_by_side(fns, iters_for(shape), repeats=3)
+        ratios = {n: t["whole"] / t[f"N={n}"] for n in (2, 4, 8)}
+        rows.append({"suite": "ring_graphs", "shape": shape, "backend": backend_name, "whole_ms": t["whole"],
+                     **{f"ratio_n{n}": r for n, r in ratios.items()}})
+        print(f"| {shape} | {backend_name} (CUDA graph) | {t['whole']:.2f} | "
+              + " | ".join(f"{ratios[n]:.2f}" for n in (2, 4, 8)) + " |", flush=True)
+    return rows
+
+
 def suite_ring(shapes: list[str], backend_name: str = "sdpa_cudnn") -> list[dict]:
     rows = []
     backend = get_backend(backend_name)
@@ -160,7 +196,7 @@ def suite_ring(shapes: list[str], backend_name: str = "sdpa_cudnn") -> list[dict
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="all", choices=["all", "world1", "backends", "ring"])
+    p.add_argument("--suite", default="all", choices=["all", "world1", "backends", "ring", "ring_graphs"])
     p.add_argument("--shapes", default="flux,cogvideox,mochi,wan")
     p.add_argument("--out", default=None, help="write all rows as JSON here")
     args = p.parse_args()
@@ -179,6 +215,9 @@ def main() -> int:
     if args.suite in ("all", "ring"):
         print("\n| shape | backend | whole ms | N=2 | N=4 | N=8 |\n|---|---|---|---|---|---|")
         rows += suite_ring([s for s in shapes if s != "wan"])
+    if args.suite in ("all", "ring_graphs"):
+        print("\n| shape | backend | whole ms | N=2 | N=4 | N=8 |\n|---|---|---|---|---|---|")
+        rows += suite_ring_graphs([s for s in shapes if s != "wan"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
