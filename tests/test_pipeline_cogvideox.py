@@ -19,155 +19,76 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from usp_dit import init_usp, single_rank_mesh
+from tests.adapter_parity import assert_within, cases, check_spawn, forward, run_grid
+from usp_dit import single_rank_mesh
 from usp_dit.pipelines.cogvideox import ADAPTER, USPCogVideoXAttnProcessor
 from usp_dit.pipelines.tiny_video import cogvideox_inputs, tiny_cogvideox
-from usp_dit.testing import rel_err, run_spawned
+from usp_dit.testing import run_spawned
 
 TOL = 1e-5
-# (variant, latent frames, latent height, latent width) -> video tokens
-SHAPES = [
-    ("2b", 3, 6, 6),  # 27 tokens
-    ("2b", 2, 8, 6),  # 24
-    ("5b", 3, 6, 6),  # 27
-    ("5b", 2, 8, 6),  # 24
-    ("1.5-i2v", 4, 6, 6),  # 2 temporal patches x 9 = 18
-    ("1.5-i2v", 2, 8, 6),  # 12
-]
-GRIDS = {2: [(2, 1, 1), (1, 2, 1)], 4: [(2, 2, 1), (4, 1, 1), (1, 4, 1), (1, 2, 2)]}  # (U, R, cfg)
-GRAD_GRID = {2: (1, 2, 1), 4: (2, 2, 1)}
 
 
 @dataclass(frozen=True)
-class Case:
-    world: int
-    grid: tuple[int, int, int]
-    shape: tuple[str, int, int, int]
+class Shape:
+    variant: str
+    frames: int  # latent sizes
+    height: int
+    width: int
 
-    @property
-    def id(self) -> str:
-        u, r, c = self.grid
-        v, f, h, w = self.shape
-        return f"w{self.world}-u{u}r{r}cfg{c}-{v}-f{f}h{h}w{w}"
+    def __str__(self) -> str:
+        return f"{self.variant}-f{self.frames}h{self.height}w{self.width}"
 
 
-def cases(world: int) -> list[Case]:
-    return [Case(world, grid, shape) for grid in GRIDS[world] for shape in SHAPES]
+SHAPES = [
+    Shape("2b", 3, 6, 6),  # 27 video tokens
+    Shape("2b", 2, 8, 6),  # 24
+    Shape("5b", 3, 6, 6),  # 27
+    Shape("5b", 2, 8, 6),  # 24
+    Shape("1.5-i2v", 4, 6, 6),  # 2 temporal patches x 9 = 18
+    Shape("1.5-i2v", 2, 8, 6),  # 12
+]
+GRAD_SHAPE = Shape("5b", 3, 6, 6)
 
 
-def _run(model, inputs) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**inputs.kwargs(), return_dict=False)[0]
-
-
-def _build(shape):
-    variant, f, h, w = shape
-    model = tiny_cogvideox(variant)
-    return model, cogvideox_inputs(model, f, h, w)
-
-
-def run_case(case: Case, mesh) -> dict[str, float]:
-    """Relative error of the sharded output and whether disable restored bit-identical output."""
-    model, inputs = _build(case.shape)
-    ref = _run(model, inputs)
-    ADAPTER.enable(model, mesh, "auto")
-    try:
-        out = _run(model, inputs)
-    finally:
-        ADAPTER.disable(model)
-    again = _run(model, inputs)
-    return {"out": rel_err(out, ref), "disable_not_bit_identical": float(not torch.equal(again, ref))}
-
-
-def _loss_and_grads(model, inputs, divisor: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(123)
-    out = model(**inputs.kwargs(), return_dict=False)[0]
-    weight = torch.randn(out.shape, generator=gen)
-    loss = (out * weight).sum() / divisor
-    params = dict(model.named_parameters())
-    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-    return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params.items(), grads)}
-
-
-def run_grad_case(mesh) -> dict[str, float]:
-    """Per-rank loss L/P; gradients summed over the sequence group vs one process's gradients."""
-    model, inputs = _build(("5b", 3, 6, 6))
-    ref = _loss_and_grads(model, inputs, 1)
-    ADAPTER.enable(model, mesh, "auto")
-    try:
-        grads = _loss_and_grads(model, inputs, mesh.sequence_degree)
-    finally:
-        ADAPTER.disable(model)
-    worst = 0.0
-    for name, g in grads.items():
-        g = g.contiguous()
-        dist.all_reduce(g, group=mesh.seq_group)
-        worst = max(worst, rel_err(g, ref[name]))
-    return {"grad": worst}
-
-
-def run_grid(world: int) -> dict[str, dict[str, float] | str]:
-    results, meshes = {}, {}
-    for case in cases(world):
-        if case.grid not in meshes:
-            u, r, c = case.grid
-            meshes[case.grid] = init_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        try:
-            results[case.id] = run_case(case, meshes[case.grid])
-        except Exception as exc:  # recorded, asserted by the parent
-            results[case.id] = f"{type(exc).__name__}: {exc}"
-    try:
-        results[f"grad-w{world}"] = run_grad_case(meshes[GRAD_GRID[world]])
-    except Exception as exc:
-        results[f"grad-w{world}"] = f"{type(exc).__name__}: {exc}"
-    return results
+def _build(shape: Shape):
+    model = tiny_cogvideox(shape.variant)
+    return model, cogvideox_inputs(model, shape.frames, shape.height, shape.width)
 
 
 def _grid_world2():
-    return run_grid(2)
+    return run_grid(2, SHAPES, _build, ADAPTER, GRAD_SHAPE)
 
 
 def _grid_world4():
-    return run_grid(4)
+    return run_grid(4, SHAPES, _build, ADAPTER, GRAD_SHAPE)
 
 
 @pytest.fixture(scope="module")
 def grid_results():
     results = {2: run_spawned(_grid_world2, 2), 4: run_spawned(_grid_world4, 4)}
-    for world, per_rank in results.items():
-        for rank, res in enumerate(per_rank):
-            assert "__error__" not in res, f"world {world} rank {rank} crashed:\n{res.get('__error__')}"
+    check_spawn(results)
     return results
 
 
-ALL_CASES = cases(2) + cases(4)
-
-
-def _assert_within(per_rank: list[dict], key: str) -> None:
-    for rank, res in enumerate(per_rank):
-        errors = res[key]
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        worst = {k: v for k, v in errors.items() if not v <= TOL}
-        assert not worst, f"rank {rank}: above {TOL}: {worst}"
+ALL_CASES = cases(2, SHAPES) + cases(4, SHAPES)
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=[c.id for c in ALL_CASES])
-def test_sharded_output_matches_one_process(grid_results, case: Case):
-    _assert_within(grid_results[case.world], case.id)
+def test_sharded_output_matches_one_process(grid_results, case):
+    assert_within(grid_results[case.world], case.id, TOL)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_parameter_gradients_match_one_process(grid_results, world: int):
-    _assert_within(grid_results[world], f"grad-w{world}")
+    assert_within(grid_results[world], f"grad-w{world}", TOL)
 
 
 # ---- single process: restore exactly, loud failures -------------------------------------------
 
 
 def test_disable_restores_processors_and_hooks():
-    model, inputs = _build(("5b", 3, 6, 6))
+    model, inputs = _build(Shape("5b", 3, 6, 6))
     before = model.attn_processors
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     assert all(isinstance(p, USPCogVideoXAttnProcessor) for p in model.attn_processors.values())
@@ -180,7 +101,7 @@ def test_disable_restores_processors_and_hooks():
 
 
 def test_enable_twice_and_disable_unpatched_raise():
-    model, _ = _build(("2b", 3, 6, 6))
+    model, _ = _build(Shape("2b", 3, 6, 6))
     with pytest.raises(ValueError, match="not sequence-parallel"):
         ADAPTER.disable(model)
     ADAPTER.enable(model, single_rank_mesh(), "auto")
@@ -192,7 +113,7 @@ def test_enable_twice_and_disable_unpatched_raise():
 def test_foreign_processor_is_refused():
     from diffusers.models.attention_processor import AttnProcessor2_0
 
-    model, _ = _build(("2b", 3, 6, 6))
+    model, _ = _build(Shape("2b", 3, 6, 6))
     model.transformer_blocks[1].attn1.set_processor(AttnProcessor2_0())
     with pytest.raises(NotImplementedError, match="AttnProcessor2_0"):
         ADAPTER.enable(model, single_rank_mesh(), "auto")
@@ -200,19 +121,19 @@ def test_foreign_processor_is_refused():
 
 
 def test_rope_table_of_wrong_length_raises():
-    model, inputs = _build(("5b", 3, 6, 6))
+    model, inputs = _build(Shape("5b", 3, 6, 6))
     cos, sin = inputs.image_rotary_emb
     inputs.image_rotary_emb = (cos[:-1], sin[:-1])
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
-        with pytest.raises(ValueError, match="rotary table has 26 rows but .* 27 video tokens"):
-            _run(model, inputs)
+        with pytest.raises(ValueError, match="image_rotary_emb has 26 rows but the transformer has 27 video tokens"):
+            forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
 
 def test_attention_mask_is_refused():
-    model, inputs = _build(("2b", 3, 6, 6))
+    model, inputs = _build(Shape("2b", 3, 6, 6))
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         with pytest.raises(NotImplementedError, match="attention_mask"):

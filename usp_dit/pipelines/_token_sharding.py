@@ -16,12 +16,17 @@ Note [where the sequence is split]
     The hooks are active whenever the patch is installed (not only inside one forward call), so a
     gradient-checkpointing recompute of block 0 during backward shards its saved full input again.
 
+    RoPE tables reach the attention processors whole (CogVideoX's from the pipeline, Mochi's built
+    in the model's forward) and each processor takes this rank's rows with ``local_rope``, the same
+    ``shard_sequence`` as the tokens (a view: no copy per layer). Slicing there, not in a hook on the
+    transformer's arguments, keeps it correct whatever wraps the forward (``enable_usp``'s input
+    broadcast and cfg split see the full table).
+
 Everything is installed with ``register_forward_*hook`` handles and processor swaps whose original
 objects are kept, so ``remove`` leaves the model exactly as it was.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,30 +41,28 @@ from usp_dit.sharding import gather_sequence, shard_sequence
 class ShardState:
     """What the hooks and processors of one enabled transformer share.
 
-    ``seq_len``: full token count of the sequence being processed (set when it is sharded; given
-    to ``usp_attention`` and ``gather_sequence`` so they need no all-gather of shard lengths).
-    ``rope_len``: token count of the RoPE table sliced for the current call, checked against
-    ``seq_len`` (``None`` when the call has no table).
+    ``seq_len``: full token count of the sequence being processed, set when block 0's input is
+    sharded; given to ``usp_attention`` and ``gather_sequence`` (no all-gather of shard lengths)
+    and checked against the RoPE table's length.
     """
 
     mesh: USPMesh
     backend: str
     seq_len: int | None = None
-    rope_len: int | None = None
 
 
-def shard_rope(table: Any, state: ShardState, name: str) -> Any:
+def local_rope(table: Any, state: ShardState, name: str) -> Any:
     """This rank's rows of a ``(cos, sin)`` RoPE table, sliced on dim 0 exactly like the tokens.
 
     Args:
-        table: ``None`` or a pair of tensors (seq, ...) rotating the video tokens.
+        table: ``None`` or a pair of tensors (seq, ...) rotating the whole (unsharded) video sequence.
         name: the argument's name, for error messages.
 
     Raises:
-        NotImplementedError: the table is not a (cos, sin) pair of tensors of equal length.
+        ValueError: the table's length is not the token count (slicing it would misalign rows).
+        NotImplementedError: the table is not a (cos, sin) pair of tensors with the sequence on dim 0.
     """
     if table is None:
-        state.rope_len = None
         return None
     if not (isinstance(table, (tuple, list)) and len(table) == 2 and all(torch.is_tensor(t) for t in table)):
         raise NotImplementedError(f"{name} must be a (cos, sin) pair of tensors (seq, ...), got {type(table).__name__}")
@@ -68,8 +71,12 @@ def shard_rope(table: Any, state: ShardState, name: str) -> Any:
         raise NotImplementedError(
             f"{name} must be (cos, sin) tables with the sequence on dim 0, got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
-    state.rope_len = cos.shape[0]
-    return type(table)(shard_sequence(t, state.mesh, dim=0) for t in table)
+    if cos.shape[0] != state.seq_len:
+        raise ValueError(
+            f"{name} has {cos.shape[0]} rows but the transformer has {state.seq_len} video tokens: "
+            f"they must match for the table to be sliced like the tokens"
+        )
+    return tuple(shard_sequence(t, state.mesh, dim=0) for t in table)
 
 
 def _get_arg(args: tuple, kwargs: dict, name: str, index: int) -> torch.Tensor:
@@ -106,33 +113,9 @@ class TokenShardHooks:
     def _shard_input(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """(B, S, C) full hidden states -> (B, S_local, C), this rank's contiguous piece."""
         x = _get_arg(args, kwargs, "hidden_states", 0)
-        seq_len = x.shape[1]
-        rope_len = self.state.rope_len
-        if rope_len is not None and rope_len != seq_len:
-            raise ValueError(
-                f"the rotary table has {rope_len} rows but the transformer has {seq_len} video tokens: "
-                f"they must match for the table to be sliced like the tokens"
-            )
-        self.state.seq_len = seq_len
+        self.state.seq_len = x.shape[1]
         return _set_arg(args, kwargs, "hidden_states", 0, shard_sequence(x, self.state.mesh, dim=1))
 
     def _gather_output(self, module, args: tuple, out_local: torch.Tensor) -> torch.Tensor:
         """(B, S_local, C_out) -> (B, S, C_out), identical on every rank of the sequence group."""
         return gather_sequence(out_local, self.state.mesh, dim=1, seq_len=self.state.seq_len)
-
-
-def argument_hook(fn, name: str, transform):
-    """A forward pre-hook (``with_kwargs=True``) replacing argument ``name`` of ``fn`` by ``transform(value)``.
-
-    ``fn`` is the module's forward (bound); the argument may be passed by keyword or position and
-    keeps its passing style. ``transform(None)`` is called when the argument is not given.
-    """
-    index = list(inspect.signature(fn).parameters).index(name)
-
-    def hook(module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if name not in kwargs and index >= len(args):
-            transform(None)
-            return args, kwargs
-        return _set_arg(args, kwargs, name, index, transform(_get_arg(args, kwargs, name, index)))
-
-    return hook

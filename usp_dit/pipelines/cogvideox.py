@@ -7,8 +7,8 @@ order the patch embedding produces them; text tokens (batch, text_seq, channels)
 Where the tokens are split (``_token_sharding`` Note [where the sequence is split]): the patch
 embedding (which also adds 2B's sin-cos positional table and prepends the projected text) runs on
 the full latent; block 0's input is sharded; ``proj_out``'s output is gathered before unpatchify.
-The RoPE table the pipeline passes as ``image_rotary_emb`` is sliced once per call, by a pre-hook
-on the transformer, with the same ``shard_sequence`` as the tokens (row i rotates token i).
+The RoPE table the pipeline passes as ``image_rotary_emb`` reaches every processor whole and is
+sliced there with the same ``shard_sequence`` as the tokens (row i rotates token i; a view).
 
 Text tokens: **replicated**. CogVideoX carries text as a separate stream (``encoder_hidden_states``)
 through every block, with its own modulation gates, and concatenates it in front of the video
@@ -35,7 +35,7 @@ from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0, Fuse
 from diffusers.models.embeddings import apply_rotary_emb
 
 from usp_dit.mesh import USPMesh
-from usp_dit.pipelines._token_sharding import ShardState, TokenShardHooks, argument_hook, shard_rope
+from usp_dit.pipelines._token_sharding import ShardState, TokenShardHooks, local_rope
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.usp import usp_attention
 
@@ -61,7 +61,7 @@ class USPCogVideoXAttnProcessor:
     """CogVideoX joint attention of this rank's video shard and the replicated text tokens.
 
     Inputs: ``hidden_states`` (B, S_local, C), ``encoder_hidden_states`` (B, T, C),
-    ``image_rotary_emb`` this rank's rows ``(cos, sin)`` (S_local, D) or None.
+    ``image_rotary_emb`` the whole ``(cos, sin)`` table (S, D) or None.
     Returns ``(video_out (B, S_local, C), text_out (B, T, C))``; text_out is the same on every rank.
     """
 
@@ -82,9 +82,10 @@ class USPCogVideoXAttnProcessor:
             raise NotImplementedError("usp_dit's CogVideoX processor supports self-attention layers only")
         q, k, v = _heads(attn, hidden_states)
         text_q, text_k, text_v = _heads(attn, encoder_hidden_states)
-        if image_rotary_emb is not None:  # RoPE rotates video tokens only, as in the stock processor
-            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
-            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        rope = local_rope(image_rotary_emb, self.state, "image_rotary_emb")
+        if rope is not None:  # RoPE rotates video tokens only, as in the stock processor
+            q = apply_rotary_emb(q, rope, sequence_dim=1)
+            k = apply_rotary_emb(k, rope, sequence_dim=1)
         out, text_out = usp_attention(
             q, k, v, joint_q=text_q, joint_k=text_k, joint_v=text_v,
             mesh=self.state.mesh, backend=self.state.backend, seq_len=self.state.seq_len,
@@ -100,19 +101,14 @@ class _Patch:
         self.state = ShardState(mesh, backend)
         self.original_processors = transformer.attn_processors
         self.hooks = TokenShardHooks(self.state, transformer.transformer_blocks[0], transformer.proj_out)
-        self.rope_handle = None
 
     def install(self) -> None:
-        t = self.transformer
-        rope_hook = argument_hook(t.forward, "image_rotary_emb", lambda x: shard_rope(x, self.state, "image_rotary_emb"))
-        self.rope_handle = t.register_forward_pre_hook(rope_hook, with_kwargs=True)
         self.hooks.install()
-        t.set_attn_processor(USPCogVideoXAttnProcessor(self.state))
+        self.transformer.set_attn_processor(USPCogVideoXAttnProcessor(self.state))
 
     def remove(self) -> None:
         self.transformer.set_attn_processor(dict(self.original_processors))
         self.hooks.remove()
-        self.rope_handle.remove()
 
 
 def _check_supported(transformer: CogVideoXTransformer3DModel) -> None:
@@ -131,6 +127,8 @@ class CogVideoXAdapter:
     """``ModelAdapter`` for ``CogVideoXTransformer3DModel`` (see the module docstring)."""
 
     name = "CogVideoX"
+    # Arguments batched on dim 0, split over the "cfg" axis by enable_usp (image_rotary_emb is not).
+    cfg_batch_args = ("hidden_states", "encoder_hidden_states", "timestep", "timestep_cond", "ofs")
 
     def __init__(self) -> None:
         self._patches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

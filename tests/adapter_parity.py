@@ -1,0 +1,117 @@
+"""Shared body of the model-adapter parity tests (tests/test_pipeline_*.py).
+
+Each rank computes the stock model's output itself (the one-process result: same seeded weights and
+inputs on every rank), enables the adapter on a mesh, runs, disables and runs again. Errors are
+max|err| / max|ref| (``usp_dit.testing.rel_err``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from usp_dit import init_usp
+from usp_dit.testing import rel_err
+
+# (ulysses, ring, cfg) grids per world size: the issue's grids plus (1, 4) and a cfg mesh, whose two
+# cfg groups each shard the (whole) batch over their own two ranks.
+GRIDS = {2: [(2, 1, 1), (1, 2, 1)], 4: [(2, 2, 1), (4, 1, 1), (1, 4, 1), (1, 2, 2)]}
+GRAD_GRID = {2: (1, 2, 1), 4: (2, 2, 1)}
+
+
+@dataclass(frozen=True)
+class Case:
+    world: int
+    grid: tuple[int, int, int]
+    shape: Any  # a model-specific, hashable description with a readable str()
+
+    @property
+    def id(self) -> str:
+        u, r, c = self.grid
+        return f"w{self.world}-u{u}r{r}cfg{c}-{self.shape}"
+
+
+def cases(world: int, shapes: list) -> list[Case]:
+    return [Case(world, grid, shape) for grid in GRIDS[world] for shape in shapes]
+
+
+def forward(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs.kwargs(), return_dict=False)[0]
+
+
+def output_errors(model, inputs, adapter, mesh) -> dict[str, float]:
+    """Sharded output vs the stock output, and 1.0 if the output after ``disable`` is not bit-identical."""
+    ref = forward(model, inputs)
+    adapter.enable(model, mesh, "auto")
+    try:
+        out = forward(model, inputs)
+    finally:
+        adapter.disable(model)
+    again = forward(model, inputs)
+    return {"out": rel_err(out, ref), "disable_not_bit_identical": float(not torch.equal(again, ref))}
+
+
+def _param_grads(model, inputs, divisor: int) -> dict[str, torch.Tensor]:
+    out = model(**inputs.kwargs(), return_dict=False)[0]
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(123))
+    loss = (out * weight).sum() / divisor
+    params = dict(model.named_parameters())
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params.items(), grads)}
+
+
+def gradient_errors(model, inputs, adapter, mesh) -> dict[str, float]:
+    """Fine-tuning convention: each rank's loss is L / P; parameter gradients summed over the
+    sequence group must equal one process's gradients of L. Returns the worst parameter's error."""
+    ref = _param_grads(model, inputs, 1)
+    adapter.enable(model, mesh, "auto")
+    try:
+        grads = _param_grads(model, inputs, mesh.sequence_degree)
+    finally:
+        adapter.disable(model)
+    worst = 0.0
+    for name, g in grads.items():
+        g = g.contiguous()  # gloo reduces contiguous buffers only
+        dist.all_reduce(g, group=mesh.seq_group)
+        worst = max(worst, rel_err(g, ref[name]))
+    return {"grad": worst}
+
+
+def _record(results: dict, key: str, fn: Callable[[], dict]) -> None:
+    try:
+        results[key] = fn()
+    except Exception as exc:  # recorded, asserted by the parent
+        results[key] = f"{type(exc).__name__}: {exc}"
+
+
+def run_grid(world: int, shapes: list, build: Callable, adapter, grad_shape) -> dict[str, dict | str]:
+    """Every case of ``world`` on this rank, plus one gradient case under key ``grad-w{world}``.
+
+    ``build(shape) -> (model, inputs)`` must be deterministic (same on every rank).
+    """
+    results, meshes = {}, {}
+    for grid in GRIDS[world]:
+        u, r, c = grid
+        meshes[grid] = init_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
+    for case in cases(world, shapes):
+        _record(results, case.id, lambda: output_errors(*build(case.shape), adapter, meshes[case.grid]))
+    _record(results, f"grad-w{world}", lambda: gradient_errors(*build(grad_shape), adapter, meshes[GRAD_GRID[world]]))
+    return results
+
+
+def check_spawn(results: dict[int, list]) -> None:
+    for world, per_rank in results.items():
+        for rank, res in enumerate(per_rank):
+            assert "__error__" not in res, f"world {world} rank {rank} crashed:\n{res.get('__error__')}"
+
+
+def assert_within(per_rank: list[dict], key: str, tol: float) -> None:
+    for rank, res in enumerate(per_rank):
+        errors = res[key]
+        assert not isinstance(errors, str), f"rank {rank}: {errors}"
+        worst = {k: v for k, v in errors.items() if not v <= tol}
+        assert not worst, f"rank {rank}: above {tol}: {worst}"

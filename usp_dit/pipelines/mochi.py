@@ -1,0 +1,192 @@
+"""Mochi adapter: ``MochiTransformer3DModel`` (MochiPipeline) on a USP grid.
+
+Layout: video tokens (batch, seq, channels), ``seq = frames * (height / p) * (width / p)``, frame
+major as the model flattens them; text tokens (batch, text_seq, text_channels) with the prompt
+mask ``encoder_attention_mask`` (batch, text_seq), nonzero = real token; Q/K/V
+(batch, seq, heads, head_dim); the RoPE table ``(cos, sin)`` the model builds, each
+(seq, heads, head_dim // 2).
+
+Where the tokens are split (``_token_sharding`` Note [where the sequence is split]): patch
+embedding and the timestep/caption embedding run whole; block 0's input is sharded; ``proj_out``'s
+output is gathered before unpatchify. The RoPE table reaches every processor whole and is sliced
+there with the same ``shard_sequence`` as the tokens.
+
+Text tokens: **replicated**. Mochi keeps text as its own stream with its own weights (the
+``add_*_proj`` projections, ``ff_context``), and its processor drops each batch element's padded
+prompt tokens before attention. Replicated, every rank picks the valid tokens exactly as the stock
+processor does and hands them to ``usp_attention`` as joint tokens (their queries are still split
+over the ring ranks there). Per-rank token count, Mochi 1 at 163 frames x 480 x 848 (28 latent
+frames x 30 x 53 patches = 44520 video tokens, at most 256 prompt tokens): on 8 ranks 5565 video
+tokens + the prompt's valid tokens (<= 256) each.
+
+Note [Mochi's prompt mask, exactly as stock]
+    ``MochiAttnProcessor2_0`` loops over the batch: element b attends over [video; prompt tokens
+    where mask[b] != 0] (padded tokens are neither queries nor keys), and its text output holds
+    the outputs of those valid tokens *first*, in order, followed by zeros, before ``to_add_out``.
+    (For the usual prefix masks that is position for position; for a mask with holes the outputs
+    are compacted to the front: we do the same.) We loop the same way, one ``usp_attention`` per
+    batch element with its own joint length. With cfg parallel each rank's batch is 1 anyway.
+
+Attention processors (``MochiAttention.processor``; the model has no ``set_attn_processor``) are
+replaced by ``USPMochiAttnProcessor`` and the original objects put back on ``disable``.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from diffusers import MochiTransformer3DModel
+from diffusers.models.attention_processor import MochiAttention, MochiAttnProcessor2_0
+
+from usp_dit.mesh import USPMesh
+from usp_dit.pipelines._token_sharding import ShardState, TokenShardHooks, local_rope
+from usp_dit.pipelines.base import register_adapter
+from usp_dit.usp import usp_attention
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Mochi's RoPE: x (B, S, H, D), cos/sin (S, H, D/2); rotates each (even, odd) channel pair.
+
+    Computed in float32 and cast back, as the stock processor does.
+    """
+    even, odd = x[..., 0::2].float(), x[..., 1::2].float()
+    rotated = torch.stack([(even * cos - odd * sin).to(x.dtype), (even * sin + odd * cos).to(x.dtype)], dim=-1)
+    return rotated.flatten(-2)
+
+
+def _video_heads(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, S, C) -> q, k, v (B, S, H, D), q and k RMS-normed per head."""
+    q, k, v = (proj(x).unflatten(2, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v))
+    return attn.norm_q(q), attn.norm_k(k), v
+
+
+def _text_heads(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, T, C_text) -> q, k, v (B, T, H, D) through the added projections and norms."""
+    q, k, v = (proj(x).unflatten(2, (attn.heads, -1)) for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+    return attn.norm_added_q(q), attn.norm_added_k(k), v
+
+
+def masked_joint_attention(q, k, v, text_q, text_k, text_v, mask: torch.Tensor, state: ShardState):
+    """Note [Mochi's prompt mask, exactly as stock].
+
+    Args:
+        q, k, v: (B, S_local, H, D) this rank's video tokens.
+        text_q, text_k, text_v: (B, T, H, D) all prompt tokens (replicated).
+        mask: (B, T), nonzero marks a real prompt token.
+
+    Returns:
+        ``(out (B, S_local, H, D), text_out (B, T, H, D))``; row b of ``text_out`` holds the
+        outputs of element b's valid tokens first, then zeros.
+    """
+    outs, text_outs = [], []
+    for b in range(q.shape[0]):
+        valid = torch.nonzero(mask[b].flatten(), as_tuple=False).flatten()
+        out_b, text_b = usp_attention(
+            q[b:b + 1], k[b:b + 1], v[b:b + 1],
+            joint_q=text_q[b:b + 1, valid], joint_k=text_k[b:b + 1, valid], joint_v=text_v[b:b + 1, valid],
+            mesh=state.mesh, backend=state.backend, seq_len=state.seq_len,
+        )
+        outs.append(out_b)
+        padding = text_q.shape[1] - text_b.shape[1]
+        text_outs.append(torch.cat([text_b, text_b.new_zeros(1, padding, *text_b.shape[2:])], dim=1))
+    return torch.cat(outs), torch.cat(text_outs)
+
+
+class USPMochiAttnProcessor:
+    """Mochi joint attention of this rank's video shard and the replicated, masked prompt tokens.
+
+    Inputs: ``hidden_states`` (B, S_local, C), ``encoder_hidden_states`` (B, T, C_text),
+    ``attention_mask`` (B, T), ``image_rotary_emb`` the whole ``(cos, sin)`` (S, H, D/2).
+    Returns ``(video_out (B, S_local, C), text_out (B, T, C_text))``, text_out equal on every rank.
+    """
+
+    def __init__(self, state: ShardState) -> None:
+        self.state = state
+
+    def __call__(
+        self,
+        attn: MochiAttention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if attention_mask is None:
+            raise ValueError("encoder_attention_mask must be given (batch, text_seq); Mochi's processor needs it")
+        q, k, v = _video_heads(attn, hidden_states)
+        text_q, text_k, text_v = _text_heads(attn, encoder_hidden_states)
+        rope = local_rope(image_rotary_emb, self.state, "image_rotary_emb")
+        if rope is not None:
+            q, k = _rotate_pairs(q, *rope), _rotate_pairs(k, *rope)
+        out, text_out = masked_joint_attention(q, k, v, text_q, text_k, text_v, attention_mask, self.state)
+        out = attn.to_out[1](attn.to_out[0](out.flatten(2)))
+        text_out = text_out.flatten(2)
+        if hasattr(attn, "to_add_out"):  # the last block (context_pre_only) has none, as in stock
+            text_out = attn.to_add_out(text_out)
+        return out, text_out
+
+
+class _Patch:
+    """Everything ``enable`` changed on one transformer, and how to undo it."""
+
+    def __init__(self, transformer: MochiTransformer3DModel, mesh: USPMesh, backend: str) -> None:
+        self.state = ShardState(mesh, backend)
+        self.attentions = [m for m in transformer.modules() if isinstance(m, MochiAttention)]
+        self.original_processors = [m.processor for m in self.attentions]
+        self.hooks = TokenShardHooks(self.state, transformer.transformer_blocks[0], transformer.proj_out)
+
+    def install(self) -> None:
+        self.hooks.install()
+        processor = USPMochiAttnProcessor(self.state)
+        for attn in self.attentions:
+            attn.processor = processor
+
+    def remove(self) -> None:
+        for attn, original in zip(self.attentions, self.original_processors):
+            attn.processor = original
+        self.hooks.remove()
+
+
+def _check_supported(transformer: MochiTransformer3DModel) -> None:
+    """NotImplementedError for a model this adapter would not run exactly."""
+    if len(transformer.transformer_blocks) == 0:
+        raise NotImplementedError("MochiTransformer3DModel with num_layers=0 has nothing to parallelise")
+    for name, module in transformer.named_modules():
+        if isinstance(module, MochiAttention) and not isinstance(module.processor, MochiAttnProcessor2_0):
+            raise NotImplementedError(
+                f"{name}.processor is {type(module.processor).__name__}; usp_dit's Mochi adapter replaces only "
+                f"MochiAttnProcessor2_0 (its maths would be lost silently otherwise)"
+            )
+
+
+class MochiAdapter:
+    """``ModelAdapter`` for ``MochiTransformer3DModel`` (see the module docstring)."""
+
+    name = "Mochi"
+    # Arguments batched on dim 0, split over the "cfg" axis by enable_usp.
+    cfg_batch_args = ("hidden_states", "encoder_hidden_states", "timestep", "encoder_attention_mask")
+
+    def __init__(self) -> None:
+        self._patches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def matches(self, transformer: torch.nn.Module) -> bool:
+        return isinstance(transformer, MochiTransformer3DModel)
+
+    def enable(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> None:
+        """Shard tokens over ``mesh``'s sequence group, in place. Raises ValueError if already enabled."""
+        if transformer in self._patches:
+            raise ValueError("this MochiTransformer3DModel is already sequence-parallel: call disable first")
+        _check_supported(transformer)
+        patch = _Patch(transformer, mesh, backend)
+        patch.install()
+        self._patches[transformer] = patch
+
+    def disable(self, transformer: torch.nn.Module) -> None:
+        """Put back the original processors and remove every hook. Raises ValueError if not enabled."""
+        patch = self._patches.pop(transformer, None)
+        if patch is None:
+            raise ValueError("this MochiTransformer3DModel is not sequence-parallel (enable was not called)")
+        patch.remove()
+
+
+ADAPTER = register_adapter(MochiAdapter())
