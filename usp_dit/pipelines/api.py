@@ -1,0 +1,418 @@
+"""``enable_usp`` / ``disable_usp``: what users call on a Diffusers pipeline or a bare transformer.
+
+Layout: the transformer's own arguments; the batch dimension is dim 0 of every batched argument.
+
+    enable_usp(pipe, ulysses_degree=U, ring_degree=R, cfg_degree=C)
+      ├─ mesh:     usp_dit.init_usp(U, R, C) (or ``mesh=``)
+      ├─ adapter:  find_adapter(transformer).enable(...)  shards tokens, swaps processors, gathers
+      └─ wrapper around the adapter's forward (only when C * U * R > 1):
+
+    transformer(args)  ─► sync inputs ─► cfg split ─► adapter forward (sequence parallel) ─► cfg gather
+                          (broadcast     (batch half   on the C groups of U*R ranks           (all-gather
+                           from the       of this                                               over "cfg")
+                           group's        rank's cfg
+                           first rank)    group)
+
+Note [same inputs everywhere]
+    Every rank of a model replica (its cfg x ring x ulysses ranks) must feed the transformer the
+    same tensors: the shards of one sequence are only consistent if they are cut from one latent.
+    Initial noise drawn without a seeded generator, or a scheduler that adds fresh noise per step,
+    would differ per rank. So the wrapper broadcasts every tensor argument from the replica's
+    first rank (over the cfg group, then over the sequence group) at each call; for Flux at 1024^2
+    that is about 5 MB per step, small beside the attention traffic. Tensors that require grad
+    (fine-tuning) cannot be replaced by a broadcast copy without cutting their graph: they are
+    checked instead (a two-number checksum, one all-reduce) and a mismatch raises ValueError.
+
+Note [cfg parallel]
+    With cfg_degree=2 the transformer's batch (the pipeline's [uncond, cond] halves, or any batch
+    of even size) is split on dim 0 over the "cfg" axis: cfg rank c runs rows
+    [c*B/2, (c+1)*B/2) on its U*R ranks, and the outputs are all-gathered over the cfg group, so
+    every rank returns the full batch before the pipeline combines guidance. Which arguments are
+    batched: the adapter's ``cfg_batch_args`` names when it has them (their tensors, or lists of
+    tensors, with dim 0 == B are split; size-1 or 0-dim ones broadcast and stay whole); otherwise
+    every tensor argument whose dim 0 equals the batch of the first tensor argument.
+
+Note [a failing rank]
+    When one rank raises, the others are typically blocked in a collective waiting for it. Under
+    torchrun the elastic agent stops every worker as soon as one exits non-zero (it polls every
+    ``--monitor-interval``, 0.1 s by default); what must not happen is that the failing process
+    hangs in interpreter shutdown (process-group destructors, joined threads) instead of exiting.
+    ``install_failure_handler`` (installed by ``enable_usp`` when the world size is > 1) replaces
+    ``sys.excepthook``: it prints the traceback with the rank and calls ``os._exit(1)`` at once.
+    Without an agent (plain processes, gloo), the peers' pending collectives then fail with a
+    closed connection, their own uncaught errors go through the same hook, and the whole job ends
+    within seconds (tests/test_pipelines_api.py). With NCCL and no agent, the process group's
+    timeout is the backstop.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+import traceback
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from diffusers import DiffusionPipeline
+
+from usp_dit.comm import all_gather_uneven
+from usp_dit.kernels import get_backend
+from usp_dit.mesh import USPMesh, init_usp
+from usp_dit.pipelines.base import ModelAdapter, find_adapter
+
+_STATE_ATTR = "_usp_dit_state"
+_MISSING = object()
+
+
+@dataclass(eq=False)
+class USPState:
+    """What ``enable_usp`` did to one transformer, kept on it until ``disable_usp``."""
+
+    mesh: USPMesh
+    adapter: ModelAdapter
+    backend: str
+    sync_inputs: bool
+    forward_attr: Any = _MISSING  # the instance attribute ``forward`` the adapter left (if any)
+    wrapped: bool = False
+    pipe_ref: Any = None  # weakref to the pipeline whose progress bar was silenced
+    progress_config: Any = _MISSING  # that pipeline's progress-bar config before enable
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the transformer and the mesh
+
+
+def _transformer_of(target: Any) -> tuple[torch.nn.Module, Any]:
+    """``(transformer, pipeline or None)`` for a pipeline or a bare transformer.
+
+    Raises:
+        NotImplementedError: a pipeline without a ``transformer`` component (e.g. UNet pipelines).
+        ValueError: ``target`` is neither a pipeline nor a ``torch.nn.Module``.
+    """
+    if isinstance(target, torch.nn.Module):
+        return target, None
+    if isinstance(target, DiffusionPipeline):
+        transformer = getattr(target, "transformer", None)
+        if not isinstance(transformer, torch.nn.Module):
+            raise NotImplementedError(
+                f"{type(target).__name__} has no transformer component: usp_dit parallelises Diffusion "
+                f"Transformer pipelines (Flux, CogVideoX, Mochi), not UNet ones"
+            )
+        return transformer, target
+    raise ValueError(
+        f"pipe_or_transformer must be a diffusers DiffusionPipeline or a torch.nn.Module transformer, "
+        f"got {type(target).__name__}"
+    )
+
+
+def _resolve_mesh(mesh: USPMesh | None, ulysses_degree: int, ring_degree: int, cfg_degree: int) -> USPMesh:
+    """``mesh`` if given (its degrees must agree with any degree passed), else ``init_usp(...)``."""
+    if mesh is None:
+        return init_usp(ulysses_degree=ulysses_degree, ring_degree=ring_degree, cfg_degree=cfg_degree)
+    given = {"ulysses_degree": ulysses_degree, "ring_degree": ring_degree, "cfg_degree": cfg_degree}
+    for name, value in given.items():
+        if value != 1 and value != getattr(mesh, name):
+            raise ValueError(f"{name}={value} disagrees with mesh={mesh}: pass the degrees or a mesh, not both")
+    return mesh
+
+
+def _check_backend(backend: str) -> None:
+    """ValueError for a backend name that is neither "auto" nor registered (checked before patching)."""
+    if backend != "auto":
+        get_backend(backend)
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Note [same inputs everywhere]
+
+
+def _replica_groups(mesh: USPMesh) -> list[dist.ProcessGroup]:
+    """The cfg group, then the sequence group: broadcasting over both covers one model replica."""
+    return [g for g in (mesh.cfg_group, mesh.seq_group) if g is not None]
+
+
+def _comm_device(mesh: USPMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast_copy(t: torch.Tensor, mesh: USPMesh) -> torch.Tensor:
+    """A copy of the replica's first rank's ``t`` (no autograd), on ``t``'s device and dtype."""
+    buf = t.detach().to(_comm_device(mesh), copy=True).contiguous()
+    as_bool = buf.dtype == torch.bool
+    if as_bool:
+        buf = buf.to(torch.uint8)  # not every backend reduces/broadcasts bool
+    for group in _replica_groups(mesh):
+        dist.broadcast(buf, group=group, group_src=0)
+    if as_bool:
+        buf = buf.bool()
+    return buf.to(t.device)
+
+
+def _check_same(t: torch.Tensor, name: str, mesh: USPMesh) -> None:
+    """ValueError when ``t`` differs between ranks of the replica (checksum: sum and weighted sum)."""
+    flat = t.detach().double().reshape(-1)
+    weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)
+    sums = torch.stack([flat.sum(), (flat * weights).sum()])
+    both = torch.cat([sums, -sums]).to(_comm_device(mesh))
+    for group in _replica_groups(mesh):
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        if not torch.equal(both[:2], -both[2:]):
+            raise ValueError(
+                f"argument {name!r} (requires grad) differs between ranks of one model replica; "
+                f"every rank must pass the same tensor (seed the generator or broadcast it)"
+            )
+
+
+def _sync_value(value: Any, name: str, mesh: USPMesh) -> Any:
+    if torch.is_tensor(value):
+        if value.requires_grad:
+            _check_same(value, name, mesh)
+            return value
+        return _broadcast_copy(value, mesh)
+    if isinstance(value, (list, tuple)) and any(torch.is_tensor(v) for v in value):
+        return type(value)(_sync_value(v, name, mesh) for v in value)
+    return value
+
+
+def sync_arguments(arguments: dict[str, Any], mesh: USPMesh) -> None:
+    """Note [same inputs everywhere]: make every tensor argument the replica's first rank's, in place."""
+    for name, value in arguments.items():
+        arguments[name] = _sync_value(value, name, mesh)
+
+
+# ---------------------------------------------------------------------------------------------
+# Note [cfg parallel]
+
+
+def _batch_size(arguments: dict[str, Any]) -> int:
+    for value in arguments.values():
+        if torch.is_tensor(value) and value.dim() > 0:
+            return value.shape[0]
+    raise ValueError("cfg_degree > 1 needs a tensor argument with a batch dimension; the transformer got none")
+
+
+def _take_rows(value: Any, batch: int, lo: int, hi: int, name: str, strict: bool) -> Any:
+    """Rows [lo, hi) of a batched tensor (or of each tensor of a list/tuple); broadcastable ones stay."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_take_rows(v, batch, lo, hi, name, strict) for v in value)
+    if not torch.is_tensor(value) or value.dim() == 0:
+        return value
+    if value.shape[0] == batch:
+        return value[lo:hi]
+    if strict and value.shape[0] != 1:
+        raise ValueError(f"argument {name!r} has {value.shape[0]} rows but the batch is {batch}")
+    return value
+
+
+def split_cfg_batch(arguments: dict[str, Any], mesh: USPMesh, batch_args: tuple[str, ...] | None) -> int:
+    """Keep this cfg rank's rows of every batched argument, in place; returns the full batch size.
+
+    Raises:
+        NotImplementedError: the batch does not split evenly over the cfg ranks.
+    """
+    batch, cfg = _batch_size(arguments), mesh.cfg_degree
+    if batch % cfg:
+        raise NotImplementedError(
+            f"cfg_degree={cfg} splits the transformer's batch over {cfg} groups, but the batch is {batch}: "
+            f"use a pipeline that batches classifier-free guidance (e.g. CogVideoX, Mochi) or cfg_degree=1"
+        )
+    rows = batch // cfg
+    lo = mesh.cfg_rank * rows
+    names = batch_args if batch_args is not None else tuple(arguments)
+    for name in names:
+        if name in arguments:
+            arguments[name] = _take_rows(arguments[name], batch, lo, lo + rows, name, batch_args is not None)
+    return batch
+
+
+def _gather_rows(x: torch.Tensor, batch: int, mesh: USPMesh) -> torch.Tensor:
+    rows = batch // mesh.cfg_degree
+    return all_gather_uneven(x, [rows] * mesh.cfg_degree, 0, mesh.cfg_group)
+
+
+def gather_cfg_output(out: Any, batch: int, mesh: USPMesh) -> Any:
+    """The first output (the sample, batch/cfg rows here) all-gathered over "cfg": full batch, every rank."""
+    if torch.is_tensor(out):
+        return _gather_rows(out, batch, mesh)
+    if isinstance(out, tuple):
+        return (_gather_rows(out[0], batch, mesh),) + out[1:]
+    key = next(iter(out.keys()))  # BaseOutput: the sample is its first field
+    setattr(out, key, _gather_rows(out[key], batch, mesh))
+    return out
+
+
+def _replica_forward(inner, state: USPState):
+    """``inner`` (the adapter's forward) with inputs synced and the batch split over "cfg"."""
+    signature = inspect.signature(inner)
+    mesh = state.mesh
+    batch_args = getattr(state.adapter, "cfg_batch_args", None)
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        if state.sync_inputs:
+            sync_arguments(bound.arguments, mesh)
+        if mesh.cfg_degree == 1:
+            return inner(*bound.args, **bound.kwargs)
+        batch = split_cfg_batch(bound.arguments, mesh, batch_args)
+        return gather_cfg_output(inner(*bound.args, **bound.kwargs), batch, mesh)
+
+    return forward
+
+
+# ---------------------------------------------------------------------------------------------
+# Note [a failing rank]
+
+
+def _exit_on_uncaught(exc_type, exc, tb) -> None:
+    rank = os.environ.get("RANK", "?")
+    try:
+        sys.stderr.write(f"[usp_dit] rank {rank}: uncaught {exc_type.__name__}, ending this process now "
+                         f"so that no other rank waits for it in a collective\n")
+        traceback.print_exception(exc_type, exc, tb)
+        sys.stderr.flush()
+        sys.stdout.flush()
+    finally:
+        os._exit(1)
+
+
+def install_failure_handler() -> None:
+    """Note [a failing rank]: an uncaught exception prints its traceback and ends the process at once.
+
+    Idempotent. Only the main thread's uncaught exceptions go through ``sys.excepthook``.
+    """
+    sys.excepthook = _exit_on_uncaught
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress bars: rank 0 only
+
+
+def _quiet_progress_bar(pipe: Any, state: USPState) -> None:
+    if pipe is None or _global_rank() == 0:
+        return
+    state.pipe_ref = weakref.ref(pipe)
+    state.progress_config = dict(getattr(pipe, "_progress_bar_config", {}))
+    pipe.set_progress_bar_config(disable=True)
+
+
+def _restore_progress_bar(state: USPState) -> None:
+    pipe = state.pipe_ref() if state.pipe_ref is not None else None
+    if pipe is not None and state.progress_config is not _MISSING:
+        pipe._progress_bar_config = state.progress_config
+
+
+# ---------------------------------------------------------------------------------------------
+# The API
+
+
+def enable_usp(
+    pipe_or_transformer: Any,
+    ulysses_degree: int = 1,
+    ring_degree: int = 1,
+    cfg_degree: int = 1,
+    backend: str = "auto",
+    *,
+    mesh: USPMesh | None = None,
+    sync_inputs: bool = True,
+) -> USPMesh:
+    """Run a Diffusers pipeline's transformer (or a bare transformer) on a USP grid, in place.
+
+    Call it on every rank (under torchrun) with the same arguments. The transformer then takes and
+    returns full tensors, exactly as before; inside, its tokens are split over the
+    ``ulysses_degree * ring_degree`` ranks of a sequence group and its batch over ``cfg_degree``
+    groups (Note [cfg parallel]). Only rank 0 of the job keeps the pipeline's progress bar.
+
+    Args:
+        pipe_or_transformer: a ``DiffusionPipeline`` with a ``transformer`` component, or the
+            transformer itself (e.g. for fine-tuning).
+        ulysses_degree, ring_degree, cfg_degree: the grid; their product must divide the world size
+            (the remaining factor is data parallel). Ignored when ``mesh`` is given.
+        backend: attention kernel, "auto" or a name from ``usp_dit.kernels.list_backends()``.
+        mesh: a grid from ``usp_dit.init_usp`` to use instead of building one.
+        sync_inputs: broadcast the transformer's inputs from each replica's first rank
+            (Note [same inputs everywhere]); turn off only if you guarantee identical inputs.
+
+    Returns:
+        The mesh in use.
+
+    Raises:
+        ValueError: bad degrees or backend name, a mesh that disagrees with the degrees, or a
+            transformer on which usp_dit is already enabled.
+        NotImplementedError: no adapter for this transformer class (the message names the
+            supported ones) or a pipeline without a transformer.
+    """
+    transformer, pipe = _transformer_of(pipe_or_transformer)
+    if getattr(transformer, _STATE_ATTR, None) is not None:
+        raise ValueError(f"usp_dit is already enabled on this {type(transformer).__name__}; call disable_usp first")
+    _check_backend(backend)
+    adapter = find_adapter(transformer)
+    mesh = _resolve_mesh(mesh, ulysses_degree, ring_degree, cfg_degree)
+    adapter.enable(transformer, mesh, backend)
+    state = USPState(mesh, adapter, backend, sync_inputs)
+    if mesh.config.model_degree > 1:  # at one rank there is nothing to sync or split: no wrapper, no tax
+        state.forward_attr = transformer.__dict__.get("forward", _MISSING)
+        transformer.forward = _replica_forward(transformer.forward, state)
+        state.wrapped = True
+    setattr(transformer, _STATE_ATTR, state)
+    _quiet_progress_bar(pipe, state)
+    if _world_size() > 1:
+        install_failure_handler()
+    return mesh
+
+
+def disable_usp(pipe_or_transformer: Any) -> None:
+    """Undo ``enable_usp``: the original processors and forward come back (bit-identical results).
+
+    A transformer on which usp_dit is not enabled is left as it is.
+    """
+    transformer, _ = _transformer_of(pipe_or_transformer)
+    state = transformer.__dict__.pop(_STATE_ATTR, None)
+    if state is None:
+        return
+    if state.wrapped:
+        if state.forward_attr is _MISSING:
+            del transformer.forward
+        else:
+            transformer.forward = state.forward_attr
+    state.adapter.disable(transformer)
+    _restore_progress_bar(state)
+
+
+def is_usp_enabled(pipe_or_transformer: Any) -> bool:
+    """True while ``enable_usp`` is in force on this pipeline's transformer (or this transformer)."""
+    transformer, _ = _transformer_of(pipe_or_transformer)
+    return getattr(transformer, _STATE_ATTR, None) is not None
+
+
+def _pipe_enable_usp(self, ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1,
+                     backend: str = "auto", **kwargs) -> USPMesh:
+    return enable_usp(self, ulysses_degree, ring_degree, cfg_degree, backend, **kwargs)
+
+
+def _pipe_disable_usp(self) -> None:
+    disable_usp(self)
+
+
+_pipe_enable_usp.__doc__ = "``usp_dit.enable_usp(pipe, ...)`` as a pipeline method.\n\n" + (enable_usp.__doc__ or "")
+_pipe_disable_usp.__doc__ = "``usp_dit.disable_usp(pipe)`` as a pipeline method."
+
+
+def attach_pipeline_methods() -> None:
+    """Give every ``DiffusionPipeline`` ``.enable_usp(...)`` and ``.disable_usp()`` (done at import)."""
+    DiffusionPipeline.enable_usp = _pipe_enable_usp
+    DiffusionPipeline.disable_usp = _pipe_disable_usp
