@@ -1,0 +1,30 @@
+"""Fine-tuning Diffusion Transformers with USP: gradient reduction, shared noise, FSDP2, checkpoints.
+
+Layout: model tensors as the model holds them; see each module. The semantics (how the loss is
+formed, why the mean over a replica is the one-process gradient, RNG sync, data parallelism) are in
+docs/TRAINING.md and the Notes of ``reduce`` and ``rng``.
+"""
+from __future__ import annotations
+
+from usp_dit.training.reduce import (
+    broadcast_from_group_leader,
+    check_same_on_replica,
+    data_parallel_group,
+    mean_over_data_parallel,
+    reduction_groups,
+    replica_groups,
+    sync_grads,
+)
+from usp_dit.training.rng import replica_generator, replica_seed
+
+__all__ = [
+    "broadcast_from_group_leader",
+    "check_same_on_replica",
+    "data_parallel_group",
+    "mean_over_data_parallel",
+    "reduction_groups",
+    "replica_generator",
+    "replica_groups",
+    "replica_seed",
+    "sync_grads",
+]
