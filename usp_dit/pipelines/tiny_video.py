@@ -146,3 +146,76 @@ def mochi_inputs(
         else:
             mask[b, text_len + n:] = True
     return MochiInputs(x, text, timestep, mask)
+
+
+# ---- whole pipelines -----------------------------------------------------------------------------
+
+TEXT_DIM = 32  # d_model of the tiny T5 encoder = text_embed_dim of the tiny transformers
+_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?'-"
+
+
+def tiny_t5(max_length: int, seed: int = 0):
+    """A T5 tokenizer over single characters (a unigram vocabulary written here, no file) and a
+    2-layer ``T5EncoderModel`` of width ``TEXT_DIM``; returns ``(tokenizer, encoder)``."""
+    from transformers import T5Config, T5EncoderModel, T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
+    pieces += [(c, -2.0) for c in _CHARS if c != " "]
+    tokenizer = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
+    torch.manual_seed(seed)
+    encoder = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer), d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        pad_token_id=0, eos_token_id=1,
+    ))
+    _perturb(encoder, seed + 1, std=0.02)
+    return tokenizer, encoder.eval()
+
+
+def tiny_cogvideox_pipeline(max_text_len: int = 16, seed: int = 0):
+    """A ``CogVideoXPipeline`` (5B-like: RoPE passed by the pipeline) of tiny random models, float32.
+
+    VAE: 8x spatial, 4x temporal compression, so ``height x width x num_frames`` gives
+    ``((num_frames - 1) / 4 + 1) * (height / 16) * (width / 16)`` video tokens (patch 2); e.g.
+    48 x 48 x 9 frames -> 27 tokens. Call it with ``max_sequence_length <= max_text_len``.
+    """
+    from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline
+
+    tokenizer, text_encoder = tiny_t5(max_text_len, seed + 10)
+    torch.manual_seed(seed + 20)
+    vae = AutoencoderKLCogVideoX(
+        down_block_types=("CogVideoXDownBlock3D",) * 4, up_block_types=("CogVideoXUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1, norm_num_groups=2,
+        temporal_compression_ratio=4, sample_height=48, sample_width=48,
+    ).eval()
+    transformer = tiny_cogvideox("5b", text_len=max_text_len, seed=seed + 30)
+    return CogVideoXPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+        scheduler=CogVideoXDDIMScheduler(),
+    )
+
+
+def tiny_mochi_pipeline(max_text_len: int = 16, seed: int = 0):
+    """A ``MochiPipeline`` of tiny random models, float32.
+
+    VAE: 8x spatial, 6x temporal expansion, so ``height x width x num_frames`` gives
+    ``((num_frames - 1) / 6 + 1) * (height / 16) * (width / 16)`` video tokens (patch 2); e.g.
+    48 x 48 x 13 frames -> 27 tokens. Call it with ``max_sequence_length <= max_text_len``.
+    """
+    from diffusers import AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, MochiPipeline
+
+    tokenizer, text_encoder = tiny_t5(max_text_len, seed + 10)
+    torch.manual_seed(seed + 20)
+    vae = AutoencoderKLMochi(
+        latent_channels=12, out_channels=3, encoder_block_out_channels=(32, 32, 32, 32),
+        decoder_block_out_channels=(32, 32, 32, 32), layers_per_block=(1, 1, 1, 1, 1),
+    ).eval()
+    torch.manual_seed(seed + 30)
+    transformer = MochiTransformer3DModel(
+        patch_size=2, num_attention_heads=6, attention_head_dim=16, num_layers=2, pooled_projection_dim=48,
+        in_channels=12, text_embed_dim=TEXT_DIM, time_embed_dim=32, max_sequence_length=max_text_len,
+    )
+    _perturb(transformer, seed + 31)
+    return MochiPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        transformer=transformer.eval(),
+    )
