@@ -81,7 +81,11 @@ def _grad_case(family: str, grid, fsdp: str | None, lora: bool, ckpt: bool) -> d
     else:
         sync_grads(case.model, mesh)
         grads = {n: p.grad for n, p in case.model.named_parameters()}
-    return _worst(grads, expected)
+    result = _worst(grads, expected)
+    if lora:  # PEFT froze the base weights: only LoRA parameters are trainable (and none is missed)
+        result["extra"] += sorted(n for n in expected if "lora_" not in n)
+        result["missing"] += [] if any("lora_" in n for n in expected) else ["<no LoRA parameter>"]
+    return result
 
 
 def _train_two_steps(case, mesh=None, fsdp: str | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
