@@ -30,7 +30,7 @@ Note [cfg parallel]
     every rank returns the full batch before the pipeline combines guidance. Which arguments are
     batched: the adapter's ``cfg_batch_args`` names when it has them (their tensors, or lists of
     tensors, with dim 0 == B are split; size-1 or 0-dim ones broadcast and stay whole); otherwise
-    every tensor argument whose dim 0 equals the batch of the first tensor argument.
+    every top-level tensor argument whose dim 0 equals the batch of the first tensor argument.
 
 Note [a failing rank]
     When one rank raises, the others are typically blocked in a collective waiting for it. Under
@@ -206,8 +206,11 @@ def _batch_size(arguments: dict[str, Any]) -> int:
 
 
 def _take_rows(value: Any, batch: int, lo: int, hi: int, name: str, strict: bool) -> Any:
-    """Rows [lo, hi) of a batched tensor (or of each tensor of a list/tuple); broadcastable ones stay."""
+    """Rows [lo, hi) of a batched tensor (or, for a declared argument, of each tensor of a list/tuple);
+    broadcastable ones stay."""
     if isinstance(value, (list, tuple)):
+        if not strict:  # undeclared containers (e.g. RoPE tables (seq, dim)) are not batched
+            return value
         return type(value)(_take_rows(v, batch, lo, hi, name, strict) for v in value)
     if not torch.is_tensor(value) or value.dim() == 0:
         return value

@@ -232,7 +232,7 @@ class _FluxPatch:
 class FluxAdapter:
     """``FluxTransformer2DModel``: tokens split per Note [Flux token split], attention by ``usp_attention``."""
 
-    name = "flux"
+    name = "Flux"
     # Arguments that carry the batch dimension first (split over the "cfg" axis by enable_usp).
     cfg_batch_args = (
         "hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance",
