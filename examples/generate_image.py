@@ -1,0 +1,159 @@
+"""torchrun: generate an image with Flux on a Ulysses x Ring (x CFG) grid, checked against one rank.
+
+    torchrun --standalone --nproc-per-node 4 examples/generate_image.py --ulysses 2 --ring 2
+    torchrun --standalone --nproc-per-node 8 examples/generate_image.py \
+        --model black-forest-labs/FLUX.1-dev --height 1024 --width 1024 --steps 28 --ulysses 4 --ring 2
+
+With no ``--model`` it builds a tiny randomly initialised FluxPipeline in code (tiny transformer,
+VAE, scheduler, CLIP and T5 encoders with character tokenizers; nothing is downloaded) and runs it
+in float32 on CPU with gloo. Every rank runs the pipeline's real ``__call__``; the transformer's
+tokens are split over the grid (``pipe.enable_usp``); rank 0 alone shows the progress bar and
+writes the PNG. Then ``pipe.disable_usp()`` and rank 0 runs the same pipeline alone, in the same
+process, and prints the largest difference (max |diff| / max |one rank|) and MATCH or MISMATCH.
+
+Layout: images (batch, height, width, 3) in [0, 1]; ``--height``/``--width`` must be multiples of 16
+(the tiny VAE: 8 pixels per latent pixel, 2x2 latent pixels per token). The default 1008x1008 gives
+63 x 63 = 3969 image tokens + 64 text tokens: a count that divides neither 2 nor 4 ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no torchvision notices from transformers
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from PIL import Image  # noqa: E402
+
+import usp_dit  # noqa: E402  (also gives every DiffusionPipeline .enable_usp / .disable_usp)
+from usp_dit.pipelines import install_failure_handler  # noqa: E402
+
+# max |diff| / max |one rank| of the final images. float32: every step moves the latents by the
+# transformer's output, which differs from one rank's by float32 rounding (~1e-6); a few steps and the
+# VAE keep it near 3e-6 (1008x1008, 4 steps), so 1e-4 leaves room for longer runs. Half precision:
+# rounding of 1e-3 per op, compounded over steps.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+TINY_TEXT_LEN = 64  # text tokens of the tiny pipeline (its tokenizers spend one per character)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="Flux checkpoint path or hub id (default: a tiny random pipeline)")
+    p.add_argument("--prompt", default="a lighthouse on a cliff at dawn, oil painting")
+    p.add_argument("--height", type=int, default=1008)
+    p.add_argument("--width", type=int, default=1008)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--guidance", type=float, default=3.5, help="Flux guidance (dev; schnell ignores it)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ulysses", type=int, default=None, help="Ulysses degree (default: 2 if it fits)")
+    p.add_argument("--ring", type=int, default=None, help="ring degree (default: what is left of the world)")
+    p.add_argument("--cfg", type=int, default=1, help="cfg degree; Flux does not batch CFG, so the cfg axis "
+                   "splits the batch of --num-images images")
+    p.add_argument("--num-images", type=int, default=None, help="images per prompt (default: the cfg degree)")
+    p.add_argument("--backend", default="auto", help="attention kernel: auto or a name from usp_dit.kernels")
+    p.add_argument("--output", default="flux_usp.png")
+    p.add_argument("--no-check", action="store_true", help="skip the one-rank comparison")
+    return p.parse_args()
+
+
+def degrees(args: argparse.Namespace, world: int) -> tuple[int, int, int]:
+    """(ulysses, ring, cfg) filling the world, unless given."""
+    per_cfg = world // args.cfg
+    ulysses = args.ulysses or (2 if per_cfg % 2 == 0 else 1)
+    ring = args.ring or max(1, per_cfg // ulysses)
+    return ulysses, ring, args.cfg
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Start the process group from torchrun's variables (NCCL on GPUs, else gloo); (rank, world, device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        # Ranks share the machine's cores: one rank's threads must not starve the others.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return rank, world, device
+
+
+def load_pipeline(args: argparse.Namespace, device: torch.device):
+    """The pipeline to run: ``--model`` from disk/hub in bf16 on GPUs, or the tiny one in float32."""
+    if args.model is None:
+        from usp_dit.pipelines.tiny_flux import tiny_flux_pipeline
+
+        return tiny_flux_pipeline(vae_blocks=4, max_text_len=TINY_TEXT_LEN).to(device)
+    from diffusers import FluxPipeline
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return FluxPipeline.from_pretrained(args.model, torch_dtype=dtype).to(device)
+
+
+def generate(pipe, args: argparse.Namespace, num_images: int) -> np.ndarray:
+    """(num_images, height, width, 3) float32 in [0, 1]; the seeded generator is the same on every rank."""
+    kwargs = {"max_sequence_length": TINY_TEXT_LEN} if args.model is None else {}
+    out = pipe(
+        args.prompt, height=args.height, width=args.width, num_inference_steps=args.steps,
+        guidance_scale=args.guidance, num_images_per_prompt=num_images, output_type="np",
+        generator=torch.Generator("cpu").manual_seed(args.seed), **kwargs,
+    )
+    return np.asarray(out.images, dtype=np.float32)
+
+
+def save_png(images: np.ndarray, path: str) -> None:
+    """Images side by side in one PNG."""
+    strip = np.concatenate(list(images), axis=1)
+    Image.fromarray((strip * 255).round().clip(0, 255).astype(np.uint8)).save(path)
+
+
+def compare_with_one_rank(pipe, args, images: np.ndarray, rank: int, num_images: int) -> None:
+    """Rank 0 runs the same pipeline alone (usp disabled) and prints the difference; others wait."""
+    pipe.disable_usp()
+    if rank == 0:
+        start = time.perf_counter()
+        ref = generate(pipe, args, num_images)
+        diff = float(np.abs(images.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-12))
+        tol = TOLERANCE[pipe.transformer.dtype]
+        verdict = "MATCH" if diff <= tol else "MISMATCH"
+        print(f"one rank: {time.perf_counter() - start:.1f} s; max|diff|/max|one rank| = {diff:.2e} "
+              f"(tolerance {tol:.0e}): {verdict}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def main() -> None:
+    args = parse_args()
+    install_failure_handler()  # a rank that raises ends the job at once (usp_dit.pipelines.api)
+    rank, world, device = init_distributed()
+    ulysses, ring, cfg = degrees(args, world)
+    num_images = args.num_images or cfg
+    pipe = load_pipeline(args, device)
+    mesh = pipe.enable_usp(ulysses_degree=ulysses, ring_degree=ring, cfg_degree=cfg, backend=args.backend)
+    tokens = (args.height // 16) * (args.width // 16)
+    if rank == 0:
+        print(f"usp_dit {usp_dit.__version__}: {mesh} on {world} ranks, {device.type}; "
+              f"{args.model or 'tiny random FluxPipeline'}, {args.height}x{args.width} ({tokens} image tokens), "
+              f"{args.steps} steps, {num_images} image(s)", flush=True)
+    start = time.perf_counter()
+    images = generate(pipe, args, num_images)
+    if rank == 0:
+        print(f"grid: {time.perf_counter() - start:.1f} s", flush=True)
+        save_png(images, args.output)
+        print(f"wrote {args.output}", flush=True)
+    if not args.no_check:
+        compare_with_one_rank(pipe, args, images, rank, num_images)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
