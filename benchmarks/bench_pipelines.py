@@ -1,0 +1,230 @@
+"""Transformer step on one GPU: stock Diffusers against the same model after ``enable_usp`` (world 1).
+
+    PYTHONPATH=. python3 benchmarks/bench_pipelines.py --model flux          # Flux.1-dev, 1024x1024
+    PYTHONPATH=. python3 benchmarks/bench_pipelines.py --model cogvideox     # CogVideoX-5B, 49 x 480 x 720
+    PYTHONPATH=. python3 benchmarks/bench_pipelines.py --model all --json out.json
+
+Full-size transformers with random weights (configs of the released checkpoints, written below),
+bf16, batch 1, ``torch.inference_mode``. One model is built per family; the two variants are timed
+side by side by switching it between stock and USP with ``enable_usp`` / ``disable_usp`` (which
+restores the stock processors and forward exactly): each round times ``--iters`` back-to-back
+forwards of each variant between two CUDA events; the reported figure is the median over
+``--rounds`` rounds, in ms per forward (one denoising step). Peak memory is measured for each
+variant in a separate forward after the rounds. The outputs of the two variants are compared
+(max |diff| / max |stock|): kernels differ (stock Diffusers calls SDPA with PyTorch's own kernel
+choice, usp_dit's "auto" picks cuDNN where it fits), so bf16 rounding differences are expected.
+
+Output: one markdown table row per model (header printed first), and ``--json`` if given. Exits
+non-zero on any error. Goal of issue 3: usp / stock <= 1.00. Stock on 2026-12-02 (torch 2.11,
+one H200): Flux 172.7 ms, CogVideoX-5B 879.5 ms.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+# Flux.1-dev: diffusers' FluxTransformer2DModel defaults are the dev checkpoint's config.
+FLUX_DEV = dict(
+    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)
+# CogVideoX-5B (THUDM/CogVideoX-5b, transformer/config.json).
+COGVIDEOX_5B = dict(
+    num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16, flip_sin_to_cos=True,
+    freq_shift=0, time_embed_dim=512, text_embed_dim=4096, num_layers=42, dropout=0.0, attention_bias=True,
+    sample_width=90, sample_height=60, sample_frames=49, patch_size=2, temporal_compression_ratio=4,
+    max_text_seq_length=226, activation_fn="gelu-approximate", timestep_activation_fn="silu",
+    norm_elementwise_affine=True, norm_eps=1e-5, spatial_interpolation_scale=1.875,
+    temporal_interpolation_scale=1.0, use_rotary_positional_embeddings=True,
+    use_learned_positional_embeddings=False,
+)
+
+
+@dataclass
+class Row:
+    model: str
+    shape: str
+    stock_ms: float
+    usp_ms: float
+    ratio: float
+    stock_peak_gib: float
+    usp_peak_gib: float
+    max_rel_diff: float
+    params_b: float
+
+
+def build(cls, config: dict, device: torch.device) -> torch.nn.Module:
+    """``cls(**config)`` created directly on ``device`` in bf16 (no fp32 copy on the host)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = cls(**config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(device=device, dtype=torch.bfloat16).eval()  # buffers made from numpy start on the host
+
+
+def flux_case(device: torch.device, height: int = 1024, width: int = 1024) -> tuple[torch.nn.Module, dict, str]:
+    """Flux.1-dev transformer and one step's inputs: (h/16)*(w/16) image tokens + 512 text tokens."""
+    from diffusers import FluxTransformer2DModel
+
+    model = build(FluxTransformer2DModel, FLUX_DEV, device)
+    rows, cols = height // 16, width // 16
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(r), r, c], -1).reshape(-1, 3).to(device, torch.bfloat16)
+    g = torch.Generator(device).manual_seed(0)
+    bf = dict(device=device, dtype=torch.bfloat16)
+    inputs = dict(
+        hidden_states=torch.randn(1, rows * cols, 64, generator=g, **bf),
+        encoder_hidden_states=torch.randn(1, 512, 4096, generator=g, **bf),
+        pooled_projections=torch.randn(1, 768, generator=g, **bf),
+        timestep=torch.full((1,), 0.5, **bf), guidance=torch.full((1,), 3.5, **bf),
+        img_ids=img_ids, txt_ids=torch.zeros(512, 3, **bf), return_dict=False,
+    )
+    return model, inputs, f"{height}x{width} ({rows * cols} + 512 tokens)"
+
+
+def cogvideox_case(device: torch.device, frames: int = 49, height: int = 480, width: int = 720):
+    """CogVideoX-5B transformer and one step's inputs, RoPE table as CogVideoXPipeline makes it."""
+    from diffusers import CogVideoXTransformer3DModel
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+    model = build(CogVideoXTransformer3DModel, COGVIDEOX_5B, device)
+    lat_f, lat_h, lat_w = (frames - 1) // 4 + 1, height // 8, width // 8
+    grid = (lat_h // 2, lat_w // 2)  # at the model's native 480x720 the pipeline's crop is the whole grid
+    cos, sin = get_3d_rotary_pos_embed(
+        embed_dim=64, crops_coords=((0, 0), grid), grid_size=grid, temporal_size=lat_f, device=device,
+    )
+    g = torch.Generator(device).manual_seed(0)
+    bf = dict(device=device, dtype=torch.bfloat16)
+    inputs = dict(
+        hidden_states=torch.randn(1, lat_f, 16, lat_h, lat_w, generator=g, **bf),
+        encoder_hidden_states=torch.randn(1, 226, 4096, generator=g, **bf),
+        timestep=torch.full((1,), 500, device=device, dtype=torch.long),
+        image_rotary_emb=(cos.to(device), sin.to(device)), return_dict=False,
+    )
+    tokens = lat_f * grid[0] * grid[1]
+    return model, inputs, f"{frames}x{height}x{width} ({tokens} + 226 tokens)"
+
+
+CASES: dict[str, Callable] = {"flux": flux_case, "cogvideox": cogvideox_case}
+
+
+def time_round(fn: Callable[[], object], iters: int) -> float:
+    """ms per call of ``iters`` back-to-back calls between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def peak_gib(fn: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def set_variant(model: torch.nn.Module, variant: str, backend: str) -> None:
+    import usp_dit
+
+    usp_dit.disable_usp(model)
+    if variant == "usp":
+        usp_dit.enable_usp(model, backend=backend)
+
+
+def bench(name: str, args: argparse.Namespace, device: torch.device) -> Row:
+    """Build ``name``'s model, warm both variants up, time them interleaved, compare outputs."""
+    start = time.perf_counter()
+    model, inputs, shape = CASES[name](device)
+    params = sum(p.numel() for p in model.parameters()) / 1e9
+    print(f"# {name}: {params:.2f} B parameters built in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+    def forward() -> torch.Tensor:
+        return model(**inputs)[0]
+
+    outputs, samples = {}, {"stock": [], "usp": []}
+    with torch.inference_mode():
+        for variant in ("stock", "usp"):  # warm-up: kernels chosen, allocator filled
+            set_variant(model, variant, args.backend)
+            for _ in range(args.warmup):
+                outputs[variant] = forward()
+            torch.cuda.synchronize()
+        for _ in range(args.rounds):
+            for variant in ("stock", "usp"):
+                set_variant(model, variant, args.backend)
+                samples[variant].append(time_round(forward, args.iters))
+        peaks = {}
+        for variant in ("stock", "usp"):
+            set_variant(model, variant, args.backend)
+            peaks[variant] = peak_gib(forward)
+        set_variant(model, "stock", args.backend)
+    ref, got = outputs["stock"].float(), outputs["usp"].float()
+    diff = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+    stock, usp = statistics.median(samples["stock"]), statistics.median(samples["usp"])
+    del model, inputs, outputs
+    torch.cuda.empty_cache()
+    return Row(name, shape, stock, usp, usp / stock, peaks["stock"], peaks["usp"], diff, params)
+
+
+def markdown(row: Row) -> str:
+    return (f"| {row.model} | {row.shape} | {row.stock_ms:.1f} | {row.usp_ms:.1f} | {row.ratio:.3f} | "
+            f"{row.stock_peak_gib:.1f} | {row.usp_peak_gib:.1f} | {row.max_rel_diff:.1e} |")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=[*CASES, "all"], default="flux")
+    p.add_argument("--backend", default="auto", help="usp_dit attention backend for the usp variant")
+    p.add_argument("--warmup", type=int, default=3, help="untimed forwards per variant")
+    p.add_argument("--iters", type=int, default=3, help="forwards per timed round")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        print("bench_pipelines.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import diffusers
+
+    import usp_dit
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}, diffusers {diffusers.__version__}, "
+          f"usp_dit {usp_dit.__version__}; bf16, batch 1, world size 1; ms per transformer forward "
+          f"(median of {args.rounds} rounds x {args.iters})")
+    print("| model | shape | stock ms | usp ms | usp/stock | stock peak GiB | usp peak GiB | max rel diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = []
+    for name in (CASES if args.model == "all" else [args.model]):
+        rows.append(bench(name, args, device))
+        print(markdown(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception:  # any failure: the traceback and a non-zero status, never a half table passing as done
+        traceback.print_exc()
+        sys.exit(1)
