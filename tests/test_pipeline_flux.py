@@ -4,7 +4,8 @@ Each spawned group (started once per world size) runs the whole grid: every (uly
 grid of the issue that fits, on tiny transformers (4 heads x 16, 2 double + 2 single blocks) with
 token counts that do not divide the world size (71, 68 and 16 joint tokens; 16 tokens on 4 ranks
 leaves the text on two ranks), batch 1 and 2, with ControlNet residuals; then, on 4 ranks, the
-whole tiny FluxPipeline for 2 steps, inputs that differ per rank (made equal by enable_usp),
+whole tiny FluxPipeline for 2 steps (also without a generator: the same image on every rank),
+inputs that differ per rank (made equal by enable_usp),
 gradients for fine-tuning, and disable_usp's bit-identical restore.
 
 Tolerance (max |err| / max |ref|): float32 1e-5, the issue's bar. The grid changes only the order
@@ -155,12 +156,19 @@ def _check_disable(model) -> dict[str, float]:
     }
 
 
-def _pipeline_image(pipe, num_images: int = 1) -> torch.Tensor:
+def _pipeline_image(pipe, num_images: int = 1, seeded: bool = True) -> torch.Tensor:
     out = pipe(
         "a tiny red fox", height=40, width=40, num_inference_steps=2, guidance_scale=3.5, max_sequence_length=16,
-        num_images_per_prompt=num_images, generator=torch.Generator().manual_seed(0), output_type="pt",
+        num_images_per_prompt=num_images, generator=torch.Generator().manual_seed(0) if seeded else None,
+        output_type="pt",
     )
     return out.images
+
+
+def _same_on_every_rank(x: torch.Tensor) -> bool:
+    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, x.contiguous())
+    return all(torch.equal(p, pieces[0]) for p in pieces)
 
 
 def _check_pipelines() -> dict[str, float]:
@@ -172,8 +180,11 @@ def _check_pipelines() -> dict[str, float]:
     pipe.enable_usp(ulysses_degree=2, ring_degree=2)
     results["progress_bar_quiet"] = float(pipe._progress_bar_config.get("disable", False) == (dist.get_rank() != 0))
     results["pipe_u2r2"] = rel_err(_pipeline_image(pipe), ref)
+    # No generator: each rank draws its own noise; enable_usp makes rank 0's the noise of all ranks.
+    results["unseeded_same_everywhere"] = float(_same_on_every_rank(_pipeline_image(pipe, seeded=False)))
     pipe.disable_usp()
     results["progress_bar_restored"] = float(not pipe._progress_bar_config.get("disable", False))
+    results["prepare_latents_restored"] = float("prepare_latents" not in pipe.__dict__)
     results["pipe_disabled_bit_identical"] = float(torch.equal(_pipeline_image(pipe), ref))
     # Another pipeline in the same process, other degrees: cfg axis splitting a batch of two images.
     other = tiny_flux_pipeline()
@@ -271,5 +282,7 @@ def test_whole_pipeline_matches_one_process(grid_results):
         assert res["pipe_u2r2"] <= TOL, f"rank {rank}: {res}"
         assert res["pipe_cfg2_r2"] <= TOL, f"rank {rank}: {res}"
         assert res["pipe_disabled_bit_identical"] == 1.0, f"rank {rank}: {res}"
+        assert res["unseeded_same_everywhere"] == 1.0, f"rank {rank}: {res}"
+        assert res["prepare_latents_restored"] == 1.0, f"rank {rank}: {res}"
         assert res["cfg_odd_batch_raises"] == 1.0, f"rank {rank}: {res}"
         assert res["progress_bar_quiet"] == 1.0 and res["progress_bar_restored"] == 1.0, f"rank {rank}: {res}"

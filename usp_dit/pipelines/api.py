@@ -22,6 +22,11 @@ Note [same inputs everywhere]
     that is about 5 MB per step, small beside the attention traffic. Tensors that require grad
     (fine-tuning) cannot be replaced by a broadcast copy without cutting their graph: they are
     checked instead (a two-number checksum, one all-reduce) and a mismatch raises ValueError.
+    On a pipeline, ``prepare_latents`` is wrapped the same way, so that the latents the scheduler
+    steps (and the VAE decodes) are also the first rank's on every rank: every rank ends with the
+    same image, seeded generator or not. (Fresh noise a stochastic scheduler draws per step from
+    an unseeded generator still differs per rank; the transformer input broadcast keeps the
+    model's result consistent, and rank 0's latents are the ones a single process would have.)
 
 Note [cfg parallel]
     With cfg_degree=2 the transformer's batch (the pipeline's [uncond, cond] halves, or any batch
@@ -78,8 +83,10 @@ class USPState:
     sync_inputs: bool
     forward_attr: Any = _MISSING  # the instance attribute ``forward`` the adapter left (if any)
     wrapped: bool = False
-    pipe_ref: Any = None  # weakref to the pipeline whose progress bar was silenced
-    progress_config: Any = _MISSING  # that pipeline's progress-bar config before enable
+    pipe_ref: Any = None  # weakref to the pipeline enable_usp was called on, if any
+    progress_config: Any = _MISSING  # that pipeline's progress-bar config before enable (ranks > 0)
+    latents_attr: Any = _MISSING  # its instance attribute ``prepare_latents`` before enable, if any
+    latents_wrapped: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,21 +309,61 @@ def install_failure_handler() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Progress bars: rank 0 only
+# The pipeline: progress bars on rank 0 only, initial latents synced
 
 
 def _quiet_progress_bar(pipe: Any, state: USPState) -> None:
-    if pipe is None or _global_rank() == 0:
+    if _global_rank() == 0:
         return
-    state.pipe_ref = weakref.ref(pipe)
     state.progress_config = dict(getattr(pipe, "_progress_bar_config", {}))
     pipe.set_progress_bar_config(disable=True)
 
 
-def _restore_progress_bar(state: USPState) -> None:
-    pipe = state.pipe_ref() if state.pipe_ref is not None else None
-    if pipe is not None and state.progress_config is not _MISSING:
+def _restore_progress_bar(pipe: Any, state: USPState) -> None:
+    if state.progress_config is not _MISSING:
         pipe._progress_bar_config = state.progress_config
+
+
+def _sync_pipeline_latents(pipe: Any, state: USPState) -> None:
+    """Note [same inputs everywhere], at the source: the pipeline's ``prepare_latents`` returns the
+    replica's first rank's tensors, so every rank denoises (and decodes) the same latents."""
+    prepare = getattr(pipe, "prepare_latents", None)
+    if prepare is None or not state.sync_inputs or state.mesh.config.model_degree == 1:
+        return
+    state.latents_attr = pipe.__dict__.get("prepare_latents", _MISSING)
+
+    @functools.wraps(prepare)
+    def prepare_latents(*args, **kwargs):
+        return _sync_value(prepare(*args, **kwargs), "latents", state.mesh)
+
+    pipe.prepare_latents = prepare_latents
+    state.latents_wrapped = True
+
+
+def _restore_pipeline_latents(pipe: Any, state: USPState) -> None:
+    if not state.latents_wrapped:
+        return
+    if state.latents_attr is _MISSING:
+        del pipe.prepare_latents
+    else:
+        pipe.prepare_latents = state.latents_attr
+
+
+def _patch_pipeline(pipe: Any, state: USPState) -> None:
+    """Rank 0 alone shows progress; initial latents from the replica's first rank."""
+    if pipe is None:
+        return
+    state.pipe_ref = weakref.ref(pipe)
+    _quiet_progress_bar(pipe, state)
+    _sync_pipeline_latents(pipe, state)
+
+
+def _unpatch_pipeline(state: USPState) -> None:
+    pipe = state.pipe_ref() if state.pipe_ref is not None else None
+    if pipe is None:
+        return
+    _restore_progress_bar(pipe, state)
+    _restore_pipeline_latents(pipe, state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +385,8 @@ def enable_usp(
     Call it on every rank (under torchrun) with the same arguments. The transformer then takes and
     returns full tensors, exactly as before; inside, its tokens are split over the
     ``ulysses_degree * ring_degree`` ranks of a sequence group and its batch over ``cfg_degree``
-    groups (Note [cfg parallel]). Only rank 0 of the job keeps the pipeline's progress bar.
+    groups (Note [cfg parallel]). On a pipeline, only rank 0 of the job keeps the progress bar and
+    ``prepare_latents`` returns the replica's first rank's latents (Note [same inputs everywhere]).
 
     Args:
         pipe_or_transformer: a ``DiffusionPipeline`` with a ``transformer`` component, or the
@@ -372,7 +420,7 @@ def enable_usp(
         transformer.forward = _replica_forward(transformer.forward, state)
         state.wrapped = True
     setattr(transformer, _STATE_ATTR, state)
-    _quiet_progress_bar(pipe, state)
+    _patch_pipeline(pipe, state)
     if _world_size() > 1:
         install_failure_handler()
     return mesh
@@ -393,7 +441,7 @@ def disable_usp(pipe_or_transformer: Any) -> None:
         else:
             transformer.forward = state.forward_attr
     state.adapter.disable(transformer)
-    _restore_progress_bar(state)
+    _unpatch_pipeline(state)
 
 
 def is_usp_enabled(pipe_or_transformer: Any) -> bool:
