@@ -5,7 +5,8 @@ result: same seeded models, prompt and generator everywhere), then, for grids (U
 (2, 2, 1) (27 video tokens over 4 ranks: uneven) and (1, 2, 2) (the [uncond, cond] batch split
 over two cfg groups of a 2-rank ring), ``enable_usp(pipe, ...)``, runs the pipeline's real
 ``__call__`` (T5 text encoder, 2 denoising steps with classifier-free guidance, VAE decode),
-``disable_usp`` and runs again: that last video must be bit-identical to the first. The bare
+``disable_usp`` and runs again: that last video must be bit-identical to the first. CogVideoX
+runs as text-to-video and as image-to-video (the image's latents concatenated on channels). The bare
 transformers also go through ``enable_usp`` with cfg 2 (Mochi with a prompt mask that differs
 between the two batch elements, so each cfg group gets its own).
 
@@ -18,13 +19,17 @@ untrained random VAE has a large gain: it turns CogVideoX's 1.5e-6 into ~1.4e-5 
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import pytest
 import torch
 
 import usp_dit
 from tests.adapter_parity import check_spawn
 from usp_dit.pipelines.tiny_video import (
-    cogvideox_inputs, mochi_inputs, tiny_cogvideox, tiny_cogvideox_pipeline, tiny_mochi, tiny_mochi_pipeline,
+    cogvideox_inputs, mochi_inputs, gradient_image, tiny_cogvideox, tiny_cogvideox_pipeline, tiny_mochi,
+    tiny_mochi_pipeline,
 )
 from usp_dit.testing import rel_err, run_spawned
 
@@ -32,8 +37,9 @@ TOL = {"out": 1e-5, "latents": 1e-5, "frames": 1e-4}
 WORLD = 4
 GRIDS = [(2, 2, 1), (1, 2, 2)]  # (ulysses, ring, cfg)
 PROMPT, NEGATIVE = "a red fox jumps over a log", "blurry"
-PIPELINES = {  # name -> (builder, frames): both give 3 latent frames x 3 x 3 patches = 27 tokens at 48 x 48
+PIPELINES = {  # name -> (builder, frames): all give 3 latent frames x 3 x 3 patches = 27 tokens at 48 x 48
     "cogvideox": (tiny_cogvideox_pipeline, 9),
+    "cogvideox-i2v": (functools.partial(tiny_cogvideox_pipeline, image_to_video=True), 9),
     "mochi": (tiny_mochi_pipeline, 13),
 }
 
@@ -46,8 +52,9 @@ def generate(pipe, num_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
         last["latents"] = tensors["latents"]
         return {}
 
+    extra = {"image": gradient_image(48, 48)} if "image" in inspect.signature(pipe.__call__).parameters else {}
     frames = pipe(
-        PROMPT, negative_prompt=NEGATIVE, height=48, width=48, num_frames=num_frames, num_inference_steps=2,
+        prompt=PROMPT, negative_prompt=NEGATIVE, **extra, height=48, width=48, num_frames=num_frames, num_inference_steps=2,
         max_sequence_length=32, generator=torch.Generator().manual_seed(0), output_type="pt",
         callback_on_step_end=keep_latents,
     ).frames
@@ -96,7 +103,7 @@ def transformer_errors() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    for fn, arg in ((transformer_errors, None), (pipeline_errors, "cogvideox"), (pipeline_errors, "mochi")):
+    for fn, arg in [(transformer_errors, None)] + [(pipeline_errors, name) for name in PIPELINES]:
         try:
             results.update(fn() if arg is None else fn(arg))
         except Exception as exc:  # recorded, asserted by the parent

@@ -18,6 +18,7 @@ from diffusers.models.embeddings import get_3d_rotary_pos_embed
 COGVIDEOX_VARIANTS = {
     "2b": dict(use_rotary_positional_embeddings=False),  # sin-cos table added in the patch embedding
     "5b": dict(use_rotary_positional_embeddings=True),  # RoPE table passed in by the pipeline
+    "5b-i2v": dict(use_rotary_positional_embeddings=True, in_channels=8),  # image latents on channels
     # CogVideoX 1.5 image-to-video: temporal patches, ofs embedding, image latents concatenated on channels
     "1.5-i2v": dict(  # ofs_embed_dim must equal time_embed_dim (32)
         use_rotary_positional_embeddings=True, patch_size_t=2, ofs_embed_dim=32, in_channels=8),
@@ -171,14 +172,15 @@ def tiny_t5(max_length: int, seed: int = 0):
     return tokenizer, encoder.eval()
 
 
-def tiny_cogvideox_pipeline(max_text_len: int = 16, seed: int = 0):
-    """A ``CogVideoXPipeline`` (5B-like: RoPE passed by the pipeline) of tiny random models, float32.
+def tiny_cogvideox_pipeline(max_text_len: int = 16, seed: int = 0, image_to_video: bool = False):
+    """A ``CogVideoXPipeline`` (5B-like: RoPE passed by the pipeline) of tiny random models, float32;
+    with ``image_to_video`` a ``CogVideoXImageToVideoPipeline`` (call it with ``image=``).
 
     VAE: 8x spatial, 4x temporal compression, so ``height x width x num_frames`` gives
     ``((num_frames - 1) / 4 + 1) * (height / 16) * (width / 16)`` video tokens (patch 2); e.g.
     48 x 48 x 9 frames -> 27 tokens. Call it with ``max_sequence_length <= max_text_len``.
     """
-    from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline
+    from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXImageToVideoPipeline, CogVideoXPipeline
 
     tokenizer, text_encoder = tiny_t5(max_text_len, seed + 10)
     torch.manual_seed(seed + 20)
@@ -187,11 +189,22 @@ def tiny_cogvideox_pipeline(max_text_len: int = 16, seed: int = 0):
         block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1, norm_num_groups=2,
         temporal_compression_ratio=4, sample_height=48, sample_width=48,
     ).eval()
-    transformer = tiny_cogvideox("5b", text_len=max_text_len, seed=seed + 30)
-    return CogVideoXPipeline(
+    transformer = tiny_cogvideox("5b-i2v" if image_to_video else "5b", text_len=max_text_len, seed=seed + 30)
+    cls = CogVideoXImageToVideoPipeline if image_to_video else CogVideoXPipeline
+    return cls(
         tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
         scheduler=CogVideoXDDIMScheduler(),
     )
+
+
+def gradient_image(height: int, width: int):
+    """A deterministic RGB ``PIL.Image`` (colour gradients) to start image-to-video from."""
+    from PIL import Image
+
+    ys = torch.linspace(0, 1, height)[:, None].expand(height, width)
+    xs = torch.linspace(0, 1, width)[None, :].expand(height, width)
+    rgb = torch.stack([xs, ys, (xs + ys) / 2], dim=-1)
+    return Image.fromarray((rgb * 255).round().to(torch.uint8).numpy())
 
 
 def tiny_mochi_pipeline(max_text_len: int = 16, seed: int = 0):
