@@ -133,6 +133,7 @@ def _worker():
            "sharding": _sharding(), "missing_mesh": _missing_mesh_error()}
     res["seq_len_mismatch"] = _seq_len_mismatch()
     res["compiled"] = _compiled_multi_rank()
+    res["timeouts"] = _group_timeouts()
     return res
 
 
@@ -186,3 +187,15 @@ def test_seq_len_mismatch_raises(results):
 def test_compiled_model_on_grid_matches_eager(results):
     for r in results:
         assert r["compiled"] < 1e-5  # same kernels; float32 sums may be reordered by the tracer
+
+
+def _group_timeouts():
+    mesh = init_usp(ulysses_degree=2, ring_degree=2)
+    groups = [mesh.ulysses_group, mesh.ring_group, mesh.seq_group]
+    return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
+
+
+def test_mesh_groups_inherit_the_job_timeout(results):
+    """run_spawned starts the job with a 120 s timeout; the mesh's groups must not fall back to 30 min."""
+    for r in results:
+        assert r["timeouts"] == [120.0, 120.0, 120.0], r["timeouts"]

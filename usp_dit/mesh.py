@@ -159,9 +159,26 @@ def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1)
         seq_mesh = init_device_mesh(
             device_type, (dp, cfg_degree, config.sequence_degree), mesh_dim_names=("dp", "cfg", "seq")
         )
+        _inherit_timeout((device_mesh, _AXES), (seq_mesh, ("dp", "cfg", "seq")))
         mesh = USPMesh(config, dp, device_type, device_mesh, seq_mesh)
     set_default_mesh(mesh)
     return mesh
+
+
+def _inherit_timeout(*meshes: tuple[DeviceMesh, tuple[str, ...]]) -> None:
+    """Give the mesh's groups the default group's timeout.
+
+    New groups otherwise get the backend's default (30 minutes for gloo), so a rank stuck in a
+    collective after its peer failed would wait that long even when the job asked for less.
+    """
+    default = dist.distributed_c10d._get_default_group()
+    try:
+        timeout = default._get_backend(torch.device(_device_type())).options._timeout
+    except (AttributeError, RuntimeError):  # a backend without options: keep the groups' own default
+        return
+    for device_mesh, axes in meshes:
+        for axis in axes:
+            device_mesh.get_group(axis).set_timeout(timeout)
 
 
 class _Default:
