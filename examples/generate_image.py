@@ -30,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 from PIL import Image  # noqa: E402
 
 import usp_dit  # noqa: E402  (also gives every DiffusionPipeline .enable_usp / .disable_usp)
+from usp_dit.config import fill_degrees  # noqa: E402
 from usp_dit.pipelines import install_failure_handler  # noqa: E402
 
 # max |diff| / max |one rank| of the final images. float32: every step moves the latents by the
@@ -62,10 +63,7 @@ def parse_args() -> argparse.Namespace:
 
 def degrees(args: argparse.Namespace, world: int) -> tuple[int, int, int]:
     """(ulysses, ring, cfg) filling the world, unless given."""
-    per_cfg = world // args.cfg
-    ulysses = args.ulysses or (2 if per_cfg % 2 == 0 else 1)
-    ring = args.ring or max(1, per_cfg // ulysses)
-    return ulysses, ring, args.cfg
+    return fill_degrees(world, args.ulysses, args.ring, args.cfg)
 
 
 def init_distributed() -> tuple[int, int, torch.device]:

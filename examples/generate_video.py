@@ -38,6 +38,7 @@ from PIL import Image  # noqa: E402
 
 import usp_dit  # noqa: E402  (also gives every DiffusionPipeline .enable_usp / .disable_usp)
 from usp_dit.pipelines import install_failure_handler  # noqa: E402
+from usp_dit.config import fill_degrees  # noqa: E402
 
 # Frames of the tiny pipelines: an untrained VAE has a large gain (tests/test_video_pipelines.py),
 # so the float32 bar of the transformer (1e-5) becomes ~1e-5..1e-4 in pixels.
@@ -82,14 +83,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 
 def degrees(args: argparse.Namespace, world: int) -> tuple[int, int, int]:
-    """(ulysses, ring, cfg) filling the world, unless given (enable_usp checks that they fit)."""
-    per_cfg = max(1, world // args.cfg)
-    if args.ulysses is None:
-        ulysses = max(1, per_cfg // args.ring) if args.ring else (2 if per_cfg % 2 == 0 else 1)
-    else:
-        ulysses = args.ulysses
-    ring = args.ring or max(1, per_cfg // ulysses)
-    return ulysses, ring, args.cfg
+    """(ulysses, ring, cfg) filling the world, unless given."""
+    return fill_degrees(world, args.ulysses, args.ring, args.cfg)
 
 
 def init_distributed() -> tuple[int, int, torch.device]:

@@ -70,3 +70,14 @@ def test_head_plan_errors_name_the_values():
         head_plan(8, 3, 2)
     with pytest.raises(ValueError, match="ulysses_degree=4 exceeds the number of query heads 3"):
         head_plan(3, 3, 4)
+
+
+def test_fill_degrees():
+    from usp_dit.config import fill_degrees
+
+    assert fill_degrees(4) == (2, 2, 1)
+    assert fill_degrees(4, ring=2, cfg=2) == (1, 2, 2)  # the ring given: Ulysses fills the rest
+    assert fill_degrees(4, ulysses=4) == (4, 1, 1)
+    assert fill_degrees(3) == (1, 3, 1)
+    with pytest.raises(ValueError, match="world_size=4"):
+        fill_degrees(4, ulysses=3)

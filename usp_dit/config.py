@@ -43,3 +43,18 @@ class USPConfig:
                 f"choose degrees whose product divides the world size"
             )
         return world_size // self.model_degree
+
+
+def fill_degrees(world_size: int, ulysses: int | None = None, ring: int | None = None, cfg: int = 1) -> tuple[int, int, int]:
+    """(ulysses, ring, cfg) that fill ``world_size``, completing the degrees not given.
+
+    With neither given, Ulysses takes 2 ranks when they fit (all-to-all inside a node is the cheap
+    axis) and the ring the rest; with one given, the other fills what is left. Raises ValueError when
+    the result does not fit the world size.
+    """
+    per_cfg = max(1, world_size // cfg)
+    if ulysses is None:
+        ulysses = max(1, per_cfg // ring) if ring else (2 if per_cfg % 2 == 0 else 1)
+    ring = ring or max(1, per_cfg // ulysses)
+    USPConfig(ulysses, ring, cfg).data_parallel_degree(world_size)
+    return ulysses, ring, cfg

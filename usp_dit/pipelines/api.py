@@ -290,6 +290,9 @@ def _replica_forward(inner, state: USPState):
 
 def _exit_on_uncaught(exc_type, exc, tb) -> None:
     rank = os.environ.get("RANK", "?")
+    # sys.__stderr__, not sys.stderr: a launcher may have redirected sys.stderr to a buffer that
+    # os._exit would never flush, losing the traceback.
+    sys.stderr = sys.__stderr__
     try:
         sys.stderr.write(f"[usp_dit] rank {rank}: uncaught {exc_type.__name__}, ending this process now "
                          f"so that no other rank waits for it in a collective\n")
