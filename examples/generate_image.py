@@ -18,7 +18,6 @@ Layout: images (batch, height, width, 3) in [0, 1]; ``--height``/``--width`` mus
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import time
 
@@ -31,6 +30,7 @@ from PIL import Image  # noqa: E402
 
 import usp_dit  # noqa: E402  (also gives every DiffusionPipeline .enable_usp / .disable_usp)
 from usp_dit.config import fill_degrees  # noqa: E402
+from usp_dit.launch import init_distributed  # noqa: E402
 from usp_dit.pipelines import install_failure_handler  # noqa: E402
 
 # max |diff| / max |one rank| of the final images. float32: every step moves the latents by the
@@ -59,29 +59,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output", default="flux_usp.png")
     p.add_argument("--no-check", action="store_true", help="skip the one-rank comparison")
     return p.parse_args()
-
-
-def degrees(args: argparse.Namespace, world: int) -> tuple[int, int, int]:
-    """(ulysses, ring, cfg) filling the world, unless given."""
-    return fill_degrees(world, args.ulysses, args.ring, args.cfg)
-
-
-def init_distributed() -> tuple[int, int, torch.device]:
-    """Start the process group from torchrun's variables (NCCL on GPUs, else gloo); (rank, world, device)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-        # Ranks share the machine's cores: one rank's threads must not starve the others.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return rank, world, device
 
 
 def load_pipeline(args: argparse.Namespace, device: torch.device):
@@ -132,7 +109,7 @@ def main() -> None:
     args = parse_args()
     install_failure_handler()  # a rank that raises ends the job at once (usp_dit.pipelines.api)
     rank, world, device = init_distributed()
-    ulysses, ring, cfg = degrees(args, world)
+    ulysses, ring, cfg = fill_degrees(world, args.ulysses, args.ring, args.cfg)
     num_images = args.num_images or cfg
     pipe = load_pipeline(args, device)
     mesh = pipe.enable_usp(ulysses_degree=ulysses, ring_degree=ring, cfg_degree=cfg, backend=args.backend)

@@ -25,7 +25,6 @@ a count that 4 ranks do not divide.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import time
 
@@ -37,8 +36,9 @@ import torch.distributed as dist  # noqa: E402
 from PIL import Image  # noqa: E402
 
 import usp_dit  # noqa: E402  (also gives every DiffusionPipeline .enable_usp / .disable_usp)
-from usp_dit.pipelines import install_failure_handler  # noqa: E402
 from usp_dit.config import fill_degrees  # noqa: E402
+from usp_dit.launch import init_distributed  # noqa: E402
+from usp_dit.pipelines import install_failure_handler  # noqa: E402
 
 # Frames of the tiny pipelines: an untrained VAE has a large gain (tests/test_video_pipelines.py),
 # so the float32 bar of the transformer (1e-5) becomes ~1e-5..1e-4 in pixels.
@@ -80,29 +80,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--height and --width must be multiples of 16 for the tiny pipeline, got {args.height}x{args.width}")
     if os.path.splitext(args.output)[1].lower() not in (".webp", ".gif"):
         parser.error(f"--output must end in .webp or .gif, got {args.output!r}")
-
-
-def degrees(args: argparse.Namespace, world: int) -> tuple[int, int, int]:
-    """(ulysses, ring, cfg) filling the world, unless given."""
-    return fill_degrees(world, args.ulysses, args.ring, args.cfg)
-
-
-def init_distributed() -> tuple[int, int, torch.device]:
-    """Start the process group from torchrun's variables (NCCL on GPUs, else gloo); (rank, world, device)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-        # Ranks share the machine's cores: one rank's threads must not starve the others.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return rank, world, device
 
 
 def load_pipeline(args: argparse.Namespace, device: torch.device):
@@ -179,7 +156,7 @@ def main() -> None:
     # After init_process_group, which wraps sys.excepthook with stderr sent to a buffer: installed
     # before, the handler's os._exit would lose the traceback in that buffer.
     install_failure_handler()  # a rank that raises ends the job at once (usp_dit.pipelines.api)
-    ulysses, ring, cfg = degrees(args, world)
+    ulysses, ring, cfg = fill_degrees(world, args.ulysses, args.ring, args.cfg)
     pipe = load_pipeline(args, device)
     mesh = pipe.enable_usp(ulysses_degree=ulysses, ring_degree=ring, cfg_degree=cfg, backend=args.backend)
     if rank == 0:

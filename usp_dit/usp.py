@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from usp_dit.comm import RingExchanger, all_gather_sizes, all_gather_uneven
+from usp_dit.comm import all_gather_sizes, all_gather_uneven
 from usp_dit.kernels import KernelAttention, select_backend
 from usp_dit.kernels.base import AttentionBackend, backends_with_lse, lse_dtype
 from usp_dit.mesh import USPMesh, resolve_mesh

@@ -27,6 +27,7 @@ objects are kept, so ``remove`` leaves the model exactly as it was.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,3 +120,39 @@ class TokenShardHooks:
     def _gather_output(self, module, args: tuple, out_local: torch.Tensor) -> torch.Tensor:
         """(B, S_local, C_out) -> (B, S, C_out), identical on every rank of the sequence group."""
         return gather_sequence(out_local, self.state.mesh, dim=1, seq_len=self.state.seq_len)
+
+
+class PatchingAdapter:
+    """``ModelAdapter`` plumbing for adapters that install one patch object per transformer.
+
+    Subclasses set ``name``, ``model_class`` and ``cfg_batch_args`` and implement ``make_patch``
+    (check the model, return an object with ``install()`` / ``remove()``).
+    """
+
+    name: str = ""
+    model_class: type = torch.nn.Module
+    cfg_batch_args: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self._patches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> Any:
+        raise NotImplementedError
+
+    def matches(self, transformer: torch.nn.Module) -> bool:
+        return isinstance(transformer, self.model_class)
+
+    def enable(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> None:
+        """Shard tokens over ``mesh``'s sequence group, in place. Raises ValueError if already enabled."""
+        if transformer in self._patches:
+            raise ValueError(f"this {self.model_class.__name__} is already sequence-parallel: call disable first")
+        patch = self.make_patch(transformer, mesh, backend)
+        patch.install()
+        self._patches[transformer] = patch
+
+    def disable(self, transformer: torch.nn.Module) -> None:
+        """Put back the original processors and remove every hook. Raises ValueError if not enabled."""
+        patch = self._patches.pop(transformer, None)
+        if patch is None:
+            raise ValueError(f"this {self.model_class.__name__} is not sequence-parallel (enable was not called)")
+        patch.remove()

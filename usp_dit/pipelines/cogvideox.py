@@ -27,15 +27,13 @@ pipeline passes one) and processors other than the stock (fused or not) ones, e.
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 from diffusers import CogVideoXTransformer3DModel
 from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0, FusedCogVideoXAttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 
 from usp_dit.mesh import USPMesh
-from usp_dit.pipelines._token_sharding import ShardState, TokenShardHooks, local_rope
+from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks, local_rope
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.usp import usp_attention
 
@@ -123,34 +121,17 @@ def _check_supported(transformer: CogVideoXTransformer3DModel) -> None:
             )
 
 
-class CogVideoXAdapter:
+class CogVideoXAdapter(PatchingAdapter):
     """``ModelAdapter`` for ``CogVideoXTransformer3DModel`` (see the module docstring)."""
 
     name = "CogVideoX"
     # Arguments batched on dim 0, split over the "cfg" axis by enable_usp (image_rotary_emb is not).
     cfg_batch_args = ("hidden_states", "encoder_hidden_states", "timestep", "timestep_cond", "ofs")
+    model_class = CogVideoXTransformer3DModel
 
-    def __init__(self) -> None:
-        self._patches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def matches(self, transformer: torch.nn.Module) -> bool:
-        return isinstance(transformer, CogVideoXTransformer3DModel)
-
-    def enable(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> None:
-        """Shard tokens over ``mesh``'s sequence group, in place. Raises ValueError if already enabled."""
-        if transformer in self._patches:
-            raise ValueError("this CogVideoXTransformer3DModel is already sequence-parallel: call disable first")
+    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> _Patch:
         _check_supported(transformer)
-        patch = _Patch(transformer, mesh, backend)
-        patch.install()
-        self._patches[transformer] = patch
-
-    def disable(self, transformer: torch.nn.Module) -> None:
-        """Put back the original processors and remove every hook. Raises ValueError if not enabled."""
-        patch = self._patches.pop(transformer, None)
-        if patch is None:
-            raise ValueError("this CogVideoXTransformer3DModel is not sequence-parallel (enable was not called)")
-        patch.remove()
+        return _Patch(transformer, mesh, backend)
 
 
 ADAPTER = register_adapter(CogVideoXAdapter())

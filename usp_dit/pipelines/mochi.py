@@ -32,14 +32,12 @@ replaced by ``USPMochiAttnProcessor`` and the original objects put back on ``dis
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 from diffusers import MochiTransformer3DModel
 from diffusers.models.attention_processor import MochiAttention, MochiAttnProcessor2_0
 
 from usp_dit.mesh import USPMesh
-from usp_dit.pipelines._token_sharding import ShardState, TokenShardHooks, local_rope
+from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks, local_rope
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.usp import usp_attention
 
@@ -159,34 +157,17 @@ def _check_supported(transformer: MochiTransformer3DModel) -> None:
             )
 
 
-class MochiAdapter:
+class MochiAdapter(PatchingAdapter):
     """``ModelAdapter`` for ``MochiTransformer3DModel`` (see the module docstring)."""
 
     name = "Mochi"
     # Arguments batched on dim 0, split over the "cfg" axis by enable_usp.
     cfg_batch_args = ("hidden_states", "encoder_hidden_states", "timestep", "encoder_attention_mask")
+    model_class = MochiTransformer3DModel
 
-    def __init__(self) -> None:
-        self._patches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def matches(self, transformer: torch.nn.Module) -> bool:
-        return isinstance(transformer, MochiTransformer3DModel)
-
-    def enable(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> None:
-        """Shard tokens over ``mesh``'s sequence group, in place. Raises ValueError if already enabled."""
-        if transformer in self._patches:
-            raise ValueError("this MochiTransformer3DModel is already sequence-parallel: call disable first")
+    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> _Patch:
         _check_supported(transformer)
-        patch = _Patch(transformer, mesh, backend)
-        patch.install()
-        self._patches[transformer] = patch
-
-    def disable(self, transformer: torch.nn.Module) -> None:
-        """Put back the original processors and remove every hook. Raises ValueError if not enabled."""
-        patch = self._patches.pop(transformer, None)
-        if patch is None:
-            raise ValueError("this MochiTransformer3DModel is not sequence-parallel (enable was not called)")
-        patch.remove()
+        return _Patch(transformer, mesh, backend)
 
 
 ADAPTER = register_adapter(MochiAdapter())
