@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from usp_dit.comm import RingExchanger
-from usp_dit.kernels.base import AttentionBackend
+from usp_dit.kernels.base import AttentionBackend, lse_dtype
 from usp_dit.merge import LSEMerger
 
 _KV_TAG, _DKV_TAG = 0, 1
@@ -56,6 +56,23 @@ def _kv_buffer(like: torch.Tensor, length: int, dtype: torch.dtype | None = None
     return torch.empty((2, b, length, h, d), dtype=dtype or like.dtype, device=like.device)
 
 
+def _ring_blocks(k: torch.Tensor, v: torch.Tensor, spec: RingSpec):
+    """Yield ``(step, kv)``: the (2, B, S_j, Hk, D) K/V block held at each step of the ring.
+
+    The next block's transfer is posted before yielding, so it travels while the caller computes;
+    it is waited for when the caller asks for the next step (after any transfer the caller posted).
+    """
+    cur = torch.stack([k, v])  # one contiguous buffer, one send per step
+    for step in range(spec.size):
+        nxt, works = None, []
+        if step < spec.size - 1:
+            nxt = _kv_buffer(cur, spec.block_sizes[spec.block_at(step + 1)])
+            works = spec.exchanger.start(cur, nxt, _KV_TAG)
+        yield step, cur
+        spec.exchanger.wait(works)
+        cur = nxt if nxt is not None else cur
+
+
 def _with_joint(kv: torch.Tensor, joint_k: torch.Tensor | None, joint_v: torch.Tensor | None, step: int):
     """K and V of one step: the block, plus the joint tokens at step 0."""
     k, v = kv[0], kv[1]
@@ -67,20 +84,12 @@ def _with_joint(kv: torch.Tensor, joint_k: torch.Tensor | None, joint_v: torch.T
 def ring_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
     """Forward of Note [ring schedule]; returns ``(out, lse)``."""
     merger = LSEMerger()
-    cur = torch.stack([k, v])  # (2, B, S_r, Hk, D): one contiguous buffer, one send per step
-    for step in range(spec.size):
-        nxt, works = None, []
-        if step < spec.size - 1:
-            nxt = _kv_buffer(cur, spec.block_sizes[spec.block_at(step + 1)])
-            works = spec.exchanger.start(cur, nxt, _KV_TAG)
+    for step, cur in _ring_blocks(k, v, spec):
         k_t, v_t = _with_joint(cur, joint_k, joint_v, step)
         if q.shape[1] and k_t.shape[1]:
             merger.add(*backend.forward(q, k_t, v_t, scale))
-        spec.exchanger.wait(works)
-        cur = nxt if nxt is not None else cur
     if merger.out is None:  # no queries on this rank: nothing to compute, shapes still right
-        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype)
+        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
     return merger.result(q.dtype)
 
 
@@ -93,16 +102,11 @@ def _block_grads(backend, dout, q, k_t, v_t, out, lse, scale):
 
 def ring_backward(dout, q, k, v, joint_k, joint_v, out, lse, spec: RingSpec, backend, scale):
     """Backward of Note [ring schedule]; returns ``(dq, dk, dv, djoint_k, djoint_v)``."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = lse_dtype(q.dtype)  # gradients accumulate in the dtype of the merges
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     djk = djv = None
-    cur = torch.stack([k, v])
     dkv_recv, dworks = None, []
-    for step in range(spec.size):
-        nxt, works = None, []
-        if step < spec.size - 1:
-            nxt = _kv_buffer(cur, spec.block_sizes[spec.block_at(step + 1)])
-            works = spec.exchanger.start(cur, nxt, _KV_TAG)
+    for step, cur in _ring_blocks(k, v, spec):
         k_t, v_t = _with_joint(cur, joint_k, joint_v, step)
         dq_t, dk_t, dv_t = _block_grads(backend, dout, q, k_t, v_t, out, lse, scale)
         dq += dq_t
@@ -117,8 +121,6 @@ def ring_backward(dout, q, k, v, joint_k, joint_v, out, lse, spec: RingSpec, bac
         # last step that is our own block, coming home.
         dkv_recv = _kv_buffer(cur, spec.block_sizes[spec.block_at(step + 1)], acc)
         dworks = spec.exchanger.start(dkv, dkv_recv, _DKV_TAG)
-        spec.exchanger.wait(works)
-        cur = nxt if nxt is not None else cur
         keep_alive = dkv  # the send buffer must outlive its transfer
     spec.exchanger.wait(dworks)
     del keep_alive

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from usp_dit.kernels.base import AttentionBackend
+from usp_dit.kernels.base import AttentionBackend, lse_dtype
 from usp_dit.merge import LSEMerger
 from usp_dit.partition import split_sizes
 
@@ -36,7 +36,7 @@ def blockwise_forward(q, k, v, backend: AttentionBackend, scale: float, n: int):
 
 def blockwise_backward(dout, q, k, v, out, lse, backend: AttentionBackend, scale: float, n: int):
     """Returns ``(dq, dk, dv)``, block gradients accumulated in float32 as the ring does."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = lse_dtype(q.dtype)
     k_blocks, v_blocks = _blocks(k, n), _blocks(v, n)
     dk = [torch.zeros(b.shape, dtype=acc, device=b.device) for b in k_blocks]
     dv = [torch.zeros(b.shape, dtype=acc, device=b.device) for b in v_blocks]

@@ -12,10 +12,6 @@ import torch
 from usp_dit.kernels.base import BackendCaps, lse_dtype, register_backend
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """(B, S, H, D) -> (B, Hk, G, S, D) so that group g of K/V head j is query head j*G+g."""
     b, s, h, d = q.shape
@@ -30,7 +26,7 @@ def _ungrouped(x: torch.Tensor) -> torch.Tensor:
 
 def _probs(q, k, scale, lse=None):
     """Scores and probabilities in the accumulation dtype: (B, Hk, G, Sq, Sk)."""
-    acc = _acc_dtype(q.dtype)
+    acc = lse_dtype(q.dtype)
     qg = _grouped(q.to(acc), k.shape[2])
     kt = k.to(acc).permute(0, 2, 3, 1).unsqueeze(2)  # (B, Hk, 1, D, Sk)
     scores = torch.matmul(qg, kt) * scale
@@ -67,7 +63,7 @@ class ReferenceBackend:
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, scale):
-        acc = _acc_dtype(q.dtype)
+        acc = lse_dtype(q.dtype)
         hk = k.shape[2]
         p, _ = _probs(q, k, scale, lse)
         dog = _grouped(dout.to(acc), hk)  # (B, Hk, G, Sq, D)
