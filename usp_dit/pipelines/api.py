@@ -67,10 +67,9 @@ from diffusers import DiffusionPipeline
 from usp_dit.comm import all_gather_uneven
 from usp_dit.kernels import get_backend
 from usp_dit.mesh import USPMesh, init_usp
-from usp_dit.pipelines.base import ModelAdapter, find_adapter
+from usp_dit.pipelines.base import MISSING, ModelAdapter, find_adapter, restore_instance_attr, saved_instance_attr
 
 _STATE_ATTR = "_usp_dit_state"
-_MISSING = object()
 
 
 @dataclass(eq=False)
@@ -81,11 +80,11 @@ class USPState:
     adapter: ModelAdapter
     backend: str
     sync_inputs: bool
-    forward_attr: Any = _MISSING  # the instance attribute ``forward`` the adapter left (if any)
+    forward_attr: Any = MISSING  # the instance attribute ``forward`` the adapter left (if any)
     wrapped: bool = False
     pipe_ref: Any = None  # weakref to the pipeline enable_usp was called on, if any
-    progress_config: Any = _MISSING  # that pipeline's progress-bar config before enable (ranks > 0)
-    latents_attr: Any = _MISSING  # its instance attribute ``prepare_latents`` before enable, if any
+    progress_config: Any = MISSING  # that pipeline's progress-bar config before enable (ranks > 0)
+    latents_attr: Any = MISSING  # its instance attribute ``prepare_latents`` before enable, if any
     latents_wrapped: bool = False
 
 
@@ -323,7 +322,7 @@ def _quiet_progress_bar(pipe: Any, state: USPState) -> None:
 
 
 def _restore_progress_bar(pipe: Any, state: USPState) -> None:
-    if state.progress_config is not _MISSING:
+    if state.progress_config is not MISSING:
         pipe._progress_bar_config = state.progress_config
 
 
@@ -333,7 +332,7 @@ def _sync_pipeline_latents(pipe: Any, state: USPState) -> None:
     prepare = getattr(pipe, "prepare_latents", None)
     if prepare is None or not state.sync_inputs or state.mesh.config.model_degree == 1:
         return
-    state.latents_attr = pipe.__dict__.get("prepare_latents", _MISSING)
+    state.latents_attr = saved_instance_attr(pipe, "prepare_latents")
 
     @functools.wraps(prepare)
     def prepare_latents(*args, **kwargs):
@@ -346,10 +345,7 @@ def _sync_pipeline_latents(pipe: Any, state: USPState) -> None:
 def _restore_pipeline_latents(pipe: Any, state: USPState) -> None:
     if not state.latents_wrapped:
         return
-    if state.latents_attr is _MISSING:
-        del pipe.prepare_latents
-    else:
-        pipe.prepare_latents = state.latents_attr
+    restore_instance_attr(pipe, "prepare_latents", state.latents_attr)
 
 
 def _patch_pipeline(pipe: Any, state: USPState) -> None:
@@ -419,7 +415,7 @@ def enable_usp(
     adapter.enable(transformer, mesh, backend)
     state = USPState(mesh, adapter, backend, sync_inputs)
     if mesh.config.model_degree > 1:  # at one rank there is nothing to sync or split: no wrapper, no tax
-        state.forward_attr = transformer.__dict__.get("forward", _MISSING)
+        state.forward_attr = saved_instance_attr(transformer, "forward")
         transformer.forward = _replica_forward(transformer.forward, state)
         state.wrapped = True
     setattr(transformer, _STATE_ATTR, state)
@@ -439,10 +435,7 @@ def disable_usp(pipe_or_transformer: Any) -> None:
     if state is None:
         return
     if state.wrapped:
-        if state.forward_attr is _MISSING:
-            del transformer.forward
-        else:
-            transformer.forward = state.forward_attr
+        restore_instance_attr(transformer, "forward", state.forward_attr)
     state.adapter.disable(transformer)
     _unpatch_pipeline(state)
 

@@ -57,3 +57,19 @@ def find_adapter(transformer: torch.nn.Module) -> ModelAdapter:
     raise NotImplementedError(
         f"usp_dit has no adapter for {type(transformer).__name__}; supported model families: {supported}"
     )
+
+
+MISSING = object()  # "the object had no instance attribute of that name"
+
+
+def saved_instance_attr(obj: object, name: str) -> object:
+    """``obj``'s own attribute ``name`` (not a class attribute), or ``MISSING``: what to restore later."""
+    return obj.__dict__.get(name, MISSING)
+
+
+def restore_instance_attr(obj: object, name: str, saved: object) -> None:
+    """Undo a patch of ``obj.name``: put ``saved`` back, or delete the instance attribute if it was ``MISSING``."""
+    if saved is MISSING:
+        delattr(obj, name)
+    else:
+        setattr(obj, name, saved)

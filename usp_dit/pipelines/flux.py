@@ -47,10 +47,8 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from usp_dit.comm import all_gather_uneven
 from usp_dit.mesh import USPMesh
 from usp_dit.partition import offsets, split_sizes
-from usp_dit.pipelines.base import register_adapter
+from usp_dit.pipelines.base import MISSING, register_adapter, restore_instance_attr, saved_instance_attr
 from usp_dit.usp import usp_attention
-
-_MISSING = object()
 
 
 @dataclass(eq=False)
@@ -225,7 +223,7 @@ class _FluxPatch:
     """What ``enable`` changed on one transformer, to be put back by ``disable``."""
 
     processors: dict[str, Any]
-    forward_attr: Any = _MISSING  # the instance attribute ``forward`` before enable, if any
+    forward_attr: Any = MISSING  # the instance attribute ``forward`` before enable, if any
     wrapped: bool = False
 
 
@@ -254,7 +252,7 @@ class FluxAdapter:
                     f"usp_dit's Flux adapter replaces FluxAttnProcessor only; {name} has {type(proc).__name__}"
                 )
         state = FluxCallState(mesh, backend)
-        patch = _FluxPatch(processors=dict(processors), forward_attr=transformer.__dict__.get("forward", _MISSING))
+        patch = _FluxPatch(processors=dict(processors), forward_attr=saved_instance_attr(transformer, "forward"))
         transformer.set_attn_processor(USPFluxAttnProcessor(state))
         if mesh.sequence_degree > 1:
             transformer.forward = _sharded_forward(transformer.forward, state)
@@ -267,10 +265,7 @@ class FluxAdapter:
         if patch is None:
             return
         if patch.wrapped:
-            if patch.forward_attr is _MISSING:
-                del transformer.forward
-            else:
-                transformer.forward = patch.forward_attr
+            restore_instance_attr(transformer, "forward", patch.forward_attr)
         transformer.set_attn_processor(dict(patch.processors))
 
 
