@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from usp_dit import init_usp
-from usp_dit.testing import rel_err
+from usp_dit.testing import assert_no_crash, rel_err
 
 # (ulysses, ring, cfg) grids per world size: the grids plus (1, 4) and a cfg mesh, whose two
 # cfg groups each shard the (whole) batch over their own two ranks.
@@ -104,9 +104,8 @@ def run_grid(world: int, shapes: list, build: Callable, adapter, grad_shape) -> 
 
 
 def check_spawn(results: dict[int, list]) -> None:
-    for world, per_rank in results.items():
-        for rank, res in enumerate(per_rank):
-            assert "__error__" not in res, f"world {world} rank {rank} crashed:\n{res.get('__error__')}"
+    for per_rank in results.values():
+        assert_no_crash(per_rank)
 
 
 def assert_within(per_rank: list[dict], key: str, tol: float) -> None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import usp_dit
 from usp_dit import disable_usp, enable_usp, init_usp
 from usp_dit.pipelines.tiny_flux import flux_inputs, tiny_flux_pipeline, tiny_flux_transformer
-from usp_dit.testing import rel_err, run_spawned
+from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5
 
@@ -237,9 +237,8 @@ def _grid_world4():
 @pytest.fixture(scope="module")
 def grid_results():
     results = {2: run_spawned(_grid_world2, 2), 4: run_spawned(_grid_world4, 4)}
-    for world, per_rank in results.items():
-        for rank, res in enumerate(per_rank):
-            assert "__error__" not in res, f"world {world} rank {rank} crashed:\n{res.get('__error__')}"
+    for per_rank in results.values():
+        assert_no_crash(per_rank)
     return results
 
 
