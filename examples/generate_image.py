@@ -30,14 +30,9 @@ from PIL import Image  # noqa: E402
 
 import usp_dit  # noqa: E402  (also gives every DiffusionPipeline .enable_usp / .disable_usp)
 from usp_dit.config import fill_degrees  # noqa: E402
-from usp_dit.launch import init_distributed  # noqa: E402
+from usp_dit.launch import compare_with_one_rank, init_distributed  # noqa: E402
 from usp_dit.pipelines import install_failure_handler  # noqa: E402
 
-# max |diff| / max |one rank| of the final images. float32: every step moves the latents by the
-# transformer's output, which differs from one rank's by float32 rounding (~1e-6); a few steps and the
-# VAE keep it near 3e-6 (1008x1008, 4 steps), so 1e-4 leaves room for longer runs. Half precision:
-# rounding of 1e-3 per op, compounded over steps.
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 TINY_TEXT_LEN = 64  # text tokens of the tiny pipeline (its tokenizers spend one per character)
 
 
@@ -90,21 +85,6 @@ def save_png(images: np.ndarray, path: str) -> None:
     Image.fromarray((strip * 255).round().clip(0, 255).astype(np.uint8)).save(path)
 
 
-def compare_with_one_rank(pipe, args, images: np.ndarray, rank: int, num_images: int) -> None:
-    """Rank 0 runs the same pipeline alone (usp disabled) and prints the difference; others wait."""
-    pipe.disable_usp()
-    if rank == 0:
-        start = time.perf_counter()
-        ref = generate(pipe, args, num_images)
-        diff = float(np.abs(images.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-12))
-        tol = TOLERANCE[pipe.transformer.dtype]
-        verdict = "MATCH" if diff <= tol else "MISMATCH"
-        print(f"one rank: {time.perf_counter() - start:.1f} s; max|diff|/max|one rank| = {diff:.2e} "
-              f"(tolerance {tol:.0e}): {verdict}", flush=True)
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def main() -> None:
     args = parse_args()
     install_failure_handler()  # a rank that raises ends the job at once (usp_dit.pipelines.api)
@@ -125,7 +105,7 @@ def main() -> None:
         save_png(images, args.output)
         print(f"wrote {args.output}", flush=True)
     if not args.no_check:
-        compare_with_one_rank(pipe, args, images, rank, num_images)
+        compare_with_one_rank(pipe, lambda: generate(pipe, args, num_images), images, rank)
     if dist.is_initialized():
         dist.destroy_process_group()
 

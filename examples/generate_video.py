@@ -37,12 +37,9 @@ from PIL import Image  # noqa: E402
 
 import usp_dit  # noqa: E402  (also gives every DiffusionPipeline .enable_usp / .disable_usp)
 from usp_dit.config import fill_degrees  # noqa: E402
-from usp_dit.launch import init_distributed  # noqa: E402
+from usp_dit.launch import compare_with_one_rank, init_distributed  # noqa: E402
 from usp_dit.pipelines import install_failure_handler  # noqa: E402
 
-# Frames of the tiny pipelines: an untrained VAE has a large gain (tests/test_video_pipelines.py),
-# so the float32 bar of the transformer (1e-5) becomes ~1e-5..1e-4 in pixels.
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 FAMILIES = {"cogvideox": (9, 4), "mochi": (13, 6)}  # default frames, frames per latent frame
 
 
@@ -128,21 +125,6 @@ def save_video(frames: np.ndarray, path: str, fps: int) -> list[str]:
     return written + [mp4]
 
 
-def compare_with_one_rank(pipe, args, frames: np.ndarray, rank: int) -> None:
-    """Rank 0 runs the same pipeline alone (usp disabled) and prints the difference; others wait."""
-    pipe.disable_usp()
-    if rank == 0:
-        start = time.perf_counter()
-        ref = generate(pipe, args)
-        diff = float(np.abs(frames.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-12))
-        tol = TOLERANCE[pipe.transformer.dtype]
-        verdict = "MATCH" if diff <= tol else "MISMATCH"
-        print(f"one rank: {time.perf_counter() - start:.1f} s; max|diff|/max|one rank| = {diff:.2e} "
-              f"(tolerance {tol:.0e}): {verdict}", flush=True)
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def video_tokens(args: argparse.Namespace, pipe) -> int:
     """Tokens the transformer sees: latent frames x (height / (8 p)) x (width / (8 p))."""
     _, per_latent = FAMILIES[args.model]
@@ -169,7 +151,7 @@ def main() -> None:
         print(f"grid: {time.perf_counter() - start:.1f} s", flush=True)
         print(f"wrote {', '.join(save_video(frames, args.output, args.fps))}", flush=True)
     if not args.no_check:
-        compare_with_one_rank(pipe, args, frames, rank)
+        compare_with_one_rank(pipe, lambda: generate(pipe, args), frames, rank)
     if dist.is_initialized():
         dist.destroy_process_group()
 
