@@ -9,8 +9,9 @@ interleaved, in one run):
   forward+backward. Goal: ratio <= 1.03.
 - backends: TFLOP/s of every CUDA backend through its adapter, forward and forward+backward
   (4*S^2*H*D flops forward, 3.5x that for forward+backward).
-- ring: the ring schedule on one GPU without communication (N x N blocks merged by LSE) against one
-  whole-sequence call of the same backend: t_whole / t_blocks.
+- ring: the ring's two forward schedules ("stream", "gather") on one GPU without communication
+  (N virtual ranks, N x N blocks merged by LSE) against one whole-sequence call of the same
+  backend: t_whole / t_blocks.
 - ring_graphs: the same, every variant replayed from a CUDA graph (GPU-side cost only).
 
 Shapes are those of shared/shapes.md (batch 1, bf16, image + text tokens).
@@ -114,10 +115,12 @@ def suite_backends(shapes: list[str]) -> list[dict]:
     for shape in shapes:
         s, h, d = SHAPES[shape]
         flops = 4 * s * s * h * d
-        for name in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient"):
-            if shape == "wan" and name != "sdpa_cudnn":
+        for name in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_4"):
+            if shape == "wan" and name not in ("sdpa_cudnn", "flash_attn_4"):
                 continue
             backend = get_backend(name)
+            if not backend.available():  # an optional package this machine lacks
+                continue
             q, k, v = make_qkv(shape, True)
             dout = torch.randn_like(q)
             scale = d ** -0.5
@@ -154,44 +157,40 @@ def cuda_graphed(fn: Callable[[], object]) -> Callable[[], object]:
     return graph.replay
 
 
-def suite_ring_graphs(shapes: list[str], backend_name: str = "sdpa_cudnn") -> list[dict]:
-    """The ring suite with every variant replayed from a CUDA graph: the GPU-side cost of blocks and
-    merges without Python and launch overhead (what a captured or compiled step would pay)."""
+NS = (2, 4, 8)
+SCHEDULES = ("stream", "gather")
+
+
+def _ring_rows(suite: str, shapes: list[str], backend_name: str, wrap: Callable) -> list[dict]:
+    """Both forward schedules of ``usp_dit.ring`` simulated on one GPU (N virtual ranks computed
+    one after another, no communication) against one whole-sequence call: t_whole / t_blocks."""
     rows = []
     backend = get_backend(backend_name)
     for shape in shapes:
         q, k, v = make_qkv(shape)
         scale = SHAPES[shape][2] ** -0.5
         with torch.inference_mode():
-            fns = {"whole": cuda_graphed(lambda: backend.forward(q, k, v, scale))}
-            for n in (2, 4, 8):
-                fns[f"N={n}"] = cuda_graphed(lambda n=n: blockwise_forward(q, k, v, backend, scale, n))
+            fns = {"whole": wrap(lambda: backend.forward(q, k, v, scale))}
+            for sched in SCHEDULES:
+                for n in NS:
+                    fns[f"{sched} N={n}"] = wrap(lambda n=n, sched=sched: blockwise_forward(q, k, v, backend, scale, n, sched))
             t = side_by_side(fns, iters_for(shape), repeats=3)
-        ratios = {n: t["whole"] / t[f"N={n}"] for n in (2, 4, 8)}
-        rows.append({"suite": "ring_graphs", "shape": shape, "backend": backend_name, "whole_ms": t["whole"],
-                     **{f"ratio_n{n}": r for n, r in ratios.items()}})
-        print(f"| {shape} | {backend_name} (CUDA graph) | {t['whole']:.2f} | "
-              + " | ".join(f"{ratios[n]:.2f}" for n in (2, 4, 8)) + " |", flush=True)
+        ratios = {key: t["whole"] / t[key] for key in fns if key != "whole"}
+        rows.append({"suite": suite, "shape": shape, "backend": backend_name, "whole_ms": t["whole"], **ratios})
+        print(f"| {shape} | {backend_name} | {t['whole']:.2f} | " + " | ".join(f"{r:.2f}" for r in ratios.values()) + " |",
+              flush=True)
     return rows
 
 
 def suite_ring(shapes: list[str], backend_name: str = "sdpa_cudnn") -> list[dict]:
-    rows = []
-    backend = get_backend(backend_name)
-    for shape in shapes:
-        q, k, v = make_qkv(shape)
-        scale = SHAPES[shape][2] ** -0.5
-        fns = {"whole": lambda: backend.forward(q, k, v, scale)}
-        for n in (2, 4, 8):
-            fns[f"N={n}"] = (lambda n=n: blockwise_forward(q, k, v, backend, scale, n))
-        with torch.inference_mode():
-            t = side_by_side(fns, iters_for(shape), repeats=3)
-        ratios = {n: t["whole"] / t[f"N={n}"] for n in (2, 4, 8)}
-        rows.append({"suite": "ring", "shape": shape, "backend": backend_name, "whole_ms": t["whole"],
-                     **{f"ratio_n{n}": r for n, r in ratios.items()}})
-        print(f"| {shape} | {backend_name} | {t['whole']:.2f} | " + " | ".join(f"{ratios[n]:.2f}" for n in (2, 4, 8)) + " |",
-              flush=True)
-    return rows
+    """Eager: what the library pays per call, Python and launches included."""
+    return _ring_rows("ring", shapes, backend_name, lambda fn: fn)
+
+
+def suite_ring_graphs(shapes: list[str], backend_name: str = "sdpa_cudnn") -> list[dict]:
+    """Every variant replayed from a CUDA graph: the GPU-side cost of blocks and merges without
+    Python and launch overhead (what a captured or compiled step would pay)."""
+    return _ring_rows("ring_graphs", shapes, backend_name, cuda_graphed)
 
 
 def main() -> int:
@@ -199,6 +198,7 @@ def main() -> int:
     p.add_argument("--suite", default="all", choices=["all", "world1", "backends", "ring", "ring_graphs"])
     p.add_argument("--shapes", default="flux,cogvideox,mochi,wan")
     p.add_argument("--out", default=None, help="write all rows as JSON here")
+    p.add_argument("--backend", default="sdpa_cudnn", help="kernel of the ring suites")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -213,11 +213,13 @@ def main() -> int:
         print("\n| shape | backend | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s |\n|---|---|---|---|---|---|")
         rows += suite_backends(shapes)
     if args.suite in ("all", "ring"):
-        print("\n| shape | backend | whole ms | N=2 | N=4 | N=8 |\n|---|---|---|---|---|---|")
-        rows += suite_ring([s for s in shapes if s != "wan"])
+        print("\n| shape | backend | whole ms | " + " | ".join(f"{s} N={n}" for s in SCHEDULES for n in NS) + " |")
+        print("|---" * (3 + len(SCHEDULES) * len(NS)) + "|")
+        rows += suite_ring([s for s in shapes if s != "wan"], args.backend)
     if args.suite in ("all", "ring_graphs"):
-        print("\n| shape | backend | whole ms | N=2 | N=4 | N=8 |\n|---|---|---|---|---|---|")
-        rows += suite_ring_graphs([s for s in shapes if s != "wan"])
+        print("\n| shape | backend | whole ms | " + " | ".join(f"{s} N={n}" for s in SCHEDULES for n in NS) + " |")
+        print("|---" * (3 + len(SCHEDULES) * len(NS)) + "|")
+        rows += suite_ring_graphs([s for s in shapes if s != "wan"], args.backend)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

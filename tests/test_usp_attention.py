@@ -52,6 +52,7 @@ SHAPES = [
 GRIDS = {1: [(1, 1)], 2: [(1, 1), (2, 1), (1, 2)], 4: [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]}
 DTYPES = [torch.float32, torch.float64]
 BACKENDS = ["auto", "reference"]
+SCHEDULES = ("stream", "gather")
 
 
 @dataclass(frozen=True)
@@ -62,17 +63,21 @@ class Case:
     dtype: torch.dtype
     backend: str
     shape: Shape
+    schedule: str = "auto"
 
     @property
     def id(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
-        return f"w{self.world}-u{self.ulysses}r{self.ring}-{dt}-{self.backend}-{self.shape.id}"
+        sched = f"-{self.schedule}" if self.ring > 1 else ""
+        return f"w{self.world}-u{self.ulysses}r{self.ring}{sched}-{dt}-{self.backend}-{self.shape.id}"
 
 
 def cases(world: int) -> list[Case]:
+    """Every grid x dtype x backend x shape; ring grids once per forward schedule (Note [ring schedule])."""
     return [
-        Case(world, u, r, dtype, backend, shape)
+        Case(world, u, r, dtype, backend, shape, schedule)
         for (u, r) in GRIDS[world]
+        for schedule in (SCHEDULES if r > 1 else ("auto",))
         for dtype in DTYPES
         for backend in BACKENDS
         for shape in SHAPES
@@ -150,9 +155,12 @@ def run_grid(world: int) -> dict[str, dict[str, float] | str]:
     """Every case of ``world`` on this rank; a failing case records its exception text."""
     results, meshes = {}, {}
     for i, case in enumerate(cases(world)):
-        key = (case.ulysses, case.ring)
+        key = (case.ulysses, case.ring, case.schedule)
         if key not in meshes:
-            meshes[key] = init_usp(ulysses_degree=case.ulysses, ring_degree=case.ring) if world > 1 else single_rank_mesh()
+            meshes[key] = (
+                init_usp(ulysses_degree=case.ulysses, ring_degree=case.ring, ring_schedule=case.schedule)
+                if world > 1 else single_rank_mesh()
+            )
         try:
             results[case.id] = run_case(case, meshes[key], seed=i)
         except Exception as exc:  # recorded, asserted by the parent

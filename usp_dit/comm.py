@@ -156,6 +156,17 @@ class _GatherUneven(torch.autograd.Function):
         return total.narrow(ctx.dim, start, ctx.sizes[rank]), None, None, None
 
 
+def start_all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Post an all-gather of ``x`` (B, ...) along dim 0 and return at once; the result,
+    (group size * B, ...) in rank order, is ready after ``wait_gathered``."""
+    return _all_gather(x.contiguous(), 0, group)
+
+
+def wait_gathered(pending: torch.Tensor) -> torch.Tensor:
+    """The result of ``start_all_gather`` (waits for the transfer)."""
+    return funcol.wait_tensor(pending)
+
+
 def all_gather_uneven(x: torch.Tensor, sizes: list[int], dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Differentiable all-gather of pieces of lengths ``sizes`` along ``dim`` (identity without a group)."""
     if group is None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+RING_SCHEDULES = ("auto", "stream", "gather")  # Note [ring schedule] in usp_dit.ring
+
 
 @dataclass(frozen=True)
 class USPConfig:
@@ -11,18 +13,23 @@ class USPConfig:
     ``ulysses_degree`` ranks exchange heads for sequence with an all-to-all (cheap inside a node,
     so they are neighbouring ranks); ``ring_degree`` ranks pass K/V blocks around a ring;
     ``cfg_degree`` splits the conditional / unconditional batch halves; the data-parallel degree is
-    whatever is left of the world size.
+    whatever is left of the world size. ``ring_schedule`` picks how the ring's forward moves K/V:
+    "stream" (block by block, least memory), "gather" (all blocks at once, fewest kernel calls) or
+    "auto" (by block length; Note [ring schedule choice] in ``usp_dit.ring``).
     """
 
     ulysses_degree: int = 1
     ring_degree: int = 1
     cfg_degree: int = 1
+    ring_schedule: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("ulysses_degree", "ring_degree", "cfg_degree"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.ring_schedule not in RING_SCHEDULES:
+            raise ValueError(f"ring_schedule must be one of {RING_SCHEDULES}, got {self.ring_schedule!r}")
 
     @property
     def sequence_degree(self) -> int:

@@ -53,6 +53,10 @@ class USPMesh:
         return self.config.cfg_degree
 
     @property
+    def ring_schedule(self) -> str:
+        return self.config.ring_schedule
+
+    @property
     def sequence_degree(self) -> int:
         return self.config.sequence_degree
 
@@ -134,17 +138,21 @@ def _device_type() -> str:
     return "cuda" if "nccl" in str(backend) else "cpu"
 
 
-def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1) -> USPMesh:
+def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1, ring_schedule: str = "auto") -> USPMesh:
     """Build the USP rank grid over the default process group and make it the default mesh.
 
     Starts the default process group from torchrun's environment variables when needed (NCCL
     with CUDA, else gloo). With a world size of 1 and no process group, returns a single-rank mesh
     without starting one. Ranks beyond ``cfg * ring * ulysses`` form the data-parallel axis.
 
+    ``ring_schedule`` ("auto", "stream" or "gather") is how the ring's forward moves K/V blocks
+    (Note [ring schedule] in ``usp_dit.ring``).
+
     Raises:
-        ValueError: a degree is not a positive int, or the degrees do not fit the world size.
+        ValueError: a degree is not a positive int, the degrees do not fit the world size, or
+            ``ring_schedule`` is not one of the three.
     """
-    config = USPConfig(ulysses_degree, ring_degree, cfg_degree)
+    config = USPConfig(ulysses_degree, ring_degree, cfg_degree, ring_schedule)
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if not dist.is_initialized() and env_world == 1:
         config.data_parallel_degree(1)

@@ -11,6 +11,17 @@ Note [ring schedule]
         block:     r       r-1      r-2     ...   r+1
         + joint K/V at step 0 only, so every query sees the joint tokens exactly once.
 
+    That is the "stream" schedule: two K/V blocks in memory, every transfer hidden behind one
+    block's attention when a block computes longer than it travels. Its cost is many small kernel
+    calls and one merge per block, which dominate when blocks are short (Flux at R = 4: 1152-token
+    blocks, a quarter of the GPU's throughput on one H200). The "gather" forward schedule instead
+    all-gathers every ring rank's K/V block (asynchronously), computes the local block (+ joint)
+    while the blocks travel, then attends to the remote blocks of each equal length in one kernel
+    call (the blocks folded into the batch) and merges them all in one fused pass. It holds the
+    whole sequence's K/V (of this rank's heads) for the duration of the call, and exposes the part
+    of the gather that one local block does not hide. Note [ring schedule choice] says which
+    schedule "auto" takes. The backward always streams.
+
     Backward runs the same schedule. The gradient of block j is accumulated in float32 on the way
     round: rank r adds its contribution to the accumulator it received and passes it on; after the
     last step the accumulator of block r+1 goes to rank r+1, its owner. So each rank sends R - 1
@@ -22,12 +33,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from usp_dit.comm import RingExchanger
-from usp_dit.kernels.base import AttentionBackend, lse_dtype
+from usp_dit.comm import RingExchanger, start_all_gather, wait_gathered
+from usp_dit.kernels.base import AttentionBackend, forward_stack, lse_dtype
 from usp_dit.merge import LSEMerger
 
 _KV_TAG, _DKV_TAG = 0, 1
+
+# Note [ring schedule choice]
+#     A K/V block of L tokens takes time k ~ L^2 to attend and c ~ L to pass on. With one H200
+#     node's estimates (cuDNN about 600 TF/s, NVLink about 370 GB/s each way) k = c at about
+#     L0 = 1600 tokens, scaled by kv_heads / heads (grouped K/V travel less). Below L0 the stream
+#     ring waits for its transfers anyway and its short blocks waste the GPU (measured on one H200:
+#     Flux R = 4 runs at 0.25 of one whole call, gathered at 0.83), so "auto" gathers. Above L0 the
+#     stream ring hides every transfer, while the gather exposes about (R - 1) c - k of it; "auto"
+#     gathers when that estimate is at most 10% of the rank's attention time R k, i.e. when
+#     L >= (R - 1) L0 / (1 + 0.1 R), and streams otherwise (e.g. Mochi at R = 8). The constants are
+#     estimates until measured across GPUs (the multi-GPU issue); pass ring_schedule to choose.
+_L0_TOKENS = 1600
+
+
+def choose_schedule(requested: str, block_sizes: tuple[int, ...], heads: int, kv_heads: int) -> str:
+    """The forward schedule for ``requested`` ("auto", "stream" or "gather"), Note [ring schedule choice]."""
+    if requested != "auto":
+        return requested
+    ring, longest = len(block_sizes), max(block_sizes)
+    l0 = _L0_TOKENS * kv_heads / heads
+    return "gather" if longest < l0 or longest >= (ring - 1) * l0 / (1 + 0.1 * ring) else "stream"
 
 
 @dataclass(frozen=True)
@@ -36,6 +69,7 @@ class RingSpec:
 
     exchanger: RingExchanger
     block_sizes: tuple[int, ...]
+    schedule: str = "stream"  # "stream" or "gather" (forward only; Note [ring schedule])
 
     @property
     def size(self) -> int:
@@ -73,24 +107,81 @@ def _ring_blocks(k: torch.Tensor, v: torch.Tensor, spec: RingSpec):
         cur = nxt if nxt is not None else cur
 
 
-def _with_joint(kv: torch.Tensor, joint_k: torch.Tensor | None, joint_v: torch.Tensor | None, step: int):
-    """K and V of one step: the block, plus the joint tokens at step 0."""
+def _with_joint(kv, joint_k: torch.Tensor | None, joint_v: torch.Tensor | None, step: int):
+    """K and V of one step: the block ``kv`` (a stacked (2, ...) tensor or a (k, v) pair), plus the
+    joint tokens at step 0."""
     k, v = kv[0], kv[1]
     if step == 0 and joint_k is not None:
         k, v = torch.cat([k, joint_k], dim=1), torch.cat([v, joint_v], dim=1)
     return k, v
 
 
+def _empty_result(q: torch.Tensor):
+    """``(out, lse)`` of a rank with no queries (or no keys): shapes right, nothing computed."""
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
+
+
 def ring_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
-    """Forward of Note [ring schedule]; returns ``(out, lse)``."""
+    """Forward of Note [ring schedule] (either schedule); returns ``(out, lse)``."""
+    if spec.schedule == "gather":
+        return _gather_forward(q, k, v, joint_k, joint_v, spec, backend, scale)
     merger = LSEMerger()
     for step, cur in _ring_blocks(k, v, spec):
         k_t, v_t = _with_joint(cur, joint_k, joint_v, step)
         if q.shape[1] and k_t.shape[1]:
             merger.add(*backend.forward(q, k_t, v_t, scale))
-    if merger.out is None:  # no queries on this rank: nothing to compute, shapes still right
-        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
-    return merger.result(q.dtype)
+    return _empty_result(q) if merger.out is None else merger.result(q.dtype)
+
+
+def remote_runs(block_sizes: tuple[int, ...], rank: int) -> list[tuple[int, int, int]]:
+    """``(start, stop, length)`` runs of consecutive ring ranks other than ``rank`` whose K/V blocks
+    have one (non-zero) length: each run is one batched kernel call of the "gather" schedule."""
+    runs: list[tuple[int, int, int]] = []
+    for j, n in enumerate(block_sizes):
+        if j == rank or n == 0:
+            continue
+        if runs and runs[-1][1] == j and runs[-1][2] == n:
+            runs[-1] = (runs[-1][0], j + 1, n)
+        else:
+            runs.append((j, j + 1, n))
+    return runs
+
+
+def attend_local(q, k_loc, v_loc, backend: AttentionBackend, scale: float) -> LSEMerger:
+    """A merger holding ``q`` against the local K/V block (empty when there are no keys)."""
+    merger = LSEMerger()
+    if q.shape[1] and k_loc.shape[1]:
+        merger.add(*backend.forward(q, k_loc, v_loc, scale))
+    return merger
+
+
+def attend_stacks(merger: LSEMerger, q, stacks, backend: AttentionBackend, scale: float):
+    """Merge ``q`` against each ``(k_stack, v_stack)`` of (G, B, S_k, Hk, D) equal-length blocks,
+    one kernel call per stack, into ``merger``; the last merge writes the output dtype directly.
+    Returns ``(out, lse)``."""
+    if q.shape[1]:
+        for i, (ks, vs) in enumerate(stacks):
+            outs, lses = forward_stack(backend, q, ks, vs, scale)
+            if i == len(stacks) - 1:
+                return merger.finish(q.dtype, outs, lses)
+            merger.add_stack(outs, lses)
+    return _empty_result(q) if merger.out is None else merger.result(q.dtype)
+
+
+def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
+    """``x`` (B, S, Hk, D) zero-padded along S to ``length`` (all-gather needs equal sizes)."""
+    return F.pad(x, (0, 0, 0, 0, 0, length - x.shape[1])) if x.shape[1] < length else x
+
+
+def _gather_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
+    """The "gather" forward of Note [ring schedule]; returns ``(out, lse)``."""
+    longest = max(spec.block_sizes)
+    group = spec.exchanger.group
+    pending = [start_all_gather(_padded(t, longest), group) for t in (k, v)]  # travel during the local block
+    merger = attend_local(q, *_with_joint((k, v), joint_k, joint_v, 0), backend, scale)
+    k_all, v_all = (wait_gathered(p).unflatten(0, (spec.size, k.shape[0])) for p in pending)  # (R, B, L, Hk, D)
+    stacks = [(k_all[a:b, :, :n], v_all[a:b, :, :n]) for a, b, n in remote_runs(spec.block_sizes, spec.rank)]
+    return attend_stacks(merger, q, stacks, backend, scale)
 
 
 def _block_grads(backend, dout, q, k_t, v_t, out, lse, scale):

@@ -20,7 +20,7 @@ from usp_dit.kernels import KernelAttention, select_backend
 from usp_dit.kernels.base import AttentionBackend, backends_with_lse, lse_dtype
 from usp_dit.mesh import USPMesh, resolve_mesh
 from usp_dit.partition import offsets, ring_block_sizes, split_sizes
-from usp_dit.ring import RingAttention, RingSpec
+from usp_dit.ring import RingAttention, RingSpec, choose_schedule
 from usp_dit.ulysses import gather_heads, scatter_heads, ulysses_layout
 
 
@@ -129,7 +129,9 @@ def _sharded(q, k, v, joint, kernel, scale, mesh: USPMesh, seq_len):
         q_blk = torch.cat([q_blk, jq[:, start:start + joint_sizes[r], qlo:qhi]], dim=1)
         jk, jv = layout.local_kv(jk[:, :, kvlo:kvhi]), layout.local_kv(jv[:, :, kvlo:kvhi])
     if r_deg > 1:
-        spec = RingSpec(mesh.ring_exchanger, tuple(ring_block_sizes(shards, u_deg)))
+        sizes = tuple(ring_block_sizes(shards, u_deg))
+        schedule = choose_schedule(mesh.ring_schedule, sizes, q_blk.shape[2], k_blk.shape[2])
+        spec = RingSpec(mesh.ring_exchanger, sizes, schedule)
         out_ext, lse_ext = RingAttention.apply(q_blk, k_blk, v_blk, jk, jv, spec, kernel, scale)
     elif jk is not None:
         out_ext, lse_ext = _local_attention(q_blk, torch.cat([k_blk, jk], 1), torch.cat([v_blk, jv], 1), kernel, scale)

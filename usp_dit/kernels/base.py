@@ -10,6 +10,11 @@ Layout (every backend, both directions):
     It may be a strided view (kernels produce (batch, heads, seq)); callers must not assume it is
     contiguous.
 
+An adapter may also offer ``forward_stack(q, k_blocks, v_blocks, scale)``: ``q`` against G K/V
+blocks of one length, (G, batch, seq_k, kv_heads, head_dim), in one kernel call, returning
+(G, batch, seq_q, heads, head_dim) outputs and (G, batch, seq_q, heads) LSEs; ``forward_stack``
+below falls back to one call per block.
+
 A backend's quirks (its own layout, LSE shape, padding, version differences) stay in its adapter.
 """
 from __future__ import annotations
@@ -198,6 +203,31 @@ def _select(name: str, device: str, dtype: torch.dtype, head_dim: int, needs_gra
     if not backend.available():
         backend.require()
     return backend
+
+
+def forward_stack(backend: AttentionBackend, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, scale: float):
+    """``q`` (B, Sq, H, D) against G K/V blocks of one length, ``k_blocks``/``v_blocks``
+    (G, B, Sk, Hk, D); returns ``outs`` (G, B, Sq, H, D) and ``lses`` (G, B, Sq, H), the blocks'
+    partial results before merging (forward only).
+
+    One kernel call where the adapter has a ``forward_stack`` method (the G blocks folded into the
+    batch: G times the thread blocks of one short call, which fills the GPU), else one call per block.
+    """
+    own = getattr(backend, "forward_stack", None)
+    if own is not None:
+        return own(q, k_blocks, v_blocks, scale)
+    parts = [backend.forward(q, kb, vb, scale) for kb, vb in zip(k_blocks, v_blocks)]
+    return torch.stack([o for o, _ in parts]), torch.stack([lse for _, lse in parts])
+
+
+def folded_forward_stack(backend: AttentionBackend, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, scale: float):
+    """``forward_stack`` for kernels that take any batch: the G blocks become G x B batch entries,
+    ``q`` repeated by a stride-0 view (a kernel that needs contiguous inputs copies it)."""
+    g, b = k_blocks.shape[:2]
+    qs = q.unsqueeze(0).expand(g, *q.shape).reshape(g * b, *q.shape[1:])
+    out, lse = backend.forward(qs, k_blocks.reshape(g * b, *k_blocks.shape[2:]),
+                               v_blocks.reshape(g * b, *v_blocks.shape[2:]), scale)
+    return out.unflatten(0, (g, b)), lse.unflatten(0, (g, b))
 
 
 class KernelAttention(torch.autograd.Function):

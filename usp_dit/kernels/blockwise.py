@@ -4,7 +4,9 @@ Layout: q (B, Sq, H, D); k, v (B, Sk, Hk, D); out like q; lse (B, Sq, H).
 
 Query and K/V sequences are cut into N blocks (uneven lengths allowed, as ``split_sizes`` cuts
 them); every query block attends to every K/V block through the backend and the partial results
-are merged by LSE exactly as a ring rank merges them. The backward feeds each block the merged
+are merged by LSE exactly as a ring rank merges them, in either forward schedule of ``usp_dit.ring`` (Note [ring schedule]):
+"stream" merges block by block, "gather" attends to the local block and then to each run of
+equal-length remote blocks in one call, through the same functions the ring runs. The backward feeds each block the merged
 out/LSE, as the ring backward does. Used by the GPU kernel tests (a backend is ring-safe when its
 blockwise result matches its whole-sequence result) and the ring-block benchmark.
 """
@@ -14,24 +16,39 @@ import torch
 
 from usp_dit.kernels.base import AttentionBackend, lse_dtype
 from usp_dit.merge import LSEMerger
-from usp_dit.partition import split_sizes
+from usp_dit.partition import offsets, split_sizes
+from usp_dit.ring import attend_local, attend_stacks, remote_runs
 
 
 def _blocks(x: torch.Tensor, n: int) -> list[torch.Tensor]:
     return list(x.split(split_sizes(x.shape[1], n), dim=1))
 
 
-def blockwise_forward(q, k, v, backend: AttentionBackend, scale: float, n: int):
-    """Returns ``(out, lse)`` of ``n`` x ``n`` blocks merged by LSE."""
-    outs, lses = [], []
-    for q_blk in _blocks(q, n):
-        merger = LSEMerger()
-        for k_blk, v_blk in zip(_blocks(k, n), _blocks(v, n)):
-            merger.add(*backend.forward(q_blk, k_blk, v_blk, scale))
-        out, lse = merger.result(q.dtype)
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+def _stack(x: torch.Tensor, sizes: list[int], start: int, stop: int, length: int) -> torch.Tensor:
+    """Blocks ``start:stop`` of ``x`` (B, S, Hk, D), all ``length`` long, as a (G, B, length, Hk, D) view."""
+    first = offsets(sizes)[start]
+    return x[:, first:first + (stop - start) * length].unflatten(1, (stop - start, length)).movedim(1, 0)
+
+
+def _rank_forward(q_blk, k, v, backend, scale: float, n: int, rank: int, schedule: str):
+    """What ring rank ``rank`` computes for its queries ``q_blk`` in the given forward schedule."""
+    sizes = split_sizes(k.shape[1], n)
+    k_blocks, v_blocks = _blocks(k, n), _blocks(v, n)
+    if schedule == "gather":
+        merger = attend_local(q_blk, k_blocks[rank], v_blocks[rank], backend, scale)
+        stacks = [(_stack(k, sizes, a, b, m), _stack(v, sizes, a, b, m)) for a, b, m in remote_runs(tuple(sizes), rank)]
+        return attend_stacks(merger, q_blk, stacks, backend, scale)
+    merger = LSEMerger()
+    for step in range(n):
+        j = (rank - step) % n
+        merger.add(*backend.forward(q_blk, k_blocks[j], v_blocks[j], scale))
+    return merger.result(q_blk.dtype)
+
+
+def blockwise_forward(q, k, v, backend: AttentionBackend, scale: float, n: int, schedule: str = "stream"):
+    """Returns ``(out, lse)`` of ``n`` x ``n`` blocks merged by LSE, as ``n`` ring ranks compute them."""
+    results = [_rank_forward(q_blk, k, v, backend, scale, n, r, schedule) for r, q_blk in enumerate(_blocks(q, n))]
+    return torch.cat([o for o, _ in results], dim=1), torch.cat([lse for _, lse in results], dim=1)
 
 
 def blockwise_backward(dout, q, k, v, out, lse, backend: AttentionBackend, scale: float, n: int):

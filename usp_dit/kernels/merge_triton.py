@@ -1,14 +1,17 @@
-"""Fused, in-place LSE merge on CUDA (Triton): one kernel per merged block.
+"""Fused LSE merge on CUDA (Triton): one kernel merges a running result with a stack of G blocks.
 
-Layout: acc_out (B, S, H, D) float32 contiguous; acc_lse (B, S, H) float32 contiguous;
-blk_out (B, S, H, D) any strides with a contiguous last dim (kernels often return (B, H, S, D)
-memory viewed as (B, S, H, D)); blk_lse (B, S, H) any strides.
+Layout: src_out, dst_out (B, S, H, D); src_lse, dst_lse (B, S, H) float32; blk_outs
+(G, B, S, H, D) and blk_lses (G, B, S, H), any strides with a contiguous head_dim (kernels often
+return (B, H, S, D) memory viewed as (B, S, H, D)). ``dst`` may be ``src`` (an in-place update of a
+float32 accumulator) or a fresh tensor of any float dtype (the last merge writes the final output
+straight in the model's dtype, skipping a float32 round trip).
 
 Per row (b, s, h), with the maths of ``usp_dit.merge``:
-    l   = max(la, lb) + log(exp(la - max) + exp(lb - max))
-    out = exp(la - l) * out_a + exp(lb - l) * out_b
-The unfused PyTorch version reads and writes the float32 accumulator four times and launches about
-eight kernels; this reads each input once and writes the accumulator once.
+    m   = max(l_src, l_1, ..., l_G)
+    lse = m + log(exp(l_src - m) + sum_i exp(l_i - m))
+    out = exp(l_src - lse) * out_src + sum_i exp(l_i - lse) * out_i
+Each input is read once and the result written once, so merging G blocks at a time costs one pass
+over the data instead of G (the unfused PyTorch form reads and writes float32 four times per block).
 """
 from __future__ import annotations
 
@@ -30,10 +33,11 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(
-        acc_out, acc_lse, blk_out, blk_lse,
-        S, H,
-        ao_b, ao_s, ao_h, al_b, al_s, al_h,
-        bo_b, bo_s, bo_h, bl_b, bl_s, bl_h,
+        dst_out, dst_lse, src_out, src_lse, blk_out, blk_lse,
+        G, S, H,
+        do_b, do_s, do_h, dl_b, dl_s, dl_h,
+        so_b, so_s, so_h, sl_b, sl_s, sl_h,
+        bo_g, bo_b, bo_s, bo_h, bl_g, bl_b, bl_s, bl_h,
         D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         pid_bh = tl.program_id(0)
@@ -42,39 +46,44 @@ if triton is not None:
         s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
         d = tl.arange(0, BLOCK_D)
         row_ok = s < S
-        la = tl.load(acc_lse + b * al_b + s * al_s + h * al_h, mask=row_ok, other=0.0)
-        lb = tl.load(blk_lse + b * bl_b + s * bl_s + h * bl_h, mask=row_ok, other=0.0).to(tl.float32)
-        m = tl.maximum(la, lb)
-        m = tl.where(m == float("-inf"), 0.0, m)  # both sides empty: keep -inf, avoid nan
-        ea = tl.exp(la - m)
-        eb = tl.exp(lb - m)
-        total = ea + eb
-        new_lse = m + tl.log(total)
-        total = tl.where(total == 0.0, 1.0, total)
-        wa = ea / total
-        wb = eb / total
         mask = row_ok[:, None] & (d[None, :] < D)
-        a_ptr = acc_out + b * ao_b + s[:, None] * ao_s + h * ao_h + d[None, :]
-        b_ptr = blk_out + b * bo_b + s[:, None] * bo_s + h * bo_h + d[None, :]
-        oa = tl.load(a_ptr, mask=mask, other=0.0)
-        ob = tl.load(b_ptr, mask=mask, other=0.0).to(tl.float32)
-        tl.store(a_ptr, oa * wa[:, None] + ob * wb[:, None], mask=mask)
-        tl.store(acc_lse + b * al_b + s * al_s + h * al_h, new_lse, mask=row_ok)
+        l_src = tl.load(src_lse + b * sl_b + s * sl_s + h * sl_h, mask=row_ok, other=float("-inf")).to(tl.float32)
+        m = l_src
+        for i in range(G):
+            l_max = tl.load(blk_lse + i * bl_g + b * bl_b + s * bl_s + h * bl_h, mask=row_ok, other=float("-inf"))
+            m = tl.maximum(m, l_max.to(tl.float32))
+        m = tl.where(m == float("-inf"), 0.0, m)  # every side empty: keep -inf, avoid nan
+        w_src = tl.exp(l_src - m)
+        total = w_src
+        o_src = tl.load(src_out + b * so_b + s[:, None] * so_s + h * so_h + d[None, :], mask=mask, other=0.0)
+        acc = o_src.to(tl.float32) * w_src[:, None]
+        for i in range(G):
+            l_blk = tl.load(blk_lse + i * bl_g + b * bl_b + s * bl_s + h * bl_h, mask=row_ok, other=float("-inf"))
+            w_blk = tl.exp(l_blk.to(tl.float32) - m)
+            total += w_blk
+            o_blk = tl.load(blk_out + i * bo_g + b * bo_b + s[:, None] * bo_s + h * bo_h + d[None, :], mask=mask, other=0.0)
+            acc += o_blk.to(tl.float32) * w_blk[:, None]
+        safe = tl.where(total == 0.0, 1.0, total)
+        acc = acc / safe[:, None]
+        tl.store(dst_out + b * do_b + s[:, None] * do_s + h * do_h + d[None, :], acc.to(dst_out.dtype.element_ty), mask=mask)
+        tl.store(dst_lse + b * dl_b + s * dl_s + h * dl_h, m + tl.log(total), mask=row_ok)
 
 
-def merge_(acc_out: torch.Tensor, acc_lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
-    """Merge (blk_out, blk_lse) into the float32 accumulators in place (shapes in module docstring)."""
-    bsz, seq, heads, dim = acc_out.shape
-    assert acc_out.dtype == torch.float32 and acc_out.is_contiguous() and acc_lse.is_contiguous()
-    assert blk_out.stride(-1) == 1, "block output needs a contiguous head_dim"
+def merge(
+    dst_out: torch.Tensor, dst_lse: torch.Tensor, src_out: torch.Tensor, src_lse: torch.Tensor,
+    blk_outs: torch.Tensor, blk_lses: torch.Tensor,
+) -> None:
+    """Write the merge of ``src`` and the ``G`` stacked blocks into ``dst`` (shapes in module docstring)."""
+    bsz, seq, heads, dim = dst_out.shape
+    assert dst_lse.dtype == torch.float32 and blk_outs.dim() == 5 and blk_lses.dim() == 4
+    for t in (dst_out, src_out, blk_outs):
+        assert t.stride(-1) == 1, "outputs need a contiguous head_dim"
     block_d = triton.next_power_of_2(dim)
     block_s = max(1, min(64, 8192 // block_d))
     grid = (bsz * heads, triton.cdiv(seq, block_s))
     _merge_kernel[grid](
-        acc_out, acc_lse, blk_out, blk_lse, seq, heads,
-        acc_out.stride(0), acc_out.stride(1), acc_out.stride(2),
-        acc_lse.stride(0), acc_lse.stride(1), acc_lse.stride(2),
-        blk_out.stride(0), blk_out.stride(1), blk_out.stride(2),
-        blk_lse.stride(0), blk_lse.stride(1), blk_lse.stride(2),
+        dst_out, dst_lse, src_out, src_lse, blk_outs, blk_lses, blk_outs.shape[0], seq, heads,
+        *dst_out.stride()[:3], *dst_lse.stride(), *src_out.stride()[:3], *src_lse.stride(),
+        *blk_outs.stride()[:4], *blk_lses.stride(),
         D=dim, BLOCK_S=block_s, BLOCK_D=block_d,
     )

@@ -115,10 +115,13 @@ def _transformer_of(target: Any) -> tuple[torch.nn.Module, Any]:
     )
 
 
-def _resolve_mesh(mesh: USPMesh | None, ulysses_degree: int, ring_degree: int, cfg_degree: int) -> USPMesh:
+def _resolve_mesh(
+    mesh: USPMesh | None, ulysses_degree: int, ring_degree: int, cfg_degree: int, ring_schedule: str = "auto"
+) -> USPMesh:
     """``mesh`` if given (its degrees must agree with any degree passed), else ``init_usp(...)``."""
     if mesh is None:
-        return init_usp(ulysses_degree=ulysses_degree, ring_degree=ring_degree, cfg_degree=cfg_degree)
+        return init_usp(ulysses_degree=ulysses_degree, ring_degree=ring_degree, cfg_degree=cfg_degree,
+                        ring_schedule=ring_schedule)
     given = {"ulysses_degree": ulysses_degree, "ring_degree": ring_degree, "cfg_degree": cfg_degree}
     for name, value in given.items():
         if value != 1 and value != getattr(mesh, name):
@@ -378,6 +381,7 @@ def enable_usp(
     *,
     mesh: USPMesh | None = None,
     sync_inputs: bool = True,
+    ring_schedule: str = "auto",
 ) -> USPMesh:
     """Run a Diffusers pipeline's transformer (or a bare transformer) on a USP grid, in place.
 
@@ -396,6 +400,9 @@ def enable_usp(
         mesh: a grid from ``usp_dit.init_usp`` to use instead of building one.
         sync_inputs: broadcast the transformer's inputs from each replica's first rank
             (Note [same inputs everywhere]); turn off only if you guarantee identical inputs.
+        ring_schedule: how the ring's forward moves K/V blocks: "stream" (block by block, least
+            memory), "gather" (all blocks at once, fewest kernel calls) or "auto" (by block
+            length). Ignored when ``mesh`` is given (``init_usp`` takes it).
 
     Returns:
         The mesh in use.
@@ -411,7 +418,7 @@ def enable_usp(
         raise ValueError(f"usp_dit is already enabled on this {type(transformer).__name__}; call disable_usp first")
     _check_backend(backend)
     adapter = find_adapter(transformer)
-    mesh = _resolve_mesh(mesh, ulysses_degree, ring_degree, cfg_degree)
+    mesh = _resolve_mesh(mesh, ulysses_degree, ring_degree, cfg_degree, ring_schedule)
     adapter.enable(transformer, mesh, backend)
     state = USPState(mesh, adapter, backend, sync_inputs)
     if mesh.config.model_degree > 1:  # at one rank there is nothing to sync or split: no wrapper, no tax
