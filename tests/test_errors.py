@@ -143,3 +143,22 @@ def test_auto_choice_is_logged_once(caplog):
         usp_attention(q, k, v)
     chose = [r for r in caplog.records if "chose 'sdpa_cpu'" in r.getMessage()]
     assert len(chose) == 1 and "head_dim=24" in chose[0].getMessage()
+
+
+def test_flash_attn_4_registered_with_flags_and_install_line():
+    """FA4 is registered with a backward and an LSE; without the package (or a GPU) it says how to
+    install it, and ``auto`` on CPU never picks it."""
+    backend = get_backend("flash_attn_4")
+    assert backend.caps.supports_backward and backend.caps.returns_lse
+    assert backend.caps.why_not("cuda", torch.bfloat16, 128, True) is None
+    assert "head_dim=264" in backend.caps.why_not("cuda", torch.bfloat16, 264, False)
+    if not backend.available():
+        with pytest.raises(RuntimeError, match=r"pip install flash-attn-4"):
+            select_backend("flash_attn_4", "cuda", torch.bfloat16, 128, False)
+    assert select_backend("auto", "cpu", torch.float32, 128, False).name == "sdpa_cpu"
+
+
+def test_ring_schedule_must_be_known():
+    with pytest.raises(ValueError, match=r"ring_schedule must be one of \('auto', 'stream', 'gather'\), got 'ring'"):
+        init_usp(ring_schedule="ring")
+    assert usp_dit.USPConfig(ring_degree=2, ring_schedule="gather").ring_schedule == "gather"

@@ -20,7 +20,15 @@ from usp_dit.testing import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-BACKENDS = ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient"]
+BACKENDS = ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_4"]
+
+
+def _backend(name: str):
+    """The backend, or a skip when its optional package is not installed here."""
+    backend = get_backend(name)
+    if not backend.available():
+        pytest.skip(f"{name} is not installed")
+    return backend
 SHAPES = [(1, 1000, 4, 4, 64), (2, 777, 8, 2, 128), (1, 4608, 24, 24, 128)]
 
 
@@ -30,10 +38,10 @@ def _inputs(b, s, h, hk, d, seed=0):
     return mk(b, s, h, d), mk(b, s, hk, d), mk(b, s, hk, d), mk(b, s, h, d)
 
 
-def _errors(backend, q, k, v, dout, dtype, n, ref):
+def _errors(backend, q, k, v, dout, dtype, n, ref, schedule="stream"):
     scale = q.shape[-1] ** -0.5
     qc, kc, vc, doc = (t.to(dtype) for t in (q, k, v, dout))
-    out, lse = blockwise_forward(qc, kc, vc, backend, scale, n)
+    out, lse = blockwise_forward(qc, kc, vc, backend, scale, n, schedule)
     grads = blockwise_backward(doc, qc, kc, vc, out, lse, backend, scale, n)
     names = ["out", "lse", "dq", "dk", "dv"]
     return dict(zip(names, [rel_err(out, ref[0]), rel_err(lse, ref[1])] + [rel_err(a, b) for a, b in zip(grads, ref[2:])]))
@@ -43,33 +51,36 @@ def _errors(backend, q, k, v, dout, dtype, n, ref):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_backend_whole_and_blockwise(name, dtype, shape):
-    backend = get_backend(name)
+    backend = _backend(name)
     q, k, v, dout = _inputs(*shape)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = attention_ref(*leaves, shape[-1] ** -0.5)
     ref = (out.detach(), lse.detach(), *torch.autograd.grad(out, leaves, dout))
     whole = _errors(backend, q, k, v, dout, dtype, 1, ref)
     assert max(whole.values()) < 2e-2, whole
-    for n in (2, 4, 8):
-        blocks = _errors(backend, q, k, v, dout, dtype, n, ref)
-        bad = {key: (blocks[key], whole[key]) for key in whole if blocks[key] > 2 * whole[key] + 1e-5}
-        assert not bad, f"N={n}: (blockwise, whole) errors {bad}"
+    for schedule in ("stream", "gather"):
+        for n in (2, 4, 8):
+            blocks = _errors(backend, q, k, v, dout, dtype, n, ref, schedule)
+            bad = {key: (blocks[key], whole[key]) for key in whole if blocks[key] > 2 * whole[key] + 1e-5}
+            assert not bad, f"{schedule} N={n}: (blockwise, whole) errors {bad}"
 
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_world_size_one_is_the_kernel(name):
     """At P = 1 usp_attention returns exactly what the kernel returns (no extra arithmetic)."""
-    backend = get_backend(name)
+    backend = _backend(name)
     q, k, v, _ = (t.to(torch.bfloat16) for t in _inputs(1, 512, 8, 8, 128))
     out, lse = usp_attention(q, k, v, backend=name, return_lse=True)
     ref_out, ref_lse = backend.forward(q, k, v, 128 ** -0.5)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
-def test_auto_picks_cudnn_for_bf16():
+def test_auto_picks_the_fastest_installed_for_bf16():
+    """FlashAttention 4 where installed, else cuDNN (the measured order in ``base._AUTO_ORDER``)."""
     from usp_dit.kernels import select_backend
 
-    assert select_backend("auto", "cuda", torch.bfloat16, 128, True).name == "sdpa_cudnn"
+    fastest = "flash_attn_4" if get_backend("flash_attn_4").available() else "sdpa_cudnn"
+    assert select_backend("auto", "cuda", torch.bfloat16, 128, True).name == fastest
 
 
 def test_fused_merge_matches_float64_maths():
@@ -88,6 +99,44 @@ def test_fused_merge_matches_float64_maths():
     ref_lse = torch.logsumexp(l64, dim=0)
     ref_out = sum(torch.exp(l - ref_lse).unsqueeze(-1) * o.double() for o, l in zip(outs, l64))
     assert rel_err(lse, ref_lse) < 1e-6 and rel_err(out, ref_out) < 1e-6
+
+
+@pytest.mark.parametrize("plan", [[1, 3], [2, 2], [1, 1, 2]])
+def test_fused_stack_merge_matches_float64_maths(plan):
+    """Stacks merged by the Triton kernel, the last one written straight to bf16: LSE to float32
+    rounding (1e-6), out to bf16 rounding (4e-3: 8 mantissa bits)."""
+    from usp_dit.merge import LSEMerger
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    n, (b, s, h, d) = sum(plan), (2, 333, 5, 64)
+    outs = torch.randn(n, b, h, s, d, device="cuda", generator=g).to(torch.bfloat16).transpose(2, 3)
+    lses = torch.randn(n, b, h, s, device="cuda", generator=g).transpose(2, 3) * 3
+    merger, i = LSEMerger(), 0
+    for j, size in enumerate(plan):
+        part = outs[i:i + size], lses[i:i + size]
+        i += size
+        if j < len(plan) - 1:
+            merger.add_stack(*part)
+    out, lse = merger.finish(torch.bfloat16, *part)
+    ref_lse = torch.logsumexp(lses.double(), dim=0)
+    ref_out = (torch.exp(lses.double() - ref_lse).unsqueeze(-1) * outs.double()).sum(0)
+    assert out.dtype == torch.bfloat16 and rel_err(lse, ref_lse) < 1e-6 and rel_err(out, ref_out) < 4e-3
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_forward_stack_equals_one_call_per_block(name, batch):
+    """A stack of blocks in one call (cuDNN folds them into its batch) equals one call per block."""
+    from usp_dit.kernels.base import forward_stack
+
+    backend = _backend(name)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(batch, 300, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    kb, vb = (torch.randn(3, batch, 257, 2, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    outs, lses = forward_stack(backend, q, kb, vb, 0.1)
+    for i in range(3):
+        out, lse = backend.forward(q, kb[i], vb[i], 0.1)
+        assert rel_err(outs[i], out) < 4e-3 and rel_err(lses[i], lse) < 1e-5
 
 
 def test_sage_forward_only_and_accuracy():

@@ -114,11 +114,13 @@ _REGISTRY: dict[str, AttentionBackend] = {}
 _log = logging.getLogger("usp_dit")
 
 # Preference order for backend="auto", fastest first, per device type. Measured on one NVIDIA H200
-# (torch 2.11, cu130) on 2026-12-02 at the shapes of shared/shapes.md: cuDNN SDPA 622 TF/s forward
-# at the Flux shape, FA2 (SDPA flash) 317, mem-efficient 164. On CPU the fused flash kernel of
-# PyTorch beats the reference by avoiding the S x S score matrix.
+# (torch 2.11, cu130) on 2026-12-02 at the shapes of shared/shapes.md, forward TF/s at Flux /
+# CogVideoX / Mochi (docs/PERFORMANCE.md): FlashAttention 4 (flash-attn-4 4.0.0b36, when installed)
+# 639 / 539 / 679; cuDNN SDPA 599 / 414 / 574; FA2 (SDPA flash) 331 / 316 / 359; mem-efficient
+# 164 / 137 / 181. Forward+backward ranks the same. On CPU the fused flash kernel of PyTorch beats
+# the reference by avoiding the S x S score matrix.
 _AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "reference"),
+    "cuda": ("flash_attn_4", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "reference"),
     "cpu": ("sdpa_cpu", "reference"),
 }
 

@@ -1,0 +1,69 @@
+"""FlashAttention 4 (``flash-attn-4``, CuTe DSL kernels compiled at first use): forward with LSE
+and a backward that takes an external out/LSE, on Hopper (SM90) and Blackwell.
+
+Layout: q (B, S, H, D), k/v (B, S, Hk, D) -> out (B, S, H, D): the kernel's own "bshd" layout,
+grouped K/V read natively (no expansion), dk/dv returned per K/V head.
+
+Quirks kept here:
+- its private ``_flash_attn_fwd`` / ``_flash_attn_bwd`` are called (the public function hides the
+  backward behind its own autograd and cannot take a merged out/LSE, which the ring needs);
+- LSE comes back (B, H, S) float32, natural log, scale applied; the backward reads that layout;
+- the package's ``cutlass`` module is put on ``sys.path`` by a ``.pth`` file, so an install with
+  ``pip install --target`` needs ``<target>/nvidia_cutlass_dsl/dsl_packages`` on PYTHONPATH;
+- each new (head_dim, dtype, tile) is compiled on first call (seconds): warm up before timing.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from usp_dit.kernels._sdpa_layout import lse_to_bhs, lse_to_bsh
+from usp_dit.kernels.base import BackendCaps, folded_forward_stack, register_backend
+
+INSTALL = "pip install flash-attn-4 'nvidia-cutlass-dsl[cu13]'"
+_HALF = frozenset({torch.float16, torch.bfloat16})
+
+
+@functools.cache
+def _interface():
+    """The ``flash_attn.cute.interface`` module, or ``None`` when it cannot be imported."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    try:
+        from flash_attn.cute import interface
+    except Exception:  # noqa: BLE001  (a broken or partial install is "not available")
+        return None
+    return interface
+
+
+class FlashAttn4Backend:
+    name = "flash_attn_4"
+    caps = BackendCaps(frozenset({"cuda"}), _HALF, max_head_dim=256, supports_backward=True, head_dim_multiple=8)
+
+    def available(self) -> bool:
+        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and _interface() is not None
+
+    def require(self) -> None:
+        if not self.available():
+            raise RuntimeError(
+                f"backend 'flash_attn_4' needs the flash-attn-4 package and a Hopper or newer GPU: {INSTALL}"
+            )
+
+    def forward(self, q, k, v, scale):
+        out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, return_lse=True)
+        return out, lse_to_bsh(lse, q.shape[1], q.dtype)
+
+    def forward_stack(self, q, k_blocks, v_blocks, scale):
+        """G blocks in one call (folded into the batch; the kernel copies the repeated ``q``)."""
+        return folded_forward_stack(self, q, k_blocks, v_blocks, scale)
+
+    def backward(self, dout, q, k, v, out, lse, scale):
+        dq, dk, dv = _interface()._flash_attn_bwd(
+            q, k, v, out.contiguous(), dout.contiguous(), lse_to_bhs(lse, q.dtype), softmax_scale=scale
+        )[:3]
+        return dq, dk, dv
+
+
+register_backend(FlashAttn4Backend())
