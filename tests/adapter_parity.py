@@ -18,8 +18,9 @@ from usp_dit.testing import assert_no_crash, rel_err
 
 # (ulysses, ring, cfg) grids per world size: the grids plus (1, 4) and a cfg mesh, whose two
 # cfg groups each shard the (whole) batch over their own two ranks.
-GRIDS = {2: [(2, 1, 1), (1, 2, 1)], 4: [(2, 2, 1), (4, 1, 1), (1, 4, 1), (1, 2, 2)]}
-GRAD_GRID = {2: (1, 2, 1), 4: (2, 2, 1)}
+# At 8 ranks (one full node, gloo standing in for NCCL): a ring over 4 and a cfg split.
+GRIDS = {2: [(2, 1, 1), (1, 2, 1)], 4: [(2, 2, 1), (4, 1, 1), (1, 4, 1), (1, 2, 2)], 8: [(2, 4, 1), (1, 4, 2)]}
+GRAD_GRID = {2: (1, 2, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
 
 
 @dataclass(frozen=True)

@@ -64,14 +64,18 @@ def _grid_world4():
     return run_grid(4, SHAPES, _build, ADAPTER, GRAD_SHAPE)
 
 
+def _grid_world8():
+    return run_grid(8, SHAPES, _build, ADAPTER, GRAD_SHAPE)
+
+
 @pytest.fixture(scope="module")
 def grid_results():
-    results = {2: run_spawned(_grid_world2, 2), 4: run_spawned(_grid_world4, 4)}
+    results = {2: run_spawned(_grid_world2, 2), 4: run_spawned(_grid_world4, 4), 8: run_spawned(_grid_world8, 8)}
     check_spawn(results)
     return results
 
 
-ALL_CASES = cases(2, SHAPES) + cases(4, SHAPES)
+ALL_CASES = cases(2, SHAPES) + cases(4, SHAPES) + cases(8, SHAPES)
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=[c.id for c in ALL_CASES])
@@ -79,7 +83,7 @@ def test_sharded_output_matches_one_process(grid_results, case):
     assert_within(grid_results[case.world], case.id, TOL)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_parameter_gradients_match_one_process(grid_results, world: int):
     assert_within(grid_results[world], f"grad-w{world}", TOL)
 

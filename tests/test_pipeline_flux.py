@@ -49,7 +49,8 @@ SHAPES = [
     Shape(2, 9, 7, 5, controlnet=True),  # 68 tokens, ControlNet residuals sliced like the image tokens
 ]
 # (ulysses, ring, cfg) per world size: the grids.
-GRIDS = {2: [(2, 1, 1), (1, 2, 1)], 4: [(2, 2, 1), (4, 1, 1), (1, 2, 2)]}
+GRIDS = {2: [(2, 1, 1), (1, 2, 1)], 4: [(2, 2, 1), (4, 1, 1), (1, 2, 2)],
+         8: [(2, 4, 1), (2, 2, 2)]}  # 8: one full node, ring over 4 and a cfg split (CPU stand-in for NCCL)
 
 
 @dataclass(frozen=True)
@@ -234,15 +235,19 @@ def _grid_world4():
     return run_grid(4)
 
 
+def _grid_world8():
+    return run_grid(8)
+
+
 @pytest.fixture(scope="module")
 def grid_results():
-    results = {2: run_spawned(_grid_world2, 2), 4: run_spawned(_grid_world4, 4)}
+    results = {2: run_spawned(_grid_world2, 2), 4: run_spawned(_grid_world4, 4), 8: run_spawned(_grid_world8, 8)}
     for per_rank in results.values():
         assert_no_crash(per_rank)
     return results
 
 
-ALL_CASES = cases(2) + cases(4)
+ALL_CASES = cases(2) + cases(4) + cases(8)
 
 
 def _per_rank(grid_results, world: int, key: str) -> list[dict[str, float]]:
