@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/bench_pipelines.py --model flux          # Flux.1-dev, 1024x1024
     PYTHONPATH=. python3 benchmarks/bench_pipelines.py --model cogvideox     # CogVideoX-5B, 49 x 480 x 720
+    PYTHONPATH=. python3 benchmarks/bench_pipelines.py --model mochi         # Mochi-1, 163 x 480 x 848
     PYTHONPATH=. python3 benchmarks/bench_pipelines.py --model all --json out.json
 
 Full-size transformers with random weights (configs of the released checkpoints, written below),
@@ -117,7 +118,26 @@ def cogvideox_case(device: torch.device, frames: int = 49, height: int = 480, wi
     return model, inputs, f"{frames}x{height}x{width} ({tokens} + 226 tokens)"
 
 
-CASES: dict[str, Callable] = {"flux": flux_case, "cogvideox": cogvideox_case}
+def mochi_case(device: torch.device, frames: int = 163, height: int = 480, width: int = 848):
+    """Mochi-1 transformer (diffusers' defaults are the released config) and one step's inputs:
+    latents (1, 12, (frames-1)/6+1, h/8, w/8), 2x2 patches, 256 prompt tokens all valid."""
+    from diffusers import MochiTransformer3DModel
+
+    model = build(MochiTransformer3DModel, {}, device)
+    lat_f, lat_h, lat_w = (frames - 1) // 6 + 1, height // 8, width // 8
+    g = torch.Generator(device).manual_seed(0)
+    bf = dict(device=device, dtype=torch.bfloat16)
+    inputs = dict(
+        hidden_states=torch.randn(1, 12, lat_f, lat_h, lat_w, generator=g, **bf),
+        encoder_hidden_states=torch.randn(1, 256, 4096, generator=g, **bf),
+        timestep=torch.full((1,), 500, device=device, dtype=torch.long),
+        encoder_attention_mask=torch.ones(1, 256, device=device, dtype=torch.bool), return_dict=False,
+    )
+    tokens = lat_f * (lat_h // 2) * (lat_w // 2)
+    return model, inputs, f"{frames}x{height}x{width} ({tokens} + 256 tokens)"
+
+
+CASES: dict[str, Callable] = {"flux": flux_case, "cogvideox": cogvideox_case, "mochi": mochi_case}
 
 
 def time_round(fn: Callable[[], object], iters: int) -> float:
