@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ulysses", type=int, default=1)
     p.add_argument("--ring", type=int, default=1)
     p.add_argument("--backend", default="auto", help="attention kernel (usp_dit.kernels.list_backends())")
+    p.add_argument("--ring-schedule", default="auto", choices=["auto", "stream", "gather"],
+                   help="ring forward: stream (least memory) or gather (fewest kernel calls); backward streams")
     p.add_argument("--fsdp", choices=("none", "full", "hybrid"), default="none", help="shard parameters with FSDP2")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype (weights stay fp32)")
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing of every block")
@@ -249,7 +251,7 @@ def _fsdp_kwargs(args: argparse.Namespace) -> dict:
 
 def prepare(args: argparse.Namespace):
     """Mesh, transformer (train mode, sequence-parallel, maybe FSDP2-sharded) and optimizer."""
-    mesh = usp_dit.init_usp(ulysses_degree=args.ulysses, ring_degree=args.ring)
+    mesh = usp_dit.init_usp(ulysses_degree=args.ulysses, ring_degree=args.ring, ring_schedule=args.ring_schedule)
     device = _device()
     model = build_transformer(args).to(device).train()
     if args.grad_ckpt:

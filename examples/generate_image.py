@@ -51,6 +51,8 @@ def parse_args() -> argparse.Namespace:
                    "splits the batch of --num-images images")
     p.add_argument("--num-images", type=int, default=None, help="images per prompt (default: the cfg degree)")
     p.add_argument("--backend", default="auto", help="attention kernel: auto or a name from usp_dit.kernels")
+    p.add_argument("--ring-schedule", default="auto", choices=["auto", "stream", "gather"],
+                   help="how the ring's forward moves K/V blocks (README: ring schedules)")
     p.add_argument("--output", default="flux_usp.png")
     p.add_argument("--no-check", action="store_true", help="skip the one-rank comparison")
     return p.parse_args()
@@ -92,7 +94,8 @@ def main() -> None:
     ulysses, ring, cfg = fill_degrees(world, args.ulysses, args.ring, args.cfg)
     num_images = args.num_images or cfg
     pipe = load_pipeline(args, device)
-    mesh = pipe.enable_usp(ulysses_degree=ulysses, ring_degree=ring, cfg_degree=cfg, backend=args.backend)
+    mesh = pipe.enable_usp(ulysses_degree=ulysses, ring_degree=ring, cfg_degree=cfg, backend=args.backend,
+                           ring_schedule=args.ring_schedule)
     tokens = (args.height // 16) * (args.width // 16)
     if rank == 0:
         print(f"usp_dit {usp_dit.__version__}: {mesh} on {world} ranks, {device.type}; "

@@ -59,6 +59,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ring", type=int, default=None, help="ring degree (default: what is left of the world)")
     p.add_argument("--cfg", type=int, default=1, help="cfg degree: 2 puts the uncond and cond halves on two groups")
     p.add_argument("--backend", default="auto", help="attention kernel: auto or a name from usp_dit.kernels")
+    p.add_argument("--ring-schedule", default="auto", choices=["auto", "stream", "gather"],
+                   help="how the ring's forward moves K/V blocks (README: ring schedules)")
     p.add_argument("--fps", type=int, default=8)
     p.add_argument("--output", default="video_usp.webp", help="animated .webp or .gif (an .mp4 is added if it can be)")
     p.add_argument("--no-check", action="store_true", help="skip the one-rank comparison")
@@ -140,7 +142,8 @@ def main() -> None:
     install_failure_handler()  # a rank that raises ends the job at once (usp_dit.pipelines.api)
     ulysses, ring, cfg = fill_degrees(world, args.ulysses, args.ring, args.cfg)
     pipe = load_pipeline(args, device)
-    mesh = pipe.enable_usp(ulysses_degree=ulysses, ring_degree=ring, cfg_degree=cfg, backend=args.backend)
+    mesh = pipe.enable_usp(ulysses_degree=ulysses, ring_degree=ring, cfg_degree=cfg, backend=args.backend,
+                           ring_schedule=args.ring_schedule)
     if rank == 0:
         print(f"usp_dit {usp_dit.__version__}: {mesh} on {world} ranks, {device.type}; "
               f"{args.model_path or f'tiny random {type(pipe).__name__}'}, {args.frames} frames of "

@@ -179,3 +179,14 @@ def test_image_example_matches_one_rank(tmp_path):
 
     with Image.open(out_png) as image:
         assert image.size == (96, 80)
+
+
+def test_ring_schedule_reaches_the_mesh_and_is_checked():
+    """enable_usp passes ring_schedule to the mesh it builds; a wrong value fails before patching."""
+    model = tiny_flux_transformer()
+    mesh = enable_usp(model, ring_schedule="stream")
+    assert mesh.ring_schedule == "stream"
+    disable_usp(model)
+    with pytest.raises(ValueError, match="ring_schedule must be one of"):
+        enable_usp(model, ring_schedule="fast")
+    assert not is_usp_enabled(model)

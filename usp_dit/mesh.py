@@ -156,7 +156,7 @@ def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1,
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if not dist.is_initialized() and env_world == 1:
         config.data_parallel_degree(1)
-        mesh = single_rank_mesh("cuda" if torch.cuda.is_available() else "cpu")
+        mesh = USPMesh(config, dp_degree=1, device_type="cuda" if torch.cuda.is_available() else "cpu")
     else:
         _ensure_process_group()
         world = dist.get_world_size()
