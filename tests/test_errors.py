@@ -162,3 +162,43 @@ def test_ring_schedule_must_be_known():
     with pytest.raises(ValueError, match=r"ring_schedule must be one of \('auto', 'stream', 'gather'\), got 'ring'"):
         init_usp(ring_schedule="ring")
     assert usp_dit.USPConfig(ring_degree=2, ring_schedule="gather").ring_schedule == "gather"
+
+
+class _BigCallsOnly(_ForwardOnly):
+    """A kernel with a high per-call cost: "auto" should use it for big calls only."""
+
+    name = "test_big_calls_only"
+    caps = BackendCaps(frozenset({"cpu"}), frozenset({torch.float32}), 256, supports_backward=False, min_call_flops=1e6)
+    calls = 0
+
+    def forward(self, q, k, v, scale):
+        type(self).calls += 1
+        return super().forward(q, k, v, scale)
+
+
+def test_auto_passes_over_a_backend_for_calls_below_its_min_flops(monkeypatch):
+    monkeypatch.setitem(kbase._REGISTRY, _BigCallsOnly.name, _BigCallsOnly())
+    monkeypatch.setitem(kbase._AUTO_ORDER, "cpu", (_BigCallsOnly.name, "sdpa_cpu", "reference"))
+    monkeypatch.setattr(kbase, "_SELECTED", {})
+    small = _qkv(s=8, h=2, hk=2, d=16)  # 4 * 8 * 8 * 2 * 16 = 8e3 flops
+    big = _qkv(s=128, h=4, hk=4, d=16)  # 4 * 128 * 128 * 4 * 16 = 4.2e6 flops
+    usp_attention(*small)
+    assert _BigCallsOnly.calls == 0
+    usp_attention(*big)
+    assert _BigCallsOnly.calls == 1
+    assert select_backend("auto", "cpu", torch.float32, 16, False, 10.0).name == "sdpa_cpu"
+    assert select_backend("auto", "cpu", torch.float32, 16, False, None).name == _BigCallsOnly.name
+    assert select_backend(_BigCallsOnly.name, "cpu", torch.float32, 16, False, 10.0).name == _BigCallsOnly.name
+
+
+def test_call_flops_estimate_follows_the_grid():
+    """Ulysses: all keys, heads / U; stream ring: one block; gather ring: the remote blocks in one call."""
+    from usp_dit.usp import _call_flops
+
+    q, k, _ = _qkv(s=100, h=8, hk=8, d=16)  # a 100-token shard
+    mesh = lambda u, r, sched="auto": usp_dit.USPMesh(  # noqa: E731
+        usp_dit.USPConfig(ulysses_degree=u, ring_degree=r, ring_schedule=sched), dp_degree=1, device_type="cpu")
+    assert _call_flops(q, k, None, mesh(1, 1)) == 4 * 100 * 100 * 8 * 16
+    assert _call_flops(q, k, None, mesh(4, 1)) == 4 * 400 * 400 * 2 * 16
+    assert _call_flops(q, k, None, mesh(1, 4, "stream")) == 4 * 100 * 100 * 8 * 16
+    assert _call_flops(q, k, None, mesh(1, 4, "gather")) == 4 * 100 * 300 * 8 * 16

@@ -109,6 +109,22 @@ def _rows(lse: torch.Tensor | None, start: int, stop: int | None) -> torch.Tenso
     return None if lse is None else lse[:, start:stop]
 
 
+def _call_flops(q, k, joint, mesh: USPMesh) -> float:
+    """Estimated flops of this rank's main kernel call (4 * B * Sq * Sk * heads * D), for "auto"
+    to weigh against a kernel's per-call CPU cost. Assumes even shards; only speed depends on it."""
+    b, s_local, h, d = q.shape
+    u, r = mesh.ulysses_degree, mesh.ring_degree
+    s = s_local * mesh.sequence_degree
+    heads, kv_heads = max(1, h // u), max(1, k.shape[2] // u)
+    if r == 1:
+        k_len = s + (joint[1].shape[1] if joint is not None else 0)
+    else:
+        block = max(1, s // r)
+        gather = choose_schedule(mesh.ring_schedule, (block,) * r, heads, kv_heads) == "gather"
+        k_len = block * (r - 1) if gather else block  # gather: the remote blocks are one call
+    return 4.0 * b * (s / r) * k_len * heads * d
+
+
 @torch.compiler.disable  # P2P ring transfers are not traceable: compiled models run this part eagerly
 def _sharded(q, k, v, joint, kernel, scale, mesh: USPMesh, seq_len):
     """P > 1: Ulysses all-to-all, ring (or one local call), all-to-all back, joint gathers."""
@@ -208,7 +224,8 @@ def usp_attention(
     scale = head_dim ** -0.5 if scale is None else float(scale)
     tensors = (q, k, v) + (joint or ())
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad)
+    flops = None if torch.compiler.is_compiling() else _call_flops(q, k, joint, mesh)
+    kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad, flops)
     _check_lse(kernel, return_lse, mesh)
     if mesh.sequence_degree == 1:
         main, joint_res = _single_rank(q, k, v, joint, kernel, scale)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import logging
+import math
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,9 @@ class BackendCaps:
     head_dim_multiple: int = 1
     head_dims: frozenset[int] | None = None  # an explicit list, for kernels built for a few sizes
     returns_lse: bool = True  # False: out only (usable without a ring, never merged)
+    # "auto" passes this backend over for kernel calls of fewer flops: its per-call CPU cost would
+    # then exceed the GPU work (explicitly naming the backend still uses it).
+    min_call_flops: float = 0.0
 
     def why_not(self, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> str | None:
         """The reason this backend cannot run the case, or ``None`` when it can."""
@@ -161,8 +165,13 @@ def _with_backward(device: str, dtype: torch.dtype, head_dim: int) -> list[str]:
     return [n for n, b in _REGISTRY.items() if b.caps.why_not(device, dtype, head_dim, True) is None]
 
 
-def select_backend(name: str, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> AttentionBackend:
+def select_backend(
+    name: str, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, call_flops: float | None = None
+) -> AttentionBackend:
     """Resolve ``name`` ("auto" or a registered name) to a backend that can run this case.
+
+    ``call_flops``, the estimated work of one kernel call, lets "auto" skip backends whose
+    ``caps.min_call_flops`` it does not reach (decided once per power-of-two size class).
 
     Raises:
         ValueError: unknown name.
@@ -170,10 +179,11 @@ def select_backend(name: str, device: str, dtype: torch.dtype, head_dim: int, ne
         NotImplementedError: the backend cannot run this device / dtype / head_dim, or has no
             backward while gradients are needed (the message names backends that have one).
     """
-    key = (name, device, dtype, head_dim, needs_grad)
+    size_class = None if call_flops is None or name != "auto" else int(math.log2(max(call_flops, 1.0)))
+    key = (name, device, dtype, head_dim, needs_grad, size_class)
     if key in _SELECTED and _REGISTRY.get(_SELECTED[key].name) is _SELECTED[key]:
         return _SELECTED[key]
-    backend = _select(name, device, dtype, head_dim, needs_grad)
+    backend = _select(name, device, dtype, head_dim, needs_grad, call_flops)
     _SELECTED[key] = backend
     if name == "auto":
         _log_choice(backend, device, dtype, head_dim, needs_grad)
@@ -190,11 +200,18 @@ def _log_choice(backend: AttentionBackend, device: str, dtype: torch.dtype, head
     )
 
 
-def _select(name: str, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> AttentionBackend:
+def _fits_auto(backend: AttentionBackend | None, device, dtype, head_dim, needs_grad, call_flops) -> bool:
+    """``backend`` is installed, can run the case, and the call is big enough for its per-call cost."""
+    if backend is None or not backend.available() or backend.caps.why_not(device, dtype, head_dim, needs_grad):
+        return False
+    return call_flops is None or call_flops >= backend.caps.min_call_flops
+
+
+def _select(name: str, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, call_flops=None) -> AttentionBackend:
     if name == "auto":
         for candidate in _AUTO_ORDER.get(device, ("reference",)):
             backend = _REGISTRY.get(candidate)
-            if backend and backend.available() and backend.caps.why_not(device, dtype, head_dim, needs_grad) is None:
+            if _fits_auto(backend, device, dtype, head_dim, needs_grad, call_flops):
                 return backend
         raise NotImplementedError(f"no registered backend runs device={device!r}, dtype={dtype}, head_dim={head_dim}")
     backend = get_backend(name)

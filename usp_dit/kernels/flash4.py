@@ -38,9 +38,19 @@ def _interface():
     return interface
 
 
+# Its Python call path costs about 0.15-0.2 ms of CPU per call (H200 host, 2026-12-02), against
+# about 0.05 ms for a cuDNN SDPA call: in eager ring runs it lost to cuDNN at every call below about
+# 1e11 flops (Flux ring blocks: 0.39 vs 0.74 of a whole call at R = 2) and won at every call above
+# 2.4e11 (CogVideoX, Mochi blocks). "auto" takes it from 1.5e11 flops per call (docs/PERFORMANCE.md).
+_MIN_CALL_FLOPS = 1.5e11
+
+
 class FlashAttn4Backend:
     name = "flash_attn_4"
-    caps = BackendCaps(frozenset({"cuda"}), _HALF, max_head_dim=256, supports_backward=True, head_dim_multiple=8)
+    caps = BackendCaps(
+        frozenset({"cuda"}), _HALF, max_head_dim=256, supports_backward=True, head_dim_multiple=8,
+        min_call_flops=_MIN_CALL_FLOPS,
+    )
 
     def available(self) -> bool:
         return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and _interface() is not None
