@@ -52,6 +52,9 @@ class LSEMerger:
 
     def add(self, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
         """Merge one block's ``out_blk`` (B, S, H, D) and ``lse_blk`` (B, S, H)."""
+        if self.out is None:  # the common first call: hold it, no stack views (eager CPU cost)
+            self.out, self.lse = out_blk, lse_blk
+            return
         self.add_stack(out_blk.unsqueeze(0), lse_blk.unsqueeze(0))
 
     def add_stack(self, outs: torch.Tensor, lses: torch.Tensor) -> None:

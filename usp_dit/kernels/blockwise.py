@@ -30,14 +30,13 @@ def _stack(x: torch.Tensor, sizes: list[int], start: int, stop: int, length: int
     return x[:, first:first + (stop - start) * length].unflatten(1, (stop - start, length)).movedim(1, 0)
 
 
-def _rank_forward(q_blk, k, v, backend, scale: float, n: int, rank: int, schedule: str):
-    """What ring rank ``rank`` computes for its queries ``q_blk`` in the given forward schedule."""
-    sizes = split_sizes(k.shape[1], n)
-    k_blocks, v_blocks = _blocks(k, n), _blocks(v, n)
+def _rank_forward(q_blk, k_blocks, v_blocks, stacks, backend, scale: float, rank: int, schedule: str):
+    """What ring rank ``rank`` computes for its queries ``q_blk`` in the given forward schedule;
+    ``stacks(rank)`` gives the gather schedule's (k_stack, v_stack) runs of remote blocks."""
+    n = len(k_blocks)
     if schedule == "gather":
         merger = attend_local(q_blk, k_blocks[rank], v_blocks[rank], backend, scale)
-        stacks = [(_stack(k, sizes, a, b, m), _stack(v, sizes, a, b, m)) for a, b, m in remote_runs(tuple(sizes), rank)]
-        return attend_stacks(merger, q_blk, stacks, backend, scale)
+        return attend_stacks(merger, q_blk, stacks(rank), backend, scale)
     merger = LSEMerger()
     for step in range(n):
         j = (rank - step) % n
@@ -47,7 +46,14 @@ def _rank_forward(q_blk, k, v, backend, scale: float, n: int, rank: int, schedul
 
 def blockwise_forward(q, k, v, backend: AttentionBackend, scale: float, n: int, schedule: str = "stream"):
     """Returns ``(out, lse)`` of ``n`` x ``n`` blocks merged by LSE, as ``n`` ring ranks compute them."""
-    results = [_rank_forward(q_blk, k, v, backend, scale, n, r, schedule) for r, q_blk in enumerate(_blocks(q, n))]
+    sizes = split_sizes(k.shape[1], n)
+    k_blocks, v_blocks = _blocks(k, n), _blocks(v, n)
+
+    def stacks(rank: int):
+        return [(_stack(k, sizes, a, b, m), _stack(v, sizes, a, b, m)) for a, b, m in remote_runs(tuple(sizes), rank)]
+
+    results = [_rank_forward(q_blk, k_blocks, v_blocks, stacks, backend, scale, r, schedule)
+               for r, q_blk in enumerate(_blocks(q, n))]
     return torch.cat([o for o, _ in results], dim=1), torch.cat([lse for _, lse in results], dim=1)
 
 
