@@ -159,6 +159,8 @@ def cuda_graphed(fn: Callable[[], object]) -> Callable[[], object]:
 
 NS = (2, 4, 8)
 SCHEDULES = ("stream", "gather")
+RING_HEADER = ("\n| shape | backend | whole ms | " + " | ".join(f"{s} N={n}" for s in SCHEDULES for n in NS) + " |\n"
+               + "|---" * (3 + len(SCHEDULES) * len(NS)) + "|")
 
 
 def _ring_rows(suite: str, shapes: list[str], backend_name: str, wrap: Callable) -> list[dict]:
@@ -213,12 +215,10 @@ def main() -> int:
         print("\n| shape | backend | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s |\n|---|---|---|---|---|---|")
         rows += suite_backends(shapes)
     if args.suite in ("all", "ring"):
-        print("\n| shape | backend | whole ms | " + " | ".join(f"{s} N={n}" for s in SCHEDULES for n in NS) + " |")
-        print("|---" * (3 + len(SCHEDULES) * len(NS)) + "|")
+        print(RING_HEADER)
         rows += suite_ring([s for s in shapes if s != "wan"], args.backend)
     if args.suite in ("all", "ring_graphs"):
-        print("\n| shape | backend | whole ms | " + " | ".join(f"{s} N={n}" for s in SCHEDULES for n in NS) + " |")
-        print("|---" * (3 + len(SCHEDULES) * len(NS)) + "|")
+        print(RING_HEADER)
         rows += suite_ring_graphs([s for s in shapes if s != "wan"], args.backend)
     if args.out:
         with open(args.out, "w") as f:

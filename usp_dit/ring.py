@@ -45,8 +45,9 @@ _KV_TAG, _DKV_TAG = 0, 1
 #     A K/V block of L tokens takes time k ~ L^2 to attend and c ~ L to pass on. With one H200
 #     node's estimates (cuDNN about 600 TF/s, NVLink about 370 GB/s each way) k = c at about
 #     L0 = 1600 tokens, scaled by kv_heads / heads (grouped K/V travel less). Below L0 the stream
-#     ring waits for its transfers anyway and its short blocks waste the GPU (measured on one H200:
-#     Flux R = 4 runs at 0.25 of one whole call, gathered at 0.83), so "auto" gathers. Above L0 the
+#     ring waits for its transfers anyway and its short blocks waste the GPU (measured on one H200,
+#     docs/PERFORMANCE.md: Flux R = 4 runs at 0.20 of one whole call streamed, 0.27 gathered;
+#     0.53 and 0.66 replayed from CUDA graphs), so "auto" gathers. Above L0 the
 #     stream ring hides every transfer, while the gather exposes about (R - 1) c - k of it; "auto"
 #     gathers when that estimate is at most 10% of the rank's attention time R k, i.e. when
 #     L >= (R - 1) L0 / (1 + 0.1 R), and streams otherwise (e.g. Mochi at R = 8). The constants are

@@ -224,7 +224,8 @@ def usp_attention(
     scale = head_dim ** -0.5 if scale is None else float(scale)
     tensors = (q, k, v) + (joint or ())
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    flops = None if torch.compiler.is_compiling() else _call_flops(q, k, joint, mesh)
+    # Only "auto" weighs the call size; a named backend skips the estimate (every call pays it).
+    flops = _call_flops(q, k, joint, mesh) if backend == "auto" and not torch.compiler.is_compiling() else None
     kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad, flops)
     _check_lse(kernel, return_lse, mesh)
     if mesh.sequence_degree == 1:

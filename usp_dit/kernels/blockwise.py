@@ -4,11 +4,12 @@ Layout: q (B, Sq, H, D); k, v (B, Sk, Hk, D); out like q; lse (B, Sq, H).
 
 Query and K/V sequences are cut into N blocks (uneven lengths allowed, as ``split_sizes`` cuts
 them); every query block attends to every K/V block through the backend and the partial results
-are merged by LSE exactly as a ring rank merges them, in either forward schedule of ``usp_dit.ring`` (Note [ring schedule]):
-"stream" merges block by block, "gather" attends to the local block and then to each run of
-equal-length remote blocks in one call, through the same functions the ring runs. The backward feeds each block the merged
-out/LSE, as the ring backward does. Used by the GPU kernel tests (a backend is ring-safe when its
-blockwise result matches its whole-sequence result) and the ring-block benchmark.
+are merged by LSE exactly as a ring rank merges them, in either forward schedule of
+``usp_dit.ring`` (Note [ring schedule]): "stream" merges block by block, "gather" attends to the
+local block and then to each run of equal-length remote blocks in one call, through the same
+functions the ring runs. The backward feeds each block the merged out/LSE, as the ring backward
+does. Used by the GPU kernel tests (a backend is ring-safe when its blockwise result matches its
+whole-sequence result) and the ring-block benchmark.
 """
 from __future__ import annotations
 

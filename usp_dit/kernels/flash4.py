@@ -39,8 +39,8 @@ def _interface():
 
 
 # Its Python call path costs about 0.15-0.2 ms of CPU per call (H200 host, 2026-12-02), against
-# about 0.05 ms for a cuDNN SDPA call: in eager ring runs it lost to cuDNN at every call below about
-# 1e11 flops (Flux ring blocks: 0.39 vs 0.74 of a whole call at R = 2) and won at every call above
+# about 0.05 ms for a cuDNN SDPA call: in eager ring runs it lost to cuDNN in 5 of 6 cases with
+# calls below 1e11 flops (Flux gather R = 2: 0.95 vs 0.54 ms) and won all 11 with calls above
 # 2.4e11 (CogVideoX, Mochi blocks). "auto" takes it from 1.5e11 flops per call (docs/PERFORMANCE.md).
 _MIN_CALL_FLOPS = 1.5e11
 
