@@ -24,7 +24,7 @@ import torch.distributed as dist
 import usp_dit
 from usp_dit import disable_usp, enable_usp, init_usp
 from usp_dit.pipelines.tiny_flux import flux_inputs, tiny_flux_pipeline, tiny_flux_transformer
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err, run_spawned_worlds
 
 TOL = 1e-5
 
@@ -227,24 +227,9 @@ def run_grid(world: int) -> dict[str, object]:
     return results
 
 
-def _grid_world2():
-    return run_grid(2)
-
-
-def _grid_world4():
-    return run_grid(4)
-
-
-def _grid_world8():
-    return run_grid(8)
-
-
 @pytest.fixture(scope="module")
 def grid_results():
-    results = {2: run_spawned(_grid_world2, 2), 4: run_spawned(_grid_world4, 4), 8: run_spawned(_grid_world8, 8)}
-    for per_rank in results.values():
-        assert_no_crash(per_rank)
-    return results
+    return run_spawned_worlds(run_grid, (2, 4, 8))
 
 
 ALL_CASES = cases(2) + cases(4) + cases(8)

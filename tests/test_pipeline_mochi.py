@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.adapter_parity import assert_within, cases, check_spawn, forward, run_grid
+from tests.adapter_parity import assert_within, cases, forward, run_grid
 from usp_dit import single_rank_mesh
 from usp_dit.pipelines.mochi import ADAPTER, USPMochiAttnProcessor
 from usp_dit.pipelines.tiny_video import mochi_inputs, tiny_mochi
-from usp_dit.testing import run_spawned
+from usp_dit.testing import run_spawned_worlds
 
 TOL = 1e-5
 
@@ -55,23 +55,13 @@ def _build(shape: Shape):
     return model, mochi_inputs(model, shape.frames, shape.height, shape.width, valid=list(shape.valid))
 
 
-def _grid_world2():
-    return run_grid(2, SHAPES, _build, ADAPTER, GRAD_SHAPE)
-
-
-def _grid_world4():
-    return run_grid(4, SHAPES, _build, ADAPTER, GRAD_SHAPE)
-
-
-def _grid_world8():
-    return run_grid(8, SHAPES, _build, ADAPTER, GRAD_SHAPE)
+def _grid(world: int):
+    return run_grid(world, SHAPES, _build, ADAPTER, GRAD_SHAPE)
 
 
 @pytest.fixture(scope="module")
 def grid_results():
-    results = {2: run_spawned(_grid_world2, 2), 4: run_spawned(_grid_world4, 4), 8: run_spawned(_grid_world8, 8)}
-    check_spawn(results)
-    return results
+    return run_spawned_worlds(_grid, (2, 4, 8))
 
 
 ALL_CASES = cases(2, SHAPES) + cases(4, SHAPES) + cases(8, SHAPES)

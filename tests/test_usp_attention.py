@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from tests.reference import attention_ref, joint_attention_ref
 from usp_dit import init_usp, shard_sequence, single_rank_mesh, usp_attention
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err, run_spawned_worlds
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
@@ -176,26 +176,9 @@ def run_grid(world: int) -> dict[str, dict[str, float] | str]:
     return results
 
 
-def _grid_world2():
-    return run_grid(2)
-
-
-def _grid_world4():
-    return run_grid(4)
-
-
-def _grid_world8():
-    return run_grid(8)
-
-
 @pytest.fixture(scope="module")
 def grid_results():
-    results = {
-        1: [run_grid(1)], 2: run_spawned(_grid_world2, 2), 4: run_spawned(_grid_world4, 4), 8: run_spawned(_grid_world8, 8),
-    }
-    for per_rank in results.values():
-        assert_no_crash(per_rank)
-    return results
+    return {1: [run_grid(1)], **run_spawned_worlds(run_grid, (2, 4, 8))}
 
 
 ALL_CASES = cases(1) + cases(2) + cases(4) + cases(8)

@@ -7,6 +7,7 @@ parent collects them and pytest asserts case by case.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import pickle
 import socket
@@ -53,6 +54,18 @@ def run_spawned(fn: Callable[[], Any], world_size: int) -> list[Any]:
         for rank in range(world_size):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
+    return results
+
+
+def run_spawned_worlds(fn: Callable[[int], Any], worlds: tuple[int, ...]) -> dict[int, list[Any]]:
+    """``fn(world)`` on ``world`` gloo ranks for each world size (one spawned group each); returns
+    ``{world: per-rank results}`` and fails with every crashed rank's traceback.
+
+    ``fn`` must be importable (a module-level function); it receives its group's world size.
+    """
+    results = {world: run_spawned(functools.partial(fn, world), world) for world in worlds}
+    for per_rank in results.values():
+        assert_no_crash(per_rank)
     return results
 
 
