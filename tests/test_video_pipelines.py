@@ -26,12 +26,11 @@ import pytest
 import torch
 
 import usp_dit
-from tests.adapter_parity import check_spawn
 from usp_dit.pipelines.tiny_video import (
     cogvideox_inputs, mochi_inputs, gradient_image, tiny_cogvideox, tiny_cogvideox_pipeline, tiny_mochi,
     tiny_mochi_pipeline,
 )
-from usp_dit.testing import rel_err, run_spawned
+from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = {"out": 1e-5, "latents": 1e-5, "frames": 1e-4}
 WORLD = 4
@@ -114,7 +113,7 @@ def _run_all() -> dict[str, dict | str]:
 @pytest.fixture(scope="module")
 def results():
     per_rank = run_spawned(_run_all, WORLD)
-    check_spawn({WORLD: per_rank})
+    assert_no_crash(per_rank)
     for rank, res in enumerate(per_rank):
         failed = {k: v for k, v in res.items() if isinstance(v, str)}
         assert not failed, f"rank {rank}: {failed}"
