@@ -9,7 +9,7 @@ interleaved, in one run):
   forward+backward. Goal: ratio <= 1.03.
 - backends: TFLOP/s of every CUDA backend through its adapter, forward and forward+backward
   (4*S^2*H*D flops forward, 3.5x that for forward+backward).
-- ring: the ring's two forward schedules ("stream", "gather") on one GPU without communication
+- ring: the ring's forward schedules ("stream", "gather", "allgather") on one GPU without communication
   (N virtual ranks, N x N blocks merged by LSE) against one whole-sequence call of the same
   backend: t_whole / t_blocks.
 - ring_graphs: the same, every variant replayed from a CUDA graph (GPU-side cost only).
@@ -110,12 +110,15 @@ def suite_world1(shapes: list[str]) -> list[dict]:
     return rows
 
 
+CUDA_BACKENDS = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_4", "flash_attn_2", "flashinfer")
+
+
 def suite_backends(shapes: list[str]) -> list[dict]:
     rows = []
     for shape in shapes:
         s, h, d = SHAPES[shape]
         flops = 4 * s * s * h * d
-        for name in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_4"):
+        for name in CUDA_BACKENDS:
             if shape == "wan" and name not in ("sdpa_cudnn", "flash_attn_4"):
                 continue
             backend = get_backend(name)
@@ -133,13 +136,15 @@ def suite_backends(shapes: list[str]) -> list[dict]:
                 out, _ = KernelAttention.apply(q, k, v, backend, scale)
                 out.backward(dout)
 
-            t = side_by_side({"fwd": fwd, "fwd+bwd": fwd_bwd}, iters_for(shape), repeats=3)
+            fns = {"fwd": fwd, "fwd+bwd": fwd_bwd} if backend.caps.supports_backward else {"fwd": fwd}
+            t = side_by_side(fns, iters_for(shape), repeats=3)
             row = {"suite": "backends", "shape": shape, "backend": name, "fwd_ms": t["fwd"],
-                   "fwd_tflops": flops / t["fwd"] / 1e9, "fwdbwd_ms": t["fwd+bwd"],
-                   "fwdbwd_tflops": 3.5 * flops / t["fwd+bwd"] / 1e9}
+                   "fwd_tflops": flops / t["fwd"] / 1e9}
+            if "fwd+bwd" in t:
+                row.update(fwdbwd_ms=t["fwd+bwd"], fwdbwd_tflops=3.5 * flops / t["fwd+bwd"] / 1e9)
             rows.append(row)
-            print(f"| {shape} | {name} | {t['fwd']:.2f} | {row['fwd_tflops']:.0f} | {t['fwd+bwd']:.2f} | "
-                  f"{row['fwdbwd_tflops']:.0f} |", flush=True)
+            bwd = f"{t['fwd+bwd']:.2f} | {row['fwdbwd_tflops']:.0f}" if "fwd+bwd" in t else "— | —"
+            print(f"| {shape} | {name} | {t['fwd']:.2f} | {row['fwd_tflops']:.0f} | {bwd} |", flush=True)
     return rows
 
 
@@ -158,7 +163,7 @@ def cuda_graphed(fn: Callable[[], object]) -> Callable[[], object]:
 
 
 NS = (2, 4, 8)
-SCHEDULES = ("stream", "gather")
+SCHEDULES = ("stream", "gather", "allgather")
 RING_HEADER = ("\n| shape | backend | whole ms | " + " | ".join(f"{s} N={n}" for s in SCHEDULES for n in NS) + " |\n"
                + "|---" * (3 + len(SCHEDULES) * len(NS)) + "|")
 

@@ -157,7 +157,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny float32 models on CPU (a smoke run of this script)")
     p.add_argument("--grids", default=None, help="UxR list, e.g. 4x1,2x2,1x4 (default: every split of the world)")
     p.add_argument("--backend", default="auto")
-    p.add_argument("--ring-schedule", default="auto", choices=["auto", "stream", "gather"])
+    p.add_argument("--ring-schedule", default="auto", choices=["auto", "stream", "gather", "allgather"])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)

@@ -51,7 +51,7 @@ def parse_args() -> argparse.Namespace:
                    "splits the batch of --num-images images")
     p.add_argument("--num-images", type=int, default=None, help="images per prompt (default: the cfg degree)")
     p.add_argument("--backend", default="auto", help="attention kernel: auto or a name from usp_dit.kernels")
-    p.add_argument("--ring-schedule", default="auto", choices=["auto", "stream", "gather"],
+    p.add_argument("--ring-schedule", default="auto", choices=["auto", "stream", "gather", "allgather"],
                    help="how the ring's forward moves K/V blocks (README: ring schedules)")
     p.add_argument("--output", default="flux_usp.png")
     p.add_argument("--no-check", action="store_true", help="skip the one-rank comparison")

@@ -158,8 +158,36 @@ def test_flash_attn_4_registered_with_flags_and_install_line():
     assert select_backend("auto", "cpu", torch.float32, 128, False).name == "sdpa_cpu"
 
 
+@pytest.mark.parametrize(
+    "name, backward, install",
+    [("flash_attn_2", True, r"pip install 'flash-attn>=2.7'"), ("flashinfer", False, r"pip install flashinfer-python")],
+)
+def test_optional_kernels_registered_with_flags_and_install_line(name, backward, install):
+    """FlashAttention 2 (with a backward) and FlashInfer (forward only) both return an LSE; without
+    their package (or a GPU) naming them says how to install it; ``auto`` on CPU never picks them."""
+    backend = get_backend(name)
+    assert backend.caps.returns_lse and backend.caps.supports_backward is backward
+    assert backend.caps.why_not("cuda", torch.bfloat16, 128, backward) is None
+    assert backend.caps.why_not("cuda", torch.float32, 128, False) is not None
+    if not backend.available():
+        with pytest.raises(RuntimeError, match=install):
+            select_backend(name, "cuda", torch.bfloat16, 128, False)
+    if not backward:
+        with pytest.raises(NotImplementedError, match=f"backend='{name}' cannot run this case: it has no backward.*sdpa_cudnn"):
+            select_backend(name, "cuda", torch.bfloat16, 128, True)
+    assert select_backend("auto", "cpu", torch.float32, 128, False).name == "sdpa_cpu"
+
+
+def test_flash_attn_2_refuses_releases_before_2_7():
+    """2.7 changed the private call signatures the adapter uses; older releases read as absent."""
+    from usp_dit.kernels.flash2 import _version_tuple
+
+    assert _version_tuple("2.8.3.post2") == (2, 8) and _version_tuple("2.6.3") < (2, 7)
+    assert _version_tuple("3.0.0b1") >= (2, 7) and _version_tuple("dev") == (0, 0)
+
+
 def test_ring_schedule_must_be_known():
-    with pytest.raises(ValueError, match=r"ring_schedule must be one of \('auto', 'stream', 'gather'\), got 'ring'"):
+    with pytest.raises(ValueError, match=r"ring_schedule must be one of \('auto', 'stream', 'gather', 'allgather'\), got 'ring'"):
         init_usp(ring_schedule="ring")
     assert usp_dit.USPConfig(ring_degree=2, ring_schedule="gather").ring_schedule == "gather"
 
@@ -202,3 +230,4 @@ def test_call_flops_estimate_follows_the_grid():
     assert _call_flops(q, k, None, mesh(4, 1)) == 4 * 400 * 400 * 2 * 16
     assert _call_flops(q, k, None, mesh(1, 4, "stream")) == 4 * 100 * 100 * 8 * 16
     assert _call_flops(q, k, None, mesh(1, 4, "gather")) == 4 * 100 * 300 * 8 * 16
+    assert _call_flops(q, k, None, mesh(1, 4, "allgather")) == 4 * 100 * 400 * 8 * 16

@@ -14,7 +14,7 @@ from usp_dit.kernels import get_backend
 from usp_dit.kernels.base import forward_stack
 from usp_dit.kernels.blockwise import blockwise_backward, blockwise_forward
 from usp_dit.merge import LSEMerger
-from usp_dit.ring import choose_schedule, remote_runs
+from usp_dit.ring import choose_schedule, gathered_sequence, remote_runs
 from usp_dit.testing import rel_err
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -29,7 +29,7 @@ def _case(b, s, h, hk, d, dtype, seed=0):
     return q, k, v, dout
 
 
-@pytest.mark.parametrize("schedule", ["stream", "gather"])
+@pytest.mark.parametrize("schedule", ["stream", "gather", "allgather"])
 @pytest.mark.parametrize("name", ["reference", "sdpa_cpu"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
@@ -145,7 +145,7 @@ def test_remote_runs(sizes, rank, runs):
 @pytest.mark.parametrize(
     "block, ring, heads, kv_heads, expected",
     [
-        (1152, 4, 24, 24, "gather"),  # Flux R=4: blocks shorter than one transfer's worth of compute
+        (1152, 4, 24, 24, "allgather"),  # Flux R=4: blocks shorter than one transfer's worth of compute
         (4444, 4, 48, 48, "gather"),  # CogVideoX R=4: the local block hides most of the gather
         (11194, 4, 24, 24, "gather"),  # Mochi R=4
         (5597, 8, 24, 24, "stream"),  # Mochi R=8: the stream ring hides every transfer, gather would not
@@ -155,3 +155,83 @@ def test_remote_runs(sizes, rank, runs):
 def test_auto_schedule_rule(block, ring, heads, kv_heads, expected):
     assert choose_schedule("auto", (block,) * ring, heads, kv_heads) == expected
     assert choose_schedule("stream", (block,) * ring, heads, kv_heads) == "stream"
+
+
+def test_gathered_sequence_is_a_view_when_it_can_be():
+    """The "allgather" schedule uses the gathered blocks in place for batch 1, equal blocks and no
+    joint tokens; otherwise it drops each block's padding and appends the joint tokens (one copy)."""
+    blocks = torch.arange(3 * 1 * 4 * 2 * 1, dtype=torch.float32).view(3, 1, 4, 2, 1)  # (R, B, L, Hk, D)
+    whole = gathered_sequence(blocks, (4, 4, 4), None)
+    assert whole.shape == (1, 12, 2, 1) and whole.data_ptr() == blocks.data_ptr()
+    torch.testing.assert_close(whole, torch.cat(list(blocks), dim=1), rtol=0, atol=0)
+    joint = torch.full((1, 2, 2, 1), -1.0)
+    uneven = gathered_sequence(blocks, (4, 3, 0), joint)
+    expected = torch.cat([blocks[0], blocks[1][:, :3], joint], dim=1)
+    torch.testing.assert_close(uneven, expected, rtol=0, atol=0)
+    batch2 = torch.randn(3, 2, 4, 2, 1)
+    torch.testing.assert_close(gathered_sequence(batch2, (4, 4, 4), None), torch.cat(list(batch2), dim=1), rtol=0, atol=0)
+
+
+def test_flashinfer_adapter_layout_and_lse_base(monkeypatch):
+    """The adapter's own logic on CPU, the package faked by the float64 reference: one call per batch
+    entry in FlashInfer's (S, H, D) "NHD" layout, grouped K/V passed as they are, and the package's
+    base-2 LSE turned into our natural log (the GPU tests check the real kernels the same way)."""
+    import math
+    import types
+
+    from usp_dit.kernels import flashinfer as fi
+
+    calls = []
+
+    def single_prefill_with_kv_cache(q, k, v, causal, kv_layout, sm_scale, return_lse):
+        assert kv_layout == "NHD" and not causal and return_lse
+        calls.append((tuple(q.shape), tuple(k.shape)))
+        out, lse = attention_ref(q[None], k[None], v[None], sm_scale)
+        return out[0], lse[0] / math.log(2)  # base 2, as FlashInfer's kernels store it
+
+    monkeypatch.setattr(fi, "_module", lambda: types.SimpleNamespace(single_prefill_with_kv_cache=single_prefill_with_kv_cache))
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 7, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 5, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    out, lse = fi.FlashInferBackend().forward(q, k, v, 0.3)
+    ref_out, ref_lse = attention_ref(q, k, v, 0.3)
+    assert calls == [((7, 4, 8), (5, 2, 8))] * 2
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
+
+
+def test_flash_attn_2_adapter_layout_and_caller_allocated_grads(monkeypatch):
+    """The FA2 adapter's own logic on CPU, the package's private functions faked by the reference:
+    LSE handed back (B, H, S) and read back by the backward in that layout, gradients written into
+    the dq/dk/dv the adapter allocates (2.7+ signatures; the GPU tests check the real kernels)."""
+    import types
+
+    from usp_dit.kernels import flash2
+
+    def fwd(q, k, v, dropout_p, scale, causal, window_left, window_right, softcap, alibi, return_softmax):
+        assert (dropout_p, causal, window_left, window_right, softcap, alibi, return_softmax) == (0.0, False, -1, -1, 0.0, None, False)
+        out, lse = attention_ref(q, k, v, scale)
+        return out, lse.transpose(1, 2).contiguous(), None, None
+
+    def bwd(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, scale, causal, wl, wr, softcap, alibi, deterministic):
+        assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.is_contiguous()
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        grads = torch.autograd.grad(attention_ref(*leaves, scale)[0], leaves, dout)
+        for buf, grad in zip((dq, dk, dv), grads):
+            buf.copy_(grad)
+        return None
+
+    fake = types.SimpleNamespace(_flash_attn_forward=fwd, _flash_attn_backward=bwd)
+    monkeypatch.setattr(flash2, "_interface", lambda: fake)
+    g = torch.Generator().manual_seed(7)
+    q, dout = (torch.randn(2, 6, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, 5, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    backend = flash2.FlashAttn2Backend()
+    out, lse = backend.forward(q, k, v, 0.3)
+    ref_out, ref_lse = attention_ref(q, k, v, 0.3)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
+    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, 0.3)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(attention_ref(*leaves, 0.3)[0], leaves, dout)
+    for got, want in zip((dq, dk, dv), ref):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

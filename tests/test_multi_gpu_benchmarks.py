@@ -42,8 +42,8 @@ def test_parity_tiny_run_on_two_cpu_ranks():
     numbers: a ring in float64 differs from one rank by rounding only, not by zero or by much."""
     out = _torchrun("benchmarks/bench_parity.py", "--tiny")
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| tiny")]
-    assert len(rows) == 12, out  # 2 shapes x 2 dtypes x (2x1, 1x2 stream, 1x2 gather)
+    assert len(rows) == 16, out  # 2 shapes x 2 dtypes x (2x1, 1x2 stream, 1x2 gather, 1x2 allgather)
     assert all(r[-1].strip() == "ok" for r in rows), out
     ring64 = [float(v) for r in rows if r[1].strip() == "float64" and r[2].strip() == "1x2" for v in r[4:-1]]
     assert ring64 and 0 < max(ring64) < 1e-13, ring64
-    assert "parity: MATCH (12/12" in out
+    assert "parity: MATCH (16/16" in out

@@ -60,7 +60,7 @@ GRIDS = {
 EIGHT_RANK_SHAPES = [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[3], SHAPES[5]]
 DTYPES = [torch.float32, torch.float64]
 BACKENDS = ["auto", "reference"]
-SCHEDULES = ("stream", "gather")
+SCHEDULES = ("stream", "gather", "allgather")
 
 
 @dataclass(frozen=True)

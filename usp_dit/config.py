@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-RING_SCHEDULES = ("auto", "stream", "gather")  # Note [ring schedule] in usp_dit.ring
+RING_SCHEDULES = ("auto", "stream", "gather", "allgather")  # Note [ring schedule] in usp_dit.ring
 
 
 @dataclass(frozen=True)
@@ -14,8 +14,9 @@ class USPConfig:
     so they are neighbouring ranks); ``ring_degree`` ranks pass K/V blocks around a ring;
     ``cfg_degree`` splits the conditional / unconditional batch halves; the data-parallel degree is
     whatever is left of the world size. ``ring_schedule`` picks how the ring's forward moves K/V:
-    "stream" (block by block, least memory), "gather" (all blocks at once, fewest kernel calls) or
-    "auto" (by block length; Note [ring schedule choice] in ``usp_dit.ring``).
+    "stream" (block by block, least memory), "gather" (all blocks at once, the local block computed
+    while they travel), "allgather" (all blocks at once, then one kernel call, no merge) or "auto"
+    (by block length; Note [ring schedule choice] in ``usp_dit.ring``).
     """
 
     ulysses_degree: int = 1

@@ -145,12 +145,12 @@ def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1,
     with CUDA, else gloo). With a world size of 1 and no process group, returns a single-rank mesh
     without starting one. Ranks beyond ``cfg * ring * ulysses`` form the data-parallel axis.
 
-    ``ring_schedule`` ("auto", "stream" or "gather") is how the ring's forward moves K/V blocks
-    (Note [ring schedule] in ``usp_dit.ring``).
+    ``ring_schedule`` ("auto", "stream", "gather" or "allgather") is how the ring's forward moves
+    K/V blocks (Note [ring schedule] in ``usp_dit.ring``).
 
     Raises:
         ValueError: a degree is not a positive int, the degrees do not fit the world size, or
-            ``ring_schedule`` is not one of the three.
+            ``ring_schedule`` is not one of ``usp_dit.config.RING_SCHEDULES``.
     """
     config = USPConfig(ulysses_degree, ring_degree, cfg_degree, ring_schedule)
     env_world = int(os.environ.get("WORLD_SIZE", "1"))

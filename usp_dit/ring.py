@@ -19,8 +19,12 @@ Note [ring schedule]
     while the blocks travel, then attends to the remote blocks of each equal length in one kernel
     call (the blocks folded into the batch) and merges them all in one fused pass. It holds the
     whole sequence's K/V (of this rank's heads) for the duration of the call, and exposes the part
-    of the gather that one local block does not hide. Note [ring schedule choice] says which
-    schedule "auto" takes. The backward always streams.
+    of the gather that one local block does not hide. The "allgather" schedule waits for the
+    gathered K/V and makes ONE kernel call of the rank's queries against the whole sequence (+ joint):
+    no merge at all and the kernel's best efficiency, but nothing overlaps the gather. The gathered
+    blocks are used in place when they can be (batch 1, equal blocks, no joint tokens); otherwise
+    they are copied into one sequence first. Note [ring schedule choice] says which schedule "auto"
+    takes. The backward always streams.
 
     Backward runs the same schedule. The gradient of block j is accumulated in float32 on the way
     round: rank r adds its contribution to the accumulator it received and passes it on; after the
@@ -44,24 +48,28 @@ _KV_TAG, _DKV_TAG = 0, 1
 # Note [ring schedule choice]
 #     A K/V block of L tokens takes time k ~ L^2 to attend and c ~ L to pass on. With one H200
 #     node's estimates (cuDNN about 600 TF/s, NVLink about 370 GB/s each way) k = c at about
-#     L0 = 1600 tokens, scaled by kv_heads / heads (grouped K/V travel less). Below L0 the stream
-#     ring waits for its transfers anyway and its short blocks waste the GPU (measured on one H200,
-#     docs/PERFORMANCE.md: Flux R = 4 runs at 0.20 of one whole call streamed, 0.27 gathered;
-#     0.53 and 0.66 replayed from CUDA graphs), so "auto" gathers. Above L0 the
-#     stream ring hides every transfer, while the gather exposes about (R - 1) c - k of it; "auto"
-#     gathers when that estimate is at most 10% of the rank's attention time R k, i.e. when
+#     L0 = 1600 tokens, scaled by kv_heads / heads (grouped K/V travel less). Below L0 no schedule
+#     hides the transfers (each block travels longer than it computes), and what decides is how
+#     little the GPU wastes on short calls and merges: "auto" takes "allgather", one call per rank
+#     (measured on one H200, docs/PERFORMANCE.md: Flux R = 4, 1152-token blocks, runs at 0.23 of
+#     one whole call streamed, 0.32 gathered, 0.82 all-gathered, eager). Above L0 the stream ring
+#     hides every transfer, while "gather" exposes about (R - 1) c - k of it; "auto" gathers when
+#     that estimate is at most 10% of the rank's attention time R k, i.e. when
 #     L >= (R - 1) L0 / (1 + 0.1 R), and streams otherwise (e.g. Mochi at R = 8). The constants are
 #     estimates until measured across GPUs (the multi-GPU issue); pass ring_schedule to choose.
 _L0_TOKENS = 1600
 
 
 def choose_schedule(requested: str, block_sizes: tuple[int, ...], heads: int, kv_heads: int) -> str:
-    """The forward schedule for ``requested`` ("auto", "stream" or "gather"), Note [ring schedule choice]."""
+    """The forward schedule for ``requested`` ("auto" or one of "stream", "gather", "allgather"),
+    Note [ring schedule choice]."""
     if requested != "auto":
         return requested
     ring, longest = len(block_sizes), max(block_sizes)
     l0 = _L0_TOKENS * kv_heads / heads
-    return "gather" if longest < l0 or longest >= (ring - 1) * l0 / (1 + 0.1 * ring) else "stream"
+    if longest < l0:
+        return "allgather"
+    return "gather" if longest >= (ring - 1) * l0 / (1 + 0.1 * ring) else "stream"
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,7 @@ class RingSpec:
 
     exchanger: RingExchanger
     block_sizes: tuple[int, ...]
-    schedule: str = "stream"  # "stream" or "gather" (forward only; Note [ring schedule])
+    schedule: str = "stream"  # "stream", "gather" or "allgather" (forward only; Note [ring schedule])
 
     @property
     def size(self) -> int:
@@ -126,6 +134,8 @@ def ring_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBa
     """Forward of Note [ring schedule] (either schedule); returns ``(out, lse)``."""
     if spec.schedule == "gather":
         return _gather_forward(q, k, v, joint_k, joint_v, spec, backend, scale)
+    if spec.schedule == "allgather":
+        return _allgather_forward(q, k, v, joint_k, joint_v, spec, backend, scale)
     merger = LSEMerger()
     for step, cur in _ring_blocks(k, v, spec):
         k_t, v_t = _with_joint(cur, joint_k, joint_v, step)
@@ -183,6 +193,30 @@ def _gather_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: Attentio
     k_all, v_all = (wait_gathered(p).unflatten(0, (spec.size, k.shape[0])) for p in pending)  # (R, B, L, Hk, D)
     stacks = [(k_all[a:b, :, :n], v_all[a:b, :, :n]) for a, b, n in remote_runs(spec.block_sizes, spec.rank)]
     return attend_stacks(merger, q, stacks, backend, scale)
+
+
+def gathered_sequence(blocks: torch.Tensor, block_sizes: tuple[int, ...], joint: torch.Tensor | None) -> torch.Tensor:
+    """All-gathered blocks (R, B, L, Hk, D), block r holding ``block_sizes[r]`` real tokens, as one
+    (B, sum(block_sizes) [+ joint], Hk, D) sequence: a view of ``blocks`` when B = 1, every block is
+    full and there is no joint, else one copy."""
+    r, b, length = blocks.shape[:3]
+    if b == 1 and joint is None and all(n == length for n in block_sizes):
+        return blocks.flatten(0, 2).unsqueeze(0)
+    parts = [blocks[i, :, :n] for i, n in enumerate(block_sizes) if n]
+    return torch.cat(parts + ([joint] if joint is not None else []), dim=1)
+
+
+def _allgather_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
+    """The "allgather" forward of Note [ring schedule]: one call against the whole sequence."""
+    longest = max(spec.block_sizes)
+    pending = [start_all_gather(_padded(t, longest), spec.exchanger.group) for t in (k, v)]
+    k_all, v_all = (
+        gathered_sequence(wait_gathered(p).unflatten(0, (spec.size, k.shape[0])), spec.block_sizes, j)
+        for p, j in zip(pending, (joint_k, joint_v))
+    )
+    if not (q.shape[1] and k_all.shape[1]):
+        return _empty_result(q)
+    return backend.forward(q, k_all, v_all, scale)
 
 
 def _block_grads(backend, dout, q, k_t, v_t, out, lse, scale):

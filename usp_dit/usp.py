@@ -116,12 +116,14 @@ def _call_flops(q, k, joint, mesh: USPMesh) -> float:
     u, r = mesh.ulysses_degree, mesh.ring_degree
     s = s_local * mesh.sequence_degree
     heads, kv_heads = max(1, h // u), max(1, k.shape[2] // u)
+    joint_len = joint[1].shape[1] if joint is not None else 0
     if r == 1:
-        k_len = s + (joint[1].shape[1] if joint is not None else 0)
+        k_len = s + joint_len
     else:
         block = max(1, s // r)
-        gather = choose_schedule(mesh.ring_schedule, (block,) * r, heads, kv_heads) == "gather"
-        k_len = block * (r - 1) if gather else block  # gather: the remote blocks are one call
+        schedule = choose_schedule(mesh.ring_schedule, (block,) * r, heads, kv_heads)
+        # gather: the remote blocks are one call; allgather: the whole sequence is
+        k_len = {"gather": block * (r - 1), "allgather": s + joint_len}.get(schedule, block)
     return 4.0 * b * (s / r) * k_len * heads * d
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import importlib
+import importlib.util
 import logging
 import math
 
@@ -96,6 +98,17 @@ class AttentionBackend(Protocol):
         ...
 
 
+def import_optional(module: str):
+    """``module`` of an optional kernel package, or ``None`` when its top-level package is absent or
+    the import fails (a broken or partial install counts as not installed)."""
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        return None
+    try:
+        return importlib.import_module(module)
+    except Exception:  # noqa: BLE001  (any failure of a third-party import means "not available")
+        return None
+
+
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the log-sum-exp (and of ring merges) for inputs of ``dtype``."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -117,14 +130,21 @@ def reduce_kv(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 _REGISTRY: dict[str, AttentionBackend] = {}
 _log = logging.getLogger("usp_dit")
 
-# Preference order for backend="auto", fastest first, per device type. Measured on one NVIDIA H200
-# (torch 2.11, cu130) on 2026-12-02 at the shapes of shared/shapes.md, forward TF/s at Flux /
-# CogVideoX / Mochi (docs/PERFORMANCE.md): FlashAttention 4 (flash-attn-4 4.0.0b36, when installed)
-# 639 / 539 / 679; cuDNN SDPA 599 / 414 / 574; FA2 (SDPA flash) 331 / 316 / 359; mem-efficient
-# 164 / 137 / 181. Forward+backward ranks the same. On CPU the fused flash kernel of PyTorch beats
-# the reference by avoiding the S x S score matrix.
+# Preference order for backend="auto", fastest first, per device type; a backend that cannot run
+# the case (no backward where gradients are needed, a call too small for its per-call cost) is
+# passed over. Measured on one NVIDIA H200 (torch 2.11, cu130) on 2026-12-02 at the shapes of
+# shared/shapes.md, forward TF/s at Flux / CogVideoX / Mochi (docs/PERFORMANCE.md), each run side
+# by side with cuDNN: FlashAttention 4 (flash-attn-4 4.0.0b36) 639 / 539 / 679 (cuDNN 599 / 414 /
+# 574 in that run); FlashInfer 0.6.18 (forward only) 651 / 497 / 659 (cuDNN 611 / 417 / 579 in
+# its run; in the eager ring cases it beat or tied (within 1%) cuDNN in 23 of 27 and lost the 4
+# "gather" cases where cuDNN folds the remote blocks into one call and it makes one per block); the
+# flash-attn 2.8.3 package 365 / 317 / 385 (forward+backward 304 / 311 / 350 against cuDNN's
+# 509 / 420 / 538); SDPA flash 331 / 319 / 363; mem-efficient 167 / 137 / 181. FA4 and FlashInfer
+# were not installed together: FA4 goes first for the calls it takes (>= 1.5e11 flops), having
+# led at 2 of 3 shapes across the two runs. On CPU the fused flash kernel of PyTorch beats the
+# reference by avoiding the S x S score matrix.
 _AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("flash_attn_4", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "reference"),
+    "cuda": ("flash_attn_4", "flashinfer", "sdpa_cudnn", "flash_attn_2", "sdpa_flash", "sdpa_efficient", "reference"),
     "cpu": ("sdpa_cpu", "reference"),
 }
 

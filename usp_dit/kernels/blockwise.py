@@ -7,7 +7,8 @@ them); every query block attends to every K/V block through the backend and the 
 are merged by LSE exactly as a ring rank merges them, in either forward schedule of
 ``usp_dit.ring`` (Note [ring schedule]): "stream" merges block by block, "gather" attends to the
 local block and then to each run of equal-length remote blocks in one call, through the same
-functions the ring runs. The backward feeds each block the merged out/LSE, as the ring backward
+functions the ring runs; "allgather" makes one call per rank against the whole sequence. The
+backward feeds each block the merged out/LSE, as the ring backward
 does. Used by the GPU kernel tests (a backend is ring-safe when its blockwise result matches its
 whole-sequence result) and the ring-block benchmark.
 """
@@ -53,8 +54,11 @@ def blockwise_forward(q, k, v, backend: AttentionBackend, scale: float, n: int, 
     def stacks(rank: int):
         return [(_stack(k, sizes, a, b, m), _stack(v, sizes, a, b, m)) for a, b, m in remote_runs(tuple(sizes), rank)]
 
-    results = [_rank_forward(q_blk, k_blocks, v_blocks, stacks, backend, scale, r, schedule)
-               for r, q_blk in enumerate(_blocks(q, n))]
+    if schedule == "allgather":  # the gathered K/V is the whole sequence, used in place (batch 1)
+        results = [backend.forward(q_blk, k, v, scale) for q_blk in _blocks(q, n) if q_blk.shape[1]]
+    else:
+        results = [_rank_forward(q_blk, k_blocks, v_blocks, stacks, backend, scale, r, schedule)
+                   for r, q_blk in enumerate(_blocks(q, n))]
     return torch.cat([o for o, _ in results], dim=1), torch.cat([lse for _, lse in results], dim=1)
 
 

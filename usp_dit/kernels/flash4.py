@@ -15,12 +15,11 @@ Quirks kept here:
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 
 from usp_dit.kernels._sdpa_layout import lse_to_bhs, lse_to_bsh
-from usp_dit.kernels.base import BackendCaps, folded_forward_stack, register_backend
+from usp_dit.kernels.base import BackendCaps, folded_forward_stack, import_optional, register_backend
 
 INSTALL = "pip install flash-attn-4 'nvidia-cutlass-dsl[cu13]'"
 _HALF = frozenset({torch.float16, torch.bfloat16})
@@ -29,13 +28,7 @@ _HALF = frozenset({torch.float16, torch.bfloat16})
 @functools.cache
 def _interface():
     """The ``flash_attn.cute.interface`` module, or ``None`` when it cannot be imported."""
-    if importlib.util.find_spec("flash_attn") is None:
-        return None
-    try:
-        from flash_attn.cute import interface
-    except Exception:  # noqa: BLE001  (a broken or partial install is "not available")
-        return None
-    return interface
+    return import_optional("flash_attn.cute.interface")
 
 
 # Its Python call path costs about 0.15-0.2 ms of CPU per call (H200 host, 2026-12-02), against

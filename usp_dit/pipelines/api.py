@@ -401,8 +401,9 @@ def enable_usp(
         sync_inputs: broadcast the transformer's inputs from each replica's first rank
             (Note [same inputs everywhere]); turn off only if you guarantee identical inputs.
         ring_schedule: how the ring's forward moves K/V blocks: "stream" (block by block, least
-            memory), "gather" (all blocks at once, fewest kernel calls) or "auto" (by block
-            length). Ignored when ``mesh`` is given (``init_usp`` takes it).
+            memory), "gather" (all blocks at once, the local block computed while they travel),
+            "allgather" (all blocks at once, then one kernel call) or "auto" (by block length).
+            Ignored when ``mesh`` is given (``init_usp`` takes it).
 
     Returns:
         The mesh in use.

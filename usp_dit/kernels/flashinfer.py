@@ -1,0 +1,66 @@
+"""FlashInfer (``flashinfer-python``, kernels compiled on first use): forward only, with LSE.
+
+Layout: q (B, S, H, D), k/v (B, S, Hk, D) -> out (B, S, H, D); each batch entry is one
+``single_prefill_with_kv_cache`` call in its "NHD" layout ((S, H, D), a view: no copy), grouped
+K/V read natively.
+
+Quirks kept here:
+- its LSE is base 2 (the kernels keep scores scaled by log2(e) and store ``m + log2(d)``):
+  multiplied by ln(2) here to give our natural-log LSE;
+- one call per batch entry (the single-request API has no batch); DiT batches are 1 or 2 (CFG);
+- its backend "auto" takes its Hopper (FA3-style) kernels on SM90 for head dims 64, 128 and 256,
+  its Ampere ones elsewhere; each (dtype, head_dim) is compiled with nvcc on first call (minutes on
+  a cold cache): warm up before timing;
+- no backward (an inference kernel): ``supports_backward=False``, so training refuses it loudly.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from usp_dit.kernels.base import BackendCaps, import_optional, lse_dtype, register_backend
+
+INSTALL = "pip install flashinfer-python"
+_LN2 = math.log(2.0)
+
+
+@functools.cache
+def _module():
+    """The ``flashinfer`` module, or ``None`` when it cannot be imported."""
+    return import_optional("flashinfer")
+
+
+class FlashInferBackend:
+    name = "flashinfer"
+    caps = BackendCaps(
+        frozenset({"cuda"}), frozenset({torch.float16, torch.bfloat16}), max_head_dim=256,
+        supports_backward=False, head_dims=frozenset({64, 128, 256}),
+    )
+
+    def available(self) -> bool:
+        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8 and _module() is not None
+
+    def require(self) -> None:
+        if not self.available():
+            raise RuntimeError(f"backend 'flashinfer' needs the flashinfer-python package and an Ampere or newer GPU: {INSTALL}")
+
+    def forward(self, q, k, v, scale):
+        prefill = _module().single_prefill_with_kv_cache
+        parts = [  # .contiguous(): a no-op for the usual layouts, a copy for exotic strides
+            prefill(q[b].contiguous(), k[b].contiguous(), v[b].contiguous(),
+                    causal=False, kv_layout="NHD", sm_scale=scale, return_lse=True)
+            for b in range(q.shape[0])
+        ]
+        if len(parts) == 1:
+            out, lse = parts[0][0].unsqueeze(0), parts[0][1].unsqueeze(0)
+        else:
+            out, lse = torch.stack([o for o, _ in parts]), torch.stack([l for _, l in parts])
+        return out, lse.to(lse_dtype(q.dtype)) * _LN2
+
+    def backward(self, *args):
+        raise NotImplementedError("backend 'flashinfer' has no backward")
+
+
+register_backend(FlashInferBackend())
