@@ -48,6 +48,7 @@ SHAPES = [
     Shape(1, 19, 10, 2, 64, 7),  # GQA whose split over 4 ranks is not group-aligned
     Shape(1, 11, 1, 1, 64, 7),  # one head: ring only
     Shape(2, 37, 4, 4, 128, 0),
+    Shape(1, 16, 4, 4, 64, 5),  # even shards on 2, 4 and 8 ranks: "allgather" gathers in place
 ]
 GRIDS = {
     1: [(1, 1)],
@@ -57,7 +58,7 @@ GRIDS = {
 }
 # Eight processes share CI's two cores: at 8 ranks the grid runs one backend on the shapes that
 # exercise what 8 adds (more ranks than tokens, uneven heads on 8, GQA, long joint).
-EIGHT_RANK_SHAPES = [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[3], SHAPES[5]]
+EIGHT_RANK_SHAPES = [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[3], SHAPES[5], SHAPES[8]]
 DTYPES = [torch.float32, torch.float64]
 BACKENDS = ["auto", "reference"]
 SCHEDULES = ("stream", "gather", "allgather")

@@ -162,6 +162,17 @@ def start_all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return _all_gather(x.contiguous(), 0, group)
 
 
+# all_gather_single replaces all_gather_into_tensor in newer torch (same arguments).
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def start_all_gather_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup):
+    """Post an all-gather of ``x`` (n, ...) into ``out`` (group size * n, ...), a contiguous tensor
+    that may be a slice of a larger buffer, and return the work handle (``out`` is ready after its
+    ``wait()``). Not differentiable: for forward-only gathers into buffers the caller lays out."""
+    return _all_gather_into(out, x.contiguous(), group=group, async_op=True)
+
+
 def wait_gathered(pending: torch.Tensor) -> torch.Tensor:
     """The result of ``start_all_gather`` (waits for the transfer)."""
     return funcol.wait_tensor(pending)

@@ -21,9 +21,9 @@ Note [ring schedule]
     whole sequence's K/V (of this rank's heads) for the duration of the call, and exposes the part
     of the gather that one local block does not hide. The "allgather" schedule waits for the
     gathered K/V and makes ONE kernel call of the rank's queries against the whole sequence (+ joint):
-    no merge at all and the kernel's best efficiency, but nothing overlaps the gather. The gathered
-    blocks are used in place when they can be (batch 1, equal blocks, no joint tokens); otherwise
-    they are copied into one sequence first. Note [ring schedule choice] says which schedule "auto"
+    no merge at all and the kernel's best efficiency, but nothing overlaps the gather. With batch 1
+    and equal blocks the blocks are gathered straight into one buffer that ends with the joint
+    tokens (no copy of the gathered K/V); otherwise they are copied into one sequence first. Note [ring schedule choice] says which schedule "auto"
     takes. The backward always streams.
 
     Backward runs the same schedule. The gradient of block j is accumulated in float32 on the way
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from usp_dit.comm import RingExchanger, start_all_gather, wait_gathered
+from usp_dit.comm import RingExchanger, start_all_gather, start_all_gather_into, wait_gathered
 from usp_dit.kernels.base import AttentionBackend, forward_stack, lse_dtype
 from usp_dit.merge import LSEMerger
 
@@ -196,24 +196,40 @@ def _gather_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: Attentio
 
 
 def gathered_sequence(blocks: torch.Tensor, block_sizes: tuple[int, ...], joint: torch.Tensor | None) -> torch.Tensor:
-    """All-gathered blocks (R, B, L, Hk, D), block r holding ``block_sizes[r]`` real tokens, as one
-    (B, sum(block_sizes) [+ joint], Hk, D) sequence: a view of ``blocks`` when B = 1, every block is
-    full and there is no joint, else one copy."""
-    r, b, length = blocks.shape[:3]
-    if b == 1 and joint is None and all(n == length for n in block_sizes):
-        return blocks.flatten(0, 2).unsqueeze(0)
+    """All-gathered blocks (R, B, L, Hk, D), block r holding ``block_sizes[r]`` real tokens (the
+    rest padding), as one (B, sum(block_sizes) [+ joint], Hk, D) sequence (one copy)."""
     parts = [blocks[i, :, :n] for i, n in enumerate(block_sizes) if n]
     return torch.cat(parts + ([joint] if joint is not None else []), dim=1)
+
+
+def _gather_in_place(k, v, joint_k, joint_v, spec: RingSpec):
+    """Batch 1, equal blocks: all-gather straight into (1, R L + J, Hk, D) buffers whose tail holds
+    the joint tokens, so the whole sequence is one tensor with no copy of the gathered K/V."""
+    _, length, hk, d = k.shape
+    joint = joint_k.shape[1] if joint_k is not None else 0
+    bufs, works = [], []
+    for t, jt in ((k, joint_k), (v, joint_v)):
+        buf = t.new_empty((1, spec.size * length + joint, hk, d))
+        works.append(start_all_gather_into(buf[0, :spec.size * length], t[0], spec.exchanger.group))
+        if joint:
+            buf[:, spec.size * length:] = jt
+        bufs.append(buf)
+    for work in works:
+        work.wait()
+    return bufs
 
 
 def _allgather_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
     """The "allgather" forward of Note [ring schedule]: one call against the whole sequence."""
     longest = max(spec.block_sizes)
-    pending = [start_all_gather(_padded(t, longest), spec.exchanger.group) for t in (k, v)]
-    k_all, v_all = (
-        gathered_sequence(wait_gathered(p).unflatten(0, (spec.size, k.shape[0])), spec.block_sizes, j)
-        for p, j in zip(pending, (joint_k, joint_v))
-    )
+    if k.shape[0] == 1 and all(n == longest for n in spec.block_sizes):
+        k_all, v_all = _gather_in_place(k, v, joint_k, joint_v, spec)
+    else:
+        pending = [start_all_gather(_padded(t, longest), spec.exchanger.group) for t in (k, v)]
+        k_all, v_all = (
+            gathered_sequence(wait_gathered(p).unflatten(0, (spec.size, k.shape[0])), spec.block_sizes, j)
+            for p, j in zip(pending, (joint_k, joint_v))
+        )
     if not (q.shape[1] and k_all.shape[1]):
         return _empty_result(q)
     return backend.forward(q, k_all, v_all, scale)
