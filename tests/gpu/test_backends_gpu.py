@@ -1,6 +1,6 @@
 """GPU kernels (skipped without CUDA; run on the lent H200): output, LSE and gradients of every CUDA
-backend against a float64 reference, on the whole sequence and under the ring schedule simulated
-on one GPU (N virtual ranks, ``blockwise``).
+backend against a float64 reference, on the whole sequence, under the ring schedules simulated
+on one GPU (N virtual ranks, ``blockwise``) and under Ulysses head splits (N virtual ranks).
 
 Pass rule for bf16/fp16 (flash-attention's rule): the blockwise error of a quantity is at most
 2x the same kernel's error on the whole sequence, plus 1e-5 of slack so that quantities the kernel
@@ -66,6 +66,53 @@ def test_backend_whole_and_blockwise(name, dtype, shape):
             blocks = _errors(backend, q, k, v, dout, dtype, n, ref, schedule)
             bad = {key: (blocks[key], whole[key]) for key in whole if blocks[key] > 2 * whole[key] + 1e-5}
             assert not bad, f"{schedule} N={n}: (blockwise, whole) errors {bad}"
+
+
+def _ulysses_errors(backend, q, k, v, dout, dtype, n, ref):
+    """Ulysses on one GPU: N virtual ranks, rank i attends over the whole sequence with its 1/N of
+    the query heads and the K/V heads they read (contiguous, as after the all-to-all)."""
+    h, hk = q.shape[2], k.shape[2]
+    group, scale = h // hk, q.shape[-1] ** -0.5
+    qc, kc, vc, doc = (t.to(dtype) for t in (q, k, v, dout))
+    outs, lses, grads = [], [], [[], [], []]
+    for i in range(n):
+        a, b = i * h // n, (i + 1) * h // n
+        ka, kb = a // group, -(-b // group)
+        part = [t[:, :, x:y].contiguous() for t, (x, y) in zip((qc, kc, vc), ((a, b), (ka, kb), (ka, kb)))]
+        out, lse = backend.forward(*part, scale)
+        outs.append(out)
+        lses.append(lse)
+        if backend.caps.supports_backward:
+            for acc, g in zip(grads, backend.backward(doc[:, :, a:b].contiguous(), *part, out, lse, scale)):
+                acc.append(g)
+    errors = {"out": rel_err(torch.cat(outs, 2), ref[0]), "lse": rel_err(torch.cat(lses, 2), ref[1])}
+    if backend.caps.supports_backward:  # K/V heads read by several ranks sum their gradients
+        dq = torch.cat(grads[0], 2)
+        dk, dv = (torch.zeros(k.shape, dtype=torch.float64, device=k.device) for _ in range(2))
+        for i, (gk, gv) in enumerate(zip(grads[1], grads[2])):
+            ka = i * h // n // group
+            dk[:, :, ka:ka + gk.shape[2]] += gk.double()
+            dv[:, :, ka:ka + gv.shape[2]] += gv.double()
+        errors.update(dq=rel_err(dq, ref[2]), dk=rel_err(dk, ref[3]), dv=rel_err(dv, ref[4]))
+    return errors
+
+
+@pytest.mark.parametrize("name", BACKENDS + FORWARD_ONLY)
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
+def test_backend_under_ulysses(name, shape):
+    """Head splits over N = 2, 4, 8 virtual ranks (GQA 8:2 included: at N = 4 and 8 ranks share a
+    K/V head), bf16, against float64; same pass rule as the ring."""
+    backend = _backend(name)
+    q, k, v, dout = _inputs(*shape)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_ref(*leaves, shape[-1] ** -0.5)
+    ref = (out.detach(), lse.detach(), *torch.autograd.grad(out, leaves, dout))
+    whole = _ulysses_errors(backend, q, k, v, dout, torch.bfloat16, 1, ref)
+    assert max(whole.values()) < 2e-2, whole
+    for n in (2, 4, 8):
+        split = _ulysses_errors(backend, q, k, v, dout, torch.bfloat16, n, ref)
+        bad = {key: (split[key], whole[key]) for key in whole if split[key] > 2 * whole[key] + 1e-5}
+        assert not bad, f"N={n}: (ulysses, whole) errors {bad}"
 
 
 @pytest.mark.parametrize("name", BACKENDS + FORWARD_ONLY)
