@@ -231,3 +231,16 @@ def test_flash_attn_2_adapter_layout_and_caller_allocated_grads(monkeypatch):
     ref = torch.autograd.grad(attention_ref(*leaves, 0.3)[0], leaves, dout)
     for got, want in zip((dq, dk, dv), ref):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_flashinfer_needs_nvcc_or_prebuilt_kernels(monkeypatch, tmp_path):
+    """FlashInfer compiles on first use: without nvcc (or flashinfer-jit-cache) "auto" must not pick it."""
+    from usp_dit.kernels import flashinfer as fi
+
+    monkeypatch.setattr(fi.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert not fi.can_build_kernels()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    assert fi.can_build_kernels()

@@ -9,20 +9,25 @@ Quirks kept here:
   multiplied by ln(2) here to give our natural-log LSE;
 - one call per batch entry (the single-request API has no batch); DiT batches are 1 or 2 (CFG);
 - its backend "auto" takes its Hopper (FA3-style) kernels on SM90 for head dims 64, 128 and 256,
-  its Ampere ones elsewhere; each (dtype, head_dim) is compiled with nvcc on first call (minutes on
-  a cold cache): warm up before timing;
+  its Ampere ones elsewhere; each (dtype, head_dim) is compiled with nvcc on first call (about 70 s
+  on an H200 host, then cached): warm up before timing. Without nvcc (and without the prebuilt
+  ``flashinfer-jit-cache``) that call would fail, so the backend then reads as unavailable;
 - no backward (an inference kernel): ``supports_backward=False``, so training refuses it loudly.
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
+import os
+import shutil
 
 import torch
 
 from usp_dit.kernels.base import BackendCaps, import_optional, lse_dtype, register_backend
 
 INSTALL = "pip install flashinfer-python"
+BUILD = "put CUDA's nvcc on PATH (or set CUDA_HOME), or pip install flashinfer-jit-cache (prebuilt kernels)"
 _LN2 = math.log(2.0)
 
 
@@ -30,6 +35,17 @@ _LN2 = math.log(2.0)
 def _module():
     """The ``flashinfer`` module, or ``None`` when it cannot be imported."""
     return import_optional("flashinfer")
+
+
+def can_build_kernels() -> bool:
+    """FlashInfer compiles its kernels with nvcc on first use (found as FlashInfer finds it: CUDA_HOME
+    or CUDA_PATH, else nvcc on PATH, else /usr/local/cuda) unless ``flashinfer-jit-cache`` ships
+    them prebuilt. Without either the first call fails, so "auto" must not pick it."""
+    if importlib.util.find_spec("flashinfer_jit_cache") is not None:
+        return True
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    nvcc = os.path.join(home, "bin", "nvcc") if home else shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    return os.path.exists(nvcc)
 
 
 class FlashInferBackend:
@@ -40,11 +56,15 @@ class FlashInferBackend:
     )
 
     def available(self) -> bool:
-        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8 and _module() is not None
+        return (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+                and _module() is not None and can_build_kernels())
 
     def require(self) -> None:
-        if not self.available():
-            raise RuntimeError(f"backend 'flashinfer' needs the flashinfer-python package and an Ampere or newer GPU: {INSTALL}")
+        if self.available():
+            return
+        if _module() is not None and not can_build_kernels():
+            raise RuntimeError(f"backend 'flashinfer' compiles its kernels on first use and finds no nvcc: {BUILD}")
+        raise RuntimeError(f"backend 'flashinfer' needs the flashinfer-python package and an Ampere or newer GPU: {INSTALL}")
 
     def forward(self, q, k, v, scale):
         prefill = _module().single_prefill_with_kv_cache
