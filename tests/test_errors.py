@@ -231,3 +231,17 @@ def test_call_flops_estimate_follows_the_grid():
     assert _call_flops(q, k, None, mesh(1, 4, "stream")) == 4 * 100 * 100 * 8 * 16
     assert _call_flops(q, k, None, mesh(1, 4, "gather")) == 4 * 100 * 300 * 8 * 16
     assert _call_flops(q, k, None, mesh(1, 4, "allgather")) == 4 * 100 * 400 * 8 * 16
+
+
+def test_kernels_report_lists_every_backend_and_the_auto_pick(capsys):
+    """``python -m usp_dit.kernels``: one row per backend (an uninstalled one with its install
+    line) and what "auto" picks for inference and training."""
+    from usp_dit.kernels.__main__ import main
+
+    assert main(["--device", "cpu", "--dtype", "float32", "--head-dim", "64"]) == 0
+    out = capsys.readouterr().out
+    for name in list_backends():
+        assert f"| {name} | " in out
+    assert "auto, inference: sdpa_cpu" in out and "auto, training:  sdpa_cpu" in out
+    if not get_backend("flashinfer").available():
+        assert "pip install flashinfer-python" in out
