@@ -14,7 +14,9 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 WORK=${WORK:-/tmp/fa2work}
 NVCC=${NVCC:-/usr/local/cuda-13.0/bin/nvcc}
 mkdir -p "$WORK/obj" && cd "$WORK"
-[ -d flash_attn-2.8.3.post2 ] || { pip download -q --no-deps --no-binary :all: --no-build-isolation flash-attn==2.8.3.post2 -d . || true; tar xzf flash_attn-2.8.3.post2.tar.gz; }
+# SKIP_CUDA_BUILD: its setup.py otherwise wants CUDA_HOME just to report metadata
+[ -d flash_attn-2.8.3.post2 ] || { FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE pip download -q --no-deps --no-binary :all: \
+                                     --no-build-isolation flash-attn==2.8.3.post2 -d .; tar xzf flash_attn-2.8.3.post2.tar.gz; }
 [ -d torch211 ] || { pip download -q --no-deps -d . --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 torch==2.11.0;
                      unzip -q torch-2.11.0-*.whl 'torch/include/*' -d torch211; }
 T=$WORK/torch211/torch/include
