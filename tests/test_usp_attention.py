@@ -57,7 +57,7 @@ GRIDS = {
     8: [(8, 1), (4, 2), (2, 4), (1, 8)],  # the largest single node: every 2-D split of 8 ranks
 }
 # Eight processes share CI's two cores: at 8 ranks the grid runs one backend on the shapes that
-# exercise what 8 adds (more ranks than tokens, uneven heads on 8, GQA, long joint).
+# exercise what 8 adds (more ranks than tokens, uneven heads on 8, GQA, long joint, even shards).
 EIGHT_RANK_SHAPES = [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[3], SHAPES[5], SHAPES[8]]
 DTYPES = [torch.float32, torch.float64]
 BACKENDS = ["auto", "reference"]

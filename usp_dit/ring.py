@@ -23,8 +23,8 @@ Note [ring schedule]
     gathered K/V and makes ONE kernel call of the rank's queries against the whole sequence (+ joint):
     no merge at all and the kernel's best efficiency, but nothing overlaps the gather. With batch 1
     and equal blocks the blocks are gathered straight into one buffer that ends with the joint
-    tokens (no copy of the gathered K/V); otherwise they are copied into one sequence first. Note [ring schedule choice] says which schedule "auto"
-    takes. The backward always streams.
+    tokens (no copy of the gathered K/V); otherwise they are copied into one sequence first.
+    Note [ring schedule choice] says which schedule "auto" takes. The backward always streams.
 
     Backward runs the same schedule. The gradient of block j is accumulated in float32 on the way
     round: rank r adds its contribution to the accumulator it received and passes it on; after the
@@ -131,7 +131,7 @@ def _empty_result(q: torch.Tensor):
 
 
 def ring_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
-    """Forward of Note [ring schedule] (either schedule); returns ``(out, lse)``."""
+    """Forward of Note [ring schedule] (any of its schedules); returns ``(out, lse)``."""
     if spec.schedule == "gather":
         return _gather_forward(q, k, v, joint_k, joint_v, spec, backend, scale)
     if spec.schedule == "allgather":
@@ -184,13 +184,22 @@ def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, 0, 0, length - x.shape[1])) if x.shape[1] < length else x
 
 
+def _start_block_gather(k, v, spec: RingSpec) -> list[torch.Tensor]:
+    """Post the all-gather of every ring rank's K and V block, padded to the longest block."""
+    longest = max(spec.block_sizes)
+    return [start_all_gather(_padded(t, longest), spec.exchanger.group) for t in (k, v)]
+
+
+def _gathered_blocks(pending: torch.Tensor, spec: RingSpec, batch: int) -> torch.Tensor:
+    """The result of one ``_start_block_gather`` transfer as (R, B, L, Hk, D) blocks (waits for it)."""
+    return wait_gathered(pending).unflatten(0, (spec.size, batch))
+
+
 def _gather_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
     """The "gather" forward of Note [ring schedule]; returns ``(out, lse)``."""
-    longest = max(spec.block_sizes)
-    group = spec.exchanger.group
-    pending = [start_all_gather(_padded(t, longest), group) for t in (k, v)]  # travel during the local block
+    pending = _start_block_gather(k, v, spec)  # travels during the local block
     merger = attend_local(q, *_with_joint((k, v), joint_k, joint_v, 0), backend, scale)
-    k_all, v_all = (wait_gathered(p).unflatten(0, (spec.size, k.shape[0])) for p in pending)  # (R, B, L, Hk, D)
+    k_all, v_all = (_gathered_blocks(p, spec, k.shape[0]) for p in pending)
     stacks = [(k_all[a:b, :, :n], v_all[a:b, :, :n]) for a, b, n in remote_runs(spec.block_sizes, spec.rank)]
     return attend_stacks(merger, q, stacks, backend, scale)
 
@@ -221,13 +230,12 @@ def _gather_in_place(k, v, joint_k, joint_v, spec: RingSpec):
 
 def _allgather_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
     """The "allgather" forward of Note [ring schedule]: one call against the whole sequence."""
-    longest = max(spec.block_sizes)
-    if k.shape[0] == 1 and all(n == longest for n in spec.block_sizes):
+    if k.shape[0] == 1 and len(set(spec.block_sizes)) == 1:
         k_all, v_all = _gather_in_place(k, v, joint_k, joint_v, spec)
     else:
-        pending = [start_all_gather(_padded(t, longest), spec.exchanger.group) for t in (k, v)]
+        pending = _start_block_gather(k, v, spec)
         k_all, v_all = (
-            gathered_sequence(wait_gathered(p).unflatten(0, (spec.size, k.shape[0])), spec.block_sizes, j)
+            gathered_sequence(_gathered_blocks(p, spec, k.shape[0]), spec.block_sizes, j)
             for p, j in zip(pending, (joint_k, joint_v))
         )
     if not (q.shape[1] and k_all.shape[1]):

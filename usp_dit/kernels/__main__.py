@@ -25,14 +25,11 @@ def backend_rows(device: str, dtype: torch.dtype, head_dim: int) -> list[tuple[s
     for name in list_backends():
         backend = get_backend(name)
         caps = backend.caps
-        if backend.available():
+        try:
+            backend.require()  # raises exactly when the backend is not available
             installed = "yes"
-        else:
-            try:
-                backend.require()
-                installed = "no"
-            except RuntimeError as err:  # the adapter's own message, with its install line
-                installed = f"no: {err}"
+        except RuntimeError as err:  # the adapter's own message, with its install line
+            installed = f"no: {err}"
         reason = caps.why_not(device, dtype, head_dim, needs_grad=False)
         rows.append((name, installed, "yes" if reason is None else f"no: {reason}",
                      "yes" if caps.supports_backward else "no", "yes" if caps.returns_lse else "no"))

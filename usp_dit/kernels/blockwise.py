@@ -8,9 +8,9 @@ are merged by LSE exactly as a ring rank merges them, in either forward schedule
 ``usp_dit.ring`` (Note [ring schedule]): "stream" merges block by block, "gather" attends to the
 local block and then to each run of equal-length remote blocks in one call, through the same
 functions the ring runs; "allgather" makes one call per rank against the whole sequence. The
-backward feeds each block the merged out/LSE, as the ring backward
-does. Used by the GPU kernel tests (a backend is ring-safe when its blockwise result matches its
-whole-sequence result) and the ring-block benchmark.
+backward feeds each block the merged out/LSE, as the ring backward does. Used by the GPU kernel
+tests (a backend is ring-safe when its blockwise result matches its whole-sequence result) and the
+ring-block benchmark.
 """
 from __future__ import annotations
 
