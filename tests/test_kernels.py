@@ -196,6 +196,21 @@ def test_flashinfer_adapter_layout_and_lse_base(monkeypatch):
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
 
 
+def _matches_reference(backend, q, k, v, dout, scale=0.3):
+    """The adapter's out, LSE and gradients equal the float64 reference's (its kernel is faked by
+    the reference, so anything beyond 1e-12 is the adapter's own layout or bookkeeping); returns
+    the reference output."""
+    out, lse = backend.forward(q, k, v, scale)
+    ref_out, ref_lse = attention_ref(q, k, v, scale)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(attention_ref(*leaves, scale)[0], leaves, dout)
+    for got, want in zip(backend.backward(dout, q, k, v, out, lse, scale), ref):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    return ref_out
+
+
 def test_flash_attn_2_adapter_layout_and_caller_allocated_grads(monkeypatch):
     """The FA2 adapter's own logic on CPU, the package's private functions faked by the reference:
     LSE handed back (B, H, S) and read back by the backward in that layout, gradients written into
@@ -222,15 +237,42 @@ def test_flash_attn_2_adapter_layout_and_caller_allocated_grads(monkeypatch):
     g = torch.Generator().manual_seed(7)
     q, dout = (torch.randn(2, 6, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(2, 5, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    backend = flash2.FlashAttn2Backend()
-    out, lse = backend.forward(q, k, v, 0.3)
-    ref_out, ref_lse = attention_ref(q, k, v, 0.3)
-    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
-    dq, dk, dv = backend.backward(dout, q, k, v, out, lse, 0.3)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = torch.autograd.grad(attention_ref(*leaves, 0.3)[0], leaves, dout)
-    for got, want in zip((dq, dk, dv), ref):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    _matches_reference(flash2.FlashAttn2Backend(), q, k, v, dout)
+
+
+def test_flash_attn_3_adapter_keywords_layout_and_splits(monkeypatch):
+    """The FA3 adapter's own logic on CPU, its ops faked by the float64 reference: arguments by
+    keyword, LSE handed back (B, H, S) and read back by the backward in that layout, the split count
+    left to the kernel (0) unless forced, and forward_stack's stride-0 ``q`` made real."""
+    import types
+
+    from usp_dit.kernels import flash3
+
+    seen = []
+
+    def fwd(q, k, v, *, softmax_scale, is_causal, num_splits):
+        assert not is_causal and q.stride(0) != 0
+        seen.append(num_splits)
+        out, lse = attention_ref(q, k, v, softmax_scale)
+        return out, lse.transpose(1, 2).contiguous(), None, None
+
+    def bwd(dout, q, k, v, out, lse, *, softmax_scale, is_causal):
+        assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.is_contiguous() and not is_causal
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        return (*torch.autograd.grad(attention_ref(*leaves, softmax_scale)[0], leaves, dout), None)
+
+    monkeypatch.setattr(flash3, "_ops", lambda: types.SimpleNamespace(fwd=fwd, bwd=bwd))
+    g = torch.Generator().manual_seed(8)
+    q, dout = (torch.randn(1, 6, 24, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 4096, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    backend = flash3.FlashAttn3Backend()
+    ref_out = _matches_reference(backend, q, k, v, dout)
+    monkeypatch.setattr(backend, "num_splits", 2)
+    from usp_dit.kernels.base import forward_stack
+
+    outs, lses = forward_stack(backend, q, k.unsqueeze(0).expand(2, -1, -1, -1, -1), v.unsqueeze(0).expand(2, -1, -1, -1, -1), 0.3)
+    torch.testing.assert_close(outs[1], ref_out, rtol=0, atol=1e-12)
+    assert seen == [0, 2]
 
 
 def test_flashinfer_needs_nvcc_or_prebuilt_kernels(monkeypatch, tmp_path):

@@ -20,7 +20,7 @@ from usp_dit.testing import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-BACKENDS = ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_4", "flash_attn_2"]
+BACKENDS = ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_4", "flash_attn_3", "flash_attn_2"]
 FORWARD_ONLY = ["flashinfer"]  # an LSE but no backward
 
 
@@ -126,15 +126,33 @@ def test_world_size_one_is_the_kernel(name):
 
 
 def test_auto_picks_the_fastest_installed_for_bf16():
-    """The measured order in ``base._AUTO_ORDER``: FlashAttention 4 where installed, then (forward
-    only) FlashInfer, then cuDNN; FlashInfer is passed over when gradients are needed."""
+    """The measured order in ``base._AUTO_ORDER``: FlashAttention 3 (Hopper), then FlashAttention 4,
+    then (forward only) FlashInfer, then cuDNN; FlashInfer is passed over when gradients are needed."""
     from usp_dit.kernels import select_backend
 
-    have = {name: get_backend(name).available() for name in ("flash_attn_4", "flashinfer")}
-    training = "flash_attn_4" if have["flash_attn_4"] else "sdpa_cudnn"
-    inference = next((n for n in ("flash_attn_4", "flashinfer") if have[n]), "sdpa_cudnn")
+    have = {name: get_backend(name).available() for name in ("flash_attn_3", "flash_attn_4", "flashinfer")}
+    training = next((n for n in ("flash_attn_3", "flash_attn_4") if have[n]), "sdpa_cudnn")
+    inference = next((n for n in ("flash_attn_3", "flash_attn_4", "flashinfer") if have[n]), "sdpa_cudnn")
     assert select_backend("auto", "cuda", torch.bfloat16, 128, True).name == training
     assert select_backend("auto", "cuda", torch.bfloat16, 128, False).name == inference
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 4])
+def test_flash_attn_3_key_splits_are_exact(splits, monkeypatch):
+    """FA3's split-KV forward (partials combined inside the op) at one rank's share of Flux, the case
+    ``wave_splits`` splits: out and LSE against float64, within 2x the unsplit call's error."""
+    backend = _backend("flash_attn_3")
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q = torch.randn(1, 1152, 24, 128, device="cuda", generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 4608, 24, 128, device="cuda", generator=g, dtype=torch.float64) for _ in range(2))
+    ref_out, ref_lse = attention_ref(q, k, v, 128 ** -0.5)
+    errors = {}
+    for forced in (1, splits):
+        monkeypatch.setattr(backend, "num_splits", forced)
+        out, lse = backend.forward(*(t.to(torch.bfloat16) for t in (q, k, v)), 128 ** -0.5)
+        errors[forced] = (rel_err(out, ref_out), rel_err(lse, ref_lse))
+    assert max(errors[1]) < 2e-2, errors
+    assert errors[splits][0] <= 2 * errors[1][0] + 1e-5 and errors[splits][1] <= 2 * errors[1][1] + 1e-5, errors
 
 
 def test_flashinfer_forward_only_is_loud_about_gradients():

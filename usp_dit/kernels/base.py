@@ -131,20 +131,22 @@ _REGISTRY: dict[str, AttentionBackend] = {}
 _log = logging.getLogger("usp_dit")
 
 # Preference order for backend="auto", fastest first, per device type; a backend that cannot run
-# the case (no backward where gradients are needed, a call too small for its per-call cost) is
-# passed over. Measured on one NVIDIA H200 (torch 2.11, cu130) on 2026-12-02 at the shapes of
-# shared/shapes.md, forward TF/s at Flux / CogVideoX / Mochi (docs/PERFORMANCE.md), each run side
-# by side with cuDNN: FlashAttention 4 (flash-attn-4 4.0.0b36) 639 / 539 / 679 (cuDNN 599 / 414 /
-# 574 in that run); FlashInfer 0.6.18 (forward only) 651 / 497 / 659 (cuDNN 611 / 417 / 579 in
-# its run; in the eager ring cases it beat or tied (within 1%) cuDNN in 23 of 27 and lost the 4
-# "gather" cases where cuDNN folds the remote blocks into one call and it makes one per block); the
-# flash-attn 2.8.3 package 365 / 317 / 385 (forward+backward 304 / 311 / 350 against cuDNN's
-# 509 / 420 / 538); SDPA flash 331 / 319 / 363; mem-efficient 167 / 137 / 181. FA4 and FlashInfer
-# were not installed together: FA4 goes first for the calls it takes (>= 1.5e11 flops), having
-# led at 2 of 3 shapes across the two runs. On CPU the fused flash kernel of PyTorch beats the
-# reference by avoiding the S x S score matrix.
+# the case (no backward where gradients are needed, a call too small for its per-call cost, a
+# kernel for another GPU generation) is passed over. Measured on one NVIDIA H200 (torch 2.11,
+# cu130) at the shapes of shared/shapes.md, TF/s at Flux / CogVideoX / Mochi (docs/PERFORMANCE.md).
+# Side by side on 2026-12-02 (run 2), forward: FlashAttention 3 (Hopper only; xformers 0.0.34's
+# build) 646 / 532 / 699, FlashInfer 0.6.18 (forward only) 664 / 500 / 673, cuDNN 603 / 414 / 560,
+# flash-attn 2.8.3 365 / 318 / 385, SDPA flash 330 / 317 / 361, mem-efficient 166 / 137 / 181;
+# forward+backward: FA3 558 / 525 / 615, cuDNN 509 / 418 / 546, flash-attn 2 305 / 311 / 350.
+# FlashAttention 4 (flash-attn-4 4.0.0b36; Hopper and Blackwell) was measured in an earlier run
+# only, 639 / 539 / 679 forward (cuDNN 599 / 414 / 574 beside it): FA3 goes first where it runs
+# (as fast or faster at 2 of 3 shapes, and a C++ op without FA4's ~0.15 ms of Python per call),
+# then FA4 for the calls it takes (>= 1.5e11 flops), then FlashInfer (beat or tied cuDNN in 23 of
+# 27 eager ring cases, lost the 4 "gather" ones: one call per block where cuDNN folds them).
+# On CPU the fused flash kernel of PyTorch beats the reference by avoiding the S x S score matrix.
 _AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("flash_attn_4", "flashinfer", "sdpa_cudnn", "flash_attn_2", "sdpa_flash", "sdpa_efficient", "reference"),
+    "cuda": ("flash_attn_3", "flash_attn_4", "flashinfer", "sdpa_cudnn", "flash_attn_2", "sdpa_flash", "sdpa_efficient",
+             "reference"),
     "cpu": ("sdpa_cpu", "reference"),
 }
 
