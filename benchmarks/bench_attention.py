@@ -13,6 +13,9 @@ interleaved, in one run):
   (N virtual ranks, N x N blocks merged by LSE) against one whole-sequence call of the same
   backend: t_whole / t_blocks.
 - ring_graphs: the same, every variant replayed from a CUDA graph (GPU-side cost only).
+- splits: FlashAttention 3's split-KV forward at the whole shapes and at one rank's share of the
+  queries against all keys (what the "allgather" schedule calls, N = 2, 4, 8): 1-4 splits forced
+  against the kernel's own choice (``num_splits=0``, what the adapter passes), side by side.
 
 Shapes are those of shared/shapes.md (batch 1, bf16, image + text tokens).
 """
@@ -110,7 +113,8 @@ def suite_world1(shapes: list[str]) -> list[dict]:
     return rows
 
 
-CUDA_BACKENDS = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_4", "flash_attn_2", "flashinfer")
+CUDA_BACKENDS = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_4", "flash_attn_3", "flash_attn_2",
+                 "flashinfer")
 
 
 def suite_backends(shapes: list[str]) -> list[dict]:
@@ -200,9 +204,35 @@ def suite_ring_graphs(shapes: list[str], backend_name: str = "sdpa_cudnn") -> li
     return _ring_rows("ring_graphs", shapes, backend_name, cuda_graphed)
 
 
+def suite_splits(shapes: list[str]) -> list[dict]:
+    """FA3 forward with 1-4 key splits forced and with the kernel's own choice, per call shape."""
+    backend = get_backend("flash_attn_3")
+    if not backend.available():
+        print("flash_attn_3 is not installed: splits suite skipped", flush=True)
+        return []
+    rows = []
+    for shape in shapes:
+        q, k, v = make_qkv(shape)
+        scale = SHAPES[shape][2] ** -0.5
+        for n in (1, 2, 4, 8):
+            qn = q[:, : q.shape[1] // n]  # one rank's queries (the allgather schedule's call)
+            fns = {}
+            for forced in (1, 2, 3, 4, 0):
+                def call(forced=forced):
+                    backend.num_splits = forced
+                    backend.forward(qn, k, v, scale)
+                fns["kernel's" if forced == 0 else f"s={forced}"] = call
+            with torch.inference_mode():
+                t = side_by_side(fns, iters_for(shape) * n, repeats=3)
+            backend.num_splits = 0
+            rows.append({"suite": "splits", "shape": shape, "ranks": n, "seq_q": qn.shape[1], **t})
+            print(f"| {shape} | {n} | {qn.shape[1]} | " + " | ".join(f"{t[key]:.3f}" for key in fns) + " |", flush=True)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="all", choices=["all", "world1", "backends", "ring", "ring_graphs"])
+    p.add_argument("--suite", default="all", choices=["all", "world1", "backends", "ring", "ring_graphs", "splits"])
     p.add_argument("--shapes", default="flux,cogvideox,mochi,wan")
     p.add_argument("--out", default=None, help="write all rows as JSON here")
     p.add_argument("--backend", default="sdpa_cudnn", help="kernel of the ring suites")
@@ -225,6 +255,10 @@ def main() -> int:
     if args.suite in ("all", "ring_graphs"):
         print(RING_HEADER)
         rows += suite_ring_graphs([s for s in shapes if s != "wan"], args.backend)
+    if args.suite in ("all", "splits"):
+        print("\n| shape | N | seq_q | s=1 ms | s=2 ms | s=3 ms | s=4 ms | kernel's choice ms |"
+              "\n|---|---|---|---|---|---|---|---|")
+        rows += suite_splits([s for s in shapes if s != "wan"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
