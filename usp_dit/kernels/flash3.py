@@ -6,10 +6,10 @@ K/V read natively (no expansion), dk/dv returned per K/V head.
 
 Quirks kept here:
 - the ops ``torch.ops.flash_attn_3.fwd`` / ``.bwd`` are called, registered by ``flash_attn_3._C``
-  (what ``flash_attn_interface`` itself calls; xformers 0.0.29-0.0.34 ship the same build as
-  ``xformers.flash_attn_3._C``). The public ``flash_attn_func`` hides the backward behind its own
-  autograd and cannot take a merged out/LSE, which the ring needs. Arguments go by keyword: the
-  op's long positional list has grown between releases;
+  (what ``flash_attn_interface`` itself calls; the H200 tests ran xformers 0.0.34's copy of that
+  build installed under this name, see scripts/flash_attn3). The public ``flash_attn_func`` hides
+  the backward behind its own autograd and cannot take a merged out/LSE, which the ring needs.
+  Arguments go by keyword: the op's long positional list has grown between releases;
 - LSE comes back (B, H, S) float32, natural log, scale applied; the backward reads that layout;
 - the kernel has a split-KV forward (``num_splits``, partials combined inside the op); we leave
   the count to its own heuristic (0), which splits only short query blocks. Forcing splits where
@@ -31,15 +31,14 @@ INSTALL = (
     "git clone https://github.com/Dao-AILab/flash-attention && cd flash-attention/hopper && "
     "pip install . --no-build-isolation  (or a prebuilt flash_attn_3 wheel matching your torch and CUDA)"
 )
-_MODULES = ("flash_attn_3._C", "xformers.flash_attn_3._C")
 
 
 @functools.cache
 def _ops():
-    """``torch.ops.flash_attn_3`` once a module registering its ``fwd``/``bwd`` imports, else ``None``."""
-    for module in _MODULES:
-        if import_optional(module) is not None and hasattr(torch.ops.flash_attn_3, "bwd"):
-            return torch.ops.flash_attn_3
+    """``torch.ops.flash_attn_3`` once ``flash_attn_3._C`` (which registers ``fwd``/``bwd``) imports,
+    else ``None``."""
+    if import_optional("flash_attn_3._C") is not None and hasattr(torch.ops.flash_attn_3, "bwd"):
+        return torch.ops.flash_attn_3
     return None
 
 
@@ -60,7 +59,9 @@ class FlashAttn3Backend:
             raise RuntimeError(f"backend 'flash_attn_3' needs the FlashAttention 3 kernels and a Hopper (SM90) GPU: {INSTALL}")
 
     def forward(self, q, k, v, scale):
-        if q.stride(0) == 0 and q.shape[0] > 1:  # forward_stack's repeated q: its TMA loads want real strides
+        if q.stride(0) == 0 and q.shape[0] > 1:
+            # forward_stack's repeated q: a zero batch stride is no layout FA3 documents (its loads
+            # are TMA descriptors built from the strides); the copy is one block of queries
             q = q.contiguous()
         out, lse, *_ = _ops().fwd(q, k, v, softmax_scale=scale, is_causal=False, num_splits=self.num_splits)
         return out, lse_to_bsh(lse, q.shape[1], q.dtype)
