@@ -14,7 +14,7 @@ Quirks kept here:
 - the kernel has a split-KV forward (``num_splits``, partials combined inside the op); we leave
   the count to its own heuristic (0), which splits only short query blocks. Forcing splits where
   a call's query tiles fill the SMs in a badly quantized number of waves (a rank's quarter of
-  Flux: 216 tiles on 132 SMs, 1.64 waves) was measured slower on the H200 in every such case
+  Flux: 216 tiles on 132 SMs, 1.64 waves) was no faster on the H200 in any case (within 0.2%)
   (Flux quarter 0.119 ms unsplit, 0.147 ms in 3 splits: benchmarks/bench_attention.py --suite splits);
 - head_dim a multiple of 8, at most 256; the last dim contiguous.
 """
