@@ -37,6 +37,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_pipelines import cogvideox_case, flux_case, mochi_case  # noqa: E402
+from usp_dit.config import RING_SCHEDULES  # noqa: E402
 
 REAL = {
     "flux": lambda dev: flux_case(dev),
@@ -157,7 +158,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny float32 models on CPU (a smoke run of this script)")
     p.add_argument("--grids", default=None, help="UxR list, e.g. 4x1,2x2,1x4 (default: every split of the world)")
     p.add_argument("--backend", default="auto")
-    p.add_argument("--ring-schedule", default="auto", choices=["auto", "stream", "gather", "allgather"])
+    p.add_argument("--ring-schedule", default="auto", choices=RING_SCHEDULES)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)

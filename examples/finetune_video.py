@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 import usp_dit
+from usp_dit.config import RING_SCHEDULES
 from usp_dit.training import (
     check_same_on_replica,
     mean_over_data_parallel,
@@ -68,8 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ulysses", type=int, default=1)
     p.add_argument("--ring", type=int, default=1)
     p.add_argument("--backend", default="auto", help="attention kernel (usp_dit.kernels.list_backends())")
-    p.add_argument("--ring-schedule", default="auto", choices=["auto", "stream", "gather", "allgather"],
-                   help="ring forward: stream (least memory) or gather (fewest kernel calls); backward streams")
+    p.add_argument("--ring-schedule", default="auto", choices=RING_SCHEDULES,
+                   help="how the ring's forward moves K/V blocks (README: ring schedules); backward streams")
     p.add_argument("--fsdp", choices=("none", "full", "hybrid"), default="none", help="shard parameters with FSDP2")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype (weights stay fp32)")
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing of every block")

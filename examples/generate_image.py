@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 from PIL import Image  # noqa: E402
 
 import usp_dit  # noqa: E402  (also gives every DiffusionPipeline .enable_usp / .disable_usp)
-from usp_dit.config import fill_degrees  # noqa: E402
+from usp_dit.config import RING_SCHEDULES, fill_degrees  # noqa: E402
 from usp_dit.launch import compare_with_one_rank, init_distributed  # noqa: E402
 from usp_dit.pipelines import install_failure_handler  # noqa: E402
 
@@ -51,7 +51,7 @@ def parse_args() -> argparse.Namespace:
                    "splits the batch of --num-images images")
     p.add_argument("--num-images", type=int, default=None, help="images per prompt (default: the cfg degree)")
     p.add_argument("--backend", default="auto", help="attention kernel: auto or a name from usp_dit.kernels")
-    p.add_argument("--ring-schedule", default="auto", choices=["auto", "stream", "gather", "allgather"],
+    p.add_argument("--ring-schedule", default="auto", choices=RING_SCHEDULES,
                    help="how the ring's forward moves K/V blocks (README: ring schedules)")
     p.add_argument("--output", default="flux_usp.png")
     p.add_argument("--no-check", action="store_true", help="skip the one-rank comparison")

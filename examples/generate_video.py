@@ -36,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 from PIL import Image  # noqa: E402
 
 import usp_dit  # noqa: E402  (also gives every DiffusionPipeline .enable_usp / .disable_usp)
-from usp_dit.config import fill_degrees  # noqa: E402
+from usp_dit.config import RING_SCHEDULES, fill_degrees  # noqa: E402
 from usp_dit.launch import compare_with_one_rank, init_distributed  # noqa: E402
 from usp_dit.pipelines import install_failure_handler  # noqa: E402
 
@@ -59,7 +59,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ring", type=int, default=None, help="ring degree (default: what is left of the world)")
     p.add_argument("--cfg", type=int, default=1, help="cfg degree: 2 puts the uncond and cond halves on two groups")
     p.add_argument("--backend", default="auto", help="attention kernel: auto or a name from usp_dit.kernels")
-    p.add_argument("--ring-schedule", default="auto", choices=["auto", "stream", "gather", "allgather"],
+    p.add_argument("--ring-schedule", default="auto", choices=RING_SCHEDULES,
                    help="how the ring's forward moves K/V blocks (README: ring schedules)")
     p.add_argument("--fps", type=int, default=8)
     p.add_argument("--output", default="video_usp.webp", help="animated .webp or .gif (an .mp4 is added if it can be)")
