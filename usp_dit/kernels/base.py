@@ -261,11 +261,17 @@ def forward_stack(backend: AttentionBackend, q: torch.Tensor, k_blocks: torch.Te
     return torch.stack([o for o, _ in parts]), torch.stack([lse for _, lse in parts])
 
 
-def folded_forward_stack(backend: AttentionBackend, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, scale: float):
+def folded_forward_stack(
+    backend: AttentionBackend, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, scale: float,
+    copy_q: bool = False,
+):
     """``forward_stack`` for kernels that take any batch: the G blocks become G x B batch entries,
-    ``q`` repeated by a stride-0 view (a kernel that needs contiguous inputs copies it)."""
+    ``q`` repeated by a stride-0 view (a kernel that needs contiguous inputs copies it), or by a
+    copy with ``copy_q`` for a kernel that must not be handed a zero batch stride."""
     g, b = k_blocks.shape[:2]
     qs = q.unsqueeze(0).expand(g, *q.shape).reshape(g * b, *q.shape[1:])
+    if copy_q:
+        qs = qs.contiguous()
     out, lse = backend.forward(qs, k_blocks.reshape(g * b, *k_blocks.shape[2:]),
                                v_blocks.reshape(g * b, *v_blocks.shape[2:]), scale)
     return out.unflatten(0, (g, b)), lse.unflatten(0, (g, b))

@@ -59,16 +59,13 @@ class FlashAttn3Backend:
             raise RuntimeError(f"backend 'flash_attn_3' needs the FlashAttention 3 kernels and a Hopper (SM90) GPU: {INSTALL}")
 
     def forward(self, q, k, v, scale):
-        if q.stride(0) == 0 and q.shape[0] > 1:
-            # forward_stack's repeated q: a zero batch stride is no layout FA3 documents (its loads
-            # are TMA descriptors built from the strides); the copy is one block of queries
-            q = q.contiguous()
         out, lse, *_ = _ops().fwd(q, k, v, softmax_scale=scale, is_causal=False, num_splits=self.num_splits)
         return out, lse_to_bsh(lse, q.shape[1], q.dtype)
 
     def forward_stack(self, q, k_blocks, v_blocks, scale):
-        """G blocks in one call, folded into the batch (the repeated ``q`` is a stride-0 view)."""
-        return folded_forward_stack(self, q, k_blocks, v_blocks, scale)
+        """G blocks in one call, folded into the batch. The repeated ``q`` is copied: a zero batch
+        stride is no layout FA3 documents (its loads are TMA descriptors built from the strides)."""
+        return folded_forward_stack(self, q, k_blocks, v_blocks, scale, copy_q=True)
 
     def backward(self, dout, q, k, v, out, lse, scale):
         dq, dk, dv, *_ = _ops().bwd(
