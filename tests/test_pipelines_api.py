@@ -8,12 +8,14 @@ torchrun on 2 ranks and asserts it prints MATCH and writes the PNG.
 """
 from __future__ import annotations
 
+import gc
 import os
 import re
 import socket
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from usp_dit import USPConfig, USPMesh, disable_usp, enable_usp
 from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines.api import split_cfg_batch
 from usp_dit.pipelines.tiny_flux import flux_inputs, tiny_flux_pipeline, tiny_flux_transformer
+from usp_dit.pipelines.tiny_video import tiny_cogvideox, tiny_mochi
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -190,3 +193,16 @@ def test_ring_schedule_reaches_the_mesh_and_is_checked():
     with pytest.raises(ValueError, match="ring_schedule must be one of"):
         enable_usp(model, ring_schedule="fast")
     assert not is_usp_enabled(model)
+
+
+@pytest.mark.parametrize("build", [tiny_flux_transformer, tiny_cogvideox, tiny_mochi], ids=["flux", "cogvideox", "mochi"])
+def test_an_enabled_transformer_is_freed_once_the_user_drops_it(build):
+    """enable_usp keeps its state on the transformer, never in a table of its own: a dropped
+    model (and its memory) must go, enabled or not."""
+    model = build()
+    enable_usp(model)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+

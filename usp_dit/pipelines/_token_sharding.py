@@ -27,7 +27,6 @@ objects are kept, so ``remove`` leaves the model exactly as it was.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,8 +132,9 @@ class PatchingAdapter:
     model_class: type = torch.nn.Module
     cfg_batch_args: tuple[str, ...] = ()
 
-    def __init__(self) -> None:
-        self._patches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    # The patch lives on its transformer, not in a table of the adapter: a patch refers to its
+    # transformer, so a table entry (even weakly keyed) would keep every patched model alive.
+    _PATCH_ATTR = "_usp_dit_patch"
 
     def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> Any:
         raise NotImplementedError
@@ -144,15 +144,15 @@ class PatchingAdapter:
 
     def enable(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> None:
         """Shard tokens over ``mesh``'s sequence group, in place. Raises ValueError if already enabled."""
-        if transformer in self._patches:
+        if getattr(transformer, self._PATCH_ATTR, None) is not None:
             raise ValueError(f"this {self.model_class.__name__} is already sequence-parallel: call disable first")
         patch = self.make_patch(transformer, mesh, backend)
         patch.install()
-        self._patches[transformer] = patch
+        setattr(transformer, self._PATCH_ATTR, patch)
 
     def disable(self, transformer: torch.nn.Module) -> None:
         """Put back the original processors and remove every hook. Raises ValueError if not enabled."""
-        patch = self._patches.pop(transformer, None)
+        patch = transformer.__dict__.pop(self._PATCH_ATTR, None)
         if patch is None:
             raise ValueError(f"this {self.model_class.__name__} is not sequence-parallel (enable was not called)")
         patch.remove()
