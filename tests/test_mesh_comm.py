@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from usp_dit import gather_sequence, init_usp, set_default_mesh, shard_sequence, usp_attention
 from usp_dit.comm import A2APlan, RingExchanger, heads_to_seq, seq_to_heads
-from usp_dit.mesh import resolve_mesh
+from usp_dit.mesh import release_groups, resolve_mesh
 from usp_dit.partition import head_plan, split_sizes
 from usp_dit.testing import assert_no_crash, run_spawned
 
@@ -134,6 +134,7 @@ def _worker():
     res["seq_len_mismatch"] = _seq_len_mismatch()
     res["compiled"] = _compiled_multi_rank()
     res["timeouts"] = _group_timeouts()
+    res["released"] = _released_mesh()  # last: it releases every mesh built above
     return res
 
 
@@ -199,3 +200,35 @@ def test_mesh_groups_inherit_the_job_timeout(results):
     """run_spawned starts the job with a 120 s timeout; the mesh's groups must not fall back to 30 min."""
     for r in results:
         assert r["timeouts"] == [120.0, 120.0, 120.0], r["timeouts"]
+
+
+def _released_mesh():
+    mesh = init_usp(ulysses_degree=2, ring_degree=2)
+    _ = mesh.ring_exchanger  # cached: it holds the ring group too
+    release_groups()
+    out = {"fields": (mesh.device_mesh, mesh.seq_mesh, "ring_exchanger" in mesh.__dict__)}
+    for name in ("ring_group", "ulysses_rank"):
+        try:
+            getattr(mesh, name)
+        except RuntimeError as exc:
+            out[name] = str(exc)
+    try:
+        resolve_mesh(None)
+    except ValueError as exc:
+        out["default"] = str(exc)
+    fresh = init_usp(ulysses_degree=2, ring_degree=2)  # a new mesh after a release works
+    out["fresh"] = (fresh.ring_rank, fresh.ulysses_rank)
+    return out
+
+
+def test_release_groups_lets_go_of_every_mesh_group(results):
+    """What runs at exit: released meshes hold no group and refuse to be used (never a silent
+    single-rank answer); the default mesh is cleared; a mesh built afterwards works. That no gloo
+    thread survives destroy_process_group plus this release is checked by run_spawned on every
+    spawned test."""
+    for rank, r in enumerate(results):
+        rel = r["released"]
+        assert rel["fields"] == (None, None, False)
+        assert "release_groups" in rel["ring_group"] and "init_usp" in rel["ulysses_rank"]
+        assert "call usp_dit.init_usp" in rel["default"]
+        assert rel["fresh"] == (rank // 2, rank % 2)

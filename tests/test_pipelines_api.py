@@ -206,3 +206,23 @@ def test_an_enabled_transformer_is_freed_once_the_user_drops_it(build):
     gc.collect()
     assert ref() is None
 
+
+def test_a_job_leaves_no_process_group_for_interpreter_teardown():
+    """init_usp's groups outlive destroy_process_group while the default mesh holds them; usp_dit's
+    exit hook lets go of them, so no gloo thread meets interpreter teardown (where it can abort
+    the process after the work is done). Without the hook this job left 18 threads per rank."""
+    world, port = 2, _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "_exit_hook_job.py")],
+            env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world),
+                     LOCAL_RANK=str(r)),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        )
+        for r in range(world)
+    ]
+    outputs = [p.communicate(timeout=240) for p in procs]
+    for r, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{err[-2000:]}"
+        assert f"RANKS {r}" in out
+        assert "GLOO THREADS AT TEARDOWN 0" in out, out

@@ -12,9 +12,12 @@ Note [sequence rank order]
 """
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
 import os
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -39,6 +42,7 @@ class USPMesh:
     device_type: str
     device_mesh: DeviceMesh | None = None
     seq_mesh: DeviceMesh | None = None
+    released: bool = field(default=False, init=False, repr=False)
 
     @property
     def ulysses_degree(self) -> int:
@@ -60,10 +64,21 @@ class USPMesh:
     def sequence_degree(self) -> int:
         return self.config.sequence_degree
 
+    def _check_live(self) -> None:
+        # A released mesh has no groups left: answering with the single-rank defaults would
+        # silently compute on the local shard alone.
+        if self.released:
+            raise RuntimeError(
+                "this USPMesh's process groups were released at process exit (usp_dit.mesh.release_groups); "
+                "build a new mesh with usp_dit.init_usp"
+            )
+
     def _local_rank(self, axis: str) -> int:
+        self._check_live()
         return 0 if self.device_mesh is None else self.device_mesh.get_local_rank(axis)
 
     def _group(self, mesh: DeviceMesh | None, axis: str, degree: int) -> dist.ProcessGroup | None:
+        self._check_live()
         return None if mesh is None or degree == 1 else mesh.get_group(axis)
 
     @property
@@ -168,7 +183,8 @@ def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1,
             device_type, (dp, cfg_degree, config.sequence_degree), mesh_dim_names=("dp", "cfg", "seq")
         )
         _inherit_timeout((device_mesh, _AXES), (seq_mesh, ("dp", "cfg", "seq")))
-        mesh = USPMesh(config, dp, device_type, device_mesh, seq_mesh)
+        mesh = USPMesh(config, dp, device_type, register_device_mesh(device_mesh), register_device_mesh(seq_mesh))
+        _GROUP_HOLDERS.add(mesh)
     set_default_mesh(mesh)
     return mesh
 
@@ -198,6 +214,45 @@ class _Default:
 def set_default_mesh(mesh: USPMesh | None) -> None:
     """Make ``mesh`` the one used when no mesh is passed (``None`` clears it)."""
     _Default.mesh = mesh
+
+
+# What release_groups lets go of, held weakly: the meshes init_usp built with process groups, and
+# every DeviceMesh usp_dit made (theirs and FSDP2's).
+_GROUP_HOLDERS: weakref.WeakSet[USPMesh] = weakref.WeakSet()
+_DEVICE_MESHES: weakref.WeakSet[DeviceMesh] = weakref.WeakSet()
+
+
+def register_device_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
+    """Have ``release_groups`` let go of ``device_mesh``'s process groups at exit; returns it."""
+    _DEVICE_MESHES.add(device_mesh)
+    return device_mesh
+
+
+def release_groups() -> None:
+    """Let go of the process groups of every mesh usp_dit built, and of the default mesh.
+
+    Runs at interpreter exit (``atexit``), after the job's ``destroy_process_group``: a gloo group
+    still referenced then is destroyed during interpreter teardown, where its worker threads can
+    abort the process (SIGABRT) after all the work was done. Dropping the references here, while
+    the interpreter is whole, destroys the groups and joins their threads. A released mesh raises
+    ``RuntimeError`` if used again.
+    """
+    set_default_mesh(None)
+    for mesh in list(_GROUP_HOLDERS):
+        mesh.device_mesh = mesh.seq_mesh = None
+        mesh.__dict__.pop("ring_exchanger", None)  # the cached RingExchanger holds the ring group
+        mesh.released = True
+    for device_mesh in list(_DEVICE_MESHES):
+        # torch's DTensor caches (sharding propagation, redistribution plans, mesh topology) keep
+        # every DeviceMesh they have seen for the life of the process, and a DeviceMesh keeps its
+        # groups in this registry (slices use their root's).
+        registry = getattr(device_mesh, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
+    gc.collect()  # groups held in reference cycles go now too, not during teardown
+
+
+atexit.register(release_groups)
 
 
 def resolve_mesh(mesh: USPMesh | None) -> USPMesh:

@@ -11,6 +11,7 @@ import functools
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -19,6 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+from usp_dit.mesh import release_groups
 
 
 def _free_port() -> int:
@@ -27,7 +31,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[[], Any]) -> None:
+def _gloo_threads() -> int:
+    """How many gloo worker and transport threads this process still runs (0 where /proc is absent)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    names = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended while we looked
+            pass
+    return sum(name.startswith(("pt_gloo", "gloo_")) for name in names)
+
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[[], Any], check_groups: bool) -> None:
+    # A rank killed by a signal leaves no Python traceback: its stderr, kept in a file, is what
+    # run_spawned shows instead.
+    log = os.open(os.path.join(out_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 2)
+    os.close(log)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)  # several ranks share two cores: oversubscription makes runs crawl
@@ -37,19 +62,48 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[[],
         result = fn()
     except BaseException:  # report the failure to the parent instead of hanging the others
         result = {"__error__": traceback.format_exc()}
+    dist.destroy_process_group()
+    release_groups()  # what usp_dit's exit hook does
+    threads = _gloo_threads()
+    if check_groups and threads and not (isinstance(result, dict) and "__error__" in result):
+        result = {"__error__": f"{threads} gloo threads still running after destroy_process_group and "
+                               "release_groups: a process group outlived the job"}
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
-    dist.destroy_process_group()
+    # The result is safe on disk: skip interpreter teardown, where a group something still holds
+    # (torch's own caches can, e.g. after FSDP2) is destroyed with its gloo threads running and can
+    # abort the process (SIGABRT) after the work succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-def run_spawned(fn: Callable[[], Any], world_size: int) -> list[Any]:
+def _log_tails(out_dir: str, world_size: int, lines: int = 30) -> str:
+    """The last ``lines`` lines of each rank's stderr."""
+    parts = []
+    for rank in range(world_size):
+        try:
+            with open(os.path.join(out_dir, f"rank{rank}.log"), errors="replace") as f:
+                tail = f.read().splitlines()[-lines:]
+        except OSError:
+            tail = ["(no log)"]
+        parts.append(f"--- rank {rank} stderr (last {lines} lines) ---\n" + "\n".join(tail))
+    return "\n".join(parts)
+
+
+def run_spawned(fn: Callable[[], Any], world_size: int, check_groups: bool = True) -> list[Any]:
     """Run ``fn()`` on ``world_size`` gloo ranks; returns each rank's return value, in rank order.
 
     ``fn`` must be importable (a module-level function). A rank that raised returns
-    ``{"__error__": traceback}``.
+    ``{"__error__": traceback}``; so does one that still runs gloo threads after
+    ``destroy_process_group`` and usp_dit's exit hook when ``check_groups`` (a group left for
+    interpreter teardown, which can abort a user's process at exit).
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world_size, _free_port(), out_dir, fn), nprocs=world_size, join=True)
+        try:
+            mp.spawn(_entry, args=(world_size, _free_port(), out_dir, fn, check_groups), nprocs=world_size, join=True)
+        except ProcessException as exc:
+            raise RuntimeError(f"{exc}\n{_log_tails(out_dir, world_size)}") from exc
         results = []
         for rank in range(world_size):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:

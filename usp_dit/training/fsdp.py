@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from usp_dit.mesh import USPMesh
+from usp_dit.mesh import USPMesh, register_device_mesh
 
 _KINDS = ("full", "hybrid")
 _BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")  # Flux has both; CogVideoX, Mochi the first
@@ -44,10 +44,11 @@ def fsdp_device_mesh(mesh: USPMesh, kind: str = "full") -> DeviceMesh:
     if mesh.device_mesh.size() != dist.get_world_size():
         raise ValueError(f"mesh has {mesh.device_mesh.size()} ranks but the world has {dist.get_world_size()}")
     if kind == "full":
-        return DeviceMesh.from_group(dist.group.WORLD, mesh.device_type, mesh_dim_names=("fsdp",))
+        # Registered (both kinds): DTensor's caches keep these meshes, and so their groups, until exit.
+        return register_device_mesh(DeviceMesh.from_group(dist.group.WORLD, mesh.device_type, mesh_dim_names=("fsdp",)))
     if mesh.cfg_degree != 1:
         raise ValueError(f"kind='hybrid' needs cfg_degree=1 (training has no cfg batch split), got {mesh.cfg_degree}")
-    return mesh.seq_mesh["dp", "seq"]
+    return register_device_mesh(mesh.seq_mesh["dp", "seq"])
 
 
 def shard_transformer(transformer: torch.nn.Module, mesh: USPMesh, kind: str = "full", **fsdp_kwargs: Any) -> torch.nn.Module:

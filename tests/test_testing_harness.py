@@ -1,0 +1,44 @@
+"""The spawned-group harness's own checks: its gloo-thread counter (in this process) and its report
+of a rank killed by a signal (one 2-rank group)."""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from usp_dit.testing import _gloo_threads, run_spawned
+
+
+def test_gloo_thread_count_sees_a_live_group_and_none_after_destroy():
+    """run_spawned fails a rank whose gloo threads outlive the job; the counter must see them, or
+    that check would pass vacuously (e.g. if torch renamed its threads)."""
+    assert not dist.is_initialized()
+    before = _gloo_threads()
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
+    )
+    try:
+        alive = _gloo_threads()
+    finally:
+        dist.destroy_process_group()
+    assert before == 0
+    assert alive >= 1
+    assert _gloo_threads() == 0
+
+
+def _abort_on_rank_one() -> int:
+    if dist.get_rank() == 1:
+        print("rank one's last words", file=sys.stderr, flush=True)
+        os.abort()  # what a C++ std::terminate in a gloo thread does: no Python traceback
+    return 0
+
+
+def test_a_rank_killed_by_a_signal_is_reported_with_its_stderr():
+    """A rank that dies by a signal leaves no traceback; run_spawned shows its stderr instead."""
+    with pytest.raises(RuntimeError) as info:
+        run_spawned(_abort_on_rank_one, 2, check_groups=False)
+    text = str(info.value)
+    assert "SIGABRT" in text and "--- rank 1 stderr" in text and "rank one's last words" in text
