@@ -224,8 +224,8 @@ def _released_mesh():
 def test_release_groups_lets_go_of_every_mesh_group(results):
     """What runs at exit: released meshes hold no group and refuse to be used (never a silent
     single-rank answer); the default mesh is cleared; a mesh built afterwards works. That no gloo
-    thread survives destroy_process_group plus this release is checked by run_spawned on every
-    spawned test."""
+    thread survives destroy_process_group plus this release is checked by run_spawned (this
+    module's group included) wherever check_groups is on."""
     for rank, r in enumerate(results):
         rel = r["released"]
         assert rel["fields"] == (None, None, False)
