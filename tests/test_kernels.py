@@ -268,8 +268,6 @@ def test_flash_attn_3_adapter_keywords_layout_and_splits(monkeypatch):
     backend = flash3.FlashAttn3Backend()
     ref_out = _matches_reference(backend, q, k, v, dout)
     monkeypatch.setattr(backend, "num_splits", 2)
-    from usp_dit.kernels.base import forward_stack
-
     outs, lses = forward_stack(backend, q, k.unsqueeze(0).expand(2, -1, -1, -1, -1), v.unsqueeze(0).expand(2, -1, -1, -1, -1), 0.3)
     torch.testing.assert_close(outs[1], ref_out, rtol=0, atol=1e-12)
     assert seen == [0, 2]

@@ -139,8 +139,9 @@ def test_auto_picks_the_fastest_installed_for_bf16():
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 4])
 def test_flash_attn_3_key_splits_are_exact(splits, monkeypatch):
-    """FA3's split-KV forward (partials combined inside the op) at one rank's share of Flux, the case
-    ``wave_splits`` splits: out and LSE against float64, within 2x the unsplit call's error."""
+    """FA3's split-KV forward (partials combined inside the op) at one rank's share of Flux, where
+    forcing splits was measured (benchmarks --suite splits): out and LSE against float64, within 2x
+    the unsplit call's error."""
     backend = _backend("flash_attn_3")
     g = torch.Generator(device="cuda").manual_seed(9)
     q = torch.randn(1, 1152, 24, 128, device="cuda", generator=g, dtype=torch.float64)
