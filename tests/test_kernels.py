@@ -284,3 +284,41 @@ def test_flashinfer_needs_nvcc_or_prebuilt_kernels(monkeypatch, tmp_path):
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "nvcc").write_text("")
     assert fi.can_build_kernels()
+
+
+def test_sage_adapter_leaves_inputs_alone_and_keeps_v_in_fp16_range(monkeypatch):
+    """The SageAttention adapter's own logic on CPU, ``sageattn`` faked as 1.0.6 behaves where it
+    matters here: ``smooth_k=True`` would subtract the mean key in place, and V is cast to fp16
+    and summed in fp16 blocks of 64 keys (inf past 65504). The fake computes float64 attention
+    from the fp16 V it would see; the adapter must hand it max|V| <= 2^9, leave the caller's K and
+    V untouched, and return the attention of the original inputs (to bf16 rounding, 1e-2)."""
+    import types
+
+    from usp_dit.kernels import sage
+
+    def sageattn(q, k, v, tensor_layout, is_causal, sm_scale, smooth_k):
+        assert tensor_layout == "NHD" and not is_causal and q.dtype == k.dtype == v.dtype
+        assert k.shape[2] == q.shape[2]  # K/V expanded for GQA
+        if smooth_k:
+            k -= k.mean(dim=1, keepdim=True)
+        v16 = v.to(torch.float16)
+        assert torch.isfinite(v16).all() and v16.abs().max() <= 2.0 ** 9
+        out, _ = attention_ref(q.double(), k.double(), v16.double(), sm_scale)
+        return out.to(q.dtype)
+
+    monkeypatch.setattr(sage, "_module", lambda: types.SimpleNamespace(sageattn=sageattn))
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(2, 9, 4, 64, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 11, 2, 64, generator=g, dtype=torch.float64) + 3.0  # a mean for the smoothing to remove
+    v = torch.randn(2, 11, 2, 64, generator=g, dtype=torch.float64)
+    v[0, :, 1] *= 1e5  # one head far past fp16's range, the others ordinary
+    qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+    kept = kb.clone(), vb.clone()
+    out, lse = sage.SageBackend().forward(qb, kb, vb, 0.125)
+    assert lse is None and out.dtype == torch.bfloat16
+    assert torch.equal(kb, kept[0]) and torch.equal(vb, kept[1])
+    ref, _ = attention_ref(qb.double(), kb.double(), vb.double(), 0.125)
+    assert rel_err(out, ref) < 1e-2
+    scale = sage.fp16_safe_scale(vb)  # (B, 1, Hk, 1): 1 for ordinary heads, the least power of two else
+    big = vb[0, :, 1].abs().max().float() / scale[0, 0, 1]
+    assert scale[1].eq(1).all() and scale[0, 0, 0].item() == 1 and 2.0 ** 8 < big <= 2.0 ** 9
