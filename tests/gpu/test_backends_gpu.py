@@ -85,7 +85,9 @@ def _ulysses_errors(backend, q, k, v, dout, dtype, n, ref):
         if backend.caps.supports_backward:
             for acc, g in zip(grads, backend.backward(doc[:, :, a:b].contiguous(), *part, out, lse, scale)):
                 acc.append(g)
-    errors = {"out": rel_err(torch.cat(outs, 2), ref[0]), "lse": rel_err(torch.cat(lses, 2), ref[1])}
+    errors = {"out": rel_err(torch.cat(outs, 2), ref[0])}
+    if backend.caps.returns_lse:
+        errors["lse"] = rel_err(torch.cat(lses, 2), ref[1])
     if backend.caps.supports_backward:  # K/V heads read by several ranks sum their gradients
         dq = torch.cat(grads[0], 2)
         dk, dv = (torch.zeros(k.shape, dtype=torch.float64, device=k.device) for _ in range(2))
@@ -220,14 +222,34 @@ def test_forward_stack_equals_one_call_per_block(name, batch):
         assert rel_err(outs[i], out) < 4e-3 and rel_err(lses[i], lse) < 1e-5
 
 
-def test_sage_forward_only_and_accuracy():
-    backend = get_backend("sage")
-    if not backend.available():
-        pytest.skip("sageattention not installed")
-    q, k, v, _ = _inputs(1, 4608, 24, 24, 128)
-    ref, _ = attention_ref(q, k, v, 128 ** -0.5)
+@pytest.mark.parametrize("shape", [(1, 4608, 24, 24, 128), (2, 777, 8, 2, 128), (1, 2000, 8, 8, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_sage_whole_and_under_ulysses(shape):
+    """SageAttention (INT8 Q.K: about 1e-2 to 3e-2 of error by its authors' measurements, so 5e-2
+    on the whole sequence) at world size 1 and under Ulysses head splits (N = 2, 4, 8, GQA 8:2
+    included), where each split may be at most 2x the whole-sequence error; the caller's K and V
+    come back untouched (sageattn's own smoothing would subtract the mean key in place)."""
+    backend = _backend("sage")
+    q, k, v, dout = _inputs(*shape)
+    ref, _ = attention_ref(q, k, v, shape[-1] ** -0.5)
     qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
-    out = usp_attention(qb, kb, vb, backend="sage")
-    assert rel_err(out, ref) < 5e-2  # INT8 Q.K: a few e-2 at most by its authors' measurements
+    kept = kb.clone(), vb.clone()
+    whole = rel_err(usp_attention(qb, kb, vb, backend="sage"), ref)
+    assert whole < 5e-2
+    assert torch.equal(kb, kept[0]) and torch.equal(vb, kept[1])
+    for n in (2, 4, 8):
+        split = _ulysses_errors(backend, q, k, v, dout, torch.bfloat16, n, (ref,))
+        assert split["out"] <= 2 * whole + 1e-5, (n, split, whole)
     with pytest.raises(NotImplementedError, match="no backward"):
         usp_attention(qb.requires_grad_(), kb, vb, backend="sage")
+
+
+def test_sage_large_values_stay_finite():
+    """V past fp16's range in bf16 (sage casts V to fp16 and sums P.V in fp16 blocks of 64 keys):
+    the adapter's power-of-two rescaling keeps the output finite and as accurate as for ordinary V."""
+    backend = _backend("sage")
+    q, k, v, _ = _inputs(1, 4608, 24, 24, 128, seed=1)
+    v[:, :, :6] *= 3e4  # 6 of 24 heads: up to ~1.4e5, inf in fp16
+    ref, _ = attention_ref(q, k, v, 128 ** -0.5)
+    out = backend.forward(*(t.to(torch.bfloat16) for t in (q, k, v)), 128 ** -0.5)[0]
+    assert torch.isfinite(out).all() and rel_err(out, ref) < 5e-2
