@@ -13,6 +13,9 @@ interleaved, in one run):
   (N virtual ranks, N x N blocks merged by LSE) against one whole-sequence call of the same
   backend: t_whole / t_blocks.
 - ring_graphs: the same, every variant replayed from a CUDA graph (GPU-side cost only).
+- calls: forward of one rank's queries (S/N, N = 1, 2, 4, 8) against all keys for each candidate
+  of ``backend="auto"``, side by side: the fastest kernel per call size (inference).
+- sage: the SageAttention adapter against ``sageattn`` called directly (what its fixes cost).
 - splits: FlashAttention 3's split-KV forward at the whole shapes and at one rank's share of the
   queries against all keys (what the "allgather" schedule calls, N = 2, 4, 8): 1-4 splits forced
   against the kernel's own choice (``num_splits=0``, what the adapter passes), side by side.
@@ -114,16 +117,17 @@ def suite_world1(shapes: list[str]) -> list[dict]:
 
 
 CUDA_BACKENDS = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_4", "flash_attn_3", "flash_attn_2",
-                 "flashinfer")
+                 "flashinfer", "sage")
+SLOW_AT_WAN = ("sdpa_flash", "sdpa_efficient", "flash_attn_2")  # 1.6-3x cuDNN's 0.2 s a call: left out at Wan
 
 
-def suite_backends(shapes: list[str]) -> list[dict]:
+def suite_backends(shapes: list[str], names: tuple[str, ...] = CUDA_BACKENDS) -> list[dict]:
     rows = []
     for shape in shapes:
         s, h, d = SHAPES[shape]
         flops = 4 * s * s * h * d
-        for name in CUDA_BACKENDS:
-            if shape == "wan" and name not in ("sdpa_cudnn", "flash_attn_4"):
+        for name in names:
+            if shape == "wan" and name in SLOW_AT_WAN:
                 continue
             backend = get_backend(name)
             if not backend.available():  # an optional package this machine lacks
@@ -230,12 +234,62 @@ def suite_splits(shapes: list[str]) -> list[dict]:
     return rows
 
 
+CALL_BACKENDS = ("sdpa_cudnn", "flash_attn_4", "flash_attn_3", "flashinfer")  # the candidates of "auto" on an H200
+
+
+def suite_calls(shapes: list[str]) -> list[dict]:
+    """Forward of one rank's queries (S / N) against all S keys, N = 1, 2, 4, 8 (the call the
+    "allgather" ring schedule and Ulysses' 1/N of the heads make, in flops), every installed
+    candidate of "auto" side by side: which kernel is fastest at which call size, for inference."""
+    names = [n for n in CALL_BACKENDS if get_backend(n).available()]
+    rows = []
+    for shape in shapes:
+        q, k, v = make_qkv(shape)
+        scale = SHAPES[shape][2] ** -0.5
+        for n in (1, 2, 4, 8):
+            qn = q[:, : q.shape[1] // n]
+            fns = {name: (lambda b=get_backend(name): b.forward(qn, k, v, scale)) for name in names}
+            with torch.inference_mode():
+                t = side_by_side(fns, iters_for(shape) * n, repeats=5)
+            flops = 4 * qn.shape[1] * k.shape[1] * SHAPES[shape][1] * SHAPES[shape][2]
+            best = min(t, key=t.get)
+            rows.append({"suite": "calls", "shape": shape, "ranks": n, "seq_q": qn.shape[1], "flops": flops, **t,
+                         "fastest": best})
+            print(f"| {shape} | {n} | {flops:.2e} | " + " | ".join(f"{t[name]:.3f}" for name in names)
+                  + f" | {best} |", flush=True)
+    return rows
+
+
+def suite_sage(shapes: list[str]) -> list[dict]:
+    """What the SageAttention adapter adds to ``sageattn`` itself (a copy of K smoothed instead of
+    the caller's K in place, V rescaled into fp16's range and the output back), side by side."""
+    backend = get_backend("sage")
+    if not backend.available():
+        print("sageattention is not installed: sage suite skipped", flush=True)
+        return []
+    from sageattention import sageattn
+
+    rows = []
+    for shape in shapes:
+        q, k, v = make_qkv(shape)
+        k_scratch = k.clone()  # sageattn subtracts the mean key from it in place, every call
+        scale = SHAPES[shape][2] ** -0.5
+        fns = {"sageattn": lambda: sageattn(q, k_scratch, v, tensor_layout="NHD", sm_scale=scale),
+               "adapter": lambda: backend.forward(q, k, v, scale)}
+        with torch.inference_mode():
+            t = side_by_side(fns, iters_for(shape), repeats=5)
+        rows.append({"suite": "sage", "shape": shape, **t, "ratio": t["adapter"] / t["sageattn"]})
+        print(f"| {shape} | {t['sageattn']:.3f} | {t['adapter']:.3f} | {t['adapter'] / t['sageattn']:.3f} |", flush=True)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="all", choices=["all", "world1", "backends", "ring", "ring_graphs", "splits"])
+    p.add_argument("--suite", default="all", choices=["all", "world1", "backends", "ring", "ring_graphs", "splits", "calls", "sage"])
     p.add_argument("--shapes", default="flux,cogvideox,mochi,wan")
     p.add_argument("--out", default=None, help="write all rows as JSON here")
     p.add_argument("--backend", default="sdpa_cudnn", help="kernel of the ring suites")
+    p.add_argument("--backends", default=",".join(CUDA_BACKENDS), help="kernels of the backends suite")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -248,7 +302,7 @@ def main() -> int:
         rows += suite_world1(shapes)
     if args.suite in ("all", "backends"):
         print("\n| shape | backend | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s |\n|---|---|---|---|---|---|")
-        rows += suite_backends(shapes)
+        rows += suite_backends(shapes, tuple(args.backends.split(",")))
     if args.suite in ("all", "ring"):
         print(RING_HEADER)
         rows += suite_ring([s for s in shapes if s != "wan"], args.backend)
@@ -259,6 +313,14 @@ def main() -> int:
         print("\n| shape | N | seq_q | s=1 ms | s=2 ms | s=3 ms | s=4 ms | kernel's choice ms |"
               "\n|---|---|---|---|---|---|---|---|")
         rows += suite_splits([s for s in shapes if s != "wan"])
+    if args.suite in ("all", "calls"):
+        names = [n for n in CALL_BACKENDS if get_backend(n).available()]
+        print("\n| shape | N | flops per call | " + " | ".join(f"{n} ms" for n in names) + " | fastest |\n"
+              + "|---" * (4 + len(names)) + "|")
+        rows += suite_calls(shapes)
+    if args.suite in ("all", "sage"):
+        print("\n| shape | sageattn ms | adapter ms | ratio |\n|---|---|---|---|")
+        rows += suite_sage(shapes)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
