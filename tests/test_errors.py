@@ -206,7 +206,7 @@ class _BigCallsOnly(_ForwardOnly):
 
 def test_auto_passes_over_a_backend_for_calls_below_its_min_flops(monkeypatch):
     monkeypatch.setitem(kbase._REGISTRY, _BigCallsOnly.name, _BigCallsOnly())
-    monkeypatch.setitem(kbase._AUTO_ORDER, "cpu", (_BigCallsOnly.name, "sdpa_cpu", "reference"))
+    monkeypatch.setitem(kbase._AUTO_ORDER, "cpu", tuple(map(kbase.AutoRule, (_BigCallsOnly.name, "sdpa_cpu", "reference"))))
     monkeypatch.setattr(kbase, "_SELECTED", {})
     small = _qkv(s=8, h=2, hk=2, d=16)  # 4 * 8 * 8 * 2 * 16 = 8e3 flops
     big = _qkv(s=128, h=4, hk=4, d=16)  # 4 * 128 * 128 * 4 * 16 = 4.2e6 flops
@@ -220,7 +220,8 @@ def test_auto_passes_over_a_backend_for_calls_below_its_min_flops(monkeypatch):
 
 
 def test_call_flops_estimate_follows_the_grid():
-    """Ulysses: all keys, heads / U; stream ring: one block; gather ring: the remote blocks in one call."""
+    """Ulysses: all keys, heads / U; stream ring: one block; gather ring: the remote blocks in one
+    call; allgather: all keys; in training a ring counts its backward's one-block calls."""
     from usp_dit.usp import _call_flops
 
     q, k, _ = _qkv(s=100, h=8, hk=8, d=16)  # a 100-token shard
@@ -231,6 +232,9 @@ def test_call_flops_estimate_follows_the_grid():
     assert _call_flops(q, k, None, mesh(1, 4, "stream")) == 4 * 100 * 100 * 8 * 16
     assert _call_flops(q, k, None, mesh(1, 4, "gather")) == 4 * 100 * 300 * 8 * 16
     assert _call_flops(q, k, None, mesh(1, 4, "allgather")) == 4 * 100 * 400 * 8 * 16
+    # training: the ring's backward streams one block per call, whatever the forward schedule
+    assert _call_flops(q, k, None, mesh(1, 4, "allgather"), needs_grad=True) == 4 * 100 * 100 * 8 * 16
+    assert _call_flops(q, k, None, mesh(4, 1), needs_grad=True) == 4 * 400 * 400 * 2 * 16
 
 
 def test_kernels_report_lists_every_backend_and_the_auto_pick(capsys):
@@ -245,3 +249,30 @@ def test_kernels_report_lists_every_backend_and_the_auto_pick(capsys):
     assert "auto, inference: sdpa_cpu" in out and "auto, training:  sdpa_cpu" in out
     if not get_backend("flashinfer").available():
         assert "pip install flashinfer-python" in out
+
+
+def test_auto_table_on_an_h200_with_every_kernel(monkeypatch):
+    """The measured CUDA table (``kbase._AUTO_ORDER``), as if FA3, FA4, FlashInfer and cuDNN were
+    all installed: FA4 for training and head_dim 64 inference where calls are big enough for its
+    per-call cost, FA3 otherwise; without FA3, FA4 then FlashInfer (inference) then cuDNN."""
+    from usp_dit.kernels import get_backend
+
+    have = {"flash_attn_3", "flash_attn_4", "flashinfer", "sdpa_cudnn"}
+    for name in ("flash_attn_3", "flash_attn_4", "flashinfer", "sdpa_cudnn", "flash_attn_2", "sdpa_flash", "sdpa_efficient"):
+        monkeypatch.setattr(get_backend(name), "available", lambda name=name: name in have)
+    monkeypatch.setattr(kbase, "_SELECTED", {})
+    pick = lambda head_dim, grad, flops: select_backend("auto", "cuda", torch.bfloat16, head_dim, grad, flops).name  # noqa: E731
+    big, small = 1e12, 1e10  # FA4's min_call_flops is 1.5e11
+    assert (pick(128, True, big), pick(128, True, small)) == ("flash_attn_4", "flash_attn_3")
+    assert (pick(128, False, big), pick(128, False, small)) == ("flash_attn_3", "flash_attn_3")
+    assert (pick(64, False, big), pick(64, False, small)) == ("flash_attn_4", "flash_attn_3")
+    have.discard("flash_attn_3")
+    monkeypatch.setattr(kbase, "_SELECTED", {})
+    assert (pick(128, False, big), pick(128, False, small)) == ("flash_attn_4", "flashinfer")
+    assert (pick(128, True, big), pick(128, True, small)) == ("flash_attn_4", "sdpa_cudnn")
+
+
+def test_auto_rules_name_training_and_head_dims():
+    rule = kbase.AutoRule("x", training=False, max_head_dim=64)
+    assert rule.applies(64, False) and not rule.applies(128, False) and not rule.applies(64, True)
+    assert kbase.AutoRule("x").applies(256, True)

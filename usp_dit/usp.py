@@ -109,9 +109,11 @@ def _rows(lse: torch.Tensor | None, start: int, stop: int | None) -> torch.Tenso
     return None if lse is None else lse[:, start:stop]
 
 
-def _call_flops(q, k, joint, mesh: USPMesh) -> float:
+def _call_flops(q, k, joint, mesh: USPMesh, needs_grad: bool = False) -> float:
     """Estimated flops of this rank's main kernel call (4 * B * Sq * Sk * heads * D), for "auto"
-    to weigh against a kernel's per-call CPU cost. Assumes even shards; only speed depends on it."""
+    to weigh against a kernel's per-call CPU cost. Assumes even shards; only speed depends on it.
+    In training a ring's backward (about 2.5x its forward) streams one K/V block per call, whatever
+    the forward schedule, so those calls are the ones that count."""
     b, s_local, h, d = q.shape
     u, r = mesh.ulysses_degree, mesh.ring_degree
     s = s_local * mesh.sequence_degree
@@ -119,6 +121,8 @@ def _call_flops(q, k, joint, mesh: USPMesh) -> float:
     joint_len = joint[1].shape[1] if joint is not None else 0
     if r == 1:
         k_len = s + joint_len
+    elif needs_grad:
+        k_len = max(1, s // r)
     else:
         block = max(1, s // r)
         schedule = choose_schedule(mesh.ring_schedule, (block,) * r, heads, kv_heads)
@@ -227,7 +231,7 @@ def usp_attention(
     tensors = (q, k, v) + (joint or ())
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     # Only "auto" weighs the call size; a named backend skips the estimate (every call pays it).
-    flops = _call_flops(q, k, joint, mesh) if backend == "auto" and not torch.compiler.is_compiling() else None
+    flops = _call_flops(q, k, joint, mesh, needs_grad) if backend == "auto" and not torch.compiler.is_compiling() else None
     kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad, flops)
     _check_lse(kernel, return_lse, mesh)
     if mesh.sequence_degree == 1:

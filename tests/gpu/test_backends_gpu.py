@@ -128,15 +128,19 @@ def test_world_size_one_is_the_kernel(name):
 
 
 def test_auto_picks_the_fastest_installed_for_bf16():
-    """The measured order in ``base._AUTO_ORDER``: FlashAttention 3 (Hopper), then FlashAttention 4,
-    then (forward only) FlashInfer, then cuDNN; FlashInfer is passed over when gradients are needed."""
+    """The measured table in ``base._AUTO_ORDER`` with the kernels this machine has, for calls big
+    enough for every kernel: training FA4, then FA3; inference FA3 at head_dim 128 and FA4 at 64,
+    then the other, then (forward only) FlashInfer; cuDNN where none of them is installed."""
     from usp_dit.kernels import select_backend
 
     have = {name: get_backend(name).available() for name in ("flash_attn_3", "flash_attn_4", "flashinfer")}
-    training = next((n for n in ("flash_attn_3", "flash_attn_4") if have[n]), "sdpa_cudnn")
-    inference = next((n for n in ("flash_attn_3", "flash_attn_4", "flashinfer") if have[n]), "sdpa_cudnn")
-    assert select_backend("auto", "cuda", torch.bfloat16, 128, True).name == training
-    assert select_backend("auto", "cuda", torch.bfloat16, 128, False).name == inference
+    first = lambda *names: next((n for n in names if have[n]), "sdpa_cudnn")  # noqa: E731
+    pick = lambda head_dim, grad: select_backend("auto", "cuda", torch.bfloat16, head_dim, grad, 1e13).name  # noqa: E731
+    assert pick(128, True) == first("flash_attn_4", "flash_attn_3")
+    assert pick(128, False) == first("flash_attn_3", "flash_attn_4", "flashinfer")
+    assert pick(64, False) == first("flash_attn_4", "flash_attn_3", "flashinfer")
+    if have["flash_attn_3"]:  # a call too small for FA4's per-call cost
+        assert select_backend("auto", "cuda", torch.bfloat16, 128, True, 1e10).name == "flash_attn_3"
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 4])

@@ -130,24 +130,53 @@ def reduce_kv(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 _REGISTRY: dict[str, AttentionBackend] = {}
 _log = logging.getLogger("usp_dit")
 
-# Preference order for backend="auto", fastest first, per device type; a backend that cannot run
-# the case (no backward where gradients are needed, a call too small for its per-call cost, a
-# kernel for another GPU generation) is passed over. Measured on one NVIDIA H200 (torch 2.11,
-# cu130) at the shapes of shared/shapes.md, TF/s at Flux / CogVideoX / Mochi (docs/PERFORMANCE.md).
-# Side by side on 2026-12-02 (run 2), forward: FlashAttention 3 (Hopper only; xformers 0.0.34's
-# build) 646 / 532 / 699, FlashInfer 0.6.18 (forward only) 664 / 500 / 673, cuDNN 603 / 414 / 560,
-# flash-attn 2.8.3 365 / 318 / 385, SDPA flash 330 / 317 / 361, mem-efficient 166 / 137 / 181;
-# forward+backward: FA3 558 / 525 / 615, cuDNN 509 / 418 / 546, flash-attn 2 305 / 311 / 350.
-# FlashAttention 4 (flash-attn-4 4.0.0b36; Hopper and Blackwell) was measured in an earlier run
-# only, 639 / 539 / 679 forward (cuDNN 599 / 414 / 574 beside it): FA3 goes first where it runs
-# (as fast or faster at 2 of 3 shapes, and a C++ op without FA4's ~0.15 ms of Python per call),
-# then FA4 for the calls it takes (>= 1.5e11 flops), then FlashInfer (beat or tied cuDNN in 23 of
-# 27 eager ring cases, lost the 4 "gather" ones: one call per block where cuDNN folds them).
-# On CPU the fused flash kernel of PyTorch beats the reference by avoiding the S x S score matrix.
-_AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("flash_attn_3", "flash_attn_4", "flashinfer", "sdpa_cudnn", "flash_attn_2", "sdpa_flash", "sdpa_efficient",
-             "reference"),
-    "cpu": ("sdpa_cpu", "reference"),
+@dataclass(frozen=True)
+class AutoRule:
+    """One row of the preference table of ``backend="auto"``: try ``backend`` for the cases the row
+    names (``training``: True only where gradients are needed, False only for inference, None both;
+    ``max_head_dim``: only up to that head_dim)."""
+
+    backend: str
+    training: bool | None = None
+    max_head_dim: int | None = None
+
+    def applies(self, head_dim: int, needs_grad: bool) -> bool:
+        return ((self.training is None or self.training == needs_grad)
+                and (self.max_head_dim is None or head_dim <= self.max_head_dim))
+
+
+# The preference table of backend="auto", per device type: the first row that applies whose backend
+# is installed and can run the case (dtype, head_dim, a backward where gradients are needed, a call
+# big enough for its per-call cost: BackendCaps.min_call_flops) wins.
+# Measured on one NVIDIA H200 (torch 2.11, cu130), all kernels side by side in one run on
+# 2026-12-03 (docs/PERFORMANCE.md, "All kernels side by side"), TF/s at Flux / CogVideoX / Mochi /
+# Wan (head_dim 128 / 64 / 128 / 128):
+# - forward+backward: FlashAttention 4 (flash-attn-4 4.0.0b36) 555 / 524 / 625 / 622, FlashAttention
+#   3 (xformers 0.0.34's build) 548 / 513 / 615 / 598, cuDNN 501 / 410 / 526 / 532, flash-attn 2
+#   303 / 306 / 344: FA4 first for training, for calls of >= 1.5e11 flops (below, its ~0.15 ms of
+#   Python per call loses: Flux forward at N = 8 ranks 0.148 ms against FA3's 0.059), then FA3;
+# - forward: FA3 627 / 515 / 669 / 661, FA4 617 / 533 / 654 / 653, FlashInfer (forward only)
+#   649 / 494 / 644 / 659, cuDNN 586 / 409 / 562 / 557, Sage 287 / 381 / 437 / 446. FA3 first,
+#   except at head_dim 64 where FA4 led at every CogVideoX call size (one rank's queries against all
+#   keys, N = 1, 2, 4, 8: 7.13 vs 7.50 ms ... 1.016 vs 1.043). At Flux FA3, FA4 and FlashInfer
+#   are within their spread (whole call 0.417 / 0.418 / 0.445 ms in 5 interleaved rounds, 0.42 /
+#   0.42 / 0.40 in 3); FlashInfer compiles each (dtype, head_dim) on first use, so it follows both.
+# Sage (INT8, approximate) is never taken. On CPU the fused flash kernel of PyTorch beats the
+# reference by avoiding the S x S score matrix.
+_AUTO_ORDER: dict[str, tuple[AutoRule, ...]] = {
+    "cuda": (
+        AutoRule("flash_attn_4", training=True),
+        AutoRule("flash_attn_4", training=False, max_head_dim=64),
+        AutoRule("flash_attn_3"),
+        AutoRule("flash_attn_4"),
+        AutoRule("flashinfer"),
+        AutoRule("sdpa_cudnn"),
+        AutoRule("flash_attn_2"),
+        AutoRule("sdpa_flash"),
+        AutoRule("sdpa_efficient"),
+        AutoRule("reference"),
+    ),
+    "cpu": (AutoRule("sdpa_cpu"), AutoRule("reference")),
 }
 
 
@@ -231,9 +260,9 @@ def _fits_auto(backend: AttentionBackend | None, device, dtype, head_dim, needs_
 
 def _select(name: str, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, call_flops=None) -> AttentionBackend:
     if name == "auto":
-        for candidate in _AUTO_ORDER.get(device, ("reference",)):
-            backend = _REGISTRY.get(candidate)
-            if _fits_auto(backend, device, dtype, head_dim, needs_grad, call_flops):
+        for rule in _AUTO_ORDER.get(device, (AutoRule("reference"),)):
+            backend = _REGISTRY.get(rule.backend)
+            if rule.applies(head_dim, needs_grad) and _fits_auto(backend, device, dtype, head_dim, needs_grad, call_flops):
                 return backend
         raise NotImplementedError(f"no registered backend runs device={device!r}, dtype={dtype}, head_dim={head_dim}")
     backend = get_backend(name)
