@@ -303,7 +303,8 @@ def _sage_large_values(backend, sageattn) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="all", choices=["all", "world1", "backends", "ring", "ring_graphs", "splits", "calls", "sage"])
+    p.add_argument("--suite", default="all",
+                   choices=["all", "world1", "backends", "ring", "ring_graphs", "splits", "calls", "sage"])
     p.add_argument("--shapes", default="flux,cogvideox,mochi,wan")
     p.add_argument("--out", default=None, help="write all rows as JSON here")
     p.add_argument("--backend", default="sdpa_cudnn", help="kernel of the ring suites")

@@ -130,6 +130,7 @@ def reduce_kv(dx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 _REGISTRY: dict[str, AttentionBackend] = {}
 _log = logging.getLogger("usp_dit")
 
+
 @dataclass(frozen=True)
 class AutoRule:
     """One row of the preference table of ``backend="auto"``: try ``backend`` for the cases the row
