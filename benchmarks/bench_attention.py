@@ -237,11 +237,10 @@ def suite_splits(shapes: list[str]) -> list[dict]:
 CALL_BACKENDS = ("sdpa_cudnn", "flash_attn_4", "flash_attn_3", "flashinfer")  # the candidates of "auto" on an H200
 
 
-def suite_calls(shapes: list[str]) -> list[dict]:
+def suite_calls(shapes: list[str], names: list[str]) -> list[dict]:
     """Forward of one rank's queries (S / N) against all S keys, N = 1, 2, 4, 8 (the call the
-    "allgather" ring schedule and Ulysses' 1/N of the heads make, in flops), every installed
-    candidate of "auto" side by side: which kernel is fastest at which call size, for inference."""
-    names = [n for n in CALL_BACKENDS if get_backend(n).available()]
+    "allgather" ring schedule and Ulysses' 1/N of the heads make, in flops), the installed
+    candidates of "auto" (``names``) side by side: which kernel is fastest at which call size."""
     rows = []
     for shape in shapes:
         q, k, v = make_qkv(shape)
@@ -336,7 +335,7 @@ def main() -> int:
         names = [n for n in CALL_BACKENDS if get_backend(n).available()]
         print("\n| shape | N | flops per call | " + " | ".join(f"{n} ms" for n in names) + " | fastest |\n"
               + "|---" * (4 + len(names)) + "|")
-        rows += suite_calls(shapes)
+        rows += suite_calls(shapes, names)
     if args.suite in ("all", "sage"):
         print("\n| shape | sageattn ms | adapter ms | ratio |\n|---|---|---|---|")
         rows += suite_sage(shapes)
