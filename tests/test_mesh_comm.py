@@ -182,7 +182,8 @@ def test_shard_gather_round_trip_bitwise(results):
 
 def test_seq_len_mismatch_raises(results):
     for r in results:
-        assert "seq_len=20" in r["seq_len_mismatch"] and "q holds 3" in r["seq_len_mismatch"]
+        msg = r["seq_len_mismatch"]
+        assert "seq_len=20" in msg and all(f"rank {i} holds 3 (expected 5)" in msg for i in range(4)), msg
 
 
 def test_compiled_model_on_grid_matches_eager(results):

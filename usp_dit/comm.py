@@ -124,7 +124,8 @@ def all_to_all_heads_to_seq(y: torch.Tensor, plan: A2APlan) -> torch.Tensor:
 def gather_uneven(x: torch.Tensor, sizes: list[int], dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """All-gather pieces of different lengths along ``dim`` (no autograd).
 
-    Pieces are padded to the longest, gathered in one collective and trimmed.
+    Pieces are padded to the longest, gathered in one collective and trimmed; the result is
+    contiguous.
     """
     longest = max(sizes)
     x0 = x.movedim(dim, 0)
@@ -132,8 +133,10 @@ def gather_uneven(x: torch.Tensor, sizes: list[int], dim: int, group: dist.Proce
         pad = x0.new_zeros((longest - x0.shape[0], *x0.shape[1:]))
         x0 = torch.cat([x0, pad])
     full = funcol.wait_tensor(_all_gather(x0.contiguous(), 0, group))
-    pieces = [p[:n] for p, n in zip(full.split(longest), sizes)]
-    return torch.cat(pieces).movedim(0, dim)
+    # Each piece moved back before the one copy into the result, which is so laid out like x
+    # (contiguous: a gathered model output reshapes like the stock one).
+    pieces = [p[:n].movedim(0, dim) for p, n in zip(full.split(longest), sizes)]
+    return torch.cat(pieces, dim=dim)
 
 
 class _GatherUneven(torch.autograd.Function):
@@ -183,12 +186,6 @@ def all_gather_uneven(x: torch.Tensor, sizes: list[int], dim: int, group: dist.P
     if group is None:
         return x
     return _GatherUneven.apply(x, list(sizes), dim, group)
-
-
-def all_gather_sizes(n: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
-    """Every rank's ``n`` (e.g. its shard length), in rank order."""
-    t = torch.tensor([n], dtype=torch.int64, device=device)
-    return funcol.wait_tensor(_all_gather(t, 0, group)).tolist()
 
 
 class RingExchanger:

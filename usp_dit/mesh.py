@@ -125,6 +125,14 @@ class USPMesh:
             raise ValueError("ring_degree is 1: there is no ring")
         return RingExchanger(self.ring_group)
 
+    def __deepcopy__(self, memo: dict) -> USPMesh:
+        # A mesh is a handle on process groups, which cannot be copied: a deep copy of an enabled
+        # model (an EMA copy in fine-tuning) shares its original's mesh.
+        return self
+
+    def __copy__(self) -> USPMesh:
+        return self
+
     def __repr__(self) -> str:
         c = self.config
         return (
@@ -163,6 +171,9 @@ def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1,
     ``ring_schedule`` ("auto", "stream", "gather" or "allgather") is how the ring's forward moves
     K/V blocks (Note [ring schedule] in ``usp_dit.ring``).
 
+    The same degrees give the same mesh and process groups again (Note [one mesh per grid]), so
+    calling it, or ``enable_usp``, in a loop opens no new groups.
+
     Raises:
         ValueError: a degree is not a positive int, the degrees do not fit the world size, or
             ``ring_schedule`` is not one of ``usp_dit.config.RING_SCHEDULES``.
@@ -174,19 +185,60 @@ def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1,
         mesh = USPMesh(config, dp_degree=1, device_type="cuda" if torch.cuda.is_available() else "cpu")
     else:
         _ensure_process_group()
-        world = dist.get_world_size()
-        dp = config.data_parallel_degree(world)
-        device_type = _device_type()
-        shape = (dp, cfg_degree, ring_degree, ulysses_degree)
-        device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=_AXES)
-        seq_mesh = init_device_mesh(
-            device_type, (dp, cfg_degree, config.sequence_degree), mesh_dim_names=("dp", "cfg", "seq")
-        )
-        _inherit_timeout((device_mesh, _AXES), (seq_mesh, ("dp", "cfg", "seq")))
-        mesh = USPMesh(config, dp, device_type, register_device_mesh(device_mesh), register_device_mesh(seq_mesh))
-        _GROUP_HOLDERS.add(mesh)
+        mesh = _mesh_of(config)
     set_default_mesh(mesh)
     return mesh
+
+
+# Note [one mesh per grid]
+#     Every DeviceMesh built opens new process groups: for gloo about 5 groups, 15 threads and 20
+#     file descriptors per rank, which nothing frees until the process ends. A job that enables
+#     and disables USP in a loop (a sweep over grids, a test harness) would run out of file
+#     descriptors after a few hundred cycles. So init_usp keeps the meshes it built, one per grid
+#     shape, and hands out the same groups for the same shape again. Meshes that differ only in
+#     ring_schedule share their groups (the schedule is not a property of the groups). The cache
+#     is dropped when the default group it was built on is destroyed, and by release_groups.
+_MESHES: dict[tuple, USPMesh] = {}
+
+
+def _groups_alive(mesh: USPMesh) -> bool:
+    """True while every process group of ``mesh`` is still registered with torch.distributed."""
+    if mesh.released or mesh.device_mesh is None:
+        return False
+    registered = dist.distributed_c10d._world.pg_map
+    groups = [mesh.device_mesh.get_group(a) for a in _AXES] + [mesh.seq_mesh.get_group(a) for a in ("dp", "cfg", "seq")]
+    return all(g in registered for g in groups)
+
+
+def _mesh_of(config: USPConfig) -> USPMesh:
+    """The mesh of ``config`` over the default group: the cached one (Note [one mesh per grid]),
+    one sharing the groups of a cached mesh of the same shape, or a new one."""
+    world, device_type = dist.get_world_size(), _device_type()
+    dp = config.data_parallel_degree(world)
+    shape = (dp, config.cfg_degree, config.ring_degree, config.ulysses_degree, device_type)
+    for key in [k for k, m in _MESHES.items() if not _groups_alive(m)]:
+        del _MESHES[key]
+    if (shape, config) in _MESHES:
+        return _MESHES[(shape, config)]
+    same_shape = next((m for (s, _), m in _MESHES.items() if s == shape), None)
+    if same_shape is not None:
+        mesh = USPMesh(config, dp, device_type, same_shape.device_mesh, same_shape.seq_mesh)
+    else:
+        mesh = _build_mesh(config, dp, device_type)
+    _GROUP_HOLDERS.add(mesh)
+    _MESHES[(shape, config)] = mesh
+    return mesh
+
+
+def _build_mesh(config: USPConfig, dp: int, device_type: str) -> USPMesh:
+    """A new USPMesh with its own process groups."""
+    shape = (dp, config.cfg_degree, config.ring_degree, config.ulysses_degree)
+    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=_AXES)
+    seq_mesh = init_device_mesh(
+        device_type, (dp, config.cfg_degree, config.sequence_degree), mesh_dim_names=("dp", "cfg", "seq")
+    )
+    _inherit_timeout((device_mesh, _AXES), (seq_mesh, ("dp", "cfg", "seq")))
+    return USPMesh(config, dp, device_type, register_device_mesh(device_mesh), register_device_mesh(seq_mesh))
 
 
 def _inherit_timeout(*meshes: tuple[DeviceMesh, tuple[str, ...]]) -> None:
@@ -238,6 +290,7 @@ def release_groups() -> None:
     ``RuntimeError`` if used again.
     """
     set_default_mesh(None)
+    _MESHES.clear()
     for mesh in list(_GROUP_HOLDERS):
         mesh.device_mesh = mesh.seq_mesh = None
         mesh.__dict__.pop("ring_exchanger", None)  # the cached RingExchanger holds the ring group

@@ -13,9 +13,15 @@ the same ``joint_out``.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import NamedTuple
+
 import torch
 
-from usp_dit.comm import all_gather_sizes, all_gather_uneven
+import torch.distributed._functional_collectives as funcol
+
+from usp_dit.comm import gather_uneven, heads_to_seq, seq_to_heads
+from usp_dit.handshake import agree, calls_verified
 from usp_dit.kernels import KernelAttention, select_backend
 from usp_dit.kernels.base import AttentionBackend, backends_with_lse, lse_dtype
 from usp_dit.mesh import USPMesh, resolve_mesh
@@ -69,18 +75,94 @@ def _check_lse(kernel: AttentionBackend, return_lse: bool, mesh: USPMesh) -> Non
     )
 
 
-def _shard_sizes(mesh: USPMesh, local_len: int, seq_len: int | None, device: torch.device) -> list[int]:
-    """Shard length of every rank of the sequence group, in sequence-rank order."""
-    p = mesh.sequence_degree
-    if seq_len is None:
-        return all_gather_sizes(local_len, mesh.seq_group, device)
-    sizes = split_sizes(seq_len, p)
-    if sizes[mesh.seq_rank] != local_len:
-        raise ValueError(
-            f"seq_len={seq_len} over {p} ranks gives rank {mesh.seq_rank} a shard of {sizes[mesh.seq_rank]} "
-            f"tokens, but q holds {local_len}: shard with usp_dit.shard_sequence or omit seq_len"
-        )
+def _call_fields(q, k, joint, mesh: USPMesh, kernel: AttentionBackend, seq_len, needs_grad: bool) -> dict:
+    """What every rank of the sequence group must agree on for one call (Note [call handshake]).
+    "input check" comes first: a rank that refused its inputs sends only that field."""
+    b, _, h, d = q.shape
+    return {
+        "input check": "ok",
+        "dtype": q.dtype, "batch": b, "heads": h, "kv_heads": k.shape[2], "head_dim": d,
+        "joint tokens": None if joint is None else joint[0].shape[1],
+        "seq_len": seq_len, "ring_schedule": mesh.ring_schedule,
+        "degrees (ulysses, ring)": (mesh.ulysses_degree, mesh.ring_degree),
+        "backend returns LSE": kernel.caps.returns_lse, "needs grad": needs_grad,
+    }
+
+
+def _shard_sizes(q, k, joint, mesh: USPMesh, kernel, seq_len: int | None, needs_grad: bool) -> list[int]:
+    """Shard length of every rank of the sequence group, in sequence-rank order, after the ranks
+    agreed on the call (Note [call handshake] in ``usp_dit.handshake``: the handshake is the
+    all-gather of shard lengths, so checking costs no extra collective). Inside
+    ``verified_calls(mesh)`` a call given ``seq_len`` skips it (Note [verified calls]).
+
+    Raises:
+        ValueError: on every rank alike, when ranks disagree on a field or a shard length does not
+            match ``seq_len``.
+    """
+    p, local_len = mesh.sequence_degree, q.shape[1]
+    if seq_len is not None and calls_verified(mesh):
+        sizes = split_sizes(seq_len, p)
+        if sizes[mesh.seq_rank] != local_len:
+            raise ValueError(_seq_len_message(seq_len, sizes, [(mesh.seq_rank, local_len)]))
+        return sizes
+    fields = _call_fields(q, k, joint, mesh, kernel, seq_len, needs_grad)
+    sizes = agree(fields, mesh.seq_group, q.device, varying=local_len, what="a usp_attention call")
+    if seq_len is not None:
+        expected = split_sizes(seq_len, p)
+        wrong = [(i, n) for i, (n, e) in enumerate(zip(sizes, expected)) if n != e]
+        if wrong:
+            raise ValueError(_seq_len_message(seq_len, expected, wrong))
     return sizes
+
+
+def _seq_len_message(seq_len: int, expected: list[int], wrong: list[tuple[int, int]]) -> str:
+    held = ", ".join(f"rank {i} holds {n} (expected {expected[i]})" for i, n in wrong)
+    return (
+        f"seq_len={seq_len} over {len(expected)} ranks gives shards of {expected} tokens, but {held}: "
+        f"shard with usp_dit.shard_sequence or omit seq_len"
+    )
+
+
+class _Call(NamedTuple):
+    """One validated call: joint inputs (``None`` when absent or empty), the empty joint result,
+    the kernel, the softmax scale and whether autograd records it."""
+
+    joint: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    joint_empty: tuple[torch.Tensor, torch.Tensor] | None
+    kernel: AttentionBackend
+    scale: float
+    needs_grad: bool
+
+
+def _prepare(q, k, v, joint_qkv, mesh: USPMesh, scale, backend: str, return_lse: bool) -> _Call:
+    """Validate the inputs and pick the kernel (this rank alone; no communication)."""
+    joint = _joint_tuple(*joint_qkv)
+    _check_inputs(q, k, v, joint)
+    joint_empty = None
+    if joint is not None and joint[0].shape[1] == 0:
+        jq = joint[0]
+        joint, joint_empty = None, (jq, jq.new_zeros(jq.shape[:3], dtype=lse_dtype(q.dtype)))
+    head_dim = q.shape[3]
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    tensors = (q, k, v) + (joint or ())
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    # Only "auto" weighs the call size; a named backend skips the estimate (every call pays it).
+    flops = _call_flops(q, k, joint, mesh, needs_grad) if backend == "auto" and not torch.compiler.is_compiling() else None
+    kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad, flops)
+    _check_lse(kernel, return_lse, mesh)
+    return _Call(joint, joint_empty, kernel, scale, needs_grad)
+
+
+def _share_failure(exc: Exception, q, mesh: USPMesh, seq_len: int | None) -> None:
+    """A call this rank refused still joins its handshake, so that the other ranks raise too
+    instead of waiting for it in a collective (Note [call handshake]); returns for the caller to
+    re-raise ``exc`` here. Nothing to share at one rank or where the handshake is skipped."""
+    if mesh.sequence_degree == 1 or (seq_len is not None and calls_verified(mesh)):
+        return
+    device = q.device if torch.is_tensor(q) else torch.device("cpu")
+    with contextlib.suppress(ValueError):  # the disagreement is expected: raise this rank's own error
+        agree({"input check": f"{type(exc).__name__}: {exc}"}, mesh.seq_group, device, varying=-1,
+              what="a usp_attention call")
 
 
 def _local_attention(q, k, v, kernel: AttentionBackend, scale: float):
@@ -132,10 +214,10 @@ def _call_flops(q, k, joint, mesh: USPMesh, needs_grad: bool = False) -> float:
 
 
 @torch.compiler.disable  # P2P ring transfers are not traceable: compiled models run this part eagerly
-def _sharded(q, k, v, joint, kernel, scale, mesh: USPMesh, seq_len):
+def _sharded(q, k, v, joint, kernel, scale, mesh: USPMesh, seq_len, needs_grad: bool):
     """P > 1: Ulysses all-to-all, ring (or one local call), all-to-all back, joint gathers."""
     u_deg, r_deg, r = mesh.ulysses_degree, mesh.ring_degree, mesh.ring_rank
-    shards = _shard_sizes(mesh, q.shape[1], seq_len, q.device)
+    shards = _shard_sizes(q, k, joint, mesh, kernel, seq_len, needs_grad)
     layout = ulysses_layout(mesh, q.shape[2], k.shape[2], shards[r * u_deg:(r + 1) * u_deg])
     q_blk = scatter_heads(q, layout.q_plan)
     k_blk = layout.local_kv(scatter_heads(k, layout.kv_plan))
@@ -159,19 +241,67 @@ def _sharded(q, k, v, joint, kernel, scale, mesh: USPMesh, seq_len):
         out_ext, lse_ext = _local_attention(q_blk, torch.cat([k_blk, jk], 1), torch.cat([v_blk, jv], 1), kernel, scale)
     else:
         out_ext, lse_ext = _local_attention(q_blk, k_blk, v_blk, kernel, scale)
-    out = gather_heads(out_ext[:, :n_blk], layout.q_plan)
     lse = None if lse_ext is None else gather_heads(lse_ext[:, :n_blk], layout.q_plan)
     if joint is None:
-        return (out, lse), None
-    head_sizes = [hi - lo for lo, hi in layout.heads.q_ranges]
-    joint_res = []
-    for t in (out_ext[:, n_blk:], _rows(lse_ext, n_blk, None)):
-        if t is None:
-            joint_res.append(None)
-            continue
-        t = all_gather_uneven(t, joint_sizes, 1, mesh.ring_group)
-        joint_res.append(all_gather_uneven(t, head_sizes, 2, mesh.ulysses_group))
-    return (out, lse), tuple(joint_res)
+        return (gather_heads(out_ext[:, :n_blk], layout.q_plan), lse), None
+    pieces = JointPieces(joint_sizes, tuple(hi - lo for lo, hi in layout.heads.q_ranges), r, layout.rank)
+    out, joint_out = _GatherBack.apply(out_ext, n_blk, layout.q_plan, pieces, mesh)
+    joint_lse = None
+    if lse_ext is not None:  # not differentiable: a plain gather
+        joint_lse = gather_uneven(lse_ext[:, n_blk:], list(joint_sizes), 1, mesh.ring_group) if r_deg > 1 else lse_ext[:, n_blk:]
+        if u_deg > 1:
+            joint_lse = gather_uneven(joint_lse, list(pieces.head_sizes), 2, mesh.ulysses_group)
+    return (out, lse), (joint_out, joint_lse)
+
+
+class JointPieces(NamedTuple):
+    """Where this rank's joint query rows sit in the gathered joint output: the joint tokens are
+    split over the ring ranks (``token_sizes``) and their heads over the Ulysses ranks."""
+
+    token_sizes: list[int]
+    head_sizes: tuple[int, ...]
+    ring_rank: int
+    ulysses_rank: int
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece (B, j_r, h_u, ...) of a full joint tensor (B, J, H, ...)."""
+        t0, h0 = sum(self.token_sizes[:self.ring_rank]), sum(self.head_sizes[:self.ulysses_rank])
+        return full[:, t0:t0 + self.token_sizes[self.ring_rank], h0:h0 + self.head_sizes[self.ulysses_rank]]
+
+
+class _GatherBack(torch.autograd.Function):
+    """Note [joint gradient]: the outputs of one call back to their owners, as ONE autograd node.
+
+    Forward: ``out_ext`` (B, n_blk + j_r, h_u, D) -> ``out`` (B, S_shard, H, D) by the Ulysses
+    all-to-all, and ``joint_out`` (B, J, H, D), the joint rows gathered over ring and Ulysses ranks.
+
+    ``joint_out`` is replicated, so each rank's backward holds a partial gradient of all of it and
+    the owner of each piece needs their sum: one all-reduce over the sequence group. Were that
+    all-reduce the backward of a separate gather node, it would run only on ranks whose loss
+    reads ``joint_out``, and a loss reading it on some ranks only would leave the others waiting
+    forever. Here it runs whenever either output gets a gradient (a missing one counts as zeros),
+    so every rank that runs the backward at all runs the same collectives in the same order.
+    """
+
+    @staticmethod
+    def forward(ctx, out_ext, n_blk: int, q_plan, pieces: JointPieces, mesh: USPMesh):
+        ctx.n_blk, ctx.q_plan, ctx.pieces, ctx.group = n_blk, q_plan, pieces, mesh.seq_group
+        main = out_ext[:, :n_blk]
+        out = main.contiguous() if q_plan is None else heads_to_seq(main, q_plan)
+        joint = out_ext[:, n_blk:]
+        if mesh.ring_group is not None:
+            joint = gather_uneven(joint, list(pieces.token_sizes), 1, mesh.ring_group)
+        if mesh.ulysses_group is not None:
+            joint = gather_uneven(joint, list(pieces.head_sizes), 2, mesh.ulysses_group)
+        if out.data_ptr() == main.data_ptr():  # batch 1, one Ulysses rank: a view; outputs must be new
+            out = out.clone()
+        return out, joint
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_joint):
+        total = funcol.wait_tensor(funcol.all_reduce(grad_joint.contiguous(), "sum", ctx.group))
+        grad_main = grad_out if ctx.q_plan is None else seq_to_heads(grad_out.contiguous(), ctx.q_plan)
+        return torch.cat([grad_main, ctx.pieces.of(total)], dim=1), None, None, None, None
 
 
 def usp_attention(
@@ -201,7 +331,11 @@ def usp_attention(
         scale: softmax scale, default ``head_dim ** -0.5``.
         backend: "auto" or a name from ``usp_dit.kernels.list_backends()``.
         return_lse: also return the log-sum-exp (batch, seq, heads), float32 (float64 for float64).
-        seq_len: the full sequence length, if known; saves one small all-gather of shard lengths.
+        seq_len: the full sequence length, if known; checked against every rank's shard. Before
+            the first size-dependent transfer the ranks agree on the call (dtype, shapes, joint
+            tokens, seq_len, ring schedule, gradient: Note [call handshake] in
+            ``usp_dit.handshake``) in the all-gather that brings the shard lengths; a model wrapper
+            inside ``verified_calls(mesh)`` that passes ``seq_len`` skips it.
 
     Returns:
         ``out_local`` (like q); with joint tokens ``(out_local, joint_out)``; with ``return_lse``
@@ -214,30 +348,24 @@ def usp_attention(
     backward. The LSE is not differentiable: a gradient reaching it raises NotImplementedError.
 
     Raises:
-        ValueError: inconsistent shapes/dtypes, a mesh that was not initialised, bad seq_len.
+        ValueError: inconsistent shapes/dtypes, a mesh that was not initialised, bad seq_len, or
+            ranks that disagree on the call (raised on every rank of the group, naming each
+            differing field and every rank's value; a rank that refused its own inputs raises its
+            own error and the others name it).
         NotImplementedError: the backend cannot run this case (device, dtype, head_dim, backward).
         RuntimeError: the backend's package is missing (the message has the install line).
     """
     mesh = resolve_mesh(mesh)
-    joint = _joint_tuple(joint_q, joint_k, joint_v)
-    _check_inputs(q, k, v, joint)
-    if joint is not None and joint[0].shape[1] == 0:
-        joint = None
-        joint_empty = (joint_q, joint_q.new_zeros(joint_q.shape[:3], dtype=lse_dtype(q.dtype)))
-    else:
-        joint_empty = None
-    head_dim = q.shape[3]
-    scale = head_dim ** -0.5 if scale is None else float(scale)
-    tensors = (q, k, v) + (joint or ())
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    # Only "auto" weighs the call size; a named backend skips the estimate (every call pays it).
-    flops = _call_flops(q, k, joint, mesh, needs_grad) if backend == "auto" and not torch.compiler.is_compiling() else None
-    kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad, flops)
-    _check_lse(kernel, return_lse, mesh)
+    try:
+        call = _prepare(q, k, v, (joint_q, joint_k, joint_v), mesh, scale, backend, return_lse)
+    except (ValueError, NotImplementedError, RuntimeError) as exc:
+        _share_failure(exc, q, mesh, seq_len)
+        raise
+    joint, joint_empty, kernel, scale, needs_grad = call
     if mesh.sequence_degree == 1:
         main, joint_res = _single_rank(q, k, v, joint, kernel, scale)
     else:
-        main, joint_res = _sharded(q, k, v, joint, kernel, scale, mesh, seq_len)
+        main, joint_res = _sharded(q, k, v, joint, kernel, scale, mesh, seq_len, needs_grad)
     joint_res = joint_res or joint_empty
     if joint_res is None:
         return main if return_lse else main[0]
