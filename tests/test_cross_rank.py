@@ -12,7 +12,8 @@ Two spawned gloo groups, of 2 and 4 ranks, each run every case on every grid tha
   * joint_out read by the loss of some ranks only: the backward completes (no rank waits for
     another in a collective) and every gradient equals the float64 reference gradient of the
     sum of the ranks' losses.
-  * outputs are contiguous: gather_sequence at batch 2, an enabled Flux transformer at batch 2.
+  * outputs are contiguous: gather_sequence at batch 2, an enabled Flux transformer at batch 2;
+    enabled CogVideoX and Mochi return the strides stock returns.
   * process groups have a lifecycle: 50 enable_usp / disable_usp cycles leave the number of open
     file descriptors and gloo threads where the first cycle left them, and equal degrees give the
     same mesh.
@@ -32,6 +33,7 @@ import usp_dit
 from tests.reference import joint_attention_ref
 from usp_dit import gather_sequence, init_usp, shard_sequence, usp_attention
 from usp_dit.pipelines.tiny_flux import flux_inputs, tiny_flux_transformer
+from usp_dit.pipelines.tiny_video import cogvideox_inputs, mochi_inputs, tiny_cogvideox, tiny_mochi
 from usp_dit.testing import _gloo_threads, rel_err, run_spawned_worlds
 
 GRIDS = {2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1), (1, 4)]}
@@ -229,6 +231,23 @@ def _flux_contiguous(world: int) -> dict[str, object]:
             "flux_err": rel_err(out, ref)}
 
 
+def _video_contiguous(world: int) -> dict[str, object]:
+    """CogVideoX and Mochi enabled: the sample is laid out like stock's (contiguous iff stock's is)."""
+    out = {}
+    for name, model, inputs in (
+        ("cogvideox", tiny_cogvideox(), lambda m: cogvideox_inputs(m, frames=3, height=6, width=10)),
+        ("mochi", tiny_mochi(), lambda m: mochi_inputs(m, frames=3, height=6, width=10, valid=[9, 5])),
+    ):
+        kwargs = inputs(model).kwargs()
+        with torch.no_grad():
+            ref = model(**kwargs).sample
+            usp_dit.enable_usp(model, ulysses_degree=2, ring_degree=world // 2)
+            got = model(**kwargs).sample
+            usp_dit.disable_usp(model)
+        out[name] = (got.is_contiguous() == ref.is_contiguous(), got.stride() == ref.stride(), rel_err(got, ref))
+    return out
+
+
 def run_world(world: int) -> dict[str, object]:
     results: dict[str, object] = {}
     for u, r in GRIDS[world]:
@@ -241,6 +260,7 @@ def run_world(world: int) -> dict[str, object]:
             except Exception as exc:  # recorded, asserted by the parent
                 results[f"u{u}r{r}/joint_use/{pattern}"] = f"{type(exc).__name__}: {exc}"
     results.update(_flux_contiguous(world))
+    results["video"] = _video_contiguous(world)
     results.update(_lifecycle(world))
     return results
 
@@ -312,6 +332,14 @@ def test_enabled_flux_output_is_contiguous(results, world):
     for res in results[world]:
         assert res["flux_contiguous"] is True
         assert res["flux_err"] <= 1e-5
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_enabled_video_outputs_are_laid_out_like_stock(results, world):
+    for res in results[world]:
+        for name, (contiguous_alike, strides_alike, err) in res["video"].items():
+            assert contiguous_alike and strides_alike, name
+            assert err <= 1e-5, (name, err)
 
 
 @pytest.mark.parametrize("world", [2, 4])
