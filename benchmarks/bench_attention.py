@@ -36,7 +36,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from usp_dit import usp_attention
 from usp_dit.kernels import KernelAttention, get_backend
-from usp_dit.kernels.blockwise import blockwise_forward
+from usp_dit.kernels.flash3 import fa3_forward
+from usp_dit.testing.blockwise import blockwise_forward
 
 SHAPES = {  # name: (tokens, heads, head_dim)
     "flux": (4096 + 512, 24, 128),
@@ -223,12 +224,10 @@ def suite_splits(shapes: list[str]) -> list[dict]:
             fns = {}
             for forced in (1, 2, 3, 4, 0):
                 def call(forced=forced):
-                    backend.num_splits = forced
-                    backend.forward(qn, k, v, scale)
+                    fa3_forward(qn, k, v, scale, num_splits=forced)
                 fns["kernel's" if forced == 0 else f"s={forced}"] = call
             with torch.inference_mode():
                 t = side_by_side(fns, iters_for(shape) * n, repeats=3)
-            backend.num_splits = 0
             rows.append({"suite": "splits", "shape": shape, "ranks": n, "seq_q": qn.shape[1], **t})
             print(f"| {shape} | {n} | {qn.shape[1]} | " + " | ".join(f"{t[key]:.3f}" for key in fns) + " |", flush=True)
     return rows

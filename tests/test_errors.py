@@ -6,9 +6,9 @@ import torch
 
 import usp_dit
 from usp_dit import init_usp, usp_attention
-from usp_dit.kernels import base as kbase
+from usp_dit.kernels import policy, registry
 from usp_dit.kernels import get_backend, list_backends, select_backend
-from usp_dit.kernels.base import BackendCaps
+from usp_dit.kernels.protocol import BackendCaps
 
 
 def _qkv(s=5, h=4, hk=4, d=16, dtype=torch.float32, grad=False):
@@ -83,7 +83,7 @@ class _Missing(_ForwardOnly):
 
 
 def test_forward_only_backend_under_autograd_raises(monkeypatch):
-    monkeypatch.setitem(kbase._REGISTRY, _ForwardOnly.name, _ForwardOnly())
+    monkeypatch.setitem(registry._REGISTRY, _ForwardOnly.name, _ForwardOnly())
     q, k, v = _qkv()
     out = usp_attention(q, k, v, backend="test_forward_only")  # fine without gradients
     assert out.shape == q.shape
@@ -93,7 +93,7 @@ def test_forward_only_backend_under_autograd_raises(monkeypatch):
 
 
 def test_missing_package_raises_runtime_error_with_install_line(monkeypatch):
-    monkeypatch.setitem(kbase._REGISTRY, _Missing.name, _Missing())
+    monkeypatch.setitem(registry._REGISTRY, _Missing.name, _Missing())
     q, k, v = _qkv()
     with pytest.raises(RuntimeError, match="pip install test-missing-kernel"):
         usp_attention(q, k, v, backend="test_missing")
@@ -125,7 +125,7 @@ class _NoLSE(_ForwardOnly):
 
 
 def test_backend_without_lse_refused_where_lse_is_needed(monkeypatch):
-    monkeypatch.setitem(kbase._REGISTRY, _NoLSE.name, _NoLSE())
+    monkeypatch.setitem(registry._REGISTRY, _NoLSE.name, _NoLSE())
     q, k, v = _qkv()
     torch.testing.assert_close(usp_attention(q, k, v, backend="test_no_lse"), usp_attention(q, k, v, backend="reference"))
     with pytest.raises(NotImplementedError, match="returns no log-sum-exp, which return_lse=True needs"):
@@ -136,7 +136,7 @@ def test_backend_without_lse_refused_where_lse_is_needed(monkeypatch):
 
 
 def test_auto_choice_is_logged_once(caplog):
-    kbase._SELECTED.clear()
+    policy._SELECTED.clear()
     q, k, v = _qkv(d=24)
     with caplog.at_level("INFO", logger="usp_dit"):
         usp_attention(q, k, v)
@@ -205,9 +205,9 @@ class _BigCallsOnly(_ForwardOnly):
 
 
 def test_auto_passes_over_a_backend_for_calls_below_its_min_flops(monkeypatch):
-    monkeypatch.setitem(kbase._REGISTRY, _BigCallsOnly.name, _BigCallsOnly())
-    monkeypatch.setitem(kbase._AUTO_ORDER, "cpu", tuple(map(kbase.AutoRule, (_BigCallsOnly.name, "sdpa_cpu", "reference"))))
-    monkeypatch.setattr(kbase, "_SELECTED", {})
+    monkeypatch.setitem(registry._REGISTRY, _BigCallsOnly.name, _BigCallsOnly())
+    monkeypatch.setitem(policy.AUTO_TABLE, "cpu", tuple(map(policy.AutoRule, (_BigCallsOnly.name, "sdpa_cpu", "reference"))))
+    monkeypatch.setattr(policy, "_SELECTED", {})
     small = _qkv(s=8, h=2, hk=2, d=16)  # 4 * 8 * 8 * 2 * 16 = 8e3 flops
     big = _qkv(s=128, h=4, hk=4, d=16)  # 4 * 128 * 128 * 4 * 16 = 4.2e6 flops
     usp_attention(*small)
@@ -252,7 +252,7 @@ def test_kernels_report_lists_every_backend_and_the_auto_pick(capsys):
 
 
 def test_auto_table_on_an_h200_with_every_kernel(monkeypatch):
-    """The measured CUDA table (``kbase._AUTO_ORDER``), as if FA3, FA4, FlashInfer and cuDNN were
+    """The measured CUDA table (``policy.AUTO_TABLE``), as if FA3, FA4, FlashInfer and cuDNN were
     all installed: FA4 for training and head_dim 64 inference where calls are big enough for its
     per-call cost, FA3 otherwise; without FA3, FA4 then FlashInfer (inference) then cuDNN."""
     from usp_dit.kernels import get_backend
@@ -260,19 +260,19 @@ def test_auto_table_on_an_h200_with_every_kernel(monkeypatch):
     have = {"flash_attn_3", "flash_attn_4", "flashinfer", "sdpa_cudnn"}
     for name in ("flash_attn_3", "flash_attn_4", "flashinfer", "sdpa_cudnn", "flash_attn_2", "sdpa_flash", "sdpa_efficient"):
         monkeypatch.setattr(get_backend(name), "available", lambda name=name: name in have)
-    monkeypatch.setattr(kbase, "_SELECTED", {})
+    monkeypatch.setattr(policy, "_SELECTED", {})
     pick = lambda head_dim, grad, flops: select_backend("auto", "cuda", torch.bfloat16, head_dim, grad, flops).name  # noqa: E731
     big, small = 1e12, 1e10  # FA4's min_call_flops is 1.5e11
     assert (pick(128, True, big), pick(128, True, small)) == ("flash_attn_4", "flash_attn_3")
     assert (pick(128, False, big), pick(128, False, small)) == ("flash_attn_3", "flash_attn_3")
     assert (pick(64, False, big), pick(64, False, small)) == ("flash_attn_4", "flash_attn_3")
     have.discard("flash_attn_3")
-    monkeypatch.setattr(kbase, "_SELECTED", {})
+    monkeypatch.setattr(policy, "_SELECTED", {})
     assert (pick(128, False, big), pick(128, False, small)) == ("flash_attn_4", "flashinfer")
     assert (pick(128, True, big), pick(128, True, small)) == ("flash_attn_4", "sdpa_cudnn")
 
 
 def test_auto_rules_name_training_and_head_dims():
-    rule = kbase.AutoRule("x", training=False, max_head_dim=64)
+    rule = policy.AutoRule("x", training=False, max_head_dim=64)
     assert rule.applies(64, False) and not rule.applies(128, False) and not rule.applies(64, True)
-    assert kbase.AutoRule("x").applies(256, True)
+    assert policy.AutoRule("x").applies(256, True)

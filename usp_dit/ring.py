@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from usp_dit.comm import RingExchanger, start_all_gather, start_all_gather_into, wait_gathered
-from usp_dit.kernels.base import AttentionBackend, forward_stack, lse_dtype
+from usp_dit.kernels.protocol import AttentionBackend, forward_stack, lse_dtype
 from usp_dit.merge import LSEMerger
 
 _KV_TAG, _DKV_TAG = 0, 1

@@ -23,7 +23,8 @@ import torch.distributed._functional_collectives as funcol
 from usp_dit.comm import gather_uneven, heads_to_seq, seq_to_heads
 from usp_dit.handshake import agree, calls_verified
 from usp_dit.kernels import KernelAttention, select_backend
-from usp_dit.kernels.base import AttentionBackend, backends_with_lse, lse_dtype
+from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
+from usp_dit.kernels.registry import backends_with_lse
 from usp_dit.mesh import USPMesh, resolve_mesh
 from usp_dit.partition import offsets, ring_block_sizes, split_sizes
 from usp_dit.ring import RingAttention, RingSpec, choose_schedule
@@ -157,7 +158,7 @@ def _share_failure(exc: Exception, q, mesh: USPMesh, seq_len: int | None) -> Non
     """A call this rank refused still joins its handshake, so that the other ranks raise too
     instead of waiting for it in a collective (Note [call handshake]); returns for the caller to
     re-raise ``exc`` here. Nothing to share at one rank or where the handshake is skipped."""
-    if mesh.sequence_degree == 1 or (seq_len is not None and calls_verified(mesh)):
+    if mesh.seq_group is None or (seq_len is not None and calls_verified(mesh)):
         return
     device = q.device if torch.is_tensor(q) else torch.device("cpu")
     with contextlib.suppress(ValueError):  # the disagreement is expected: raise this rank's own error

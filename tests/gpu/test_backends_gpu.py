@@ -15,7 +15,7 @@ import torch
 from tests.reference import attention_ref
 from usp_dit import usp_attention
 from usp_dit.kernels import get_backend
-from usp_dit.kernels.blockwise import blockwise_backward, blockwise_forward
+from usp_dit.testing.blockwise import blockwise_backward, blockwise_forward
 from usp_dit.testing import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -144,7 +144,7 @@ def test_auto_picks_the_fastest_installed_for_bf16():
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 4])
-def test_flash_attn_3_key_splits_are_exact(splits, monkeypatch):
+def test_flash_attn_3_key_splits_are_exact(splits):
     """FA3's split-KV forward (partials combined inside the op) at one rank's share of Flux, where
     forcing splits was measured (benchmarks --suite splits): out and LSE against float64, within 2x
     the unsplit call's error."""
@@ -154,9 +154,10 @@ def test_flash_attn_3_key_splits_are_exact(splits, monkeypatch):
     k, v = (torch.randn(1, 4608, 24, 128, device="cuda", generator=g, dtype=torch.float64) for _ in range(2))
     ref_out, ref_lse = attention_ref(q, k, v, 128 ** -0.5)
     errors = {}
+    from usp_dit.kernels.flash3 import fa3_forward
+
     for forced in (1, splits):
-        monkeypatch.setattr(backend, "num_splits", forced)
-        out, lse = backend.forward(*(t.to(torch.bfloat16) for t in (q, k, v)), 128 ** -0.5)
+        out, lse = fa3_forward(*(t.to(torch.bfloat16) for t in (q, k, v)), 128 ** -0.5, num_splits=forced)
         errors[forced] = (rel_err(out, ref_out), rel_err(lse, ref_lse))
     assert max(errors[1]) < 2e-2, errors
     assert errors[splits][0] <= 2 * errors[1][0] + 1e-5 and errors[splits][1] <= 2 * errors[1][1] + 1e-5, errors
@@ -214,7 +215,7 @@ def test_fused_stack_merge_matches_float64_maths(plan):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_forward_stack_equals_one_call_per_block(name, batch):
     """A stack of blocks in one call (cuDNN folds them into its batch) equals one call per block."""
-    from usp_dit.kernels.base import forward_stack
+    from usp_dit.kernels.protocol import forward_stack
 
     backend = _backend(name)
     g = torch.Generator(device="cuda").manual_seed(5)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from usp_dit.kernels.base import expand_kv, lse_dtype, reduce_kv
+from usp_dit.kernels.protocol import expand_kv, lse_dtype, reduce_kv
 
 
 def to_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):

@@ -20,7 +20,8 @@ import functools
 import torch
 
 from usp_dit.kernels._sdpa_layout import lse_to_bhs, lse_to_bsh
-from usp_dit.kernels.base import BackendCaps, folded_forward_stack, import_optional, register_backend
+from usp_dit.kernels.protocol import BackendCaps, folded_forward_stack, import_optional
+from usp_dit.kernels.registry import register_backend
 
 INSTALL = "pip install 'flash-attn>=2.7' --no-build-isolation"
 _MIN_VERSION = (2, 7)

@@ -25,7 +25,8 @@ import functools
 import torch
 
 from usp_dit.kernels._sdpa_layout import lse_to_bhs, lse_to_bsh
-from usp_dit.kernels.base import BackendCaps, folded_forward_stack, import_optional, register_backend
+from usp_dit.kernels.protocol import BackendCaps, folded_forward_stack, import_optional
+from usp_dit.kernels.registry import register_backend
 
 INSTALL = (
     "git clone https://github.com/Dao-AILab/flash-attention && cd flash-attention/hopper && "
@@ -42,15 +43,19 @@ def _ops():
     return None
 
 
+def fa3_forward(q, k, v, scale: float, num_splits: int = 0):
+    """``(out, lse)`` of one FA3 forward; ``num_splits`` 0 is the kernel's own split-KV heuristic
+    (what the backend uses), a positive count forces it (``bench_attention.py --suite splits``)."""
+    out, lse, *_ = _ops().fwd(q, k, v, softmax_scale=scale, is_causal=False, num_splits=num_splits)
+    return out, lse_to_bsh(lse, q.shape[1], q.dtype)
+
+
 class FlashAttn3Backend:
     name = "flash_attn_3"
     caps = BackendCaps(
         frozenset({"cuda"}), frozenset({torch.float16, torch.bfloat16}), max_head_dim=256,
         supports_backward=True, head_dim_multiple=8,
     )
-    # 0: the kernel's own split-KV heuristic; a positive count forces it (benchmarks, tests).
-    num_splits: int = 0
-
     def available(self) -> bool:
         return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and _ops() is not None
 
@@ -59,8 +64,7 @@ class FlashAttn3Backend:
             raise RuntimeError(f"backend 'flash_attn_3' needs the FlashAttention 3 kernels and a Hopper (SM90) GPU: {INSTALL}")
 
     def forward(self, q, k, v, scale):
-        out, lse, *_ = _ops().fwd(q, k, v, softmax_scale=scale, is_causal=False, num_splits=self.num_splits)
-        return out, lse_to_bsh(lse, q.shape[1], q.dtype)
+        return fa3_forward(q, k, v, scale)
 
     def forward_stack(self, q, k_blocks, v_blocks, scale):
         """G blocks in one call, folded into the batch. The repeated ``q`` is copied: a zero batch

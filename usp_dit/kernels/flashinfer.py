@@ -24,7 +24,8 @@ import shutil
 
 import torch
 
-from usp_dit.kernels.base import BackendCaps, import_optional, lse_dtype, register_backend
+from usp_dit.kernels.protocol import BackendCaps, import_optional, lse_dtype
+from usp_dit.kernels.registry import register_backend
 
 INSTALL = "pip install flashinfer-python"
 BUILD = "put CUDA's nvcc on PATH (or set CUDA_HOME), or pip install flashinfer-jit-cache (prebuilt kernels)"

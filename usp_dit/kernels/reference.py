@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from usp_dit.kernels.base import BackendCaps, lse_dtype, register_backend
+from usp_dit.kernels.protocol import BackendCaps, lse_dtype
+from usp_dit.kernels.registry import register_backend
 
 
 def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

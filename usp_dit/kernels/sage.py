@@ -25,7 +25,8 @@ import functools
 
 import torch
 
-from usp_dit.kernels.base import BackendCaps, expand_kv, import_optional, register_backend
+from usp_dit.kernels.protocol import BackendCaps, expand_kv, import_optional
+from usp_dit.kernels.registry import register_backend
 
 INSTALL = "pip install sageattention==1.0.6"
 _V_LIMIT = 2.0 ** 9  # max |V| handed to the kernel: its fp16 block sums of 64 keys stay below 65504

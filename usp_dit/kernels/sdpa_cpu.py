@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from usp_dit.kernels._sdpa_layout import grads_to_bshd, lse_to_bhs, lse_to_bsh, to_bhsd
-from usp_dit.kernels.base import BackendCaps, register_backend
+from usp_dit.kernels.protocol import BackendCaps
+from usp_dit.kernels.registry import register_backend
 
 _aten = torch.ops.aten
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from usp_dit.kernels.base import AttentionBackend, lse_dtype
+from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 from usp_dit.merge import LSEMerger
 from usp_dit.partition import offsets, split_sizes
 from usp_dit.ring import attend_local, attend_stacks, remote_runs

@@ -1,0 +1,118 @@
+"""The ``backend="auto"`` policy: a preference table per device type, and ``select_backend``.
+
+Layout: see ``usp_dit.kernels.protocol``.
+
+The table is data (``AUTO_TABLE``): the first row that applies whose backend is installed and can
+run the case (dtype, head_dim, a backward where gradients are needed, a call big enough for its
+per-call cost: ``BackendCaps.min_call_flops``) wins. Where each row's place comes from, with the
+measured rates of every kernel side by side: docs/PERFORMANCE.md, "All kernels side by side".
+Sage (INT8, approximate) is never taken by "auto". On CPU PyTorch's fused flash kernel beats the
+reference by never forming the S x S score matrix.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from usp_dit.kernels.protocol import AttentionBackend
+from usp_dit.kernels.registry import generation, get_backend, registered, with_backward
+
+_log = logging.getLogger("usp_dit")
+
+
+@dataclass(frozen=True)
+class AutoRule:
+    """One row of the preference table of ``backend="auto"``: try ``backend`` for the cases the row
+    names (``training``: True only where gradients are needed, False only for inference, None both;
+    ``max_head_dim``: only up to that head_dim)."""
+
+    backend: str
+    training: bool | None = None
+    max_head_dim: int | None = None
+
+    def applies(self, head_dim: int, needs_grad: bool) -> bool:
+        return ((self.training is None or self.training == needs_grad)
+                and (self.max_head_dim is None or head_dim <= self.max_head_dim))
+
+
+AUTO_TABLE: dict[str, tuple[AutoRule, ...]] = {
+    "cuda": (
+        AutoRule("flash_attn_4", training=True),  # fastest fwd+bwd at every shape measured
+        AutoRule("flash_attn_4", training=False, max_head_dim=64),  # led CogVideoX's forward at every call size
+        AutoRule("flash_attn_3"),  # fastest forward at head_dim 128, and FA4's fallback for small calls
+        AutoRule("flash_attn_4"),
+        AutoRule("flashinfer"),  # forward only; compiles each (dtype, head_dim) on first use
+        AutoRule("sdpa_cudnn"),
+        AutoRule("flash_attn_2"),
+        AutoRule("sdpa_flash"),
+        AutoRule("sdpa_efficient"),
+        AutoRule("reference"),
+    ),
+    "cpu": (AutoRule("sdpa_cpu"), AutoRule("reference")),
+}
+
+# Resolved selections, so that the per-call cost of ``select_backend`` is one dict lookup.
+_SELECTED: dict[tuple, AttentionBackend] = {}
+
+
+def select_backend(
+    name: str, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, call_flops: float | None = None
+) -> AttentionBackend:
+    """Resolve ``name`` ("auto" or a registered name) to a backend that can run this case.
+
+    ``call_flops``, the estimated work of one kernel call, lets "auto" skip backends whose
+    ``caps.min_call_flops`` it does not reach (decided once per power-of-two size class).
+
+    Raises:
+        ValueError: unknown name.
+        RuntimeError: the backend's package is not installed (its adapter says how to install it).
+        NotImplementedError: the backend cannot run this device / dtype / head_dim, or has no
+            backward while gradients are needed (the message names backends that have one).
+    """
+    size_class = None if call_flops is None or name != "auto" else int(math.log2(max(call_flops, 1.0)))
+    key = (name, device, dtype, head_dim, needs_grad, size_class, generation())
+    if key in _SELECTED and registered(_SELECTED[key].name) is _SELECTED[key]:
+        return _SELECTED[key]
+    backend = _select(name, device, dtype, head_dim, needs_grad, call_flops)
+    _SELECTED[key] = backend
+    if name == "auto":
+        _log_choice(backend, device, dtype, head_dim, needs_grad)
+    return backend
+
+
+def _log_choice(backend: AttentionBackend, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> None:
+    """Say once (per case, on rank 0) which backend "auto" chose."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    _log.info(
+        "usp_dit: backend='auto' chose %r for device=%s dtype=%s head_dim=%d backward=%s",
+        backend.name, device, dtype, head_dim, needs_grad,
+    )
+
+
+def _fits_auto(backend: AttentionBackend | None, device, dtype, head_dim, needs_grad, call_flops) -> bool:
+    """``backend`` is installed, can run the case, and the call is big enough for its per-call cost."""
+    if backend is None or not backend.available() or backend.caps.why_not(device, dtype, head_dim, needs_grad):
+        return False
+    return call_flops is None or call_flops >= backend.caps.min_call_flops
+
+
+def _select(name: str, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, call_flops=None) -> AttentionBackend:
+    if name == "auto":
+        for rule in AUTO_TABLE.get(device, (AutoRule("reference"),)):
+            backend = registered(rule.backend)
+            if rule.applies(head_dim, needs_grad) and _fits_auto(backend, device, dtype, head_dim, needs_grad, call_flops):
+                return backend
+        raise NotImplementedError(f"no registered backend runs device={device!r}, dtype={dtype}, head_dim={head_dim}")
+    backend = get_backend(name)
+    reason = backend.caps.why_not(device, dtype, head_dim, needs_grad)
+    if reason is not None:
+        hint = f"; backends with a backward here: {with_backward(device, dtype, head_dim)}" if needs_grad else ""
+        raise NotImplementedError(f"backend={name!r} cannot run this case: {reason}{hint}")
+    if not backend.available():
+        backend.require()
+    return backend
