@@ -76,3 +76,27 @@ def test_the_rules_see_imports():
     assert "usp_dit.kernels.protocol" in ring and "usp_dit.comm" in ring
     blockwise = _imports(PACKAGE / "testing" / "blockwise.py")
     assert "usp_dit.ring" in blockwise  # the simulator moved out of kernels because of this import
+
+
+def _fresh(code: str) -> str:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_import_usp_dit_loads_no_integration():
+    """A fresh interpreter's ``import usp_dit`` leaves Diffusers, transformers and PEFT unloaded (so
+    it patches no class); ``usp_dit.enable_usp`` loads the integration, which gives every
+    DiffusionPipeline its ``enable_usp`` method."""
+    loaded = _fresh(
+        "import sys, usp_dit; print(sorted(m for m in ('diffusers', 'transformers', 'peft') if m in sys.modules))"
+    )
+    assert loaded == "[]", loaded
+    attached = _fresh(
+        "import usp_dit; f = usp_dit.enable_usp; from diffusers import DiffusionPipeline; "
+        "print(f.__module__, DiffusionPipeline.enable_usp.__name__)"
+    )
+    assert attached == "usp_dit.pipelines.api _pipe_enable_usp", attached

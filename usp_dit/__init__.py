@@ -1,14 +1,31 @@
 """usp_dit: Unified Sequence Parallelism (Ulysses x Ring) for Diffusion Transformers.
 
 Layout everywhere: (batch, seq, heads, head_dim).
+
+``import usp_dit`` loads the attention core alone (it needs only torch). The Diffusers integration,
+``usp_dit.pipelines``, is imported on first use of ``usp_dit.enable_usp`` / ``disable_usp`` (or
+explicitly); importing it gives every ``DiffusionPipeline`` the methods ``enable_usp(...)`` and
+``disable_usp()``.
 """
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from usp_dit.config import USPConfig
 from usp_dit.mesh import USPMesh, init_usp, set_default_mesh, single_rank_mesh
-from usp_dit.pipelines import disable_usp, enable_usp
 from usp_dit.sharding import gather_sequence, shard_sequence
 from usp_dit.usp import usp_attention
+
+# Names that live in the Diffusers integration: resolved (and Diffusers imported) on first access.
+_INTEGRATION = {"enable_usp": "usp_dit.pipelines", "disable_usp": "usp_dit.pipelines"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _INTEGRATION:
+        return getattr(importlib.import_module(_INTEGRATION[name]), name)
+    raise AttributeError(f"module 'usp_dit' has no attribute {name!r}")
+
 
 __all__ = [
     "USPConfig",
