@@ -19,12 +19,18 @@ one-process gradient averaged over the data-parallel replicas.
 Data (``usp_dit.training.data``): ``.pt``/``.safetensors`` latents (key "latents", optional
 "prompt_embeds"), or videos (imageio; GIF/WebP also with Pillow) encoded with the model's VAE (a
 tiny random one for the tiny model). Without ``--data`` a few synthetic latent clips are written to
-a temporary folder. A bad item is reported with its path and skipped. Clips without prompt
-embeddings train unconditionally (zero text embeddings).
+a temporary folder: each rank writes the same seeded clips into its own folder, so that no rank
+depends on a file system shared with rank 0 (on several nodes /tmp is not). A bad item is
+reported with its path and skipped. Clips without prompt embeddings train unconditionally (zero
+text embeddings).
 
 Checkpoints (``usp_dit.training.checkpoint``): ``<output>/checkpoint-<step>/transformer`` is a
 Diffusers model folder (``CogVideoXTransformer3DModel.from_pretrained`` loads it); the optimizer
 state and step sit beside it; ``--resume latest`` continues from the newest one exactly.
+
+A bad value (degrees that do not fit the ranks, a missing ``--model``/``--data``/``--resume``
+folder, an unknown ``--backend``, a size the model cannot take) is reported on one line by rank 0
+before anything loads, and every rank exits with code 2; Ctrl-C exits with 130 (``usp_dit.launch``).
 """
 from __future__ import annotations
 
@@ -38,8 +44,10 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 import usp_dit
+from usp_dit import launch
 from usp_dit.config import RING_SCHEDULES
 from usp_dit.training import (
     check_same_on_replica,
@@ -53,10 +61,14 @@ from usp_dit.training.fsdp import shard_transformer
 from usp_dit.training.objectives import OBJECTIVES, mse_loss, noise_batch
 
 MAX_ATTEMPTS = 64  # consecutive bad items before giving up: the data folder is then mostly broken
+TINY_LATENT_CHANNELS = 4  # in_channels of the tiny transformer (usp_dit.pipelines.tiny_video)
+PIXELS_PER_TOKEN = 16  # CogVideoX: 8 pixels per latent pixel (VAE), 2 x 2 latent pixels per token
+FRAMES_PER_LATENT = 4  # CogVideoX's VAE: 4 frames per latent frame, plus the first
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """The command line, checked (``check_args``); a bad value raises ``launch.UsageError``."""
+    p = launch.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="Diffusers CogVideoX pipeline or transformer folder (default: tiny, built in code)")
     p.add_argument("--data", default=None, help="folder of latents or videos (default: synthetic latents in a temp folder)")
     p.add_argument("--output", default="finetune_out", help="checkpoint folder")
@@ -83,7 +95,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="latent shape of the synthetic clips (tiny model: C=4)")
     p.add_argument("--synthetic-clips", type=int, default=8)
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(args, launch.env_world_size())
+    return args
+
+
+def check_args(args: argparse.Namespace, world: int) -> None:
+    """Raise ``launch.UsageError`` for a value that would fail once the job has started."""
+    launch.check_model_path("--model", args.model, hub_ok=False)
+    launch.check_folder("--data", args.data)
+    if args.resume not in (None, "latest"):
+        launch.check_folder("--resume", args.resume)
+    launch.check_at_least("--steps", args.steps, 1)
+    launch.check_at_least("--save-every", args.save_every, 0)
+    launch.check_frames("--frames", args.frames, FRAMES_PER_LATENT, "CogVideoX's VAE: 4 frames per latent frame")
+    for flag, value in (("--height", args.height), ("--width", args.width)):
+        launch.check_multiple(flag, value, PIXELS_PER_TOKEN, "CogVideoX: 8 pixels per latent pixel, 2x2 per token")
+    if args.data is None:
+        _check_synthetic(args)
+    launch.check_backend("--backend", args.backend)
+    launch.check_degrees(world, args.ulysses, args.ring)
+
+
+def _check_synthetic(args: argparse.Namespace) -> None:
+    frames, channels, height, width = args.synthetic_shape
+    launch.check_at_least("--synthetic-clips", args.synthetic_clips, 1)
+    for flag, value in (("F", frames), ("C", channels)):
+        launch.check_at_least(f"--synthetic-shape {flag}", value, 1)
+    for flag, value in (("H", height), ("W", width)):
+        launch.check_multiple(f"--synthetic-shape {flag}", value, 2, "2 x 2 latent pixels per token")
+    if args.model is None and channels != TINY_LATENT_CHANNELS:
+        raise launch.UsageError(f"--synthetic-shape C {channels} must be {TINY_LATENT_CHANNELS}, "
+                                f"the tiny transformer's latent channels")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,13 +265,14 @@ def text_embeddings(model: torch.nn.Module, clip: Clip, device: torch.device) ->
 
 
 def data_items(args: argparse.Namespace, workdir: str) -> list[Path]:
-    """``--data``'s items, or synthetic latent clips written by rank 0 into ``workdir``."""
+    """``--data``'s items, or synthetic latent clips written into ``workdir`` (this rank's own folder).
+
+    Every rank writes the same clips (seeded by ``--seed``: bit-identical files), so no rank reads a
+    file another one wrote and no shared file system is needed.
+    """
     if args.data is not None:
         return list_items(args.data)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        write_synthetic_latents(workdir, args.synthetic_clips, tuple(args.synthetic_shape), seed=args.seed)
-    if dist.is_initialized():
-        dist.barrier()
+    write_synthetic_latents(workdir, args.synthetic_clips, tuple(args.synthetic_shape), seed=args.seed)
     return list_items(workdir)
 
 
@@ -329,8 +373,11 @@ def train(args: argparse.Namespace) -> dict:
             "model": model, "mesh": mesh}
 
 
+@record  # torchrun's error file for any other exception
+@launch.cli_main
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parse_args(argv)  # before the process group and the weights: a bad value ends here
+    launch.note_single_rank()
     result = train(args)
     if not dist.is_initialized() or dist.get_rank() == 0:
         last = result["losses"].get(args.steps - 1)

@@ -16,12 +16,18 @@ differ, and it is exact for float32). D vs A: 1e-6 at step 0 (same weights; sums
 sharding), 1e-4 after AdamW updates (Adam's step g / (sqrt(v) + eps) is about ±lr for every entry
 whatever its size, so an entry whose gradient is rounding noise moves by up to 2·lr = 2e-4 with
 the opposite sign under a different sharding; the loss moves by far less).
+
+Apart from the spawned group: the documented default (no ``--data``: synthetic clips) under real
+torchrun on 2 ranks, which used to crash (each rank made its own temporary folder and only rank 0
+wrote into it).
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -117,3 +123,17 @@ def test_fsdp_ulysses_run_matches_ring_run(per_rank):
 def test_diffusers_loads_the_checkpoint(per_rank):
     for r in per_rank:
         assert r["load_err"] == 0.0
+
+
+def test_default_synthetic_run_under_torchrun(tmp_path):
+    """No --data, 2 ranks, real torchrun: trains, checkpoints, and leaves no synthetic folder behind."""
+    scratch = tmp_path / "tmp"  # the ranks' TMPDIR: where their synthetic clips go
+    scratch.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+           str(EXAMPLE), "--steps", "2", "--ring", "2", "--no-progress", "--output", str(tmp_path / "out")]
+    env = dict(os.environ, TMPDIR=str(scratch), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert re.search(r"done: 2 steps, last loss \d", proc.stdout), proc.stdout
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["checkpoint-2"]
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("usp_synthetic_")]
