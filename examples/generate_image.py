@@ -12,8 +12,12 @@ writes the PNG. Then ``pipe.disable_usp()`` and rank 0 runs the same pipeline al
 process, and prints the largest difference (max |diff| / max |one rank|) and MATCH or MISMATCH.
 
 Layout: images (batch, height, width, 3) in [0, 1]; ``--height``/``--width`` must be multiples of 16
-(the tiny VAE: 8 pixels per latent pixel, 2x2 latent pixels per token). The default 1008x1008 gives
+(Flux's VAE: 8 pixels per latent pixel, 2x2 latent pixels per token). The default 1008x1008 gives
 63 x 63 = 3969 image tokens + 64 text tokens: a count that divides neither 2 nor 4 ranks.
+
+A bad value (degrees that do not fit the ranks, a missing ``--model`` folder, an unknown
+``--backend``, a size Flux cannot take) is reported on one line by rank 0 before anything loads,
+and every rank exits with code 2; Ctrl-C exits with 130 (``usp_dit.launch``).
 """
 from __future__ import annotations
 
@@ -27,17 +31,21 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from PIL import Image  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
-import usp_dit  # noqa: E402  (also gives every DiffusionPipeline .enable_usp / .disable_usp)
-from usp_dit.config import RING_SCHEDULES, fill_degrees  # noqa: E402
+import usp_dit  # noqa: E402
+from usp_dit import launch  # noqa: E402
+from usp_dit.config import RING_SCHEDULES  # noqa: E402
 from usp_dit.launch import compare_with_one_rank, init_distributed  # noqa: E402
-from usp_dit.pipelines import install_failure_handler  # noqa: E402
 
 TINY_TEXT_LEN = 64  # text tokens of the tiny pipeline (its tokenizers spend one per character)
+PIXELS_PER_TOKEN = 16  # Flux: 8 pixels per latent pixel (VAE), 2 x 2 latent pixels per token
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (``check_args``); a bad value raises ``launch.UsageError``."""
+    p = launch.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="Flux checkpoint path or hub id (default: a tiny random pipeline)")
     p.add_argument("--prompt", default="a lighthouse on a cliff at dawn, oil painting")
     p.add_argument("--height", type=int, default=1008)
@@ -55,7 +63,24 @@ def parse_args() -> argparse.Namespace:
                    help="how the ring's forward moves K/V blocks (README: ring schedules)")
     p.add_argument("--output", default="flux_usp.png")
     p.add_argument("--no-check", action="store_true", help="skip the one-rank comparison")
-    return p.parse_args()
+    args = p.parse_args(argv)
+    check_args(args, launch.env_world_size())
+    return args
+
+
+def check_args(args: argparse.Namespace, world: int) -> None:
+    """Raise ``launch.UsageError`` for a value that would fail later; fills ``args.degrees``."""
+    for flag, value in (("--height", args.height), ("--width", args.width)):
+        launch.check_multiple(flag, value, PIXELS_PER_TOKEN, "Flux: 8 pixels per latent pixel, 2x2 per token")
+    launch.check_at_least("--steps", args.steps, 1)
+    launch.check_model_path("--model", args.model)
+    launch.check_backend("--backend", args.backend)
+    launch.check_output("--output", args.output, IMAGE_SUFFIXES)
+    args.degrees = launch.check_degrees(world, args.ulysses, args.ring, args.cfg)
+    cfg = args.degrees[2]
+    if args.num_images is not None and (args.num_images < 1 or args.num_images % cfg):
+        raise launch.UsageError(f"--num-images {args.num_images} must be a positive multiple of --cfg {cfg} "
+                                f"(the cfg axis splits the batch of images)")
 
 
 def load_pipeline(args: argparse.Namespace, device: torch.device):
@@ -87,16 +112,22 @@ def save_png(images: np.ndarray, path: str) -> None:
     Image.fromarray((strip * 255).round().clip(0, 255).astype(np.uint8)).save(path)
 
 
-def main() -> None:
-    args = parse_args()
+@record  # torchrun's error file for any other exception
+@launch.cli_main
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)  # before the process group and the weights: a bad value ends here
+    launch.note_single_rank()
+    # Diffusers and Transformers load here, after the checks, so that a bad value fails in seconds.
+    # usp_dit.pipelines also gives every DiffusionPipeline .enable_usp / .disable_usp.
+    from usp_dit.pipelines import install_failure_handler
     install_failure_handler()  # a rank that raises ends the job at once (usp_dit.pipelines.api)
     rank, world, device = init_distributed()
-    ulysses, ring, cfg = fill_degrees(world, args.ulysses, args.ring, args.cfg)
+    ulysses, ring, cfg = args.degrees
     num_images = args.num_images or cfg
     pipe = load_pipeline(args, device)
     mesh = pipe.enable_usp(ulysses_degree=ulysses, ring_degree=ring, cfg_degree=cfg, backend=args.backend,
                            ring_schedule=args.ring_schedule)
-    tokens = (args.height // 16) * (args.width // 16)
+    tokens = (args.height // PIXELS_PER_TOKEN) * (args.width // PIXELS_PER_TOKEN)
     if rank == 0:
         print(f"usp_dit {usp_dit.__version__}: {mesh} on {world} ranks, {device.type}; "
               f"{args.model or 'tiny random FluxPipeline'}, {args.height}x{args.width} ({tokens} image tokens), "

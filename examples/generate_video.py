@@ -12,19 +12,28 @@ pipeline's real ``__call__`` (text encoding, denoising with classifier-free guid
 the transformer's tokens are split over the grid (``pipe.enable_usp``) and, with ``--cfg 2``, the
 [uncond, cond] batch over two groups of ranks. Rank 0 alone shows the progress bar and writes the
 video: an animated WebP or GIF (by the output's extension) with Pillow, and an MP4 beside it when
-imageio-ffmpeg is installed. Then ``pipe.disable_usp()`` and rank 0 runs the same pipeline alone,
+imageio-ffmpeg is installed; or, for an ``--output`` ending in ``.mp4``, the MP4 alone (that needs
+imageio-ffmpeg: ``pip install 'usp-dit[video]'``). Then ``pipe.disable_usp()`` and rank 0 runs the same pipeline alone,
 in the same process, and prints the largest difference (max |diff| / max |one rank|) and MATCH or
 MISMATCH.
 
-Layout: frames (frames, height, width, 3) in [0, 1]. The tiny VAEs have 8 pixels per latent pixel
-and the transformers 2 x 2 latent pixels per token, so ``--height``/``--width`` must be multiples
-of 16; CogVideoX compresses 4 frames into one latent frame (``--frames`` = 4k + 1), Mochi 6
-(``--frames`` = 6k + 1). The defaults (96 x 144, 9 or 13 frames) give 3 x 6 x 9 = 162 video tokens:
-a count that 4 ranks do not divide.
+Layout: frames (frames, height, width, 3) in [0, 1]. The VAEs (tiny and real) have 8 pixels per
+latent pixel and the transformers 2 x 2 latent pixels per token, so ``--height``/``--width`` must
+be multiples of 16. CogVideoX compresses 4 frames into one latent frame and its VAE decodes latent
+frames in pairs, so it returns exactly ``--frames`` frames for 8k + 1 only (5 comes back as 8, 13
+as 16); Mochi compresses 6 (``--frames`` = 6k + 1) and its sigma schedule needs ``--steps`` >= 2.
+The defaults (96 x 144, 9 or 13 frames) give 3 x 6 x 9 = 162 video tokens: a count that 4 ranks do
+not divide.
+
+A bad value (degrees that do not fit the ranks, a missing ``--model-path``, an unknown
+``--backend``, a size or frame count the model cannot take, an MP4 without imageio-ffmpeg) is
+reported on one line by rank 0 before anything loads, and every rank exits with code 2; Ctrl-C
+exits with 130 (``usp_dit.launch``).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import time
 
@@ -34,17 +43,28 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from PIL import Image  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
-import usp_dit  # noqa: E402  (also gives every DiffusionPipeline .enable_usp / .disable_usp)
-from usp_dit.config import RING_SCHEDULES, fill_degrees  # noqa: E402
+import usp_dit  # noqa: E402
+from usp_dit import launch  # noqa: E402
+from usp_dit.config import RING_SCHEDULES  # noqa: E402
 from usp_dit.launch import compare_with_one_rank, init_distributed  # noqa: E402
-from usp_dit.pipelines import install_failure_handler  # noqa: E402
 
 FAMILIES = {"cogvideox": (9, 4), "mochi": (13, 6)}  # default frames, frames per latent frame
+# --frames must be step k + 1: (step, why).
+FRAME_RULES = {
+    "cogvideox": (8, "CogVideoX's VAE decodes latent frames of 4 in pairs: 5 frames come back as 8, 13 as 16"),
+    "mochi": (6, "Mochi's VAE: 6 frames per latent frame"),
+}
+MIN_STEPS = {"cogvideox": (1, ""), "mochi": (2, "Mochi's linear-quadratic sigma schedule divides by steps // 2")}
+PIXELS_PER_TOKEN = 16  # 8 pixels per latent pixel (VAE), 2 x 2 latent pixels per token
+VIDEO_SUFFIXES = (".webp", ".gif", ".mp4")
+MP4_MODULES = ("imageio", "imageio_ffmpeg")  # what diffusers' export_to_video writes MP4 with
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (``check_args``); a bad value raises ``launch.UsageError``."""
+    p = launch.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(FAMILIES), default="cogvideox", help="model family")
     p.add_argument("--model-path", default=None, help="checkpoint path or hub id (default: a tiny random pipeline)")
     p.add_argument("--prompt", default="a paper boat drifting down a rainy street, cinematic")
@@ -62,23 +82,29 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ring-schedule", default="auto", choices=RING_SCHEDULES,
                    help="how the ring's forward moves K/V blocks (README: ring schedules)")
     p.add_argument("--fps", type=int, default=8)
-    p.add_argument("--output", default="video_usp.webp", help="animated .webp or .gif (an .mp4 is added if it can be)")
+    p.add_argument("--output", default="video_usp.webp",
+                   help="animated .webp or .gif (an .mp4 is added beside it if imageio-ffmpeg is installed), or .mp4")
     p.add_argument("--no-check", action="store_true", help="skip the one-rank comparison")
-    args = p.parse_args()
-    check_args(p, args)
+    args = p.parse_args(argv)
+    check_args(args, launch.env_world_size())
     return args
 
 
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """parser.error (exit 2, naming the argument) for sizes the pipeline cannot take."""
-    default_frames, per_latent = FAMILIES[args.model]
-    args.frames = args.frames or default_frames
-    if (args.frames - 1) % per_latent:
-        parser.error(f"--frames must be {per_latent}k + 1 for {args.model}, got {args.frames}")
-    if args.model_path is None and (args.height % 16 or args.width % 16):
-        parser.error(f"--height and --width must be multiples of 16 for the tiny pipeline, got {args.height}x{args.width}")
-    if os.path.splitext(args.output)[1].lower() not in (".webp", ".gif"):
-        parser.error(f"--output must end in .webp or .gif, got {args.output!r}")
+def check_args(args: argparse.Namespace, world: int) -> None:
+    """Raise ``launch.UsageError`` for a value that would fail later; fills ``args.frames`` and ``args.degrees``."""
+    args.frames = args.frames or FAMILIES[args.model][0]
+    launch.check_frames("--frames", args.frames, *FRAME_RULES[args.model])
+    for flag, value in (("--height", args.height), ("--width", args.width)):
+        launch.check_multiple(flag, value, PIXELS_PER_TOKEN, f"{args.model}: 8 pixels per latent pixel, 2x2 per token")
+    launch.check_at_least("--steps", args.steps, *MIN_STEPS[args.model])
+    launch.check_at_least("--fps", args.fps, 1)
+    launch.check_model_path("--model-path", args.model_path)
+    launch.check_backend("--backend", args.backend)
+    launch.check_output("--output", args.output, VIDEO_SUFFIXES)
+    if args.output.lower().endswith(".mp4"):
+        launch.check_installed("--output", args.output, MP4_MODULES,
+                               "pip install imageio imageio-ffmpeg (or 'usp-dit[video]'), or write .webp / .gif")
+    args.degrees = launch.check_degrees(world, args.ulysses, args.ring, args.cfg)
 
 
 def load_pipeline(args: argparse.Namespace, device: torch.device):
@@ -110,21 +136,28 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     return np.asarray(out.frames[0], dtype=np.float32)
 
 
+def save_mp4(frames: np.ndarray, path: str, fps: int) -> None:
+    """An MP4 through diffusers' ``export_to_video`` (imageio with imageio-ffmpeg)."""
+    from diffusers.utils import export_to_video
+
+    export_to_video(list(frames), path, fps=fps)
+
+
 def save_video(frames: np.ndarray, path: str, fps: int) -> list[str]:
-    """Animated WebP/GIF with Pillow, plus an MP4 when imageio-ffmpeg is installed; the paths written."""
+    """``.mp4``: the MP4 alone; else animated WebP/GIF with Pillow, plus an MP4 beside it when
+    imageio-ffmpeg is installed. Returns the paths written."""
+    if path.lower().endswith(".mp4"):
+        save_mp4(frames, path, fps)
+        return [path]
     pictures = [Image.fromarray(f) for f in (frames * 255).round().clip(0, 255).astype(np.uint8)]
     duration_ms = round(1000 / fps)
     extra = {"lossless": True} if path.lower().endswith(".webp") else {}
     pictures[0].save(path, save_all=True, append_images=pictures[1:], duration=duration_ms, loop=0, **extra)
-    written = [path]
-    try:
-        import imageio_ffmpeg  # noqa: F401
-        from diffusers.utils import export_to_video
-    except ImportError:
-        return written
+    if any(importlib.util.find_spec(m) is None for m in MP4_MODULES):
+        return [path]
     mp4 = os.path.splitext(path)[0] + ".mp4"
-    export_to_video(list(frames), mp4, fps=fps)
-    return written + [mp4]
+    save_mp4(frames, mp4, fps)
+    return [path, mp4]
 
 
 def video_tokens(args: argparse.Namespace, pipe) -> int:
@@ -134,13 +167,19 @@ def video_tokens(args: argparse.Namespace, pipe) -> int:
     return ((args.frames - 1) // per_latent + 1) * (args.height // (8 * p)) * (args.width // (8 * p))
 
 
-def main() -> None:
-    args = parse_args()
+@record  # torchrun's error file for any other exception
+@launch.cli_main
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)  # before the process group and the weights: a bad value ends here
+    launch.note_single_rank()
+    # Diffusers and Transformers load here, after the checks, so that a bad value fails in seconds.
+    # usp_dit.pipelines also gives every DiffusionPipeline .enable_usp / .disable_usp.
+    from usp_dit.pipelines import install_failure_handler
     rank, world, device = init_distributed()
     # After init_process_group, which wraps sys.excepthook with stderr sent to a buffer: installed
     # before, the handler's os._exit would lose the traceback in that buffer.
     install_failure_handler()  # a rank that raises ends the job at once (usp_dit.pipelines.api)
-    ulysses, ring, cfg = fill_degrees(world, args.ulysses, args.ring, args.cfg)
+    ulysses, ring, cfg = args.degrees
     pipe = load_pipeline(args, device)
     mesh = pipe.enable_usp(ulysses_degree=ulysses, ring_degree=ring, cfg_degree=cfg, backend=args.backend,
                            ring_schedule=args.ring_schedule)

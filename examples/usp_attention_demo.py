@@ -5,6 +5,8 @@
 Every rank builds the same random Q/K/V (a Flux-like layout scaled down: image tokens plus joint
 text tokens), keeps its shard, runs ``usp_attention`` forward and backward, gathers the result and
 compares it with the same attention computed on the full sequence in one process. Rank 0 prints.
+Without torchrun it runs on one rank. A bad value is reported on one line by rank 0 and every rank
+exits with code 2; Ctrl-C exits with 130 (``usp_dit.launch``).
 """
 from __future__ import annotations
 
@@ -12,13 +14,15 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 import usp_dit
-from usp_dit import gather_sequence, init_usp, shard_sequence, usp_attention
+from usp_dit import gather_sequence, init_usp, launch, shard_sequence, usp_attention
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (``check_args``); a bad value raises ``launch.UsageError``."""
+    p = launch.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ulysses", type=int, default=None, help="Ulysses degree (default: 2 if it fits)")
     p.add_argument("--ring", type=int, default=None, help="ring degree (default: world / ulysses)")
     p.add_argument("--seq", type=int, default=1021, help="image tokens (any length, prime by default)")
@@ -28,20 +32,30 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     p.add_argument("--backend", default="auto")
-    return p.parse_args()
+    args = p.parse_args(argv)
+    check_args(args, launch.env_world_size())
+    return args
 
 
-def degrees(args: argparse.Namespace, world: int) -> tuple[int, int]:
-    ulysses = args.ulysses or (2 if world % 2 == 0 else 1)
-    ring = args.ring or world // ulysses
-    return ulysses, ring
+def check_args(args: argparse.Namespace, world: int) -> None:
+    """Raise ``launch.UsageError`` for a value that would fail later; fills ``args.degrees``."""
+    for flag, value in (("--seq", args.seq), ("--heads", args.heads), ("--head-dim", args.head_dim)):
+        launch.check_at_least(flag, value, 1)
+    launch.check_at_least("--joint", args.joint, 1)
+    kv_heads = args.kv_heads or args.heads
+    if kv_heads < 1 or args.heads % kv_heads:
+        raise launch.UsageError(f"--kv-heads {kv_heads} must divide --heads {args.heads} (GQA)")
+    launch.check_backend("--backend", args.backend)
+    args.degrees = launch.check_degrees(world, args.ulysses, args.ring)[:2]
 
 
-def main() -> None:
-    args = parse_args()
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    ulysses, ring = degrees(args, world)
+@record  # torchrun's error file for any other exception
+@launch.cli_main
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    launch.note_single_rank()
+    rank, world, _ = launch.init_distributed()
+    ulysses, ring = args.degrees
     mesh = init_usp(ulysses_degree=ulysses, ring_degree=ring)
     dtype = getattr(torch, args.dtype)
     kv_heads = args.kv_heads or args.heads
@@ -72,7 +86,8 @@ def main() -> None:
         "dq_shard": err(q_l.grad, shard_sequence(q1.grad, mesh)),
     }
     worst = torch.tensor(max(errors.values()))
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if dist.is_initialized():
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if rank == 0:
         print(f"usp_dit {usp_dit.__version__}: {mesh}, {args.seq}+{args.joint} tokens, {args.heads} heads "
               f"({kv_heads} K/V), head_dim {args.head_dim}, {args.dtype}, backend {args.backend}")
@@ -80,7 +95,8 @@ def main() -> None:
         tol = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2}[args.dtype]
         verdict = "MATCH" if worst.item() <= tol else "MISMATCH"
         print(f"worst over all ranks {worst.item():.2e} (tolerance {tol:.0e}): {verdict}")
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
