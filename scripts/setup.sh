@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs usp_dit and what its demo and tests need. Idempotent: quick when already installed.
 # torch is installed first at the CPU build this project is tested with, so that the loose
-# "torch>=2.5" requirement is already met and pip does not pull a multi-GB CUDA build.
+# "torch>=2.6" requirement is already met and pip does not pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -10,7 +10,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 # Checked from / so that this folder's own usp_dit/ does not count as installed.
 here=$PWD
-installed=$(cd / && "$PY" -c "import usp_dit, diffusers, transformers, peft, pytest, PIL, tqdm, os; print(os.path.dirname(os.path.dirname(usp_dit.__file__)))" 2>/dev/null || true)
+installed=$(cd / && "$PY" -c "import usp_dit, diffusers, transformers, accelerate, numpy, safetensors, peft, pytest, PIL, tqdm, os; print(os.path.dirname(os.path.dirname(usp_dit.__file__)))" 2>/dev/null || true)
 if [ "$installed" != "$here" ]; then
   "$PY" -m pip install -q -e ".[test]"
 fi
