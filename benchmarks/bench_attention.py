@@ -9,7 +9,7 @@ interleaved, in one run):
   forward+backward. Goal: ratio <= 1.03.
 - backends: TFLOP/s of every CUDA backend through its adapter, forward and forward+backward
   (4*S^2*H*D flops forward, 3.5x that for forward+backward).
-- ring: the ring's forward schedules ("stream", "gather", "allgather") on one GPU without communication
+- ring: the ring's forward schedules ("stream", "gather_merge", "gather_one_call") on one GPU without communication
   (N virtual ranks, N x N blocks merged by LSE) against one whole-sequence call of the same
   backend: t_whole / t_blocks.
 - ring_graphs: the same, every variant replayed from a CUDA graph (GPU-side cost only).
@@ -17,7 +17,7 @@ interleaved, in one run):
   of ``backend="auto"``, side by side: the fastest kernel per call size (inference).
 - sage: the SageAttention adapter against ``sageattn`` called directly (what its fixes cost).
 - splits: FlashAttention 3's split-KV forward at the whole shapes and at one rank's share of the
-  queries against all keys (what the "allgather" schedule calls, N = 2, 4, 8): 1-4 splits forced
+  queries against all keys (what the "gather_one_call" schedule calls, N = 2, 4, 8): 1-4 splits forced
   against the kernel's own choice (``num_splits=0``, what the adapter passes), side by side.
 
 Shapes are those of shared/shapes.md (batch 1, bf16, image + text tokens).
@@ -172,7 +172,7 @@ def cuda_graphed(fn: Callable[[], object]) -> Callable[[], object]:
 
 
 NS = (2, 4, 8)
-SCHEDULES = ("stream", "gather", "allgather")
+SCHEDULES = ("stream", "gather_merge", "gather_one_call")
 RING_HEADER = ("\n| shape | backend | whole ms | " + " | ".join(f"{s} N={n}" for s in SCHEDULES for n in NS) + " |\n"
                + "|---" * (3 + len(SCHEDULES) * len(NS)) + "|")
 
@@ -238,7 +238,7 @@ CALL_BACKENDS = ("sdpa_cudnn", "flash_attn_4", "flash_attn_3", "flashinfer")  # 
 
 def suite_calls(shapes: list[str], names: list[str]) -> list[dict]:
     """Forward of one rank's queries (S / N) against all S keys, N = 1, 2, 4, 8 (the call the
-    "allgather" ring schedule and Ulysses' 1/N of the heads make, in flops), the installed
+    "gather_one_call" ring schedule and Ulysses' 1/N of the heads make, in flops), the installed
     candidates of "auto" (``names``) side by side: which kernel is fastest at which call size."""
     rows = []
     for shape in shapes:

@@ -115,7 +115,7 @@ def main() -> int:
             x = make_case(table[name], dtype, device)
             ref = run(x, single_rank_mesh(device.type), args.backend)
             for u, r in parse_grids(args.grids, world):
-                for schedule in (("stream", "gather", "allgather") if r > 1 else ("auto",)):
+                for schedule in (("stream", "gather_merge", "gather_one_call") if r > 1 else ("auto",)):
                     key = (u, r, schedule)  # process groups are built once per grid
                     if key not in meshes:
                         meshes[key] = init_usp(ulysses_degree=u, ring_degree=r, ring_schedule=schedule)

@@ -4,7 +4,7 @@ Two spawned gloo groups, of 2 and 4 ranks, each run every case on every grid tha
   * metadata handshake (Note [call handshake]): the last rank of the group differs from the others
     in one field (dtype bf16 vs fp16 -- same byte size, so without a check the bytes would silently
     mix -- batch, heads, K/V heads, head_dim, joint length, joint given or not, seq_len given or
-    not, the ring schedule, a gradient); every rank must raise ValueError naming the field and
+    not, the ring schedule of the mesh or of the call, a gradient); every rank must raise ValueError naming the field and
     every rank's value, and a correct call afterwards still matches the float64 reference (the
     group survived). A rank whose own inputs are refused raises its own error; the others name it.
   * seq_len wrong on one rank, or wrong on all: every rank raises.
@@ -52,7 +52,9 @@ MISMATCHES = {
     "seq_len_given": ({"seq_len": True}, {"seq_len": False}, ["seq_len", f": {SEQ}", "not given"]),
     "seq_len_wrong_one": ({"seq_len": True}, {"seq_len": SEQ + 1}, ["seq_len", f": {SEQ}", f": {SEQ + 1}"]),
     "grad": ({"grad": True}, {"grad": False}, ["needs grad", "True", "False"]),
-    "schedule": ({"schedule": "stream"}, {"schedule": "gather"}, ["ring_schedule", "'stream'", "'gather'"]),
+    "schedule": ({"schedule": "stream"}, {"schedule": "gather_merge"}, ["ring_schedule", "'stream'", "'gather_merge'"]),
+    "schedule_per_call": ({"per_call": "gather_one_call"}, {"per_call": "stream"},
+                          ["ring_schedule", "'gather_one_call'", "'stream'"]),
 }
 
 
@@ -66,7 +68,7 @@ def _tensors(batch=1, heads=HEADS, kv_heads=None, dim=DIM, joint=JOINT, dtype=to
     return x
 
 
-def _call(mesh, *, grad=False, seq_len=None, schedule=None, **shape):
+def _call(mesh, *, grad=False, seq_len=None, per_call=None, **shape):
     """One usp_attention call on this rank's shard of seeded inputs described by ``shape``."""
     x = _tensors(**shape)
     local = {n: shard_sequence(x[n], mesh) for n in ("q", "k", "v")}
@@ -77,7 +79,7 @@ def _call(mesh, *, grad=False, seq_len=None, schedule=None, **shape):
         seq_len = SEQ
     seq_len = seq_len or None
     return usp_attention(local["q"], local["k"], local["v"], mesh=mesh, backend="reference", seq_len=seq_len,
-                         **joint)
+                         ring_schedule=per_call, **joint)
 
 
 def _healthy(mesh) -> float:
@@ -103,7 +105,7 @@ def _handshake_cases(mesh, world: int) -> dict[str, object]:
     last = dist.get_rank() == world - 1
     out: dict[str, object] = {}
     for name, (others, lasts, _) in MISMATCHES.items():
-        if name == "schedule" and mesh.ring_degree == 1:
+        if name.startswith("schedule") and mesh.ring_degree == 1:
             continue
         out[name] = _mismatch(mesh, dict(lasts if last else others))
         out[f"{name}/healthy"] = _healthy(mesh)

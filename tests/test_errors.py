@@ -122,6 +122,7 @@ def test_backend_without_lse_refused_where_lse_is_needed(monkeypatch):
 
 
 def test_ring_schedule_must_be_known():
-    with pytest.raises(ValueError, match=r"ring_schedule must be one of \('auto', 'stream', 'gather', 'allgather'\), got 'ring'"):
+    with pytest.raises(ValueError, match=r"ring_schedule must be one of \('auto', 'stream', 'gather_merge', 'gather_one_call'\) \(or an old name: \['allgather', 'gather'\]\), got 'ring'"):
         init_usp(ring_schedule="ring")
-    assert usp_dit.USPConfig(ring_degree=2, ring_schedule="gather").ring_schedule == "gather"
+    assert usp_dit.USPConfig(ring_degree=2, ring_schedule="gather").ring_schedule == "gather_merge"  # 0.1 name
+    assert usp_dit.USPConfig(ring_degree=2, ring_schedule="allgather").ring_schedule == "gather_one_call"

@@ -50,7 +50,7 @@ def test_flash_attn_4_registered_with_flags_and_install_line():
     assert backend.caps.why_not("cuda", torch.bfloat16, 128, True) is None
     assert "head_dim=264" in backend.caps.why_not("cuda", torch.bfloat16, 264, False)
     if not backend.available():
-        with pytest.raises(RuntimeError, match=r"pip install flash-attn-4"):
+        with pytest.raises(RuntimeError, match=r"pip install --pre flash-attn-4"):
             select_backend("flash_attn_4", "cuda", torch.bfloat16, 128, False)
     assert select_backend("auto", "cpu", torch.float32, 128, False).name == "sdpa_cpu"
 
@@ -127,10 +127,10 @@ def test_call_flops_estimate_follows_the_grid():
     assert _call_flops(q, k, None, mesh(1, 1)) == 4 * 100 * 100 * 8 * 16
     assert _call_flops(q, k, None, mesh(4, 1)) == 4 * 400 * 400 * 2 * 16
     assert _call_flops(q, k, None, mesh(1, 4, "stream")) == 4 * 100 * 100 * 8 * 16
-    assert _call_flops(q, k, None, mesh(1, 4, "gather")) == 4 * 100 * 300 * 8 * 16
-    assert _call_flops(q, k, None, mesh(1, 4, "allgather")) == 4 * 100 * 400 * 8 * 16
+    assert _call_flops(q, k, None, mesh(1, 4, "gather_merge")) == 4 * 100 * 300 * 8 * 16
+    assert _call_flops(q, k, None, mesh(1, 4, "gather_one_call")) == 4 * 100 * 400 * 8 * 16
     # training: the ring's backward streams one block per call, whatever the forward schedule
-    assert _call_flops(q, k, None, mesh(1, 4, "allgather"), needs_grad=True) == 4 * 100 * 100 * 8 * 16
+    assert _call_flops(q, k, None, mesh(1, 4, "gather_one_call"), needs_grad=True) == 4 * 100 * 100 * 8 * 16
     assert _call_flops(q, k, None, mesh(4, 1), needs_grad=True) == 4 * 400 * 400 * 2 * 16
 
 

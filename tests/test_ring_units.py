@@ -28,7 +28,7 @@ def _case(b, s, h, hk, d, dtype, seed=0):
     return q, k, v, dout
 
 
-@pytest.mark.parametrize("schedule", ["stream", "gather", "allgather"])
+@pytest.mark.parametrize("schedule", ["stream", "gather_merge", "gather_one_call"])
 @pytest.mark.parametrize("name", ["reference", "sdpa_cpu"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
@@ -66,20 +66,23 @@ def test_remote_runs(sizes, rank, runs):
 @pytest.mark.parametrize(
     "block, ring, heads, kv_heads, expected",
     [
-        (1152, 4, 24, 24, "allgather"),  # Flux R=4: blocks shorter than one transfer's worth of compute
-        (4444, 4, 48, 48, "gather"),  # CogVideoX R=4: the local block hides most of the gather
-        (11194, 4, 24, 24, "gather"),  # Mochi R=4
+        (1152, 4, 24, 24, "gather_one_call"),  # Flux R=4: blocks shorter than one transfer's worth of compute
+        (4444, 4, 48, 48, "gather_merge"),  # CogVideoX R=4: the local block hides most of the gather
+        (11194, 4, 24, 24, "gather_merge"),  # Mochi R=4
         (5597, 8, 24, 24, "stream"),  # Mochi R=8: the stream ring hides every transfer, gather would not
-        (5597, 8, 24, 6, "gather"),  # the same with 4:1 grouped K/V: a quarter of the bytes travel
+        (5597, 8, 24, 6, "gather_merge"),  # the same with 4:1 grouped K/V: a quarter of the bytes travel
     ],
 )
 def test_auto_schedule_rule(block, ring, heads, kv_heads, expected):
-    assert choose_schedule("auto", (block,) * ring, heads, kv_heads) == expected
-    assert choose_schedule("stream", (block,) * ring, heads, kv_heads) == "stream"
+    assert choose_schedule("auto", (block,) * ring, heads, kv_heads).name == expected
+    assert choose_schedule("stream", (block,) * ring, heads, kv_heads).name == "stream"
+    # the names of 0.1 still resolve
+    assert choose_schedule("gather", (block,) * ring, heads, kv_heads).name == "gather_merge"
+    assert choose_schedule("allgather", (block,) * ring, heads, kv_heads).name == "gather_one_call"
 
 
 def test_gathered_sequence_drops_padding_and_appends_joint():
-    """The "allgather" schedule's fallback layout (batch > 1 or uneven blocks): each block's real
+    """The "gather_one_call" schedule's fallback layout (batch > 1 or uneven blocks): each block's real
     tokens in rank order, then the joint tokens."""
     blocks = torch.arange(3 * 2 * 4 * 2 * 1, dtype=torch.float32).view(3, 2, 4, 2, 1)  # (R, B, L, Hk, D)
     joint = torch.full((2, 2, 2, 1), -1.0)

@@ -3,7 +3,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-RING_SCHEDULES = ("auto", "stream", "gather", "allgather")  # Note [ring schedule] in usp_dit.ring
+# How a ring's forward moves K/V blocks (Note [ring schedule] in usp_dit.ring): "stream" passes
+# them round block by block, "gather_merge" gathers all of them while the local block computes and
+# merges the partial results, "gather_one_call" gathers all of them and makes one kernel call.
+RING_SCHEDULES = ("auto", "stream", "gather_merge", "gather_one_call")
+# The names of 0.1 (still accepted): "gather" and "allgather" differed in what they did after the
+# gather, which the names did not say.
+RING_SCHEDULE_ALIASES = {"gather": "gather_merge", "allgather": "gather_one_call"}
+
+
+def canonical_schedule(name: str) -> str:
+    """``name`` as one of ``RING_SCHEDULES`` (an alias of 0.1 becomes its new name).
+
+    Raises:
+        ValueError: ``name`` is neither a schedule nor an alias.
+    """
+    name = RING_SCHEDULE_ALIASES.get(name, name)
+    if name not in RING_SCHEDULES:
+        raise ValueError(
+            f"ring_schedule must be one of {RING_SCHEDULES} (or an old name: {sorted(RING_SCHEDULE_ALIASES)}), "
+            f"got {name!r}"
+        )
+    return name
 
 
 @dataclass(frozen=True)
@@ -13,10 +34,11 @@ class USPConfig:
     ``ulysses_degree`` ranks exchange heads for sequence with an all-to-all (cheap inside a node,
     so they are neighbouring ranks); ``ring_degree`` ranks pass K/V blocks around a ring;
     ``cfg_degree`` splits the conditional / unconditional batch halves; the data-parallel degree is
-    whatever is left of the world size. ``ring_schedule`` picks how the ring's forward moves K/V:
-    "stream" (block by block, least memory), "gather" (all blocks at once, the local block computed
-    while they travel), "allgather" (all blocks at once, then one kernel call, no merge) or "auto"
-    (by block length; Note [ring schedule choice] in ``usp_dit.ring``).
+    whatever is left of the world size. ``ring_schedule`` is the default of calls on this grid
+    (each ``usp_attention`` call may name its own): "stream" (block by block, least memory),
+    "gather_merge" (all blocks at once, the local block computed while they travel, partial
+    results merged), "gather_one_call" (all blocks at once, then one kernel call, no merge) or
+    "auto" (by block length; Note [ring schedule choice] in ``usp_dit.ring``).
     """
 
     ulysses_degree: int = 1
@@ -29,8 +51,7 @@ class USPConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.ring_schedule not in RING_SCHEDULES:
-            raise ValueError(f"ring_schedule must be one of {RING_SCHEDULES}, got {self.ring_schedule!r}")
+        object.__setattr__(self, "ring_schedule", canonical_schedule(self.ring_schedule))
 
     @property
     def sequence_degree(self) -> int:

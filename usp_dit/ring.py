@@ -14,12 +14,12 @@ Note [ring schedule]
     That is the "stream" schedule: two K/V blocks in memory, every transfer hidden behind one
     block's attention when a block computes longer than it travels. Its cost is many small kernel
     calls and one merge per block, which dominate when blocks are short (Flux at R = 4: 1152-token
-    blocks, a quarter of the GPU's throughput on one H200). The "gather" forward schedule instead
+    blocks, a quarter of the GPU's throughput on one H200). The "gather_merge" forward schedule instead
     all-gathers every ring rank's K/V block (asynchronously), computes the local block (+ joint)
     while the blocks travel, then attends to the remote blocks of each equal length in one kernel
     call (the blocks folded into the batch) and merges them all in one fused pass. It holds the
     whole sequence's K/V (of this rank's heads) for the duration of the call, and exposes the part
-    of the gather that one local block does not hide. The "allgather" schedule waits for the
+    of the gather that one local block does not hide. The "gather_one_call" schedule waits for the
     gathered K/V and makes ONE kernel call of the rank's queries against the whole sequence (+ joint):
     no merge at all and the kernel's best efficiency, but nothing overlaps the gather. With batch 1
     and equal blocks the blocks are gathered straight into one buffer that ends with the joint
@@ -34,12 +34,15 @@ Note [ring schedule]
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from usp_dit.comm import RingExchanger, start_all_gather, start_all_gather_into, wait_gathered
+from usp_dit.config import canonical_schedule
 from usp_dit.kernels.protocol import AttentionBackend, forward_stack, lse_dtype
 from usp_dit.merge import LSEMerger
 
@@ -50,26 +53,27 @@ _KV_TAG, _DKV_TAG = 0, 1
 #     node's estimates (cuDNN about 600 TF/s, NVLink about 370 GB/s each way) k = c at about
 #     L0 = 1600 tokens, scaled by kv_heads / heads (grouped K/V travel less). Below L0 no schedule
 #     hides the transfers (each block travels longer than it computes), and what decides is how
-#     little the GPU wastes on short calls and merges: "auto" takes "allgather", one call per rank
-#     (measured on one H200, docs/PERFORMANCE.md: Flux R = 4, 1152-token blocks, runs at 0.23 of
-#     one whole call streamed, 0.32 gathered, 0.82 all-gathered, eager). Above L0 the stream ring
-#     hides every transfer, while "gather" exposes about (R - 1) c - k of it; "auto" gathers when
+#     little the GPU wastes on short calls and merges: "auto" takes "gather_one_call", one call
+#     per rank (by far the fastest of the three at Flux R = 4 on one H200: docs/PERFORMANCE.md,
+#     the ring schedule sections). Above L0 the stream ring
+#     hides every transfer, while "gather_merge" exposes about (R - 1) c - k of it; "auto" gathers when
 #     that estimate is at most 10% of the rank's attention time R k, i.e. when
 #     L >= (R - 1) L0 / (1 + 0.1 R), and streams otherwise (e.g. Mochi at R = 8). The constants are
 #     estimates until measured across GPUs (the multi-GPU issue); pass ring_schedule to choose.
 _L0_TOKENS = 1600
 
 
-def choose_schedule(requested: str, block_sizes: tuple[int, ...], heads: int, kv_heads: int) -> str:
-    """The forward schedule for ``requested`` ("auto" or one of "stream", "gather", "allgather"),
-    Note [ring schedule choice]."""
+def choose_schedule(requested: str, block_sizes: tuple[int, ...], heads: int, kv_heads: int) -> RingSchedule:
+    """The forward schedule for ``requested`` ("auto" or a name of ``SCHEDULES``, old aliases
+    included), Note [ring schedule choice]."""
+    requested = canonical_schedule(requested)
     if requested != "auto":
-        return requested
+        return SCHEDULES[requested]
     ring, longest = len(block_sizes), max(block_sizes)
     l0 = _L0_TOKENS * kv_heads / heads
     if longest < l0:
-        return "allgather"
-    return "gather" if longest >= (ring - 1) * l0 / (1 + 0.1 * ring) else "stream"
+        return SCHEDULES["gather_one_call"]
+    return SCHEDULES["gather_merge" if longest >= (ring - 1) * l0 / (1 + 0.1 * ring) else "stream"]
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ class RingSpec:
 
     exchanger: RingExchanger
     block_sizes: tuple[int, ...]
-    schedule: str = "stream"  # "stream", "gather" or "allgather" (forward only; Note [ring schedule])
+    schedule: RingSchedule  # the forward's (Note [ring schedule]); the backward always streams
 
     @property
     def size(self) -> int:
@@ -131,11 +135,12 @@ def _empty_result(q: torch.Tensor):
 
 
 def ring_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
-    """Forward of Note [ring schedule] (any of its schedules); returns ``(out, lse)``."""
-    if spec.schedule == "gather":
-        return _gather_forward(q, k, v, joint_k, joint_v, spec, backend, scale)
-    if spec.schedule == "allgather":
-        return _allgather_forward(q, k, v, joint_k, joint_v, spec, backend, scale)
+    """Forward of Note [ring schedule] in ``spec``'s schedule; returns ``(out, lse)``."""
+    return spec.schedule.forward(q, k, v, joint_k, joint_v, spec, backend, scale)
+
+
+def _stream_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
+    """The "stream" forward of Note [ring schedule]: block by block, merged as they come."""
     merger = LSEMerger()
     for step, cur in _ring_blocks(k, v, spec):
         k_t, v_t = _with_joint(cur, joint_k, joint_v, step)
@@ -146,7 +151,7 @@ def ring_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBa
 
 def remote_runs(block_sizes: tuple[int, ...], rank: int) -> list[tuple[int, int, int]]:
     """``(start, stop, length)`` runs of consecutive ring ranks other than ``rank`` whose K/V blocks
-    have one (non-zero) length: each run is one batched kernel call of the "gather" schedule."""
+    have one (non-zero) length: each run is one batched kernel call of the "gather_merge" schedule."""
     runs: list[tuple[int, int, int]] = []
     for j, n in enumerate(block_sizes):
         if j == rank or n == 0:
@@ -195,8 +200,8 @@ def _gathered_blocks(pending: torch.Tensor, spec: RingSpec, batch: int) -> torch
     return wait_gathered(pending).unflatten(0, (spec.size, batch))
 
 
-def _gather_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
-    """The "gather" forward of Note [ring schedule]; returns ``(out, lse)``."""
+def _gather_merge_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
+    """The "gather_merge" forward of Note [ring schedule]; returns ``(out, lse)``."""
     pending = _start_block_gather(k, v, spec)  # travels during the local block
     merger = attend_local(q, *_with_joint((k, v), joint_k, joint_v, 0), backend, scale)
     k_all, v_all = (_gathered_blocks(p, spec, k.shape[0]) for p in pending)
@@ -228,8 +233,8 @@ def _gather_in_place(k, v, joint_k, joint_v, spec: RingSpec):
     return bufs
 
 
-def _allgather_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
-    """The "allgather" forward of Note [ring schedule]: one call against the whole sequence."""
+def _gather_one_call_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
+    """The "gather_one_call" forward of Note [ring schedule]: one call against the whole sequence."""
     if k.shape[0] == 1 and len(set(spec.block_sizes)) == 1:
         k_all, v_all = _gather_in_place(k, v, joint_k, joint_v, spec)
     else:
@@ -241,6 +246,44 @@ def _allgather_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: Atten
     if not (q.shape[1] and k_all.shape[1]):
         return _empty_result(q)
     return backend.forward(q, k_all, v_all, scale)
+
+
+class RingSchedule(Protocol):
+    """One way for a ring's forward to move K/V blocks (Note [ring schedule]), chosen per call.
+
+    ``forward`` returns this rank's ``(out, lse)``; ``keys_per_call`` is how many keys its main
+    kernel call attends to, which "auto" weighs against a kernel's per-call cost.
+    """
+
+    name: str
+
+    def forward(self, q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float): ...
+
+    def keys_per_call(self, block: int, ring: int, joint: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """A ``RingSchedule`` from its forward and its main call's key count."""
+
+    name: str
+    forward_fn: Callable
+    keys_fn: Callable[[int, int, int], int]
+
+    def forward(self, q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
+        return self.forward_fn(q, k, v, joint_k, joint_v, spec, backend, scale)
+
+    def keys_per_call(self, block: int, ring: int, joint: int) -> int:
+        return self.keys_fn(block, ring, joint)
+
+
+SCHEDULES: dict[str, RingSchedule] = {
+    s.name: s for s in (
+        _Schedule("stream", _stream_forward, lambda block, ring, joint: block),
+        _Schedule("gather_merge", _gather_merge_forward, lambda block, ring, joint: block * (ring - 1)),
+        _Schedule("gather_one_call", _gather_one_call_forward, lambda block, ring, joint: block * ring + joint),
+    )
+}
 
 
 def _block_grads(backend, dout, q, k_t, v_t, out, lse, scale):

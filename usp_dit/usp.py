@@ -21,6 +21,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from usp_dit.comm import gather_uneven, heads_to_seq, seq_to_heads
+from usp_dit.config import canonical_schedule
 from usp_dit.handshake import agree, calls_verified
 from usp_dit.kernels import KernelAttention, select_backend
 from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
@@ -76,21 +77,21 @@ def _check_lse(kernel: AttentionBackend, return_lse: bool, mesh: USPMesh) -> Non
     )
 
 
-def _call_fields(q, k, joint, mesh: USPMesh, kernel: AttentionBackend, seq_len, needs_grad: bool) -> dict:
+def _call_fields(q, k, call: _Call, mesh: USPMesh, seq_len) -> dict:
     """What every rank of the sequence group must agree on for one call (Note [call handshake]).
     "input check" comes first: a rank that refused its inputs sends only that field."""
     b, _, h, d = q.shape
     return {
         "input check": "ok",
         "dtype": q.dtype, "batch": b, "heads": h, "kv_heads": k.shape[2], "head_dim": d,
-        "joint tokens": None if joint is None else joint[0].shape[1],
-        "seq_len": seq_len, "ring_schedule": mesh.ring_schedule,
+        "joint tokens": None if call.joint is None else call.joint[0].shape[1],
+        "seq_len": seq_len, "ring_schedule": call.schedule,
         "degrees (ulysses, ring)": (mesh.ulysses_degree, mesh.ring_degree),
-        "backend returns LSE": kernel.caps.returns_lse, "needs grad": needs_grad,
+        "backend returns LSE": call.kernel.caps.returns_lse, "needs grad": call.needs_grad,
     }
 
 
-def _shard_sizes(q, k, joint, mesh: USPMesh, kernel, seq_len: int | None, needs_grad: bool) -> list[int]:
+def _shard_sizes(q, k, call: _Call, mesh: USPMesh, seq_len: int | None) -> list[int]:
     """Shard length of every rank of the sequence group, in sequence-rank order, after the ranks
     agreed on the call (Note [call handshake] in ``usp_dit.handshake``: the handshake is the
     all-gather of shard lengths, so checking costs no extra collective). Inside
@@ -106,7 +107,7 @@ def _shard_sizes(q, k, joint, mesh: USPMesh, kernel, seq_len: int | None, needs_
         if sizes[mesh.seq_rank] != local_len:
             raise ValueError(_seq_len_message(seq_len, sizes, [(mesh.seq_rank, local_len)]))
         return sizes
-    fields = _call_fields(q, k, joint, mesh, kernel, seq_len, needs_grad)
+    fields = _call_fields(q, k, call, mesh, seq_len)
     sizes = agree(fields, mesh.seq_group, q.device, varying=local_len, what="a usp_attention call")
     if seq_len is not None:
         expected = split_sizes(seq_len, p)
@@ -133,9 +134,10 @@ class _Call(NamedTuple):
     kernel: AttentionBackend
     scale: float
     needs_grad: bool
+    schedule: str  # the ring schedule asked for ("auto" or a name of usp_dit.config.RING_SCHEDULES)
 
 
-def _prepare(q, k, v, joint_qkv, mesh: USPMesh, scale, backend: str, return_lse: bool) -> _Call:
+def _prepare(q, k, v, joint_qkv, mesh: USPMesh, scale, backend: str, return_lse: bool, schedule: str | None) -> _Call:
     """Validate the inputs and pick the kernel (this rank alone; no communication)."""
     joint = _joint_tuple(*joint_qkv)
     _check_inputs(q, k, v, joint)
@@ -148,10 +150,13 @@ def _prepare(q, k, v, joint_qkv, mesh: USPMesh, scale, backend: str, return_lse:
     tensors = (q, k, v) + (joint or ())
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     # Only "auto" weighs the call size; a named backend skips the estimate (every call pays it).
-    flops = _call_flops(q, k, joint, mesh, needs_grad) if backend == "auto" and not torch.compiler.is_compiling() else None
+    schedule = mesh.ring_schedule if schedule is None else canonical_schedule(schedule)
+    flops = None
+    if backend == "auto" and not torch.compiler.is_compiling():
+        flops = _call_flops(q, k, joint, mesh, needs_grad, schedule)
     kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad, flops)
     _check_lse(kernel, return_lse, mesh)
-    return _Call(joint, joint_empty, kernel, scale, needs_grad)
+    return _Call(joint, joint_empty, kernel, scale, needs_grad, schedule)
 
 
 def _share_failure(exc: Exception, q, mesh: USPMesh, seq_len: int | None) -> None:
@@ -192,13 +197,14 @@ def _rows(lse: torch.Tensor | None, start: int, stop: int | None) -> torch.Tenso
     return None if lse is None else lse[:, start:stop]
 
 
-def _call_flops(q, k, joint, mesh: USPMesh, needs_grad: bool = False) -> float:
+def _call_flops(q, k, joint, mesh: USPMesh, needs_grad: bool = False, schedule: str | None = None) -> float:
     """Estimated flops of this rank's main kernel call (4 * B * Sq * Sk * heads * D), for "auto"
     to weigh against a kernel's per-call CPU cost. Assumes even shards; only speed depends on it.
     In training a ring's backward (about 2.5x its forward) streams one K/V block per call, whatever
     the forward schedule, so those calls are the ones that count."""
     b, s_local, h, d = q.shape
     u, r = mesh.ulysses_degree, mesh.ring_degree
+    schedule = schedule or mesh.ring_schedule
     s = s_local * mesh.sequence_degree
     heads, kv_heads = max(1, h // u), max(1, k.shape[2] // u)
     joint_len = joint[1].shape[1] if joint is not None else 0
@@ -208,17 +214,16 @@ def _call_flops(q, k, joint, mesh: USPMesh, needs_grad: bool = False) -> float:
         k_len = max(1, s // r)
     else:
         block = max(1, s // r)
-        schedule = choose_schedule(mesh.ring_schedule, (block,) * r, heads, kv_heads)
-        # gather: the remote blocks are one call; allgather: the whole sequence is
-        k_len = {"gather": block * (r - 1), "allgather": s + joint_len}.get(schedule, block)
+        k_len = choose_schedule(schedule, (block,) * r, heads, kv_heads).keys_per_call(block, r, joint_len)
     return 4.0 * b * (s / r) * k_len * heads * d
 
 
 @torch.compiler.disable  # P2P ring transfers are not traceable: compiled models run this part eagerly
-def _sharded(q, k, v, joint, kernel, scale, mesh: USPMesh, seq_len, needs_grad: bool):
+def _sharded(q, k, v, call: _Call, mesh: USPMesh, seq_len):
     """P > 1: Ulysses all-to-all, ring (or one local call), all-to-all back, joint gathers."""
     u_deg, r_deg, r = mesh.ulysses_degree, mesh.ring_degree, mesh.ring_rank
-    shards = _shard_sizes(q, k, joint, mesh, kernel, seq_len, needs_grad)
+    joint, kernel, scale = call.joint, call.kernel, call.scale
+    shards = _shard_sizes(q, k, call, mesh, seq_len)
     layout = ulysses_layout(mesh, q.shape[2], k.shape[2], shards[r * u_deg:(r + 1) * u_deg])
     q_blk = scatter_heads(q, layout.q_plan)
     k_blk = layout.local_kv(scatter_heads(k, layout.kv_plan))
@@ -235,7 +240,7 @@ def _sharded(q, k, v, joint, kernel, scale, mesh: USPMesh, seq_len, needs_grad: 
         jk, jv = layout.local_kv(jk[:, :, kvlo:kvhi]), layout.local_kv(jv[:, :, kvlo:kvhi])
     if r_deg > 1:
         sizes = tuple(ring_block_sizes(shards, u_deg))
-        schedule = choose_schedule(mesh.ring_schedule, sizes, q_blk.shape[2], k_blk.shape[2])
+        schedule = choose_schedule(call.schedule, sizes, q_blk.shape[2], k_blk.shape[2])
         spec = RingSpec(mesh.ring_exchanger, sizes, schedule)
         out_ext, lse_ext = RingAttention.apply(q_blk, k_blk, v_blk, jk, jv, spec, kernel, scale)
     elif jk is not None:
@@ -318,6 +323,7 @@ def usp_attention(
     backend: str = "auto",
     return_lse: bool = False,
     seq_len: int | None = None,
+    ring_schedule: str | None = None,
 ):
     """Non-causal attention of this rank's sequence shard against the whole sequence.
 
@@ -332,6 +338,10 @@ def usp_attention(
         scale: softmax scale, default ``head_dim ** -0.5``.
         backend: "auto" or a name from ``usp_dit.kernels.list_backends()``.
         return_lse: also return the log-sum-exp (batch, seq, heads), float32 (float64 for float64).
+        ring_schedule: how this call's ring forward moves K/V blocks: "stream", "gather_merge",
+            "gather_one_call" or "auto" (Note [ring schedule] in ``usp_dit.ring``); ``None`` takes
+            the mesh's default (``init_usp(ring_schedule=...)``). Chosen per call: changing it
+            builds no process group.
         seq_len: the full sequence length, if known; checked against every rank's shard. Before
             the first size-dependent transfer the ranks agree on the call (dtype, shapes, joint
             tokens, seq_len, ring schedule, gradient: Note [call handshake] in
@@ -358,15 +368,15 @@ def usp_attention(
     """
     mesh = resolve_mesh(mesh)
     try:
-        call = _prepare(q, k, v, (joint_q, joint_k, joint_v), mesh, scale, backend, return_lse)
+        call = _prepare(q, k, v, (joint_q, joint_k, joint_v), mesh, scale, backend, return_lse, ring_schedule)
     except (ValueError, NotImplementedError, RuntimeError) as exc:
         _share_failure(exc, q, mesh, seq_len)
         raise
-    joint, joint_empty, kernel, scale, needs_grad = call
+    joint, joint_empty, kernel, scale = call.joint, call.joint_empty, call.kernel, call.scale
     if mesh.sequence_degree == 1:
         main, joint_res = _single_rank(q, k, v, joint, kernel, scale)
     else:
-        main, joint_res = _sharded(q, k, v, joint, kernel, scale, mesh, seq_len, needs_grad)
+        main, joint_res = _sharded(q, k, v, call, mesh, seq_len)
     joint_res = joint_res or joint_empty
     if joint_res is None:
         return main if return_lse else main[0]

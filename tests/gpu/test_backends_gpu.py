@@ -61,7 +61,7 @@ def test_backend_whole_and_blockwise(name, dtype, shape):
     ref = (out.detach(), lse.detach(), *torch.autograd.grad(out, leaves, dout))
     whole = _errors(backend, q, k, v, dout, dtype, 1, ref)
     assert max(whole.values()) < 2e-2, whole
-    for schedule in ("stream", "gather", "allgather"):
+    for schedule in ("stream", "gather_merge", "gather_one_call"):
         for n in (2, 4, 8):
             blocks = _errors(backend, q, k, v, dout, dtype, n, ref, schedule)
             bad = {key: (blocks[key], whole[key]) for key in whole if blocks[key] > 2 * whole[key] + 1e-5}

@@ -22,7 +22,7 @@ from usp_dit.kernels._sdpa_layout import lse_to_bhs, lse_to_bsh
 from usp_dit.kernels.protocol import BackendCaps, folded_forward_stack, import_optional
 from usp_dit.kernels.registry import register_backend
 
-INSTALL = "pip install flash-attn-4 'nvidia-cutlass-dsl[cu13]'"
+INSTALL = "pip install --pre flash-attn-4 'nvidia-cutlass-dsl[cu13]'"  # PyPI has only 4.0.0 betas (and a 0.0.1 placeholder)
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
 

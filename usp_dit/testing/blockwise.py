@@ -4,10 +4,10 @@ Layout: q (B, Sq, H, D); k, v (B, Sk, Hk, D); out like q; lse (B, Sq, H).
 
 Query and K/V sequences are cut into N blocks (uneven lengths allowed, as ``split_sizes`` cuts
 them); every query block attends to every K/V block through the backend and the partial results
-are merged by LSE exactly as a ring rank merges them, in either forward schedule of
-``usp_dit.ring`` (Note [ring schedule]): "stream" merges block by block, "gather" attends to the
+are merged by LSE exactly as a ring rank merges them, in each forward schedule of
+``usp_dit.ring`` (Note [ring schedule]): "stream" merges block by block, "gather_merge" attends to the
 local block and then to each run of equal-length remote blocks in one call, through the same
-functions the ring runs; "allgather" makes one call per rank against the whole sequence. The
+functions the ring runs; "gather_one_call" makes one call per rank against the whole sequence. The
 backward feeds each block the merged out/LSE, as the ring backward does. Used by the GPU kernel
 tests (a backend is ring-safe when its blockwise result matches its whole-sequence result) and the
 ring-block benchmark.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from usp_dit.config import canonical_schedule
 from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 from usp_dit.merge import LSEMerger
 from usp_dit.partition import offsets, split_sizes
@@ -36,7 +37,7 @@ def _rank_forward(q_blk, k_blocks, v_blocks, stacks, backend, scale: float, rank
     """What ring rank ``rank`` computes for its queries ``q_blk`` in the given forward schedule;
     ``stacks(rank)`` gives the gather schedule's (k_stack, v_stack) runs of remote blocks."""
     n = len(k_blocks)
-    if schedule == "gather":
+    if schedule == "gather_merge":
         merger = attend_local(q_blk, k_blocks[rank], v_blocks[rank], backend, scale)
         return attend_stacks(merger, q_blk, stacks(rank), backend, scale)
     merger = LSEMerger()
@@ -48,13 +49,14 @@ def _rank_forward(q_blk, k_blocks, v_blocks, stacks, backend, scale: float, rank
 
 def blockwise_forward(q, k, v, backend: AttentionBackend, scale: float, n: int, schedule: str = "stream"):
     """Returns ``(out, lse)`` of ``n`` x ``n`` blocks merged by LSE, as ``n`` ring ranks compute them."""
+    schedule = canonical_schedule(schedule)
     sizes = split_sizes(k.shape[1], n)
     k_blocks, v_blocks = _blocks(k, n), _blocks(v, n)
 
     def stacks(rank: int):
         return [(_stack(k, sizes, a, b, m), _stack(v, sizes, a, b, m)) for a, b, m in remote_runs(tuple(sizes), rank)]
 
-    if schedule == "allgather":  # the gathered K/V is the whole sequence, used in place (batch 1)
+    if schedule == "gather_one_call":  # the gathered K/V is the whole sequence, used in place (batch 1)
         results = [backend.forward(q_blk, k, v, scale) for q_blk in _blocks(q, n) if q_blk.shape[1]]
     else:
         results = [_rank_forward(q_blk, k_blocks, v_blocks, stacks, backend, scale, r, schedule)
