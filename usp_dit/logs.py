@@ -6,7 +6,7 @@
 
 Every rank of a job runs the same code, so a notice or a warning would otherwise appear once per
 rank. ``configure_logging`` keeps INFO and WARNING lines on rank 0 and only errors on the others:
-for the ``usp_dit`` logger (and its children, e.g. the kernels' notices in ``usp_dit.kernels.base``),
+for the ``usp_dit`` logger (and its children, e.g. the kernels' notices in ``usp_dit.kernels.policy``),
 for Diffusers' and Transformers' loggers, and for Python ``warnings``, which are ignored on ranks > 0.
 The library itself never configures logging; a script chooses to.
 """
