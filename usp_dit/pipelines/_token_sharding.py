@@ -34,6 +34,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from usp_dit.mesh import USPMesh
+from usp_dit.pipelines.base import check_ulysses_degree
 from usp_dit.sharding import gather_sequence, shard_sequence
 
 
@@ -139,13 +140,22 @@ class PatchingAdapter:
     def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> Any:
         raise NotImplementedError
 
+    def num_heads(self, transformer: torch.nn.Module) -> int:
+        """Attention heads of every layer (query and K/V alike: these families have no GQA)."""
+        return transformer.config.num_attention_heads
+
     def matches(self, transformer: torch.nn.Module) -> bool:
         return isinstance(transformer, self.model_class)
 
     def enable(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> None:
-        """Shard tokens over ``mesh``'s sequence group, in place. Raises ValueError if already enabled."""
+        """Shard tokens over ``mesh``'s sequence group, in place.
+
+        Raises:
+            ValueError: already enabled, or ``ulysses_degree`` above the model's head count.
+        """
         if getattr(transformer, self._PATCH_ATTR, None) is not None:
             raise ValueError(f"this {self.model_class.__name__} is already sequence-parallel: call disable first")
+        check_ulysses_degree(self.num_heads(transformer), mesh, self.model_class.__name__)
         patch = self.make_patch(transformer, mesh, backend)
         patch.install()
         setattr(transformer, self._PATCH_ATTR, patch)

@@ -73,3 +73,21 @@ def restore_instance_attr(obj: object, name: str, saved: object) -> None:
         delattr(obj, name)
     else:
         setattr(obj, name, saved)
+
+
+def check_ulysses_degree(num_heads: int, mesh: USPMesh, model: str) -> None:
+    """Before patching: a Ulysses degree the model's attention cannot be split over.
+
+    Every Ulysses rank computes attention for at least one query head, so ``ulysses_degree`` can
+    be at most the model's head count (usp_dit.partition.head_plan would refuse it at the first
+    forward; this says it at ``enable_usp``, with the model's number).
+
+    Raises:
+        ValueError: ``ulysses_degree`` exceeds ``num_heads``.
+    """
+    if mesh.ulysses_degree > num_heads:
+        raise ValueError(
+            f"ulysses_degree={mesh.ulysses_degree} exceeds the {num_heads} attention heads of this {model}: "
+            f"ulysses_degree can be at most {num_heads} (each Ulysses rank takes at least one head); "
+            f"put the remaining ranks on ring_degree"
+        )

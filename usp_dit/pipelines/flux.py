@@ -47,7 +47,13 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from usp_dit.comm import all_gather_uneven
 from usp_dit.mesh import USPMesh
 from usp_dit.partition import offsets, split_sizes
-from usp_dit.pipelines.base import MISSING, register_adapter, restore_instance_attr, saved_instance_attr
+from usp_dit.pipelines.base import (
+    MISSING,
+    check_ulysses_degree,
+    register_adapter,
+    restore_instance_attr,
+    saved_instance_attr,
+)
 from usp_dit.usp import usp_attention
 
 
@@ -242,9 +248,16 @@ class FluxAdapter:
         return isinstance(transformer, FluxTransformer2DModel)
 
     def enable(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> None:
-        """Swap every attention processor; at P > 1 also wrap forward to split and gather tokens."""
+        """Swap every attention processor; at P > 1 also wrap forward to split and gather tokens.
+
+        Raises:
+            ValueError: already enabled, or ``ulysses_degree`` above the model's head count.
+            NotImplementedError: a processor other than diffusers' ``FluxAttnProcessor``.
+        """
         if getattr(transformer, self._ATTR, None) is not None:
             raise ValueError(f"usp_dit is already enabled on this {type(transformer).__name__}")
+        # Every block (double and single) has num_attention_heads heads, K/V included (no GQA).
+        check_ulysses_degree(transformer.config.num_attention_heads, mesh, type(transformer).__name__)
         processors = transformer.attn_processors
         for name, proc in processors.items():
             if type(proc) is not FluxAttnProcessor:
