@@ -67,7 +67,14 @@ from diffusers import DiffusionPipeline
 from usp_dit.comm import all_gather_uneven
 from usp_dit.kernels import get_backend
 from usp_dit.mesh import USPMesh, init_usp
-from usp_dit.pipelines.base import MISSING, ModelAdapter, find_adapter, restore_instance_attr, saved_instance_attr
+from usp_dit.pipelines.base import (
+    MISSING,
+    ModelAdapter,
+    check_model_device,
+    find_adapter,
+    restore_instance_attr,
+    saved_instance_attr,
+)
 
 _STATE_ATTR = "_usp_dit_state"
 
@@ -133,6 +140,15 @@ def _check_backend(backend: str) -> None:
     """ValueError for a backend name that is neither "auto" nor registered (checked before patching)."""
     if backend != "auto":
         get_backend(backend)
+
+
+def _check_device(transformer: torch.nn.Module) -> None:
+    """ValueError for a model on another rank's GPU (``base.check_model_device``), before patching."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is None or not torch.cuda.is_available():
+        return
+    devices = {t.device for t in (*transformer.parameters(), *transformer.buffers())}
+    check_model_device(devices, int(local_rank), torch.cuda.device_count(), torch.cuda.current_device())
 
 
 def _world_size() -> int:
@@ -409,8 +425,9 @@ def enable_usp(
         The mesh in use.
 
     Raises:
-        ValueError: bad degrees or backend name, a mesh that disagrees with the degrees, or a
-            transformer on which usp_dit is already enabled.
+        ValueError: bad degrees or backend name, a mesh that disagrees with the degrees, a
+            ``ulysses_degree`` above the model's attention heads, a model on a GPU other than
+            this rank's (``LOCAL_RANK``), or a transformer on which usp_dit is already enabled.
         NotImplementedError: no adapter for this transformer class (the message names the
             supported ones) or a pipeline without a transformer.
     """
@@ -419,6 +436,7 @@ def enable_usp(
         raise ValueError(f"usp_dit is already enabled on this {type(transformer).__name__}; call disable_usp first")
     _check_backend(backend)
     adapter = find_adapter(transformer)
+    _check_device(transformer)
     mesh = _resolve_mesh(mesh, ulysses_degree, ring_degree, cfg_degree, ring_schedule)
     adapter.enable(transformer, mesh, backend)
     state = USPState(mesh, adapter, backend, sync_inputs)

@@ -10,6 +10,7 @@ is done around the adapter's forward by ``usp_dit.pipelines.api``), kernels.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -90,4 +91,46 @@ def check_ulysses_degree(num_heads: int, mesh: USPMesh, model: str) -> None:
             f"ulysses_degree={mesh.ulysses_degree} exceeds the {num_heads} attention heads of this {model}: "
             f"ulysses_degree can be at most {num_heads} (each Ulysses rank takes at least one head); "
             f"put the remaining ranks on ring_degree"
+        )
+
+
+def check_model_device(
+    devices: Iterable[torch.device], local_rank: int | None, num_cuda_devices: int, current_cuda_device: int | None,
+) -> None:
+    """A model on a GPU that is not this rank's: the mistake of moving a pipeline to ``"cuda"``
+    (GPU 0 on every rank) before ``torch.cuda.set_device(local_rank)``.
+
+    Args:
+        devices: where the model's parameters and buffers are.
+        local_rank: torchrun's ``LOCAL_RANK`` (``None`` when not launched by it: nothing to check).
+        num_cuda_devices: GPUs this process sees. When ``local_rank`` is not below it, each process
+            sees only its own GPUs (e.g. ``CUDA_VISIBLE_DEVICES`` set per rank) and indices say
+            nothing about ranks: nothing to check.
+        current_cuda_device: ``torch.cuda.current_device()`` (``None`` without CUDA), where
+            collectives and new tensors go.
+
+    Raises:
+        ValueError: a CUDA parameter or buffer sits on another GPU than ``cuda:{local_rank}``, or
+            the current device is not it, naming the device and the fix.
+    """
+    if local_rank is None or local_rank >= num_cuda_devices:
+        return
+    # torch.device("cuda") without an index means the current device.
+    current = 0 if current_cuda_device is None else current_cuda_device
+    cuda = sorted({current if d.index is None else d.index for d in devices if d.type == "cuda"})
+    if not cuda:
+        return
+    fix = (f"call torch.cuda.set_device({local_rank}) and move the model to f\"cuda:{{LOCAL_RANK}}\" "
+           f"(cuda:{local_rank} here; a bare \"cuda\" is GPU 0 on every rank) before enable_usp")
+    wrong = [i for i in cuda if i != local_rank]
+    if wrong:
+        where = ", ".join(f"cuda:{i}" for i in wrong)
+        raise ValueError(
+            f"the transformer has parameters on {where}, but this rank's LOCAL_RANK is {local_rank}: two ranks "
+            f"would share one GPU; {fix}"
+        )
+    if current_cuda_device is not None and current_cuda_device != local_rank:
+        raise ValueError(
+            f"the current CUDA device is cuda:{current_cuda_device}, but this rank's LOCAL_RANK is {local_rank} "
+            f"(the model is on cuda:{local_rank}): collectives would run on another rank's GPU; {fix}"
         )
