@@ -147,6 +147,9 @@ class PatchingAdapter:
     def matches(self, transformer: torch.nn.Module) -> bool:
         return isinstance(transformer, self.model_class)
 
+    def __deepcopy__(self, memo: dict) -> PatchingAdapter:
+        return self  # the registered adapter is stateless: a copied model's state refers to the same one
+
     def enable(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> None:
         """Shard tokens over ``mesh``'s sequence group, in place.
 

@@ -51,7 +51,6 @@ Note [a failing rank]
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import sys
@@ -69,6 +68,7 @@ from usp_dit.kernels import get_backend
 from usp_dit.mesh import USPMesh, init_usp
 from usp_dit.pipelines.base import (
     MISSING,
+    MethodWrapper,
     ModelAdapter,
     check_model_device,
     find_adapter,
@@ -283,23 +283,30 @@ def gather_cfg_output(out: Any, batch: int, mesh: USPMesh) -> Any:
     return out
 
 
-def _replica_forward(inner, state: USPState):
-    """``inner`` (the adapter's forward) with inputs synced and the batch split over "cfg"."""
-    signature = inspect.signature(inner)
-    mesh = state.mesh
-    batch_args = getattr(state.adapter, "cfg_batch_args", None)
+class ReplicaForward(MethodWrapper):
+    """``inner`` (the adapter's forward) with inputs synced and the batch split over "cfg".
 
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        if state.sync_inputs:
+    An object, not a closure, so that a deep copy of the transformer runs its own weights
+    (``usp_dit.pipelines.base`` Note [deep copies]).
+    """
+
+    def __init__(self, inner, state: USPState) -> None:
+        super().__init__(inner)
+        self.state = state
+
+    def __call__(self, *args, **kwargs):
+        bound = self.__signature__.bind(*args, **kwargs)
+        mesh = self.state.mesh
+        if self.state.sync_inputs:
             sync_arguments(bound.arguments, mesh)
-        if mesh.cfg_degree == 1:
-            return inner(*bound.args, **bound.kwargs)
-        batch = split_cfg_batch(bound.arguments, mesh, batch_args)
-        return gather_cfg_output(inner(*bound.args, **bound.kwargs), batch, mesh)
+        return self._split_run_gather(bound)
 
-    return forward
+    def _split_run_gather(self, bound: inspect.BoundArguments):
+        mesh = self.state.mesh
+        if mesh.cfg_degree == 1:
+            return self.inner(*bound.args, **bound.kwargs)
+        batch = split_cfg_batch(bound.arguments, mesh, getattr(self.state.adapter, "cfg_batch_args", None))
+        return gather_cfg_output(self.inner(*bound.args, **bound.kwargs), batch, mesh)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,6 +352,18 @@ def _restore_progress_bar(pipe: Any, state: USPState) -> None:
         pipe._progress_bar_config = state.progress_config
 
 
+class SyncedLatents(MethodWrapper):
+    """A pipeline's ``prepare_latents`` returning the replica's first rank's latents (an object:
+    ``usp_dit.pipelines.base`` Note [deep copies])."""
+
+    def __init__(self, inner, mesh: USPMesh) -> None:
+        super().__init__(inner)
+        self.mesh = mesh
+
+    def __call__(self, *args, **kwargs):
+        return _sync_value(self.inner(*args, **kwargs), "latents", self.mesh)
+
+
 def _sync_pipeline_latents(pipe: Any, state: USPState) -> None:
     """Note [same inputs everywhere], at the source: the pipeline's ``prepare_latents`` returns the
     replica's first rank's tensors, so every rank denoises (and decodes) the same latents."""
@@ -352,12 +371,7 @@ def _sync_pipeline_latents(pipe: Any, state: USPState) -> None:
     if prepare is None or not state.sync_inputs or state.mesh.config.model_degree == 1:
         return
     state.latents_attr = saved_instance_attr(pipe, "prepare_latents")
-
-    @functools.wraps(prepare)
-    def prepare_latents(*args, **kwargs):
-        return _sync_value(prepare(*args, **kwargs), "latents", state.mesh)
-
-    pipe.prepare_latents = prepare_latents
+    pipe.prepare_latents = SyncedLatents(prepare, state.mesh)
     state.latents_wrapped = True
 
 
@@ -442,7 +456,7 @@ def enable_usp(
     state = USPState(mesh, adapter, backend, sync_inputs)
     if mesh.config.model_degree > 1:  # at one rank there is nothing to sync or split: no wrapper, no tax
         state.forward_attr = saved_instance_attr(transformer, "forward")
-        transformer.forward = _replica_forward(transformer.forward, state)
+        transformer.forward = ReplicaForward(transformer.forward, state)
         state.wrapped = True
     setattr(transformer, _STATE_ATTR, state)
     _patch_pipeline(pipe, state)

@@ -10,8 +10,10 @@ is done around the adapter's forward by ``usp_dit.pipelines.api``), kernels.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol
+import copy
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 
@@ -60,7 +62,19 @@ def find_adapter(transformer: torch.nn.Module) -> ModelAdapter:
     )
 
 
-MISSING = object()  # "the object had no instance attribute of that name"
+class _Missing:
+    """The type of ``MISSING``; a deep copy or a pickle of it is ``MISSING`` itself."""
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+    def __reduce__(self) -> str:
+        # copy.deepcopy and pickle take a string as "the module global of this name": an enabled
+        # transformer's deep copy must restore to MISSING (delete its attribute), not to a new object.
+        return "MISSING"
+
+
+MISSING = _Missing()  # "the object had no instance attribute of that name"
 
 
 def saved_instance_attr(obj: object, name: str) -> object:
@@ -74,6 +88,45 @@ def restore_instance_attr(obj: object, name: str, saved: object) -> None:
         delattr(obj, name)
     else:
         setattr(obj, name, saved)
+
+
+class MethodWrapper:
+    """A callable installed as an instance attribute (a transformer's ``forward``), wrapping ``inner``.
+
+    Subclasses implement ``__call__`` and keep what they need as attributes.
+
+    Note [deep copies]
+        An enabled transformer may be deep-copied: an EMA copy in fine-tuning. ``copy.deepcopy``
+        copies a *function* by reference, so a closure stored as ``transformer.forward`` would
+        make the copy call the original's bound forward: the original's weights, silently. So
+        every wrapper usp_dit installs is an object: its ``inner`` (a bound method, or another
+        wrapper) and its state deep-copy with the module, and the copy's memo maps the original
+        module to its copy, so the copy's wrapper calls the copy's forward. Processors and hooks
+        are objects already and copy the same way; the mesh is shared (``USPMesh.__deepcopy__``:
+        process groups cannot be copied) and so are the registered adapters (stateless).
+
+                transformer.forward = Wrapper(inner=<bound forward of transformer>, state)
+        deepcopy ─► copy.forward    = Wrapper(inner=<bound forward of copy>, deepcopy(state))
+    """
+
+    def __init__(self, inner: Callable[..., Any]) -> None:
+        self.inner = inner
+        # inspect.signature(wrapper) reads this: callers that inspect the forward (e.g. pipelines
+        # checking for an argument) see the model's own signature.
+        self.__signature__ = inspect.signature(inner)
+        self.__doc__ = getattr(inner, "__doc__", None)
+        self.__name__ = getattr(inner, "__name__", type(self).__name__)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MethodWrapper:
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            # The signature is immutable (and its annotations need not be copyable): shared.
+            clone.__dict__[name] = value if name == "__signature__" else copy.deepcopy(value, memo)
+        return clone
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner!r})"
 
 
 def check_ulysses_degree(num_heads: int, mesh: USPMesh, model: str) -> None:

@@ -34,8 +34,6 @@ processors other than diffusers' ``FluxAttnProcessor`` (e.g. IP-Adapter or custo
 """
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +47,7 @@ from usp_dit.mesh import USPMesh
 from usp_dit.partition import offsets, split_sizes
 from usp_dit.pipelines.base import (
     MISSING,
+    MethodWrapper,
     check_ulysses_degree,
     register_adapter,
     restore_instance_attr,
@@ -201,27 +200,32 @@ def _gather_sample(out: Any, split: FluxSplit, mesh: USPMesh) -> Any:
     return out
 
 
-def _sharded_forward(inner, state: FluxCallState):
-    """Flux's forward on this rank's piece (Note [Flux token split]), the image output gathered."""
-    signature = inspect.signature(inner)
+class ShardedFluxForward(MethodWrapper):
+    """Flux's forward on this rank's piece (Note [Flux token split]), the image output gathered.
 
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
+    An object, not a closure, so that a deep copy of the transformer runs its own weights
+    (``usp_dit.pipelines.base`` Note [deep copies]).
+    """
+
+    def __init__(self, inner, state: FluxCallState) -> None:
+        super().__init__(inner)
+        self.state = state
+
+    def __call__(self, *args, **kwargs):
+        bound = self.__signature__.bind(*args, **kwargs)
         call = bound.arguments
         _check_call(call)
         num_text, num_image = call["encoder_hidden_states"].shape[1], call["hidden_states"].shape[1]
+        state = self.state
         mesh = state.mesh
         split = flux_split(num_text, num_image, mesh.sequence_degree, mesh.seq_rank)
         _shard_arguments(call, split)
         state.seq_len = num_text + num_image
         try:
-            out = inner(*bound.args, **bound.kwargs)
+            out = self.inner(*bound.args, **bound.kwargs)
         finally:
             state.seq_len = None
         return _gather_sample(out, split, mesh)
-
-    return forward
 
 
 @dataclass(eq=False)
@@ -247,6 +251,9 @@ class FluxAdapter:
     def matches(self, transformer: torch.nn.Module) -> bool:
         return isinstance(transformer, FluxTransformer2DModel)
 
+    def __deepcopy__(self, memo: dict) -> FluxAdapter:
+        return self  # the registered adapter is stateless: a copied model's state refers to the same one
+
     def enable(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> None:
         """Swap every attention processor; at P > 1 also wrap forward to split and gather tokens.
 
@@ -268,7 +275,7 @@ class FluxAdapter:
         patch = _FluxPatch(processors=dict(processors), forward_attr=saved_instance_attr(transformer, "forward"))
         transformer.set_attn_processor(USPFluxAttnProcessor(state))
         if mesh.sequence_degree > 1:
-            transformer.forward = _sharded_forward(transformer.forward, state)
+            transformer.forward = ShardedFluxForward(transformer.forward, state)
             patch.wrapped = True
         setattr(transformer, self._ATTR, patch)
 
