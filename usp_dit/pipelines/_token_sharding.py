@@ -44,12 +44,15 @@ class ShardState:
 
     ``seq_len``: full token count of the sequence being processed, set when block 0's input is
     sharded; given to ``usp_attention`` and ``gather_sequence`` (no all-gather of shard lengths)
-    and checked against the RoPE table's length.
+    and checked against the RoPE table's length. ``text_len``: the replicated text stream's token
+    count of that call (block 0's ``encoder_hidden_states``), for dropout over [text; video shard]
+    (``_replicated_dropout``).
     """
 
     mesh: USPMesh
     backend: str
     seq_len: int | None = None
+    text_len: int | None = None
 
 
 def local_rope(table: Any, state: ShardState, name: str) -> Any:
@@ -80,8 +83,10 @@ def local_rope(table: Any, state: ShardState, name: str) -> Any:
     return tuple(shard_sequence(t, state.mesh, dim=0) for t in table)
 
 
-def _get_arg(args: tuple, kwargs: dict, name: str, index: int) -> torch.Tensor:
-    return kwargs[name] if name in kwargs else args[index]
+def _get_arg(args: tuple, kwargs: dict, name: str, index: int) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if index < len(args) else None
 
 
 def _set_arg(args: tuple, kwargs: dict, name: str, index: int, value: Any) -> tuple[tuple, dict]:
@@ -115,6 +120,8 @@ class TokenShardHooks:
         """(B, S, C) full hidden states -> (B, S_local, C), this rank's contiguous piece."""
         x = _get_arg(args, kwargs, "hidden_states", 0)
         self.state.seq_len = x.shape[1]
+        text = _get_arg(args, kwargs, "encoder_hidden_states", 1)
+        self.state.text_len = text.shape[1] if torch.is_tensor(text) else None
         return _set_arg(args, kwargs, "hidden_states", 0, shard_sequence(x, self.state.mesh, dim=1))
 
     def _gather_output(self, module, args: tuple, out_local: torch.Tensor) -> torch.Tensor:

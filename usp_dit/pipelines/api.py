@@ -71,6 +71,7 @@ from usp_dit.pipelines.base import (
     MethodWrapper,
     ModelAdapter,
     check_model_device,
+    comm_device,
     find_adapter,
     restore_instance_attr,
     saved_instance_attr,
@@ -168,15 +169,9 @@ def _replica_groups(mesh: USPMesh) -> list[dist.ProcessGroup]:
     return [g for g in (mesh.cfg_group, mesh.seq_group) if g is not None]
 
 
-def _comm_device(mesh: USPMesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _broadcast_copy(t: torch.Tensor, mesh: USPMesh) -> torch.Tensor:
     """A copy of the replica's first rank's ``t`` (no autograd), on ``t``'s device and dtype."""
-    buf = t.detach().to(_comm_device(mesh), copy=True).contiguous()
+    buf = t.detach().to(comm_device(mesh), copy=True).contiguous()
     as_bool = buf.dtype == torch.bool
     if as_bool:
         buf = buf.to(torch.uint8)  # not every backend reduces/broadcasts bool
@@ -192,7 +187,7 @@ def _check_same(t: torch.Tensor, name: str, mesh: USPMesh) -> None:
     flat = t.detach().double().reshape(-1)
     weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)
     sums = torch.stack([flat.sum(), (flat * weights).sum()])
-    both = torch.cat([sums, -sums]).to(_comm_device(mesh))
+    both = torch.cat([sums, -sums]).to(comm_device(mesh))
     for group in _replica_groups(mesh):
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         if not torch.equal(both[:2], -both[2:]):

@@ -147,6 +147,13 @@ def check_ulysses_degree(num_heads: int, mesh: USPMesh, model: str) -> None:
         )
 
 
+def comm_device(mesh: USPMesh) -> torch.device:
+    """Where a small collective over ``mesh``'s groups runs: this rank's GPU under NCCL, else CPU."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def check_model_device(
     devices: Iterable[torch.device], local_rank: int | None, num_cuda_devices: int, current_cuda_device: int | None,
 ) -> None:

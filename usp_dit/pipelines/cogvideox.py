@@ -20,6 +20,14 @@ token count, CogVideoX-5B at 49 frames x 480 x 720 (13 latent frames x 30 x 45 p
 video tokens, 226 text tokens): on 4 ranks 4388, 4388, 4387, 4387 video + 226 text each (text is
 5 % of a rank's tokens); on 8 ranks 2194 x 6, 2193 x 2 video + 226 text.
 
+Dropout (``dropout`` > 0 in the config, training): the replicated text must draw one mask on
+every rank (``_replicated_dropout`` Note [dropout on replicated tokens]). CogVideoX applies dropout
+after the patch embedding to the full [text; video] sequence (``embedding_dropout``: replicated
+entirely, so one mask for the whole sequence, each rank keeping its shard's rows), and in every
+block's feed-forward over [text; video shard] (``ff.net``'s dropouts: the text rows take the
+shared mask, the video rows the rank's own); its attention is built without output dropout, but
+the text output's ``to_out[1]`` takes the shared mask too should one be set.
+
 Attention processors are swapped with ``set_attn_processor`` for ``USPCogVideoXAttnProcessor``
 (same maths as diffusers' ``CogVideoXAttnProcessor2_0`` with attention done by ``usp_attention``);
 the originals are kept and put back on ``disable``. Unsupported: ``attention_mask`` (no CogVideoX
@@ -33,6 +41,7 @@ from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0, Fuse
 from diffusers.models.embeddings import apply_rotary_emb
 
 from usp_dit.mesh import USPMesh
+from usp_dit.pipelines._replicated_dropout import ReplicaDropout, ReplicaDropouts
 from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks, local_rope
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.usp import usp_attention
@@ -50,9 +59,13 @@ def _heads(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return q, k, v
 
 
-def _out_proj(attn, x: torch.Tensor) -> torch.Tensor:
-    """(B, S, H, D) -> (B, S, C) through the shared output projection (and its dropout)."""
-    return attn.to_out[1](attn.to_out[0](x.flatten(2)))
+def _out_proj(attn, x: torch.Tensor, replicated: bool = False) -> torch.Tensor:
+    """(B, S, H, D) -> (B, S, C) through the shared output projection and its dropout; the
+    replicated text's dropout draws the sequence group's mask (Note [dropout on replicated tokens])."""
+    out, dropout = attn.to_out[0](x.flatten(2)), attn.to_out[1]
+    if replicated and isinstance(dropout, ReplicaDropout):
+        return dropout.replicated(out)
+    return dropout(out)
 
 
 class USPCogVideoXAttnProcessor:
@@ -88,7 +101,17 @@ class USPCogVideoXAttnProcessor:
             q, k, v, joint_q=text_q, joint_k=text_k, joint_v=text_v,
             mesh=self.state.mesh, backend=self.state.backend, seq_len=self.state.seq_len,
         )
-        return _out_proj(attn, out), _out_proj(attn, text_out)
+        return _out_proj(attn, out), _out_proj(attn, text_out, replicated=True)
+
+
+def _replicated_dropouts(transformer: CogVideoXTransformer3DModel, state: ShardState) -> ReplicaDropouts:
+    """The dropout sites that see replicated tokens (module docstring; collective: the seed)."""
+    dropouts = ReplicaDropouts.for_mesh(state.mesh)
+    dropouts.add(transformer, "embedding_dropout", "all")
+    for block in transformer.transformer_blocks:
+        dropouts.add(block.attn1.to_out, "1", "none")  # video rows own; the processor asks for the text's
+        dropouts.add_all(block.ff.net, "text", state)  # input [text; video shard]
+    return dropouts
 
 
 class _Patch:
@@ -99,13 +122,19 @@ class _Patch:
         self.state = ShardState(mesh, backend)
         self.original_processors = transformer.attn_processors
         self.hooks = TokenShardHooks(self.state, transformer.transformer_blocks[0], transformer.proj_out)
+        # At one rank nothing is replicated across ranks: stock dropout, bit for bit.
+        self.dropouts = _replicated_dropouts(transformer, self.state) if mesh.sequence_degree > 1 else None
 
     def install(self) -> None:
         self.hooks.install()
+        if self.dropouts is not None:
+            self.dropouts.install(self.transformer)
         self.transformer.set_attn_processor(USPCogVideoXAttnProcessor(self.state))
 
     def remove(self) -> None:
         self.transformer.set_attn_processor(dict(self.original_processors))
+        if self.dropouts is not None:
+            self.dropouts.remove()
         self.hooks.remove()
 
 

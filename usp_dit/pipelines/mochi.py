@@ -27,6 +27,12 @@ Note [Mochi's prompt mask, exactly as stock]
     are compacted to the front: we do the same.) We loop the same way, one ``usp_attention`` per
     batch element with its own joint length. With cfg parallel each rank's batch is 1 anyway.
 
+Dropout: Mochi's config has none, but its text stream is replicated, so should a dropout be set
+on it (``ff_context``'s dropout modules, e.g. for fine-tuning) it draws one mask on every rank of
+the sequence group (``_replicated_dropout`` Note [dropout on replicated tokens]). The text passes
+no other dropout (its attention output goes through ``to_add_out`` alone); video dropouts stay
+each rank's own.
+
 Attention processors (``MochiAttention.processor``; the model has no ``set_attn_processor``) are
 replaced by ``USPMochiAttnProcessor`` and the original objects put back on ``disable``.
 """
@@ -37,6 +43,7 @@ from diffusers import MochiTransformer3DModel
 from diffusers.models.attention_processor import MochiAttention, MochiAttnProcessor2_0
 
 from usp_dit.mesh import USPMesh
+from usp_dit.pipelines._replicated_dropout import ReplicaDropouts
 from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks, local_rope
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.usp import usp_attention
@@ -128,13 +135,21 @@ class _Patch:
     """Everything ``enable`` changed on one transformer, and how to undo it."""
 
     def __init__(self, transformer: MochiTransformer3DModel, mesh: USPMesh, backend: str) -> None:
+        self.transformer = transformer
         self.state = ShardState(mesh, backend)
         self.attentions = [m for m in transformer.modules() if isinstance(m, MochiAttention)]
         self.original_processors = [m.processor for m in self.attentions]
         self.hooks = TokenShardHooks(self.state, transformer.transformer_blocks[0], transformer.proj_out)
+        self.dropouts = None
+        if mesh.sequence_degree > 1:  # at one rank nothing is replicated across ranks: stock dropout
+            self.dropouts = ReplicaDropouts.for_mesh(mesh)  # collective: the seed
+            for block in transformer.transformer_blocks:  # the last block has no ff_context
+                self.dropouts.add_all(getattr(block.ff_context, "net", None), "all")
 
     def install(self) -> None:
         self.hooks.install()
+        if self.dropouts is not None:
+            self.dropouts.install(self.transformer)
         processor = USPMochiAttnProcessor(self.state)
         for attn in self.attentions:
             attn.processor = processor
@@ -142,6 +157,8 @@ class _Patch:
     def remove(self) -> None:
         for attn, original in zip(self.attentions, self.original_processors):
             attn.processor = original
+        if self.dropouts is not None:
+            self.dropouts.remove()
         self.hooks.remove()
 
 

@@ -35,9 +35,13 @@ def _perturb(model: torch.nn.Module, seed: int, std: float = 0.1) -> None:
 
 
 def tiny_cogvideox(
-    variant: str = "5b", num_heads: int = 6, head_dim: int = 16, text_len: int = 7, seed: int = 0
+    variant: str = "5b", num_heads: int = 6, head_dim: int = 16, text_len: int = 7, seed: int = 0,
+    dropout: float = 0.0,
 ) -> CogVideoXTransformer3DModel:
     """A 2-layer CogVideoX transformer (``num_heads * head_dim`` wide), float32, eval mode.
+
+    ``dropout``: the config's dropout probability (embedding and feed-forward dropouts; 0 as in
+    the released checkpoints).
 
     Raises:
         ValueError: ``variant`` is not one of ``COGVIDEOX_VARIANTS``.
@@ -47,7 +51,7 @@ def tiny_cogvideox(
     config = dict(
         num_attention_heads=num_heads, attention_head_dim=head_dim, in_channels=4, out_channels=4,
         time_embed_dim=32, text_embed_dim=32, num_layers=2, sample_width=12, sample_height=12,
-        sample_frames=9, max_text_seq_length=text_len,
+        sample_frames=9, max_text_seq_length=text_len, dropout=dropout,
     )
     config.update(COGVIDEOX_VARIANTS[variant])
     torch.manual_seed(seed)
