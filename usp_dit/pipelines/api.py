@@ -7,11 +7,39 @@ Layout: the transformer's own arguments; the batch dimension is dim 0 of every b
       ├─ adapter:  find_adapter(transformer).enable(...)  shards tokens, swaps processors, gathers
       └─ wrapper around the adapter's forward (only when C * U * R > 1):
 
-    transformer(args)  ─► sync inputs ─► cfg split ─► adapter forward (sequence parallel) ─► cfg gather
-                          (broadcast     (batch half   on the C groups of U*R ranks           (all-gather
-                           from the       of this                                               over "cfg")
-                           group's        rank's cfg
-                           first rank)    group)
+    transformer(args) ─► agree ─► sync inputs ─► cfg split ─► adapter forward (sequence parallel) ─► cfg gather
+                         (Note    (broadcast     (batch half   on the C groups of U*R ranks           (all-gather
+                          [model   from the       of this                                               over "cfg")
+                          hand-    group's        rank's cfg
+                          shake])  first rank)    group)
+
+Note [model handshake]
+    The input broadcast below sizes its buffers from each rank's own tensors: ranks that pass
+    tensors of different shapes make gloo abort ("Received data size doesn't match") or NCCL hang,
+    and bfloat16 on one rank against float16 on another (the same bytes) silently reinterprets
+    them. So before anything else the wrapper agrees with the replica's other ranks on what the
+    call is (``usp_dit.handshake.agree``: one fixed-size all-gather per replica group):
+
+        every argument      tensors: shape, dtype, requires_grad; lists/tuples and dicts
+                            (joint_attention_kwargs): length or keys, then each item alike;
+                            None/bool/int/float/str: the value; anything else: its type name
+        the mode            grad enabled, autocast on the model's device type (on, dtype),
+                            the model's parameter dtypes (the first parameter of each top-level
+                            submodule: all 1160 of Flux-dev cost 8 ms a call), its training flag
+        the layout          degrees (cfg, ring, ulysses), ring schedule, backend, model class
+
+    Nothing in it may legitimately differ per rank (a tensor's device index does and is left
+    out; its values are what the broadcast makes equal). A disagreement raises the same
+    ``ValueError`` on every rank, naming each differing field and each rank's value, and every
+    rank leaves the call together, so the group stays usable. With cfg parallel the replica is two
+    groups (cfg, then sequence): a failure in the first is a field of the second, so that a rank
+    whose own groups agree still raises with the others (no rank goes on into a collective alone).
+
+    Then the inner forward runs inside ``verified_calls(mesh)``: its attention calls, whose
+    metadata follows from what was agreed, skip their per-call handshake (Note [verified calls]
+    in ``usp_dit.handshake``). Only with ``sync_inputs``: without the broadcast, values (Mochi's
+    prompt mask, which sets the joint length) are the caller's promise, and the per-call check
+    stays. The wrapper exists only at model degree > 1: at one rank nothing is agreed or paid.
 
 Note [same inputs everywhere]
     Every rank of a model replica (its cfg x ring x ulysses ranks) must feed the transformer the
@@ -64,6 +92,7 @@ import torch.distributed as dist
 from diffusers import DiffusionPipeline
 
 from usp_dit.comm import all_gather_uneven
+from usp_dit.handshake import agree, verified_calls
 from usp_dit.kernels import get_backend
 from usp_dit.mesh import USPMesh, init_usp
 from usp_dit.pipelines.base import (
@@ -278,22 +307,124 @@ def gather_cfg_output(out: Any, batch: int, mesh: USPMesh) -> Any:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Note [model handshake]
+
+
+def describe_value(name: str, value: Any, fields: dict[str, Any]) -> None:
+    """Add to ``fields`` what every rank must agree on about argument ``name`` (Note [model handshake]).
+
+    A tensor gives ``name`` ("tensor") and ``name.shape``, ``name.dtype``, ``name.requires_grad``;
+    a list or tuple its length, then each item as ``name[i]``; a dict its keys, then each value
+    as ``name['key']``; None, bool, int, float and str their value; anything else its type name.
+    """
+    if torch.is_tensor(value):
+        fields[name] = "tensor"
+        fields[f"{name}.shape"] = tuple(value.shape)
+        fields[f"{name}.dtype"] = value.dtype
+        fields[f"{name}.requires_grad"] = value.requires_grad
+    elif isinstance(value, (list, tuple)):
+        fields[name] = f"{type(value).__name__} of {len(value)}"
+        for i, item in enumerate(value):
+            describe_value(f"{name}[{i}]", item, fields)
+    elif isinstance(value, dict):
+        fields[name] = f"dict with keys {sorted(map(str, value))}"
+        for key, item in value.items():
+            describe_value(f"{name}[{key!r}]", item, fields)
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        fields[name] = value
+    else:
+        fields[name] = f"a {type(value).__name__}"
+
+
+def _bound_values(bound: inspect.BoundArguments) -> dict[str, Any]:
+    """Every parameter's value, defaults included: an argument one rank omits and another passes
+    is then a difference of value ("not given" against a tensor), not of field names."""
+    values = {}
+    for name, param in bound.signature.parameters.items():
+        if name in bound.arguments:
+            values[name] = bound.arguments[name]
+        elif param.kind is inspect.Parameter.VAR_KEYWORD:
+            values[name] = {}
+        elif param.kind is inspect.Parameter.VAR_POSITIONAL:
+            values[name] = ()
+        else:
+            values[name] = None if param.default is inspect.Parameter.empty else param.default
+    return values
+
+
+def _parameter_sample(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The first parameter of each top-level submodule (embedders, first block of each stack,
+    output layers) and of the module itself: what the dtype check reads.
+
+    Not every parameter: listing Flux-dev's 1160 parameters and their dtypes took 8 ms per call
+    (measured on CPU), longer than the collective; the sample takes a few microseconds per child.
+    """
+    sample = [next(iter(module.parameters(recurse=False)), None)]
+    sample += [next(child.parameters(), None) for child in module.children()]
+    return [p for p in sample if p is not None]
+
+
+def call_fields(bound: inspect.BoundArguments, module: torch.nn.Module, state: USPState) -> dict[str, Any]:
+    """Note [model handshake]: the fields of one transformer call."""
+    fields: dict[str, Any] = {}
+    for name, value in _bound_values(bound).items():
+        describe_value(name, value, fields)
+    sample = _parameter_sample(module)
+    device_type = sample[0].device.type if sample else state.mesh.device_type
+    mesh = state.mesh
+    if torch.amp.is_autocast_available(device_type):
+        fields[f"autocast on {device_type}"] = torch.is_autocast_enabled(device_type)
+        fields[f"autocast dtype on {device_type}"] = torch.get_autocast_dtype(device_type)
+    fields.update({
+        "grad enabled": torch.is_grad_enabled(),
+        "parameter dtypes": tuple(sorted({str(p.dtype).removeprefix("torch.") for p in sample})),
+        "training": module.training,
+        "model": type(module).__name__,
+        "degrees (cfg, ring, ulysses)": (mesh.cfg_degree, mesh.ring_degree, mesh.ulysses_degree),
+        "ring_schedule": mesh.ring_schedule,
+        "backend": state.backend,
+    })
+    return fields
+
+
+def agree_on_call(fields: dict[str, Any], mesh: USPMesh) -> None:
+    """Note [model handshake]: ``fields`` equal on every rank of the replica, or the same
+    ValueError on all of them.
+
+    Raises:
+        ValueError: ranks disagree; names each differing field and each rank's value.
+    """
+    device, failure = comm_device(mesh), None
+    for i, group in enumerate(_replica_groups(mesh)):  # cfg, then sequence
+        earlier = {} if i == 0 else {"the cfg group's check": failure or "passed"}
+        try:
+            agree({**fields, **earlier}, group, device, what="a transformer call")
+        except ValueError as exc:
+            failure = str(exc)
+    if failure is not None:
+        raise ValueError(failure)
+
+
 class ReplicaForward(MethodWrapper):
-    """``inner`` (the adapter's forward) with inputs synced and the batch split over "cfg".
+    """``inner`` (the adapter's forward) with the call agreed on, inputs synced and the batch split over "cfg".
 
     An object, not a closure, so that a deep copy of the transformer runs its own weights
     (``usp_dit.pipelines.base`` Note [deep copies]).
     """
 
-    def __init__(self, inner, state: USPState) -> None:
+    def __init__(self, inner, state: USPState, module: torch.nn.Module) -> None:
         super().__init__(inner)
-        self.state = state
+        self.state, self.module = state, module
 
     def __call__(self, *args, **kwargs):
         bound = self.__signature__.bind(*args, **kwargs)
-        mesh = self.state.mesh
-        if self.state.sync_inputs:
+        state, mesh = self.state, self.state.mesh
+        agree_on_call(call_fields(bound, self.module, state), mesh)
+        if state.sync_inputs:
             sync_arguments(bound.arguments, mesh)
+            with verified_calls(mesh):
+                return self._split_run_gather(bound)
         return self._split_run_gather(bound)
 
     def _split_run_gather(self, bound: inspect.BoundArguments):
@@ -451,7 +582,7 @@ def enable_usp(
     state = USPState(mesh, adapter, backend, sync_inputs)
     if mesh.config.model_degree > 1:  # at one rank there is nothing to sync or split: no wrapper, no tax
         state.forward_attr = saved_instance_attr(transformer, "forward")
-        transformer.forward = ReplicaForward(transformer.forward, state)
+        transformer.forward = ReplicaForward(transformer.forward, state, transformer)
         state.wrapped = True
     setattr(transformer, _STATE_ATTR, state)
     _patch_pipeline(pipe, state)
