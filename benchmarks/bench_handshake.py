@@ -28,7 +28,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import usp_dit
-from usp_dit.handshake import _all_gather, agree, verified_calls
+from usp_dit.comm import start_all_gather
+from usp_dit.handshake import agree, verified_calls
 
 
 def _timed(fn: Callable[[], object], iters: int, device: torch.device) -> float:
@@ -69,7 +70,7 @@ def main() -> None:
     if mesh.sequence_degree == 1:
         raise SystemExit("run under torchrun with 2 or more ranks: at world size 1 no handshake runs")
     cases = {
-        "sizes": lambda: funcol.wait_tensor(_all_gather(one, 0, mesh.seq_group)).tolist(),
+        "sizes": lambda: funcol.wait_tensor(start_all_gather(one, mesh.seq_group)).tolist(),
         "agree": lambda: agree(fields, mesh.seq_group, device, varying=q.shape[1]),
         "usp checked": lambda: usp_dit.usp_attention(q, k, v, mesh=mesh, seq_len=args.seq),
         "usp verified": verified,

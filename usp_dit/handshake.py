@@ -41,10 +41,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
-# torch >= 2.12 renamed all_gather_tensor to all_gather_single (same semantics).
-_all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
+from usp_dit.comm import start_all_gather_into
 
 _VERIFIED: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("usp_dit_verified_meshes", default=())
 
@@ -118,7 +116,11 @@ def agree(
     """
     names_hash, values_hash, shown = _signature(fields)
     mine = torch.tensor([names_hash, values_hash, varying], dtype=torch.int64, device=device)
-    table = funcol.wait_tensor(_all_gather(mine, 0, group)).view(-1, 3).tolist()
+    # A plain blocking collective: the result is read at once, and on gloo the functional
+    # collective's wrapping cost about three times this one (1.0 against 0.36 ms per call).
+    table = mine.new_empty(dist.get_world_size(group) * 3)
+    start_all_gather_into(table, mine, group).wait()
+    table = table.view(-1, 3).tolist()
     if any(row[:2] != table[0][:2] for row in table):
         raise _disagreement(shown, group, what)
     return [row[2] for row in table]
