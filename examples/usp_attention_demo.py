@@ -67,13 +67,13 @@ def main(argv: list[str] | None = None) -> None:
     q, k, v = rand(args.seq, args.heads), rand(args.seq, kv_heads), rand(args.seq, kv_heads)
     jq, jk, jv = rand(args.joint, args.heads), rand(args.joint, kv_heads), rand(args.joint, kv_heads)
     q_l, k_l, v_l = (shard_sequence(t, mesh).clone().requires_grad_() for t in (q, k, v))
-    out_l, jout = usp_attention(q_l, k_l, v_l, joint_q=jq, joint_k=jk, joint_v=jv, mesh=mesh, backend=args.backend)
+    out_l, jout, _, _ = usp_attention(q_l, k_l, v_l, joint_q=jq, joint_k=jk, joint_v=jv, mesh=mesh, backend=args.backend)
     out_l.sum().backward()
     out = gather_sequence(out_l.detach(), mesh, seq_len=args.seq)
 
     single = usp_dit.single_rank_mesh()
     q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
-    ref, jref = usp_attention(q1, k1, v1, joint_q=jq, joint_k=jk, joint_v=jv, mesh=single, backend=args.backend)
+    ref, jref, _, _ = usp_attention(q1, k1, v1, joint_q=jq, joint_k=jk, joint_v=jv, mesh=single, backend=args.backend)
     # The ranks' losses (each the sum of its shard's output) add up to this one-rank loss.
     ref.sum().backward()
 

@@ -23,7 +23,7 @@ class _Block(torch.nn.Module):
         b, s, c = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, c // self.heads).unbind(2)
         tq, tk, tv = self.qkv(text).view(b, text.shape[1], 3, self.heads, c // self.heads).unbind(2)
-        out, jout = usp_attention(q, k, v, joint_q=tq, joint_k=tk, joint_v=tv, backend=self.backend)
+        out, jout, _, _ = usp_attention(q, k, v, joint_q=tq, joint_k=tk, joint_v=tv, backend=self.backend)
         return out.sum() + jout.square().sum()
 
 

@@ -85,7 +85,7 @@ def _call(mesh, *, grad=False, seq_len=None, per_call=None, **shape):
 def _healthy(mesh) -> float:
     """A correct call after a refused one: the group still works and matches the reference."""
     x = _tensors(seed=7)
-    out, jout = _call(mesh, seed=7)
+    out, jout, _, _ = _call(mesh, seed=7)
     ref, jref, _, _ = joint_attention_ref(x["q"], x["k"], x["v"], x["jq"], x["jk"], x["jv"], DIM ** -0.5)
     return max(rel_err(out, shard_sequence(ref, mesh)), rel_err(jout, jref))
 
@@ -178,7 +178,7 @@ def _partial_joint_loss(mesh, world: int, pattern: str) -> float:
     rank = dist.get_rank(mesh.seq_group)
     leaves = {n: shard_sequence(x[n], mesh).clone().requires_grad_() for n in ("q", "k", "v")}
     leaves.update({n: x[n].clone().requires_grad_() for n in ("jq", "jk", "jv")})
-    out, jout = usp_attention(leaves["q"], leaves["k"], leaves["v"], joint_q=leaves["jq"], joint_k=leaves["jk"],
+    out, jout, _, _ = usp_attention(leaves["q"], leaves["k"], leaves["v"], joint_q=leaves["jq"], joint_k=leaves["jk"],
                               joint_v=leaves["jv"], mesh=mesh, backend="reference")
     loss = 0
     if uses[rank] in ("out", "both"):

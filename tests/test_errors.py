@@ -71,7 +71,7 @@ class _Missing(_ForwardOnly):
 def test_forward_only_backend_under_autograd_raises(monkeypatch):
     monkeypatch.setitem(registry._REGISTRY, _ForwardOnly.name, _ForwardOnly())
     q, k, v = _qkv()
-    out = usp_attention(q, k, v, backend="test_forward_only")  # fine without gradients
+    out = usp_attention(q, k, v, backend="test_forward_only").out  # fine without gradients
     assert out.shape == q.shape
     q, k, v = _qkv(grad=True)
     with pytest.raises(NotImplementedError, match="no backward.*backends with a backward here: .*reference"):
@@ -87,7 +87,7 @@ def test_missing_package_raises_runtime_error_with_install_line(monkeypatch):
 
 def test_lse_is_not_differentiable_loudly():
     q, k, v = _qkv(grad=True)
-    out, lse = usp_attention(q, k, v, return_lse=True)
+    out, _, lse, _ = usp_attention(q, k, v, return_lse=True)
     with pytest.raises(NotImplementedError, match="log-sum-exp"):
         (out.sum() + lse.sum()).backward()
 
@@ -95,10 +95,10 @@ def test_lse_is_not_differentiable_loudly():
 def test_world_size_one_joint_and_empty_joint():
     q, k, v = _qkv(s=6)
     jq, jk, jv = _qkv(s=3)
-    out, jout = usp_attention(q, k, v, joint_q=jq, joint_k=jk, joint_v=jv, mesh=usp_dit.single_rank_mesh())
+    out, jout, _, _ = usp_attention(q, k, v, joint_q=jq, joint_k=jk, joint_v=jv, mesh=usp_dit.single_rank_mesh())
     assert out.shape == q.shape and jout.shape == jq.shape
-    out0, jout0 = usp_attention(q, k, v, joint_q=jq[:, :0], joint_k=jk[:, :0], joint_v=jv[:, :0])
-    torch.testing.assert_close(out0, usp_attention(q, k, v), rtol=0, atol=0)
+    out0, jout0, _, _ = usp_attention(q, k, v, joint_q=jq[:, :0], joint_k=jk[:, :0], joint_v=jv[:, :0])
+    torch.testing.assert_close(out0, usp_attention(q, k, v).out, rtol=0, atol=0)
     assert jout0.shape == (1, 0, 4, 16)
 
 
@@ -113,7 +113,7 @@ class _NoLSE(_ForwardOnly):
 def test_backend_without_lse_refused_where_lse_is_needed(monkeypatch):
     monkeypatch.setitem(registry._REGISTRY, _NoLSE.name, _NoLSE())
     q, k, v = _qkv()
-    torch.testing.assert_close(usp_attention(q, k, v, backend="test_no_lse"), usp_attention(q, k, v, backend="reference"))
+    torch.testing.assert_close(usp_attention(q, k, v, backend="test_no_lse").out, usp_attention(q, k, v, backend="reference").out)
     with pytest.raises(NotImplementedError, match="returns no log-sum-exp, which return_lse=True needs"):
         usp_attention(q, k, v, backend="test_no_lse", return_lse=True)
     ring_mesh = usp_dit.USPMesh(usp_dit.USPConfig(ring_degree=2), dp_degree=1, device_type="cpu")

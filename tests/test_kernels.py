@@ -15,15 +15,6 @@ from usp_dit.kernels.protocol import forward_stack
 from usp_dit.testing import rel_err
 
 
-def _case(b, s, h, hk, d, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
-    k = torch.randn(b, s, hk, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, s, hk, d, generator=g, dtype=torch.float64)
-    dout = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
-    return q, k, v, dout
-
-
 @pytest.mark.parametrize("name", ["reference", "sdpa_cpu"])
 def test_forward_stack_equals_one_call_per_block(name):
     backend = get_backend(name)

@@ -121,7 +121,7 @@ def _compiled_multi_rank():
 
     def model(x):
         q, k, v = (x @ w).view(1, x.shape[1], 3, 4, 4).unbind(2)
-        return usp_attention(q, k, v, mesh=mesh, seq_len=11).square().sum()
+        return usp_attention(q, k, v, mesh=mesh, seq_len=11).out.square().sum()
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")

@@ -140,8 +140,8 @@ def run_case(case: Case, mesh, seed: int) -> dict[str, float]:
         # Every rank reads joint_out; their losses sum to the reference loss.
         loss = (out * shard_sequence(x["g_out"], mesh).to(dt)).sum() + (jout * (x["g_joint"] / p).to(dt)).sum()
     else:
-        out, lse = usp_attention(leaves["q"], leaves["k"], leaves["v"], mesh=mesh, backend=case.backend, return_lse=True,
-                                 ring_schedule=case.schedule)
+        out, _, lse, _ = usp_attention(leaves["q"], leaves["k"], leaves["v"], mesh=mesh, backend=case.backend,
+                                       return_lse=True, ring_schedule=case.schedule)
         loss = (out * shard_sequence(x["g_out"], mesh).to(dt)).sum()
     grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
     errors = {

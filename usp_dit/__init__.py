@@ -15,7 +15,7 @@ from typing import Any
 from usp_dit.config import USPConfig
 from usp_dit.mesh import USPMesh, init_usp, set_default_mesh, single_rank_mesh
 from usp_dit.sharding import gather_sequence, shard_sequence
-from usp_dit.usp import usp_attention
+from usp_dit.usp import AttentionOutput, usp_attention
 
 # Names that live in the Diffusers integration: resolved (and Diffusers imported) on first access.
 _INTEGRATION = {"enable_usp": "usp_dit.pipelines", "disable_usp": "usp_dit.pipelines"}
@@ -28,6 +28,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AttentionOutput",
     "USPConfig",
     "USPMesh",
     "disable_usp",

@@ -88,6 +88,7 @@ def _call_fields(q, k, call: _Call, mesh: USPMesh, seq_len) -> dict:
         "seq_len": seq_len, "ring_schedule": call.schedule,
         "degrees (ulysses, ring)": (mesh.ulysses_degree, mesh.ring_degree),
         "backend returns LSE": call.kernel.caps.returns_lse, "needs grad": call.needs_grad,
+        "return_lse": call.want_lse,
     }
 
 
@@ -125,6 +126,22 @@ def _seq_len_message(seq_len: int, expected: list[int], wrong: list[tuple[int, i
     )
 
 
+class AttentionOutput(NamedTuple):
+    """What ``usp_attention`` returns; fields that do not apply are ``None``.
+
+    ``out``: (batch, seq_local, heads, head_dim), this rank's queries. ``joint_out``: (batch,
+    seq_joint, heads, head_dim), the joint tokens' output, the same on every rank (``None``
+    without joint tokens). ``lse`` / ``joint_lse``: (batch, seq, heads) log-sum-exps, float32
+    (float64 for float64 inputs), with ``return_lse=True`` only. The order unpacks like 0.1's
+    four-tuple: ``out, joint_out, lse, joint_lse = usp_attention(...)``.
+    """
+
+    out: torch.Tensor
+    joint_out: torch.Tensor | None
+    lse: torch.Tensor | None
+    joint_lse: torch.Tensor | None
+
+
 class _Call(NamedTuple):
     """One validated call: joint inputs (``None`` when absent or empty), the empty joint result,
     the kernel, the softmax scale and whether autograd records it."""
@@ -135,6 +152,7 @@ class _Call(NamedTuple):
     scale: float
     needs_grad: bool
     schedule: str  # the ring schedule asked for ("auto" or a name of usp_dit.config.RING_SCHEDULES)
+    want_lse: bool  # return_lse: the LSE is gathered back (one more small all-to-all) only then
 
 
 def _prepare(q, k, v, joint_qkv, mesh: USPMesh, scale, backend: str, return_lse: bool, schedule: str | None) -> _Call:
@@ -156,7 +174,7 @@ def _prepare(q, k, v, joint_qkv, mesh: USPMesh, scale, backend: str, return_lse:
         flops = _call_flops(q, k, joint, mesh, needs_grad, schedule)
     kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad, flops)
     _check_lse(kernel, return_lse, mesh)
-    return _Call(joint, joint_empty, kernel, scale, needs_grad, schedule)
+    return _Call(joint, joint_empty, kernel, scale, needs_grad, schedule, return_lse)
 
 
 def _share_failure(exc: Exception, q, mesh: USPMesh, seq_len: int | None) -> None:
@@ -247,6 +265,8 @@ def _sharded(q, k, v, call: _Call, mesh: USPMesh, seq_len):
         out_ext, lse_ext = _local_attention(q_blk, torch.cat([k_blk, jk], 1), torch.cat([v_blk, jv], 1), kernel, scale)
     else:
         out_ext, lse_ext = _local_attention(q_blk, k_blk, v_blk, kernel, scale)
+    if not call.want_lse:
+        lse_ext = None
     lse = None if lse_ext is None else gather_heads(lse_ext[:, :n_blk], layout.q_plan)
     if joint is None:
         return (gather_heads(out_ext[:, :n_blk], layout.q_plan), lse), None
@@ -324,7 +344,7 @@ def usp_attention(
     return_lse: bool = False,
     seq_len: int | None = None,
     ring_schedule: str | None = None,
-):
+) -> AttentionOutput:
     """Non-causal attention of this rank's sequence shard against the whole sequence.
 
     Args:
@@ -337,7 +357,8 @@ def usp_attention(
             is their own attention over the whole sequence plus themselves.
         scale: softmax scale, default ``head_dim ** -0.5``.
         backend: "auto" or a name from ``usp_dit.kernels.list_backends()``.
-        return_lse: also return the log-sum-exp (batch, seq, heads), float32 (float64 for float64).
+        return_lse: also return the log-sum-exps (``lse``, ``joint_lse``; they cost one more small
+            all-to-all on a grid); refuses a backend that computes none.
         ring_schedule: how this call's ring forward moves K/V blocks: "stream", "gather_merge",
             "gather_one_call" or "auto" (Note [ring schedule] in ``usp_dit.ring``); ``None`` takes
             the mesh's default (``init_usp(ring_schedule=...)``). Chosen per call: changing it
@@ -349,8 +370,8 @@ def usp_attention(
             inside ``verified_calls(mesh)`` that passes ``seq_len`` skips it.
 
     Returns:
-        ``out_local`` (like q); with joint tokens ``(out_local, joint_out)``; with ``return_lse``
-        ``(out_local, lse_local)`` or ``(out_local, joint_out, lse_local, joint_lse)``.
+        An ``AttentionOutput``: ``.out`` (like q), ``.joint_out`` (with joint tokens), ``.lse`` and
+        ``.joint_lse`` (with ``return_lse``); ``None`` where a field does not apply.
 
     Gradient convention: autograd differentiates the sum of every rank's loss. For sharded inputs
     (q, k, v) each rank gets the gradient of its own shard. For the replicated joint inputs each
@@ -377,9 +398,7 @@ def usp_attention(
         main, joint_res = _single_rank(q, k, v, joint, kernel, scale)
     else:
         main, joint_res = _sharded(q, k, v, call, mesh, seq_len)
-    joint_res = joint_res or joint_empty
-    if joint_res is None:
-        return main if return_lse else main[0]
-    if return_lse:
-        return main[0], joint_res[0], main[1], joint_res[1]
-    return main[0], joint_res[0]
+    joint_out, joint_lse = joint_res or joint_empty or (None, None)
+    if not return_lse:
+        return AttentionOutput(main[0], joint_out, None, None)
+    return AttentionOutput(main[0], joint_out, main[1], joint_lse)

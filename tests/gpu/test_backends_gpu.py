@@ -122,7 +122,7 @@ def test_world_size_one_is_the_kernel(name):
     """At P = 1 usp_attention returns exactly what the kernel returns (no extra arithmetic)."""
     backend = _backend(name)
     q, k, v, _ = (t.to(torch.bfloat16) for t in _inputs(1, 512, 8, 8, 128))
-    out, lse = usp_attention(q, k, v, backend=name, return_lse=True)
+    out, _, lse, _ = usp_attention(q, k, v, backend=name, return_lse=True)
     ref_out, ref_lse = backend.forward(q, k, v, 128 ** -0.5)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
@@ -166,7 +166,7 @@ def test_flash_attn_3_key_splits_are_exact(splits):
 def test_flashinfer_forward_only_is_loud_about_gradients():
     _backend("flashinfer")
     q, k, v, _ = (t.to(torch.bfloat16) for t in _inputs(1, 256, 4, 4, 128))
-    assert usp_attention(q, k, v, backend="flashinfer").shape == q.shape
+    assert usp_attention(q, k, v, backend="flashinfer").out.shape == q.shape
     with pytest.raises(NotImplementedError, match="no backward.*sdpa_cudnn"):
         usp_attention(q.requires_grad_(), k, v, backend="flashinfer")
 
@@ -239,7 +239,7 @@ def test_sage_whole_and_under_ulysses(shape):
     ref, _ = attention_ref(q, k, v, shape[-1] ** -0.5)
     qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
     kept = kb.clone(), vb.clone()
-    whole = rel_err(usp_attention(qb, kb, vb, backend="sage"), ref)
+    whole = rel_err(usp_attention(qb, kb, vb, backend="sage").out, ref)
     assert whole < 5e-2
     assert torch.equal(kb, kept[0]) and torch.equal(vb, kept[1])
     for n in (2, 4, 8):

@@ -97,11 +97,11 @@ class USPCogVideoXAttnProcessor:
         if rope is not None:  # RoPE rotates video tokens only, as in the stock processor
             q = apply_rotary_emb(q, rope, sequence_dim=1)
             k = apply_rotary_emb(k, rope, sequence_dim=1)
-        out, text_out = usp_attention(
+        res = usp_attention(
             q, k, v, joint_q=text_q, joint_k=text_k, joint_v=text_v,
             mesh=self.state.mesh, backend=self.state.backend, seq_len=self.state.seq_len,
         )
-        return _out_proj(attn, out), _out_proj(attn, text_out, replicated=True)
+        return _out_proj(attn, res.out), _out_proj(attn, res.joint_out, replicated=True)
 
 
 def _replicated_dropouts(transformer: CogVideoXTransformer3DModel, state: ShardState) -> ReplicaDropouts:

@@ -148,7 +148,7 @@ class USPFluxAttnProcessor:
         if image_rotary_emb is not None:
             q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
             k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
-        out = usp_attention(q, k, v, mesh=self.state.mesh, backend=self.state.backend, seq_len=self.state.seq_len)
+        out = usp_attention(q, k, v, mesh=self.state.mesh, backend=self.state.backend, seq_len=self.state.seq_len).out
         out = out.flatten(2, 3).to(q.dtype)  # (B, S_local, H * D)
         if not two_streams:
             return out

@@ -86,12 +86,13 @@ def masked_joint_attention(q, k, v, text_q, text_k, text_v, mask: torch.Tensor, 
     outs, text_outs = [], []
     for b in range(q.shape[0]):
         valid = torch.nonzero(mask[b].flatten(), as_tuple=False).flatten()
-        out_b, text_b = usp_attention(
+        res = usp_attention(
             q[b:b + 1], k[b:b + 1], v[b:b + 1],
             joint_q=text_q[b:b + 1, valid], joint_k=text_k[b:b + 1, valid], joint_v=text_v[b:b + 1, valid],
             mesh=state.mesh, backend=state.backend, seq_len=state.seq_len,
         )
-        outs.append(out_b)
+        outs.append(res.out)
+        text_b = res.joint_out
         padding = text_q.shape[1] - text_b.shape[1]
         text_outs.append(torch.cat([text_b, text_b.new_zeros(1, padding, *text_b.shape[2:])], dim=1))
     return torch.cat(outs), torch.cat(text_outs)
