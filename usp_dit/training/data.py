@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from usp_dit.mesh import USPMesh
-from usp_dit.training.reduce import replica_groups
+from usp_dit.replica import all_true_on_replica
 
 LATENT_SUFFIXES = (".pt", ".safetensors")
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".gif", ".webp")
@@ -150,15 +149,8 @@ def read_item(path: Path, num_frames: int, height: int, width: int) -> Clip:
 
 
 def agree_on_replica(ok: bool, mesh: USPMesh) -> bool:
-    """True only if ``ok`` on every rank of this replica (one tiny all-reduce; no-op on one rank)."""
-    groups = replica_groups(mesh)
-    if not groups:
-        return ok
-    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-    flag = torch.tensor([1.0 if ok else 0.0], device=device)
-    for g in groups:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
-    return bool(flag.item())
+    """True only if ``ok`` on every rank of this replica (Note [a bad item]; no-op on one rank)."""
+    return all_true_on_replica(ok, mesh)
 
 
 def stream_index(step: int, attempt: int, dp_rank: int, dp_degree: int, num_items: int, seed: int) -> int:

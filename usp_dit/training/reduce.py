@@ -3,14 +3,8 @@
 Layout: parameters and gradients as the model holds them (any shape); noise and timesteps any shape,
 identical on the ranks of one model replica.
 
-Note [who is a replica, who is data parallel]
-    world = dp x cfg x ring x ulysses (``usp_dit.init_usp``). The cfg x ring x ulysses ranks of
-    one dp index run **one model replica** on one sample: they shard its tokens (and with
-    cfg > 1 its batch) and every one of them computes the same loss on the gathered output. The dp
-    ranks run different samples.
-
-        dp 0: [replica: cfg x seq ranks]   dp 1: [replica: cfg x seq ranks]   ...
-                 same sample, same noise              another sample, other noise
+Who is a replica and who is data parallel: Note [who is a replica, who is data parallel] in
+``usp_dit.replica``, whose helpers (groups, broadcast, checksum, device) these build on.
 
 Note [mean over the replica is the one-process gradient]
     Autograd differentiates the sum of every rank's loss (docs/DESIGN.md "Gradient convention").
@@ -29,17 +23,10 @@ import torch
 import torch.distributed as dist
 
 from usp_dit.mesh import USPMesh
+from usp_dit.replica import broadcast_from_first_rank, comm_device, replica_groups, same_on_replica
 
 _OVER = ("replica", "world")
 _BUCKET_NUMEL = 1 << 24  # 16M elements per all-reduce: big enough to amortise latency, bounded copy
-
-
-def replica_groups(mesh: USPMesh) -> list[dist.ProcessGroup]:
-    """The groups whose successive reductions span one model replica: sequence group, then cfg group.
-
-    Axes of size 1 have no group; a replica of one rank gives ``[]``.
-    """
-    return [g for g in (mesh.seq_group, mesh.cfg_group) if g is not None]
 
 
 def data_parallel_group(mesh: USPMesh) -> dist.ProcessGroup | None:
@@ -77,13 +64,6 @@ def _all_reduce(t: torch.Tensor, groups: list[dist.ProcessGroup], op=dist.Reduce
         dist.all_reduce(t, op=op, group=g)
 
 
-def _comm_device(mesh: USPMesh, like: torch.Tensor) -> torch.device:
-    """Where a buffer must live for the mesh's backend (NCCL: the current CUDA device; gloo: CPU)."""
-    if mesh.device_type == "cuda":
-        return like.device if like.is_cuda else torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _fill_missing_grads(params: list[torch.nn.Parameter], groups: list[dist.ProcessGroup], mesh: USPMesh) -> list:
     """Parameters whose gradient exists on any rank, with a zero gradient put where it is ``None``.
 
@@ -94,7 +74,7 @@ def _fill_missing_grads(params: list[torch.nn.Parameter], groups: list[dist.Proc
     if not params:
         return []
     present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
-                           device=_comm_device(mesh, params[0]))
+                           device=comm_device(mesh, params[0]))
     _all_reduce(present, groups, dist.ReduceOp.MAX)
     kept = []
     for p, anywhere in zip(params, present.tolist()):
@@ -153,7 +133,7 @@ def sync_grads(
     num_ranks = _num_ranks(groups)
     for bucket in _buckets(_fill_missing_grads(params, groups, mesh)):
         grads = [p.grad for p in bucket]
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(_comm_device(mesh, grads[0]))
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(comm_device(mesh, grads[0]))
         _all_reduce(flat, groups)
         flat /= num_ranks
         for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
@@ -172,17 +152,8 @@ def broadcast_from_group_leader(tensor: torch.Tensor, mesh: USPMesh) -> torch.Te
     """
     if tensor.requires_grad:
         raise ValueError("tensor requires grad: broadcast_from_group_leader is for inputs such as noise and timesteps")
-    groups = [g for g in (mesh.cfg_group, mesh.seq_group) if g is not None]  # cfg first: see the docstring
-    if not groups:
-        return tensor
-    buf = tensor.detach().to(_comm_device(mesh, tensor), copy=True).contiguous()
-    as_bool = buf.dtype == torch.bool
-    if as_bool:
-        buf = buf.to(torch.uint8)
-    # Over cfg, rank (c, s) gets (0, s); then over seq, every rank gets (0, 0): the replica's first rank.
-    for g in groups:
-        dist.broadcast(buf, group=g, group_src=0)
-    tensor.copy_(buf.bool() if as_bool else buf)
+    if replica_groups(mesh):
+        tensor.copy_(broadcast_from_first_rank(tensor, mesh))
     return tensor
 
 
@@ -196,15 +167,7 @@ def check_same_on_replica(tensor: torch.Tensor, mesh: USPMesh, name: str) -> Non
     Raises:
         ValueError: the checksums differ (the message names ``name``).
     """
-    groups = replica_groups(mesh)
-    if not groups:
-        return
-    flat = tensor.detach().to(torch.float64).reshape(-1)
-    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
-    sums = torch.stack([flat.sum(), (flat * weights).sum()])
-    both = torch.cat([sums, -sums]).to(_comm_device(mesh, tensor))
-    _all_reduce(both, groups, dist.ReduceOp.MAX)  # max(x) == -max(-x) = min(x) on every rank iff all equal
-    if not torch.equal(both[:2], -both[2:]):
+    if not same_on_replica(tensor, mesh):
         raise ValueError(
             f"{name} differs between the ranks of one model replica; every rank of a replica must use the "
             f"same noise and timesteps (seed with replica_generator or use broadcast_from_group_leader)"
@@ -213,7 +176,7 @@ def check_same_on_replica(tensor: torch.Tensor, mesh: USPMesh, name: str) -> Non
 
 def mean_over_data_parallel(value: torch.Tensor, mesh: USPMesh) -> torch.Tensor:
     """A copy of ``value`` (e.g. a loss, identical within a replica) averaged over the dp ranks, for logging."""
-    out = value.detach().clone().to(_comm_device(mesh, value)).contiguous()
+    out = value.detach().clone().to(comm_device(mesh, value)).contiguous()
     group = data_parallel_group(mesh)
     if group is not None:
         dist.all_reduce(out, group=group)
