@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from usp_dit.pipelines import cogvideox, flux, mochi  # noqa: F401  (registration on import)
 from usp_dit.pipelines import wan  # noqa: F401  (registration on import)
-from usp_dit.pipelines.api import attach_pipeline_methods, disable_usp, enable_usp, install_failure_handler, is_usp_enabled
+from usp_dit.pipelines.api import attach_pipeline_methods, disable_usp, enable_usp, is_usp_enabled
 from usp_dit.pipelines.base import find_adapter, register_adapter
+from usp_dit.pipelines.failure import install_failure_handler
 
 attach_pipeline_methods()
 

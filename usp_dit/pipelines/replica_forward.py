@@ -1,0 +1,315 @@
+"""The replica wrapper: around an adapter's forward, the call agreed on, inputs synced, the batch split over "cfg".
+
+Layout: the transformer's own arguments; the batch dimension is dim 0 of every batched argument.
+
+    transformer(args) ─► agree ─► sync inputs ─► cfg split ─► adapter forward (sequence parallel) ─► cfg gather
+                         (Note    (broadcast     (batch half   on the C groups of U*R ranks           (all-gather
+                          [model   from the       of this                                               over "cfg")
+                          hand-    group's        rank's cfg
+                          shake])  first rank)    group)
+
+``enable_usp`` (``usp_dit.pipelines.api``) installs ``ReplicaForward`` as the transformer's
+``forward`` when the model degree C * U * R is > 1, and ``SyncedLatents`` as a pipeline's
+``prepare_latents``. The collectives within one replica are ``usp_dit.replica``'s.
+
+Note [model handshake]
+    The input broadcast below sizes its buffers from each rank's own tensors: ranks that pass
+    tensors of different shapes make gloo abort ("Received data size doesn't match") or NCCL hang,
+    and bfloat16 on one rank against float16 on another (the same bytes) silently reinterprets
+    them. So before anything else the wrapper agrees with the replica's other ranks on what the
+    call is (``usp_dit.handshake.agree``: one fixed-size all-gather per replica group):
+
+        every argument      tensors: shape, dtype, requires_grad; lists/tuples and dicts
+                            (joint_attention_kwargs): length or keys, then each item alike;
+                            None/bool/int/float/str: the value; anything else: its type name
+        the mode            grad enabled, autocast on the model's device type (on, dtype),
+                            the model's parameter dtypes (the first parameter of each top-level
+                            submodule: all 1160 of Flux-dev cost 8 ms a call), its training flag
+        the layout          degrees (cfg, ring, ulysses), ring schedule, backend, model class
+
+    Nothing in it may legitimately differ per rank (a tensor's device index does and is left
+    out; its values are what the broadcast makes equal). A disagreement raises the same
+    ``ValueError`` on every rank, naming each differing field and each rank's value, and every
+    rank leaves the call together, so the group stays usable. With cfg parallel the replica is two
+    groups (cfg, then sequence): a failure in the first is a field of the second, so that a rank
+    whose own groups agree still raises with the others (no rank goes on into a collective alone).
+
+    Then the inner forward runs inside ``verified_calls(mesh)``: its attention calls, whose
+    metadata follows from what was agreed, skip their per-call handshake (Note [verified calls]
+    in ``usp_dit.handshake``). Only with ``sync_inputs``: without the broadcast, values (Mochi's
+    prompt mask, which sets the joint length) are the caller's promise, and the per-call check
+    stays. The wrapper exists only at model degree > 1: at one rank nothing is agreed or paid.
+
+Note [same inputs everywhere]
+    Every rank of a model replica (its cfg x ring x ulysses ranks) must feed the transformer the
+    same tensors: the shards of one sequence are only consistent if they are cut from one latent.
+    Initial noise drawn without a seeded generator, or a scheduler that adds fresh noise per step,
+    would differ per rank. So the wrapper broadcasts every tensor argument from the replica's
+    first rank (over the cfg group, then over the sequence group) at each call; for Flux at 1024^2
+    that is about 5 MB per step, small beside the attention traffic. Tensors that require grad
+    (fine-tuning) cannot be replaced by a broadcast copy without cutting their graph: they are
+    checked instead (a two-number checksum, one all-reduce) and a mismatch raises ValueError.
+    On a pipeline, ``prepare_latents`` is wrapped the same way, so that the latents the scheduler
+    steps (and the VAE decodes) are also the first rank's on every rank: every rank ends with the
+    same image, seeded generator or not. (Fresh noise a stochastic scheduler draws per step from
+    an unseeded generator still differs per rank; the transformer input broadcast keeps the
+    model's result consistent, and rank 0's latents are the ones a single process would have.)
+
+Note [cfg parallel]
+    With cfg_degree=2 the transformer's batch (the pipeline's [uncond, cond] halves, or any batch
+    of even size) is split on dim 0 over the "cfg" axis: cfg rank c runs rows
+    [c*B/2, (c+1)*B/2) on its U*R ranks, and the outputs are all-gathered over the cfg group, so
+    every rank returns the full batch before the pipeline combines guidance. Which arguments are
+    batched: the adapter's ``cfg_batch_args`` names when it has them (their tensors, or lists of
+    tensors, with dim 0 == B are split; size-1 or 0-dim ones broadcast and stay whole); otherwise
+    every top-level tensor argument whose dim 0 equals the batch of the first tensor argument.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from usp_dit.comm import all_gather_uneven
+from usp_dit.handshake import agree, verified_calls
+from usp_dit.mesh import USPMesh
+from usp_dit.pipelines.base import MethodWrapper
+from usp_dit.replica import broadcast_from_first_rank, comm_device, replica_groups, same_on_replica
+
+if TYPE_CHECKING:
+    from usp_dit.pipelines.api import USPState
+
+
+# ---------------------------------------------------------------------------------------------
+# Note [same inputs everywhere]
+
+
+def _check_same(t: torch.Tensor, name: str, mesh: USPMesh) -> None:
+    """ValueError when ``t`` differs between ranks of the replica (``usp_dit.replica.same_on_replica``)."""
+    if not same_on_replica(t, mesh):
+        raise ValueError(
+            f"argument {name!r} (requires grad) differs between ranks of one model replica; "
+            f"every rank must pass the same tensor (seed the generator or broadcast it)"
+        )
+
+
+def _sync_value(value: Any, name: str, mesh: USPMesh) -> Any:
+    if torch.is_tensor(value):
+        if value.requires_grad:
+            _check_same(value, name, mesh)
+            return value
+        return broadcast_from_first_rank(value, mesh)
+    if isinstance(value, (list, tuple)) and any(torch.is_tensor(v) for v in value):
+        return type(value)(_sync_value(v, name, mesh) for v in value)
+    return value
+
+
+def sync_arguments(arguments: dict[str, Any], mesh: USPMesh) -> None:
+    """Note [same inputs everywhere]: make every tensor argument the replica's first rank's, in place."""
+    for name, value in arguments.items():
+        arguments[name] = _sync_value(value, name, mesh)
+
+
+class SyncedLatents(MethodWrapper):
+    """A pipeline's ``prepare_latents`` returning the replica's first rank's latents (an object:
+    ``usp_dit.pipelines.base`` Note [deep copies])."""
+
+    def __init__(self, inner, mesh: USPMesh) -> None:
+        super().__init__(inner)
+        self.mesh = mesh
+
+    def __call__(self, *args, **kwargs):
+        return _sync_value(self.inner(*args, **kwargs), "latents", self.mesh)
+
+
+# ---------------------------------------------------------------------------------------------
+# Note [cfg parallel]
+
+
+def _batch_size(arguments: dict[str, Any]) -> int:
+    for value in arguments.values():
+        if torch.is_tensor(value) and value.dim() > 0:
+            return value.shape[0]
+    raise ValueError("cfg_degree > 1 needs a tensor argument with a batch dimension; the transformer got none")
+
+
+def _take_rows(value: Any, batch: int, lo: int, hi: int, name: str, strict: bool) -> Any:
+    """Rows [lo, hi) of a batched tensor (or, for a declared argument, of each tensor of a list/tuple);
+    broadcastable ones stay."""
+    if isinstance(value, (list, tuple)):
+        if not strict:  # undeclared containers (e.g. RoPE tables (seq, dim)) are not batched
+            return value
+        return type(value)(_take_rows(v, batch, lo, hi, name, strict) for v in value)
+    if not torch.is_tensor(value) or value.dim() == 0:
+        return value
+    if value.shape[0] == batch:
+        return value[lo:hi]
+    if strict and value.shape[0] != 1:
+        raise ValueError(f"argument {name!r} has {value.shape[0]} rows but the batch is {batch}")
+    return value
+
+
+def split_cfg_batch(arguments: dict[str, Any], mesh: USPMesh, batch_args: tuple[str, ...] | None) -> int:
+    """Keep this cfg rank's rows of every batched argument, in place; returns the full batch size.
+
+    Raises:
+        NotImplementedError: the batch does not split evenly over the cfg ranks.
+    """
+    batch, cfg = _batch_size(arguments), mesh.cfg_degree
+    if batch % cfg:
+        raise NotImplementedError(
+            f"cfg_degree={cfg} splits the transformer's batch over {cfg} groups, but the batch is {batch}: "
+            f"use a pipeline that batches classifier-free guidance (e.g. CogVideoX, Mochi) or cfg_degree=1"
+        )
+    rows = batch // cfg
+    lo = mesh.cfg_rank * rows
+    names = batch_args if batch_args is not None else tuple(arguments)
+    for name in names:
+        if name in arguments:
+            arguments[name] = _take_rows(arguments[name], batch, lo, lo + rows, name, batch_args is not None)
+    return batch
+
+
+def _gather_rows(x: torch.Tensor, batch: int, mesh: USPMesh) -> torch.Tensor:
+    rows = batch // mesh.cfg_degree
+    return all_gather_uneven(x, [rows] * mesh.cfg_degree, 0, mesh.cfg_group)
+
+
+def gather_cfg_output(out: Any, batch: int, mesh: USPMesh) -> Any:
+    """The first output (the sample, batch/cfg rows here) all-gathered over "cfg": full batch, every rank."""
+    if torch.is_tensor(out):
+        return _gather_rows(out, batch, mesh)
+    if isinstance(out, tuple):
+        return (_gather_rows(out[0], batch, mesh),) + out[1:]
+    key = next(iter(out.keys()))  # BaseOutput: the sample is its first field
+    setattr(out, key, _gather_rows(out[key], batch, mesh))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Note [model handshake]
+
+
+def describe_value(name: str, value: Any, fields: dict[str, Any]) -> None:
+    """Add to ``fields`` what every rank must agree on about argument ``name`` (Note [model handshake]).
+
+    A tensor gives ``name`` ("tensor") and ``name.shape``, ``name.dtype``, ``name.requires_grad``;
+    a list or tuple its length, then each item as ``name[i]``; a dict its keys, then each value
+    as ``name['key']``; None, bool, int, float and str their value; anything else its type name.
+    """
+    if torch.is_tensor(value):
+        fields[name] = "tensor"
+        fields[f"{name}.shape"] = tuple(value.shape)
+        fields[f"{name}.dtype"] = value.dtype
+        fields[f"{name}.requires_grad"] = value.requires_grad
+    elif isinstance(value, (list, tuple)):
+        fields[name] = f"{type(value).__name__} of {len(value)}"
+        for i, item in enumerate(value):
+            describe_value(f"{name}[{i}]", item, fields)
+    elif isinstance(value, dict):
+        fields[name] = f"dict with keys {sorted(map(str, value))}"
+        for key, item in value.items():
+            describe_value(f"{name}[{key!r}]", item, fields)
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        fields[name] = value
+    else:
+        fields[name] = f"a {type(value).__name__}"
+
+
+def _bound_values(bound: inspect.BoundArguments) -> dict[str, Any]:
+    """Every parameter's value, defaults included: an argument one rank omits and another passes
+    is then a difference of value ("not given" against a tensor), not of field names."""
+    values = {}
+    for name, param in bound.signature.parameters.items():
+        if name in bound.arguments:
+            values[name] = bound.arguments[name]
+        elif param.kind is inspect.Parameter.VAR_KEYWORD:
+            values[name] = {}
+        elif param.kind is inspect.Parameter.VAR_POSITIONAL:
+            values[name] = ()
+        else:
+            values[name] = None if param.default is inspect.Parameter.empty else param.default
+    return values
+
+
+def _parameter_sample(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The first parameter of each top-level submodule (embedders, first block of each stack,
+    output layers) and of the module itself: what the dtype check reads.
+
+    Not every parameter: listing Flux-dev's 1160 parameters and their dtypes took 8 ms per call
+    (measured on CPU), longer than the collective; the sample takes a few microseconds per child.
+    """
+    sample = [next(iter(module.parameters(recurse=False)), None)]
+    sample += [next(child.parameters(), None) for child in module.children()]
+    return [p for p in sample if p is not None]
+
+
+def call_fields(bound: inspect.BoundArguments, module: torch.nn.Module, state: USPState) -> dict[str, Any]:
+    """Note [model handshake]: the fields of one transformer call."""
+    fields: dict[str, Any] = {}
+    for name, value in _bound_values(bound).items():
+        describe_value(name, value, fields)
+    sample = _parameter_sample(module)
+    device_type = sample[0].device.type if sample else state.mesh.device_type
+    mesh = state.mesh
+    if torch.amp.is_autocast_available(device_type):
+        fields[f"autocast on {device_type}"] = torch.is_autocast_enabled(device_type)
+        fields[f"autocast dtype on {device_type}"] = torch.get_autocast_dtype(device_type)
+    fields.update({
+        "grad enabled": torch.is_grad_enabled(),
+        "parameter dtypes": tuple(sorted({str(p.dtype).removeprefix("torch.") for p in sample})),
+        "training": module.training,
+        "model": type(module).__name__,
+        "degrees (cfg, ring, ulysses)": (mesh.cfg_degree, mesh.ring_degree, mesh.ulysses_degree),
+        "ring_schedule": mesh.ring_schedule,
+        "backend": state.backend,
+    })
+    return fields
+
+
+def agree_on_call(fields: dict[str, Any], mesh: USPMesh) -> None:
+    """Note [model handshake]: ``fields`` equal on every rank of the replica, or the same
+    ValueError on all of them.
+
+    Raises:
+        ValueError: ranks disagree; names each differing field and each rank's value.
+    """
+    device, failure = comm_device(mesh), None
+    for i, group in enumerate(replica_groups(mesh)):  # cfg, then sequence
+        earlier = {} if i == 0 else {"the cfg group's check": failure or "passed"}
+        try:
+            agree({**fields, **earlier}, group, device, what="a transformer call")
+        except ValueError as exc:
+            failure = str(exc)
+    if failure is not None:
+        raise ValueError(failure)
+
+
+class ReplicaForward(MethodWrapper):
+    """``inner`` (the adapter's forward) with the call agreed on, inputs synced and the batch split over "cfg".
+
+    An object, not a closure, so that a deep copy of the transformer runs its own weights
+    (``usp_dit.pipelines.base`` Note [deep copies]).
+    """
+
+    def __init__(self, inner, state: USPState, module: torch.nn.Module) -> None:
+        super().__init__(inner)
+        self.state, self.module = state, module
+
+    def __call__(self, *args, **kwargs):
+        bound = self.__signature__.bind(*args, **kwargs)
+        state, mesh = self.state, self.state.mesh
+        agree_on_call(call_fields(bound, self.module, state), mesh)
+        if state.sync_inputs:
+            sync_arguments(bound.arguments, mesh)
+            with verified_calls(mesh):
+                return self._split_run_gather(bound)
+        return self._split_run_gather(bound)
+
+    def _split_run_gather(self, bound: inspect.BoundArguments):
+        mesh = self.state.mesh
+        if mesh.cfg_degree == 1:
+            return self.inner(*bound.args, **bound.kwargs)
+        batch = split_cfg_batch(bound.arguments, mesh, getattr(self.state.adapter, "cfg_batch_args", None))
+        return gather_cfg_output(self.inner(*bound.args, **bound.kwargs), batch, mesh)
