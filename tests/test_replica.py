@@ -1,8 +1,8 @@
-"""``usp_dit.replica``: communication within one model replica.
+"""``usp_dit.replica`` (communication within one model replica) and ``usp_dit.groups`` (teardown).
 
 The distributed part runs in one spawned gloo group of 4 ranks on one replica of cfg 2 x ring 2:
 rank = cfg_rank * 2 + ring_rank, cfg groups {0, 2} and {1, 3}, sequence groups {0, 1} and {2, 3}.
-Each rank records what it saw; the parent asserts. The one-rank test runs here.
+Each rank records what it saw; the parent asserts. The one-rank and teardown tests run here.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from usp_dit import init_usp, single_rank_mesh
+from usp_dit import groups, init_usp, single_rank_mesh
 from usp_dit.replica import all_true_on_replica, broadcast_from_first_rank, comm_device, replica_groups, same_on_replica
 from usp_dit.testing import assert_no_crash, run_spawned
 
@@ -75,3 +75,43 @@ def test_one_rank_replica_communicates_nothing():
     assert same_on_replica(x, mesh) is True
     assert all_true_on_replica(False, mesh) is False
     assert comm_device(mesh, x) == torch.device("cpu")
+
+
+class _Holder:
+    def __init__(self) -> None:
+        self.released = False
+
+    def release(self) -> None:
+        self.released = True
+
+
+class _DeviceMeshLike:
+    def __init__(self) -> None:
+        self._pg_registry = {"ulysses": object()}
+
+
+def test_release_groups_clears_caches_then_releases_holders_and_device_meshes(monkeypatch):
+    import weakref
+
+    monkeypatch.setattr(groups, "_GROUP_HOLDERS", weakref.WeakSet())
+    monkeypatch.setattr(groups, "_DEVICE_MESHES", weakref.WeakSet())
+    order: list[str] = []
+    monkeypatch.setattr(groups, "_CACHE_CLEARS", [lambda: order.append("cache")])
+    holder, device_mesh = groups.hold_groups(_Holder()), groups.register_device_mesh(_DeviceMeshLike())
+    groups.release_groups()
+    assert order == ["cache"] and holder.released and device_mesh._pg_registry == {}
+
+
+def test_mesh_registers_its_cache_and_reexports_teardown():
+    import usp_dit.mesh as mesh_module
+
+    assert mesh_module._forget_meshes in groups._CACHE_CLEARS
+    assert mesh_module.release_groups is groups.release_groups
+    assert mesh_module.register_device_mesh is groups.register_device_mesh
+
+
+def test_a_released_mesh_refuses_to_answer():
+    mesh = single_rank_mesh()
+    mesh.release()
+    with pytest.raises(RuntimeError, match="release_groups"):
+        mesh.seq_group

@@ -12,11 +12,8 @@ Note [sequence rank order]
 """
 from __future__ import annotations
 
-import atexit
 import functools
-import gc
 import os
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from usp_dit.comm import RingExchanger
 from usp_dit.config import USPConfig
+from usp_dit.groups import hold_groups, on_release, register_device_mesh
+from usp_dit.groups import release_groups  # noqa: F401  (usp_dit.mesh.release_groups stays importable)
 
 _AXES = ("dp", "cfg", "ring", "ulysses")
 
@@ -69,7 +68,7 @@ class USPMesh:
         # silently compute on the local shard alone.
         if self.released:
             raise RuntimeError(
-                "this USPMesh's process groups were released at process exit (usp_dit.mesh.release_groups); "
+                "this USPMesh's process groups were released at process exit (usp_dit.groups.release_groups); "
                 "build a new mesh with usp_dit.init_usp"
             )
 
@@ -124,6 +123,13 @@ class USPMesh:
         if self.ring_group is None:
             raise ValueError("ring_degree is 1: there is no ring")
         return RingExchanger(self.ring_group)
+
+    def release(self) -> None:
+        """Let go of this mesh's process groups (``usp_dit.groups`` Note [groups at exit]); using it
+        afterwards raises ``RuntimeError``."""
+        self.device_mesh = self.seq_mesh = None
+        self.__dict__.pop("ring_exchanger", None)  # the cached RingExchanger holds the ring group
+        self.released = True
 
     def __deepcopy__(self, memo: dict) -> USPMesh:
         # A mesh is a handle on process groups, which cannot be copied: a deep copy of an enabled
@@ -201,6 +207,13 @@ def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1,
 _MESHES: dict[tuple, USPMesh] = {}
 
 
+@on_release
+def _forget_meshes() -> None:
+    """For ``release_groups``: no default mesh and no cached mesh hold a group any more."""
+    set_default_mesh(None)
+    _MESHES.clear()
+
+
 def _groups_alive(mesh: USPMesh) -> bool:
     """True while every process group of ``mesh`` is still registered with torch.distributed."""
     if mesh.released or mesh.device_mesh is None:
@@ -225,8 +238,7 @@ def _mesh_of(config: USPConfig) -> USPMesh:
         mesh = USPMesh(config, dp, device_type, same_shape.device_mesh, same_shape.seq_mesh)
     else:
         mesh = _build_mesh(config, dp, device_type)
-    _GROUP_HOLDERS.add(mesh)
-    _MESHES[(shape, config)] = mesh
+    _MESHES[(shape, config)] = hold_groups(mesh)
     return mesh
 
 
@@ -266,46 +278,6 @@ class _Default:
 def set_default_mesh(mesh: USPMesh | None) -> None:
     """Make ``mesh`` the one used when no mesh is passed (``None`` clears it)."""
     _Default.mesh = mesh
-
-
-# What release_groups lets go of, held weakly: the meshes init_usp built with process groups, and
-# every DeviceMesh usp_dit made (theirs and FSDP2's).
-_GROUP_HOLDERS: weakref.WeakSet[USPMesh] = weakref.WeakSet()
-_DEVICE_MESHES: weakref.WeakSet[DeviceMesh] = weakref.WeakSet()
-
-
-def register_device_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
-    """Have ``release_groups`` let go of ``device_mesh``'s process groups at exit; returns it."""
-    _DEVICE_MESHES.add(device_mesh)
-    return device_mesh
-
-
-def release_groups() -> None:
-    """Let go of the process groups of every mesh usp_dit built, and of the default mesh.
-
-    Runs at interpreter exit (``atexit``), after the job's ``destroy_process_group``: a gloo group
-    still referenced then is destroyed during interpreter teardown, where its worker threads can
-    abort the process (SIGABRT) after all the work was done. Dropping the references here, while
-    the interpreter is whole, destroys the groups and joins their threads. A released mesh raises
-    ``RuntimeError`` if used again.
-    """
-    set_default_mesh(None)
-    _MESHES.clear()
-    for mesh in list(_GROUP_HOLDERS):
-        mesh.device_mesh = mesh.seq_mesh = None
-        mesh.__dict__.pop("ring_exchanger", None)  # the cached RingExchanger holds the ring group
-        mesh.released = True
-    for device_mesh in list(_DEVICE_MESHES):
-        # torch's DTensor caches (sharding propagation, redistribution plans, mesh topology) keep
-        # every DeviceMesh they have seen for the life of the process, and a DeviceMesh keeps its
-        # groups in this registry (slices use their root's).
-        registry = getattr(device_mesh, "_pg_registry", None)
-        if isinstance(registry, dict):
-            registry.clear()
-    gc.collect()  # groups held in reference cycles go now too, not during teardown
-
-
-atexit.register(release_groups)
 
 
 def resolve_mesh(mesh: USPMesh | None) -> USPMesh:

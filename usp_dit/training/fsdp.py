@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from usp_dit.mesh import USPMesh, register_device_mesh
+from usp_dit.groups import register_device_mesh
+from usp_dit.mesh import USPMesh
 
 _KINDS = ("full", "hybrid")
 _BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")  # Flux has both; CogVideoX, Mochi the first
