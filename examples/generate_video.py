@@ -1,13 +1,15 @@
-"""torchrun: generate a video with CogVideoX or Mochi on a Ulysses x Ring (x CFG) grid, checked against one rank.
+"""torchrun: generate a video with CogVideoX, Mochi or Wan on a Ulysses x Ring (x CFG) grid, checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cogvideox --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model mochi --ring 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model wan --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model cogvideox \
         --model-path THUDM/CogVideoX-5b --height 480 --width 720 --frames 49 --steps 50 --ulysses 2 --ring 2 --cfg 2
 
 With no ``--model-path`` it builds a tiny randomly initialised pipeline in code
-(``usp_dit.pipelines.tiny_video``: tiny transformer, VAE, scheduler, a T5 encoder with a character
-tokenizer; nothing is downloaded) and runs it in float32 on CPU with gloo. Every rank runs the
+(``usp_dit.pipelines.tiny_video``, ``tiny_wan``: tiny transformer, VAE, scheduler, a T5 encoder with
+a character tokenizer; nothing is downloaded; the tiny Wan is a Wan 2.2 A14B-like pair of experts)
+and runs it in float32 on CPU with gloo. Every rank runs the
 pipeline's real ``__call__`` (text encoding, denoising with classifier-free guidance, VAE decode);
 the transformer's tokens are split over the grid (``pipe.enable_usp``) and, with ``--cfg 2``, the
 [uncond, cond] batch over two groups of ranks. Rank 0 alone shows the progress bar and writes the
@@ -21,7 +23,10 @@ Layout: frames (frames, height, width, 3) in [0, 1]. The VAEs (tiny and real) ha
 latent pixel and the transformers 2 x 2 latent pixels per token, so ``--height``/``--width`` must
 be multiples of 16. CogVideoX compresses 4 frames into one latent frame and its VAE decodes latent
 frames in pairs, so it returns exactly ``--frames`` frames for 8k + 1 only (5 comes back as 8, 13
-as 16); Mochi compresses 6 (``--frames`` = 6k + 1) and its sigma schedule needs ``--steps`` >= 2.
+as 16); Mochi compresses 6 (``--frames`` = 6k + 1) and its sigma schedule needs ``--steps`` >= 2;
+Wan compresses 4 (``--frames`` = 4k + 1). Wan 2.2's second expert (``transformer_2``) is enabled
+on the same mesh beside ``pipe.enable_usp()``, which enables ``pipe.transformer`` only. Wan's
+pipelines run guidance as two transformer calls of batch 1, so ``--cfg 2`` is refused for Wan.
 The defaults (96 x 144, 9 or 13 frames) give 3 x 6 x 9 = 162 video tokens: a count that 4 ranks do
 not divide.
 
@@ -50,13 +55,15 @@ from usp_dit import launch  # noqa: E402
 from usp_dit.config import RING_SCHEDULES  # noqa: E402
 from usp_dit.launch import compare_with_one_rank, init_distributed  # noqa: E402
 
-FAMILIES = {"cogvideox": (9, 4), "mochi": (13, 6)}  # default frames, frames per latent frame
+FAMILIES = {"cogvideox": (9, 4), "mochi": (13, 6), "wan": (9, 4)}  # default frames, frames per latent frame
 # --frames must be step k + 1: (step, why).
 FRAME_RULES = {
     "cogvideox": (8, "CogVideoX's VAE decodes latent frames of 4 in pairs: 5 frames come back as 8, 13 as 16"),
     "mochi": (6, "Mochi's VAE: 6 frames per latent frame"),
+    "wan": (4, "Wan's VAE: 4 frames per latent frame"),
 }
-MIN_STEPS = {"cogvideox": (1, ""), "mochi": (2, "Mochi's linear-quadratic sigma schedule divides by steps // 2")}
+MIN_STEPS = {"cogvideox": (1, ""), "mochi": (2, "Mochi's linear-quadratic sigma schedule divides by steps // 2"),
+             "wan": (1, "")}
 PIXELS_PER_TOKEN = 16  # 8 pixels per latent pixel (VAE), 2 x 2 latent pixels per token
 VIDEO_SUFFIXES = (".webp", ".gif", ".mp4")
 MP4_MODULES = ("imageio", "imageio_ffmpeg")  # what diffusers' export_to_video writes MP4 with
@@ -71,13 +78,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--negative-prompt", default="blurry, low quality")
     p.add_argument("--height", type=int, default=96)
     p.add_argument("--width", type=int, default=144)
-    p.add_argument("--frames", type=int, default=None, help="video frames (default: 9 CogVideoX, 13 Mochi)")
+    p.add_argument("--frames", type=int, default=None, help="video frames (default: 9 CogVideoX and Wan, 13 Mochi)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the pipeline's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ulysses", type=int, default=None, help="Ulysses degree (default: 2 if it fits)")
     p.add_argument("--ring", type=int, default=None, help="ring degree (default: what is left of the world)")
-    p.add_argument("--cfg", type=int, default=1, help="cfg degree: 2 puts the uncond and cond halves on two groups")
+    p.add_argument("--cfg", type=int, default=1,
+                   help="cfg degree: 2 puts the uncond and cond halves on two groups (not Wan: it calls them apart)")
     p.add_argument("--backend", default="auto", help="attention kernel: auto or a name from usp_dit.kernels")
     p.add_argument("--ring-schedule", default="auto", choices=RING_SCHEDULES,
                    help="how the ring's forward moves K/V blocks (README: ring schedules)")
@@ -101,6 +109,10 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     launch.check_model_path("--model-path", args.model_path)
     launch.check_backend("--backend", args.backend)
     launch.check_output("--output", args.output, VIDEO_SUFFIXES)
+    if args.model == "wan" and args.cfg != 1:
+        raise launch.UsageError(f"--cfg {args.cfg} with --model wan: Wan's pipelines call the transformer once "
+                                f"per guidance branch (batch 1), so there is no batch to split over cfg groups; "
+                                f"use --cfg 1")
     if args.output.lower().endswith(".mp4"):
         launch.check_installed("--output", args.output, MP4_MODULES,
                                "pip install imageio imageio-ffmpeg (or 'usp-dit[video]'), or write .webp / .gif")
@@ -110,13 +122,14 @@ def check_args(args: argparse.Namespace, world: int) -> None:
 def load_pipeline(args: argparse.Namespace, device: torch.device):
     """``--model-path`` in bf16 on GPUs (VAE tiling on), or the tiny random pipeline in float32."""
     if args.model_path is None:
-        from usp_dit.pipelines import tiny_video
+        from usp_dit.pipelines import tiny_video, tiny_wan
 
-        build = tiny_video.tiny_cogvideox_pipeline if args.model == "cogvideox" else tiny_video.tiny_mochi_pipeline
-        return build(max_text_len=32).to(device)
-    from diffusers import CogVideoXPipeline, MochiPipeline
+        builders = {"cogvideox": tiny_video.tiny_cogvideox_pipeline, "mochi": tiny_video.tiny_mochi_pipeline,
+                    "wan": lambda **kw: tiny_wan.tiny_wan_pipeline(two_experts=True, **kw)}
+        return builders[args.model](max_text_len=32).to(device)
+    from diffusers import CogVideoXPipeline, MochiPipeline, WanPipeline
 
-    cls = CogVideoXPipeline if args.model == "cogvideox" else MochiPipeline
+    cls = {"cogvideox": CogVideoXPipeline, "mochi": MochiPipeline, "wan": WanPipeline}[args.model]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pipe = cls.from_pretrained(args.model_path, torch_dtype=dtype).to(device)
     pipe.vae.enable_tiling()
@@ -160,10 +173,16 @@ def save_video(frames: np.ndarray, path: str, fps: int) -> list[str]:
     return [path, mp4]
 
 
+def second_expert(pipe):
+    """Wan 2.2's low-noise expert ``transformer_2``, or None (``pipe.enable_usp`` enables ``pipe.transformer`` only)."""
+    return getattr(pipe, "transformer_2", None)
+
+
 def video_tokens(args: argparse.Namespace, pipe) -> int:
     """Tokens the transformer sees: latent frames x (height / (8 p)) x (width / (8 p))."""
     _, per_latent = FAMILIES[args.model]
     p = pipe.transformer.config.patch_size
+    p = p[-1] if isinstance(p, (tuple, list)) else p  # Wan: (t, h, w); spatial patches are square
     return ((args.frames - 1) // per_latent + 1) * (args.height // (8 * p)) * (args.width // (8 * p))
 
 
@@ -183,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     pipe = load_pipeline(args, device)
     mesh = pipe.enable_usp(ulysses_degree=ulysses, ring_degree=ring, cfg_degree=cfg, backend=args.backend,
                            ring_schedule=args.ring_schedule)
+    if second_expert(pipe) is not None:
+        usp_dit.enable_usp(second_expert(pipe), mesh=mesh, backend=args.backend)
     if rank == 0:
         print(f"usp_dit {usp_dit.__version__}: {mesh} on {world} ranks, {device.type}; "
               f"{args.model_path or f'tiny random {type(pipe).__name__}'}, {args.frames} frames of "
@@ -192,6 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         print(f"grid: {time.perf_counter() - start:.1f} s", flush=True)
         print(f"wrote {', '.join(save_video(frames, args.output, args.fps))}", flush=True)
+    if second_expert(pipe) is not None:
+        usp_dit.disable_usp(second_expert(pipe))  # before rank 0 runs alone (compare_with_one_rank disables the first)
     if not args.no_check:
         compare_with_one_rank(pipe, lambda: generate(pipe, args), frames, rank)
     if dist.is_initialized():

@@ -33,6 +33,7 @@ The decoded frames: 1e-4 (an untrained random VAE's gain, as in tests/test_video
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from unittest import mock
 
@@ -399,3 +400,29 @@ def test_per_token_timestep_of_wrong_length_is_refused():
             forward(model, inputs)
     finally:
         ADAPTER.disable(model)
+
+
+# ---- the video example's Wan option (argument checks only: nothing loads) -------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "wan", "--cfg", "2"], "--cfg 2 with --model wan: Wan's pipelines call the transformer once"),
+    (["--model", "wan", "--frames", "11"], "--frames 11 must be 4k + 1"),
+])
+def test_video_example_refuses_what_wan_cannot_take(argv, message, monkeypatch):
+    from tests.test_examples_cli import _example
+    from usp_dit.launch import UsageError
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        _example("generate_video").parse_args(argv)
+
+
+def test_video_example_wan_defaults(monkeypatch):
+    from tests.test_examples_cli import _example
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    args = _example("generate_video").parse_args(["--model", "wan"])
+    assert (args.frames, args.degrees) == (9, (1, 1, 1))
