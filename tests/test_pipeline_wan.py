@@ -13,7 +13,7 @@ each ring grid also with the "stream" and "gather_merge" schedules forced ("auto
 these sizes). Each case: output vs the stock output, block 0's attention sees at most
 ceil(tokens / P) tokens, and after ``disable`` the output is bit-identical. Per variant, on 2 and
 on 4 ranks: every parameter's gradient (loss / P on each rank, summed over the sequence group,
-equals one process's: tests/adapter_parity.gradient_errors). Wan 2.2's two experts: both
+equals one process's: tests/adapter_parity.gradient_errors), and once with gradient checkpointing. Wan 2.2's two experts: both
 transformers enabled with ``usp_dit.enable_usp(..., mesh=mesh)`` and called in turn; the tiny
 two-expert ``WanPipeline`` (T5 encoder, 2 steps with guidance, Wan VAE decode) through
 ``pipe.enable_usp()`` plus ``enable_usp(pipe.transformer_2, mesh=mesh)`` on (2,1) and (2,2), its
@@ -118,6 +118,14 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
         "block0_tokens_above_ceil": float(max(lengths) > bound),
         "disable_not_bit_identical": float(not torch.equal(again, ref)),
     }
+
+
+def _checkpointed_gradient_case(mesh) -> dict[str, float]:
+    """Gradients with ``enable_gradient_checkpointing()`` (TI2V): block 0's recompute in backward
+    re-shards its saved full input, and the blocks get the already-sliced RoPE table and modulation."""
+    model, inputs = _build(SHAPES[2])
+    model.enable_gradient_checkpointing()
+    return gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _two_experts_case(mesh) -> dict[str, float]:
@@ -268,6 +276,7 @@ def _run_all() -> dict[str, dict | str]:
         for shape in SHAPES:
             mesh = init_usp(*GRAD_GRID[world])
             _record(results, f"grad-p{world}-{shape}", lambda: gradient_errors(*_build(shape), ADAPTER, mesh))
+    _record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
     _record(results, "two-experts", lambda: _two_experts_case(init_usp(2, 2)))
     _record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
     _record(results, "ulysses-above-heads", lambda: _ulysses_above_heads_case(init_usp(ulysses_degree=4)))
@@ -294,7 +303,7 @@ def test_sharded_output_matches_one_process(grid_results, key: str):
 GRAD_KEYS = [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES]
 
 
-@pytest.mark.parametrize("key", GRAD_KEYS)
+@pytest.mark.parametrize("key", GRAD_KEYS + ["grad-ckpt-p4"])
 def test_parameter_gradients_match_one_process(grid_results, key: str):
     assert_within(grid_results, key, TOL)
 
