@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     # Diffusers and Transformers load here, after the checks, so that a bad value fails in seconds.
     # usp_dit.pipelines also gives every DiffusionPipeline .enable_usp / .disable_usp.
     from usp_dit.pipelines import install_failure_handler
-    install_failure_handler()  # a rank that raises ends the job at once (usp_dit.pipelines.api)
+    install_failure_handler()  # a rank that raises ends the job at once (usp_dit.pipelines.failure)
     rank, world, device = init_distributed()
     ulysses, ring, cfg = args.degrees
     num_images = args.num_images or cfg

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, world, device = init_distributed()
     # After init_process_group, which wraps sys.excepthook with stderr sent to a buffer: installed
     # before, the handler's os._exit would lose the traceback in that buffer.
-    install_failure_handler()  # a rank that raises ends the job at once (usp_dit.pipelines.api)
+    install_failure_handler()  # a rank that raises ends the job at once (usp_dit.pipelines.failure)
     ulysses, ring, cfg = args.degrees
     pipe = load_pipeline(args, device)
     mesh = pipe.enable_usp(ulysses_degree=ulysses, ring_degree=ring, cfg_degree=cfg, backend=args.backend,

@@ -44,7 +44,7 @@ from torch.utils.hooks import RemovableHandle
 
 from usp_dit.mesh import USPMesh
 from usp_dit.pipelines._token_sharding import ShardState
-from usp_dit.pipelines.base import comm_device
+from usp_dit.replica import comm_device
 
 Rows = Literal["all", "text", "none"]
 

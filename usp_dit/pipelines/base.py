@@ -6,7 +6,7 @@ the tokens once at the transformer input, swaps the attention processors for one
 It must leave the model exactly as it found it on ``disable``.
 
 What is *not* the adapter's business: pipelines, CFG parallel (the batch split over the "cfg" axis
-is done around the adapter's forward by ``usp_dit.pipelines.api``), kernels.
+is done around the adapter's forward by ``usp_dit.pipelines.replica_forward``), kernels.
 """
 from __future__ import annotations
 
@@ -145,13 +145,6 @@ def check_ulysses_degree(num_heads: int, mesh: USPMesh, model: str) -> None:
             f"ulysses_degree can be at most {num_heads} (each Ulysses rank takes at least one head); "
             f"put the remaining ranks on ring_degree"
         )
-
-
-def comm_device(mesh: USPMesh) -> torch.device:
-    """Where a small collective over ``mesh``'s groups runs: this rank's GPU under NCCL, else CPU."""
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def check_model_device(
