@@ -104,25 +104,30 @@ def wan_inputs(
 # ---- whole pipelines -----------------------------------------------------------------------------
 
 
-def tiny_wan_vae(seed: int = 0):
-    """An ``AutoencoderKLWan`` of ``LATENT_CHANNELS`` latent channels: 8x spatial, 4x temporal
-    compression (``num_frames`` = 4k + 1 decodes to exactly ``num_frames``)."""
+def tiny_wan_vae(latent_channels: int = LATENT_CHANNELS, seed: int = 0):
+    """An ``AutoencoderKLWan`` of ``latent_channels``: 8x spatial, 4x temporal compression
+    (``num_frames`` = 4k + 1 decodes to exactly ``num_frames``)."""
     from diffusers import AutoencoderKLWan
 
     torch.manual_seed(seed)
     return AutoencoderKLWan(
-        base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        base_dim=8, z_dim=latent_channels, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
         temperal_downsample=[False, True, True],
-        latents_mean=[0.1 * i for i in range(LATENT_CHANNELS)],
-        latents_std=[1.0 + 0.1 * i for i in range(LATENT_CHANNELS)],
+        latents_mean=[0.1 * i for i in range(latent_channels)],
+        latents_std=[1.0 + 0.1 * i for i in range(latent_channels)],
     ).eval()
 
 
-def tiny_wan_pipeline(max_text_len: int = 16, seed: int = 0, two_experts: bool = False, boundary_ratio: float = 0.5):
+def tiny_wan_pipeline(
+    max_text_len: int = 16, seed: int = 0, two_experts: bool = False, boundary_ratio: float = 0.5, ti2v: bool = False,
+):
     """A ``WanPipeline`` (Wan 2.1 T2V-like) of tiny random models, float32.
 
     With ``two_experts`` it is Wan 2.2 T2V-A14B-like: ``transformer`` (high noise, timesteps
     >= ``boundary_ratio * 1000``) and ``transformer_2`` (low noise), two differently seeded models.
+    With ``ti2v`` it is Wan 2.2 TI2V-5B-like in text-to-video mode: the "ti2v-5b" transformer on
+    3x the latent channels, and ``expand_timesteps`` (the pipeline passes one timestep per token).
+    (The real TI2V VAE compresses 16x spatially; this one 8x, like the others.)
 
     VAE: 8x spatial, 4x temporal compression and patch (1, 2, 2), so ``height x width x num_frames``
     gives ``((num_frames - 1) / 4 + 1) * (height / 16) * (width / 16)`` video tokens; e.g.
@@ -130,12 +135,16 @@ def tiny_wan_pipeline(max_text_len: int = 16, seed: int = 0, two_experts: bool =
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
+    if ti2v and two_experts:
+        raise ValueError("TI2V-5B is a single model: ti2v and two_experts exclude each other")
     tokenizer, text_encoder = tiny_t5(max_text_len, seed + 10)
-    experts = {"transformer": tiny_wan("t2v", seed=seed + 30)}
+    variant = "ti2v-5b" if ti2v else "t2v"
+    experts = {"transformer": tiny_wan(variant, seed=seed + 30)}
     if two_experts:
-        experts["transformer_2"] = tiny_wan("t2v", seed=seed + 40)
+        experts["transformer_2"] = tiny_wan(variant, seed=seed + 40)
     return WanPipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder, vae=tiny_wan_vae(seed + 20),
+        tokenizer=tokenizer, text_encoder=text_encoder,
+        vae=tiny_wan_vae(WAN_VARIANTS[variant]["in_channels"], seed=seed + 20),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), boundary_ratio=boundary_ratio if two_experts else None,
-        **experts,
+        expand_timesteps=ti2v, **experts,
     )
