@@ -24,8 +24,8 @@ latent pixel and the transformers 2 x 2 latent pixels per token, so ``--height``
 be multiples of 16. CogVideoX compresses 4 frames into one latent frame and its VAE decodes latent
 frames in pairs, so it returns exactly ``--frames`` frames for 8k + 1 only (5 comes back as 8, 13
 as 16); Mochi compresses 6 (``--frames`` = 6k + 1) and its sigma schedule needs ``--steps`` >= 2;
-Wan compresses 4 (``--frames`` = 4k + 1). Wan 2.2's second expert (``transformer_2``) is enabled
-on the same mesh beside ``pipe.enable_usp()``, which enables ``pipe.transformer`` only. Wan's
+Wan compresses 4 (``--frames`` = 4k + 1). ``pipe.enable_usp()`` enables both of Wan 2.2's experts
+(``transformer`` and ``transformer_2``) on one mesh. Wan's
 pipelines run guidance as two transformer calls of batch 1, so ``--cfg 2`` is refused for Wan.
 The defaults (96 x 144, 9 or 13 frames) give 3 x 6 x 9 = 162 video tokens: a count that 4 ranks do
 not divide.
@@ -173,11 +173,6 @@ def save_video(frames: np.ndarray, path: str, fps: int) -> list[str]:
     return [path, mp4]
 
 
-def second_expert(pipe):
-    """Wan 2.2's low-noise expert ``transformer_2``, or None (``pipe.enable_usp`` enables ``pipe.transformer`` only)."""
-    return getattr(pipe, "transformer_2", None)
-
-
 def video_tokens(args: argparse.Namespace, pipe) -> int:
     """Tokens the transformer sees: latent frames x (height / (8 p)) x (width / (8 p))."""
     _, per_latent = FAMILIES[args.model]
@@ -202,8 +197,6 @@ def main(argv: list[str] | None = None) -> None:
     pipe = load_pipeline(args, device)
     mesh = pipe.enable_usp(ulysses_degree=ulysses, ring_degree=ring, cfg_degree=cfg, backend=args.backend,
                            ring_schedule=args.ring_schedule)
-    if second_expert(pipe) is not None:
-        usp_dit.enable_usp(second_expert(pipe), mesh=mesh, backend=args.backend)
     if rank == 0:
         print(f"usp_dit {usp_dit.__version__}: {mesh} on {world} ranks, {device.type}; "
               f"{args.model_path or f'tiny random {type(pipe).__name__}'}, {args.frames} frames of "
@@ -213,8 +206,6 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         print(f"grid: {time.perf_counter() - start:.1f} s", flush=True)
         print(f"wrote {', '.join(save_video(frames, args.output, args.fps))}", flush=True)
-    if second_expert(pipe) is not None:
-        usp_dit.disable_usp(second_expert(pipe))  # before rank 0 runs alone (compare_with_one_rank disables the first)
     if not args.no_check:
         compare_with_one_rank(pipe, lambda: generate(pipe, args), frames, rank)
     if dist.is_initialized():

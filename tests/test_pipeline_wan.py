@@ -16,9 +16,9 @@ on 4 ranks: every parameter's gradient (loss / P on each rank, summed over the s
 equals one process's: tests/adapter_parity.gradient_errors), and once with gradient
 checkpointing. Wan 2.2's two experts: both transformers enabled with
 ``usp_dit.enable_usp(..., mesh=mesh)`` and called in turn; the tiny two-expert ``WanPipeline``
-(T5 encoder, 2 steps with guidance, Wan VAE decode) through ``pipe.enable_usp()`` plus
-``enable_usp(pipe.transformer_2, mesh=mesh)`` on (2,1) and (2,2), its video equal to one
-process's and both experts run; the tiny TI2V-5B-like ``WanPipeline`` (``expand_timesteps``) on
+(T5 encoder, 2 steps with guidance, Wan VAE decode) through ``pipe.enable_usp()``, which enables
+both experts on one mesh (``pipe.disable_usp()`` restores both), on (2,1) and (2,2), its video
+equal to one process's and both experts run; the tiny TI2V-5B-like ``WanPipeline`` (``expand_timesteps``) on
 (2,2); ``cfg_degree=2`` on a Wan pipeline is refused (Wan's pipelines call the transformer once
 per guidance branch, batch 1: nothing to split).
 
@@ -46,7 +46,7 @@ from diffusers.models.transformers import transformer_wan
 import usp_dit
 from tests.adapter_parity import GRAD_GRID, GRIDS, assert_within, forward, gradient_errors
 from usp_dit import init_usp, single_rank_mesh
-from usp_dit.pipelines import wan
+from usp_dit.pipelines import is_usp_enabled, wan
 from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.tiny_wan import WAN_VARIANTS, tiny_wan, tiny_wan_pipeline, wan_inputs, wan_tokens
 from usp_dit.pipelines.wan import ADAPTER, USPWanAttnProcessor
@@ -217,7 +217,7 @@ PIPELINE_GRIDS = [(2, 1), (2, 2)]  # (U, R): a 2-rank sequence group (dp 2) and 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
     """The tiny two-expert WanPipeline on each of ``PIPELINE_GRIDS``: ``pipe.enable_usp`` enables
-    ``transformer`` only (api.py), so ``transformer_2`` is enabled on the same mesh by hand."""
+    both experts on one mesh, ``pipe.disable_usp`` restores both."""
     pipe = tiny_wan_pipeline(two_experts=True)
     pipe.set_progress_bar_config(disable=True)
     ref_calls = []
@@ -225,14 +225,15 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
     results = {}
     for u, r in PIPELINE_GRIDS:
         calls = []
-        mesh = pipe.enable_usp(ulysses_degree=u, ring_degree=r)
-        usp_dit.enable_usp(pipe.transformer_2, mesh=mesh)
+        pipe.enable_usp(ulysses_degree=u, ring_degree=r)
+        both = is_usp_enabled(pipe.transformer) and is_usp_enabled(pipe.transformer_2)
         try:
             latents, frames = _generate(pipe, calls)
         finally:
             pipe.disable_usp()
-            usp_dit.disable_usp(pipe.transformer_2)
+        neither = not (is_usp_enabled(pipe.transformer) or is_usp_enabled(pipe.transformer_2))
         results[f"pipeline-u{u}r{r}"] = {
+            "not_both_enabled_then_restored": float(not (both and neither)),
             "latents": rel_err(latents, ref_latents),
             "frames": rel_err(frames, ref_frames),
             # 2 steps x (cond, uncond): the high-noise expert at t=1000, the low-noise one at t=8.9.

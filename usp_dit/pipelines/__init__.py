@@ -2,7 +2,7 @@
 
 Layout: each adapter module documents its own (tokens, RoPE tables, text handling).
 
-Importing this package registers the adapters (Flux, CogVideoX, Mochi: each module calls
+Importing this package registers the adapters (Flux, CogVideoX, Mochi, Wan: each module calls
 ``register_adapter`` on import) and gives every ``DiffusionPipeline`` the methods
 ``enable_usp(...)`` and ``disable_usp()``.
 """

@@ -88,23 +88,30 @@ class USPState:
 # Finding the transformer and the mesh
 
 
-def _transformer_of(target: Any) -> tuple[torch.nn.Module, Any]:
-    """``(transformer, pipeline or None)`` for a pipeline or a bare transformer.
+# A pipeline's transformer components, in the order they are enabled: Wan 2.2's two experts are
+# ``transformer`` (high noise) and ``transformer_2`` (low noise); either may be None.
+_TRANSFORMER_COMPONENTS = ("transformer", "transformer_2")
+
+
+def _transformers_of(target: Any) -> tuple[list[torch.nn.Module], Any]:
+    """``([transformers], pipeline or None)`` for a pipeline (every transformer component it has)
+    or a bare transformer.
 
     Raises:
-        NotImplementedError: a pipeline without a ``transformer`` component (e.g. UNet pipelines).
+        NotImplementedError: a pipeline without a transformer component (e.g. UNet pipelines).
         ValueError: ``target`` is neither a pipeline nor a ``torch.nn.Module``.
     """
     if isinstance(target, torch.nn.Module):
-        return target, None
+        return [target], None
     if isinstance(target, DiffusionPipeline):
-        transformer = getattr(target, "transformer", None)
-        if not isinstance(transformer, torch.nn.Module):
+        found = [getattr(target, name, None) for name in _TRANSFORMER_COMPONENTS]
+        transformers = [t for t in found if isinstance(t, torch.nn.Module)]
+        if not transformers:
             raise NotImplementedError(
                 f"{type(target).__name__} has no transformer component: usp_dit parallelises Diffusion "
-                f"Transformer pipelines (Flux, CogVideoX, Mochi), not UNet ones"
+                f"Transformer pipelines (Flux, CogVideoX, Mochi, Wan), not UNet ones"
             )
-        return transformer, target
+        return transformers, target
     raise ValueError(
         f"pipe_or_transformer must be a diffusers DiffusionPipeline or a torch.nn.Module transformer, "
         f"got {type(target).__name__}"
@@ -214,7 +221,7 @@ def enable_usp(
     sync_inputs: bool = True,
     ring_schedule: str = "auto",
 ) -> USPMesh:
-    """Run a Diffusers pipeline's transformer (or a bare transformer) on a USP grid, in place.
+    """Run a Diffusers pipeline's transformers (or a bare transformer) on a USP grid, in place.
 
     Call it on every rank (under torchrun) with the same arguments. The transformer then takes and
     returns full tensors, exactly as before; inside, its tokens are split over the
@@ -224,8 +231,9 @@ def enable_usp(
     both Notes in ``usp_dit.pipelines.replica_forward``).
 
     Args:
-        pipe_or_transformer: a ``DiffusionPipeline`` with a ``transformer`` component, or the
-            transformer itself (e.g. for fine-tuning).
+        pipe_or_transformer: a ``DiffusionPipeline`` with a ``transformer`` component (and Wan
+            2.2's ``transformer_2``: both are enabled on one mesh), or the transformer itself
+            (e.g. for fine-tuning).
         ulysses_degree, ring_degree, cfg_degree: the grid; their product must divide the world size
             (the remaining factor is data parallel). Ignored when ``mesh`` is given.
         backend: attention kernel, "auto" or a name from ``usp_dit.kernels.list_backends()``.
@@ -233,9 +241,9 @@ def enable_usp(
         sync_inputs: broadcast the transformer's inputs from each replica's first rank
             (Note [same inputs everywhere]); turn off only if you guarantee identical inputs.
         ring_schedule: how the ring's forward moves K/V blocks: "stream" (block by block, least
-            memory), "gather" (all blocks at once, the local block computed while they travel),
-            "allgather" (all blocks at once, then one kernel call) or "auto" (by block length).
-            Ignored when ``mesh`` is given (``init_usp`` takes it).
+            memory), "gather_merge" (all blocks at once, the local block computed while they
+            travel), "gather_one_call" (all blocks at once, then one kernel call) or "auto" (by
+            block length). Ignored when ``mesh`` is given (``init_usp`` takes it).
 
     Returns:
         The mesh in use.
@@ -247,13 +255,36 @@ def enable_usp(
         NotImplementedError: no adapter for this transformer class (the message names the
             supported ones) or a pipeline without a transformer.
     """
-    transformer, pipe = _transformer_of(pipe_or_transformer)
+    transformers, pipe = _transformers_of(pipe_or_transformer)
+    _check_backend(backend)
+    adapters = [_checked_adapter(t) for t in transformers]  # every check before anything is patched
+    mesh = _resolve_mesh(mesh, ulysses_degree, ring_degree, cfg_degree, ring_schedule)
+    states: list[USPState] = []
+    try:
+        for transformer, adapter in zip(transformers, adapters):
+            states.append(_enable_one(transformer, adapter, mesh, backend, sync_inputs))
+    except BaseException:
+        for transformer in transformers[:len(states)]:  # an expert that failed undoes the others
+            _disable_one(transformer)
+        raise
+    _patch_pipeline(pipe, states[0])  # once per pipeline: its state sits on the first transformer
+    if _world_size() > 1:
+        install_failure_handler()
+    return mesh
+
+
+def _checked_adapter(transformer: torch.nn.Module) -> ModelAdapter:
+    """The adapter of a transformer that can be enabled (not already, on this rank's device)."""
     if getattr(transformer, _STATE_ATTR, None) is not None:
         raise ValueError(f"usp_dit is already enabled on this {type(transformer).__name__}; call disable_usp first")
-    _check_backend(backend)
     adapter = find_adapter(transformer)
     _check_device(transformer)
-    mesh = _resolve_mesh(mesh, ulysses_degree, ring_degree, cfg_degree, ring_schedule)
+    return adapter
+
+
+def _enable_one(transformer: torch.nn.Module, adapter: ModelAdapter, mesh: USPMesh, backend: str,
+                sync_inputs: bool) -> USPState:
+    """The adapter's patch, then (at model degree > 1) the replica wrapper, on one transformer."""
     adapter.enable(transformer, mesh, backend)
     state = USPState(mesh, adapter, backend, sync_inputs)
     if mesh.config.model_degree > 1:  # at one rank there is nothing to sync or split: no wrapper, no tax
@@ -261,18 +292,11 @@ def enable_usp(
         transformer.forward = ReplicaForward(transformer.forward, state, transformer)
         state.wrapped = True
     setattr(transformer, _STATE_ATTR, state)
-    _patch_pipeline(pipe, state)
-    if _world_size() > 1:
-        install_failure_handler()
-    return mesh
+    return state
 
 
-def disable_usp(pipe_or_transformer: Any) -> None:
-    """Undo ``enable_usp``: the original processors and forward come back (bit-identical results).
-
-    A transformer on which usp_dit is not enabled is left as it is.
-    """
-    transformer, _ = _transformer_of(pipe_or_transformer)
+def _disable_one(transformer: torch.nn.Module) -> None:
+    """Undo ``_enable_one`` and, if this transformer carries it, the pipeline's patch."""
     state = transformer.__dict__.pop(_STATE_ATTR, None)
     if state is None:
         return
@@ -282,10 +306,21 @@ def disable_usp(pipe_or_transformer: Any) -> None:
     _unpatch_pipeline(state)
 
 
+def disable_usp(pipe_or_transformer: Any) -> None:
+    """Undo ``enable_usp``: the original processors and forward come back (bit-identical results),
+    on every transformer of a pipeline. A transformer on which usp_dit is not enabled is left as
+    it is.
+    """
+    transformers, _ = _transformers_of(pipe_or_transformer)
+    for transformer in transformers:
+        _disable_one(transformer)
+
+
 def is_usp_enabled(pipe_or_transformer: Any) -> bool:
-    """True while ``enable_usp`` is in force on this pipeline's transformer (or this transformer)."""
-    transformer, _ = _transformer_of(pipe_or_transformer)
-    return getattr(transformer, _STATE_ATTR, None) is not None
+    """True while ``enable_usp`` is in force on any of this pipeline's transformers (or on this
+    transformer)."""
+    transformers, _ = _transformers_of(pipe_or_transformer)
+    return any(getattr(t, _STATE_ATTR, None) is not None for t in transformers)
 
 
 def _pipe_enable_usp(self, ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1,
