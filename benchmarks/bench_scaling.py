@@ -49,8 +49,8 @@ REAL = {
 
 def tiny_cases() -> dict[str, Callable]:
     """Small float32 models of the three families (CPU smoke run): (model, kwargs, shape text)."""
-    from usp_dit.pipelines.tiny_flux import flux_inputs, tiny_flux_transformer
-    from usp_dit.pipelines.tiny_video import cogvideox_inputs, mochi_inputs, tiny_cogvideox, tiny_mochi
+    from usp_dit.demo.tiny_flux import flux_inputs, tiny_flux_transformer
+    from usp_dit.demo.tiny_video import cogvideox_inputs, mochi_inputs, tiny_cogvideox, tiny_mochi
 
     def flux(dev):
         kwargs = {**flux_inputs(1, 12, 12, 7), "guidance": torch.full((1,), 3.5), "return_dict": False}

@@ -61,7 +61,7 @@ from usp_dit.training.fsdp import shard_transformer
 from usp_dit.training.objectives import OBJECTIVES, mse_loss, noise_batch
 
 MAX_ATTEMPTS = 64  # consecutive bad items before giving up: the data folder is then mostly broken
-TINY_LATENT_CHANNELS = 4  # in_channels of the tiny transformer (usp_dit.pipelines.tiny_video)
+TINY_LATENT_CHANNELS = 4  # in_channels of the tiny transformer (usp_dit.demo.tiny_video)
 PIXELS_PER_TOKEN = 16  # CogVideoX: 8 pixels per latent pixel (VAE), 2 x 2 latent pixels per token
 FRAMES_PER_LATENT = 4  # CogVideoX's VAE: 4 frames per latent frame, plus the first
 
@@ -149,7 +149,7 @@ def build_transformer(args: argparse.Namespace) -> torch.nn.Module:
     from diffusers import CogVideoXTransformer3DModel
 
     if args.model is None:
-        from usp_dit.pipelines.tiny_video import tiny_cogvideox
+        from usp_dit.demo.tiny_video import tiny_cogvideox
 
         return tiny_cogvideox("5b", seed=args.seed)
     folder, sub = _model_folder(args.model, "transformer")

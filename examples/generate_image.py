@@ -86,7 +86,7 @@ def check_args(args: argparse.Namespace, world: int) -> None:
 def load_pipeline(args: argparse.Namespace, device: torch.device):
     """The pipeline to run: ``--model`` from disk/hub in bf16 on GPUs, or the tiny one in float32."""
     if args.model is None:
-        from usp_dit.pipelines.tiny_flux import tiny_flux_pipeline
+        from usp_dit.demo.tiny_flux import tiny_flux_pipeline
 
         return tiny_flux_pipeline(vae_blocks=4, max_text_len=TINY_TEXT_LEN).to(device)
     from diffusers import FluxPipeline

@@ -7,7 +7,7 @@
         --model-path THUDM/CogVideoX-5b --height 480 --width 720 --frames 49 --steps 50 --ulysses 2 --ring 2 --cfg 2
 
 With no ``--model-path`` it builds a tiny randomly initialised pipeline in code
-(``usp_dit.pipelines.tiny_video``, ``tiny_wan``: tiny transformer, VAE, scheduler, a T5 encoder with
+(``usp_dit.demo.tiny_video``, ``tiny_wan``: tiny transformer, VAE, scheduler, a T5 encoder with
 a character tokenizer; nothing is downloaded; the tiny Wan is a Wan 2.2 A14B-like pair of experts)
 and runs it in float32 on CPU with gloo. Every rank runs the
 pipeline's real ``__call__`` (text encoding, denoising with classifier-free guidance, VAE decode);
@@ -122,7 +122,7 @@ def check_args(args: argparse.Namespace, world: int) -> None:
 def load_pipeline(args: argparse.Namespace, device: torch.device):
     """``--model-path`` in bf16 on GPUs (VAE tiling on), or the tiny random pipeline in float32."""
     if args.model_path is None:
-        from usp_dit.pipelines import tiny_video, tiny_wan
+        from usp_dit.demo import tiny_video, tiny_wan
 
         builders = {"cogvideox": tiny_video.tiny_cogvideox_pipeline, "mochi": tiny_video.tiny_mochi_pipeline,
                     "wan": lambda **kw: tiny_wan.tiny_wan_pipeline(two_experts=True, **kw)}

@@ -16,7 +16,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from usp_dit.pipelines.tiny_flux import tiny_flux_pipeline  # noqa: E402
+from usp_dit.demo.tiny_flux import tiny_flux_pipeline  # noqa: E402
 
 
 def main() -> None:

@@ -32,8 +32,8 @@ import torch.distributed as dist
 import usp_dit
 from tests.reference import joint_attention_ref
 from usp_dit import gather_sequence, init_usp, shard_sequence, usp_attention
-from usp_dit.pipelines.tiny_flux import flux_inputs, tiny_flux_transformer
-from usp_dit.pipelines.tiny_video import cogvideox_inputs, mochi_inputs, tiny_cogvideox, tiny_mochi
+from usp_dit.demo.tiny_flux import flux_inputs, tiny_flux_transformer
+from usp_dit.demo.tiny_video import cogvideox_inputs, mochi_inputs, tiny_cogvideox, tiny_mochi
 from usp_dit.testing import _gloo_threads, rel_err, run_spawned_worlds
 
 GRIDS = {2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1), (1, 4)]}

@@ -101,3 +101,11 @@ def test_import_usp_dit_loads_no_integration():
         "print(f.__module__, DiffusionPipeline.enable_usp.__name__)"
     )
     assert attached == "usp_dit.pipelines.api _pipe_enable_usp", attached
+
+
+@pytest.mark.parametrize("path", _modules("usp_dit.pipelines"), ids=lambda p: _module_name(p))
+def test_the_integration_does_not_import_the_demo_models(path):
+    """The tiny models (``usp_dit.demo``) are the examples' defaults and the tests' fixtures; the
+    Diffusers integration works without them."""
+    demo = sorted(n for n in _imports(path) if n.startswith("usp_dit.demo"))
+    assert not demo, f"{_module_name(path)} imports {demo}"

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import usp_dit
 from usp_dit import disable_usp, enable_usp, init_usp
-from usp_dit.pipelines.tiny_flux import flux_inputs, tiny_flux_pipeline, tiny_flux_transformer
+from usp_dit.demo.tiny_flux import flux_inputs, tiny_flux_pipeline, tiny_flux_transformer
 from usp_dit.testing import rel_err, run_spawned_worlds
 
 TOL = 1e-5

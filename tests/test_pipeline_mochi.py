@@ -22,7 +22,7 @@ import torch
 from tests.adapter_parity import assert_within, cases, forward, run_grid
 from usp_dit import single_rank_mesh
 from usp_dit.pipelines.mochi import ADAPTER, USPMochiAttnProcessor
-from usp_dit.pipelines.tiny_video import mochi_inputs, tiny_mochi
+from usp_dit.demo.tiny_video import mochi_inputs, tiny_mochi
 from usp_dit.testing import run_spawned_worlds
 
 TOL = 1e-5

@@ -3,7 +3,7 @@
 One spawned group of 4 ranks runs every case (process start-up is the slow part); the 2-rank grids
 run on it as two data-parallel replicas of 2 ranks each (the adapter sees a sequence group of 2,
 as on a 2-rank job). Models: tiny 2-layer ``WanTransformer3DModel`` s (4 heads x 16 head_dim, every
-weight perturbed; ``usp_dit.pipelines.tiny_wan``) in three variants: Wan 2.1 T2V, Wan 2.1 I2V (CLIP
+weight perturbed; ``usp_dit.demo.tiny_wan``) in three variants: Wan 2.1 T2V, Wan 2.1 I2V (CLIP
 image tokens through the added K/V cross-attention, 512 text tokens as the stock processor
 requires) and Wan 2.2 TI2V-5B (3x the latent channels, one random timestep per token). Latents give
 45, 27 and 63 tokens (none divides 2 or 4), batch 2 with a different prompt and timestep per element.
@@ -48,7 +48,7 @@ from tests.adapter_parity import GRAD_GRID, GRIDS, assert_within, forward, gradi
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.pipelines import is_usp_enabled, wan
 from usp_dit.pipelines.base import find_adapter
-from usp_dit.pipelines.tiny_wan import WAN_VARIANTS, tiny_wan, tiny_wan_pipeline, wan_inputs, wan_tokens
+from usp_dit.demo.tiny_wan import WAN_VARIANTS, tiny_wan, tiny_wan_pipeline, wan_inputs, wan_tokens
 from usp_dit.pipelines.wan import ADAPTER, USPWanAttnProcessor
 from usp_dit.sharding import shard_sequence
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned

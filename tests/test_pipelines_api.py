@@ -26,8 +26,8 @@ import usp_dit
 from usp_dit import USPConfig, USPMesh, disable_usp, enable_usp
 from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines.api import split_cfg_batch
-from usp_dit.pipelines.tiny_flux import flux_inputs, tiny_flux_pipeline, tiny_flux_transformer
-from usp_dit.pipelines.tiny_video import tiny_cogvideox, tiny_mochi
+from usp_dit.demo.tiny_flux import flux_inputs, tiny_flux_pipeline, tiny_flux_transformer
+from usp_dit.demo.tiny_video import tiny_cogvideox, tiny_mochi
 
 ROOT = Path(__file__).resolve().parents[1]
 

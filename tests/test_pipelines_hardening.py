@@ -39,8 +39,8 @@ from usp_dit import disable_usp, enable_usp, init_usp
 from usp_dit.pipelines import api, is_usp_enabled
 from usp_dit.pipelines._replicated_dropout import ReplicaDropout
 from usp_dit.pipelines.base import MISSING, check_model_device
-from usp_dit.pipelines.tiny_flux import flux_inputs, tiny_flux_transformer
-from usp_dit.pipelines.tiny_video import cogvideox_inputs, mochi_inputs, tiny_cogvideox, tiny_mochi
+from usp_dit.demo.tiny_flux import flux_inputs, tiny_flux_transformer
+from usp_dit.demo.tiny_video import cogvideox_inputs, mochi_inputs, tiny_cogvideox, tiny_mochi
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import usp_dit
-from usp_dit.pipelines.tiny_video import (
+from usp_dit.demo.tiny_video import (
     cogvideox_inputs, mochi_inputs, gradient_image, tiny_cogvideox, tiny_cogvideox_pipeline, tiny_mochi,
     tiny_mochi_pipeline,
 )

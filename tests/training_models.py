@@ -17,9 +17,9 @@ import torch
 
 FAMILIES = ("cogvideox", "flux", "mochi")
 _BUILDER_MODULES = {
-    "cogvideox": ("usp_dit.pipelines.cogvideox", "usp_dit.pipelines.tiny_video"),
-    "flux": ("usp_dit.pipelines.flux", "usp_dit.pipelines.tiny_flux"),
-    "mochi": ("usp_dit.pipelines.mochi", "usp_dit.pipelines.tiny_video"),
+    "cogvideox": ("usp_dit.pipelines.cogvideox", "usp_dit.demo.tiny_video"),
+    "flux": ("usp_dit.pipelines.flux", "usp_dit.demo.tiny_flux"),
+    "mochi": ("usp_dit.pipelines.mochi", "usp_dit.demo.tiny_video"),
 }
 
 
@@ -49,7 +49,7 @@ def _target(out_shape: torch.Size, seed: int) -> torch.Tensor:
 
 
 def _cogvideox(seed: int) -> TrainingCase:
-    from usp_dit.pipelines.tiny_video import cogvideox_inputs, tiny_cogvideox
+    from usp_dit.demo.tiny_video import cogvideox_inputs, tiny_cogvideox
 
     model = tiny_cogvideox("5b").train()  # RoPE table passed in: sliced like the tokens
     inputs = cogvideox_inputs(model, frames=3, height=6, width=6, batch=2, seed=seed)  # 27 tokens
@@ -57,7 +57,7 @@ def _cogvideox(seed: int) -> TrainingCase:
 
 
 def _flux(seed: int) -> TrainingCase:
-    from usp_dit.pipelines.tiny_flux import flux_inputs, tiny_flux_transformer
+    from usp_dit.demo.tiny_flux import flux_inputs, tiny_flux_transformer
 
     model = tiny_flux_transformer().train()
     kwargs = flux_inputs(batch=2, height=6, width=5, text_len=7, seed=seed)  # 30 image + 7 text = 37 tokens
@@ -66,7 +66,7 @@ def _flux(seed: int) -> TrainingCase:
 
 
 def _mochi(seed: int) -> TrainingCase:
-    from usp_dit.pipelines.tiny_video import mochi_inputs, tiny_mochi
+    from usp_dit.demo.tiny_video import mochi_inputs, tiny_mochi
 
     model = tiny_mochi().train()
     inputs = mochi_inputs(model, frames=3, height=6, width=6, valid=[6, 2], seed=seed)  # 27 tokens, padded prompts

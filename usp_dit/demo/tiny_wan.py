@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from diffusers import WanTransformer3DModel
 
-from usp_dit.pipelines.tiny_video import TEXT_DIM, _perturb, tiny_t5
+from usp_dit.demo.tiny_video import TEXT_DIM, _perturb, tiny_t5
 
 # Wan's stock processor takes the image tokens to be everything before the last 512 context tokens
 # (``WanAttnProcessor``: "512 is the context length of the text encoder, hardcoded for now"), so
