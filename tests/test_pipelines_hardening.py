@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from usp_dit import disable_usp, enable_usp, init_usp
+from usp_dit import disable_usp, enable_usp
 from usp_dit.pipelines import api, is_usp_enabled
 from usp_dit.pipelines._replicated_dropout import ReplicaDropout
 from usp_dit.pipelines.base import MISSING, check_model_device

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import torch.distributed as dist
 
 from usp_dit.testing import assert_no_crash, run_spawned
