@@ -17,6 +17,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from usp_dit.demo.tiny_flux import tiny_flux_pipeline  # noqa: E402
+import usp_dit.pipelines  # noqa: E402,F401  (gives DiffusionPipeline .enable_usp)
 
 
 def main() -> None:
