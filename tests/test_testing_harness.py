@@ -1,8 +1,10 @@
-"""The spawned-group harness's own checks: its gloo-thread counter (in this process) and its report
-of a rank killed by a signal (one 2-rank group)."""
+"""The spawned-group harness's own checks: its gloo-thread counter (in this process), its report of
+a rank killed by a signal, the one re-run such a death gets and the none a Python error gets
+(2-rank groups)."""
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import sys
 import time
@@ -43,8 +45,35 @@ def _abort_on_rank_one() -> int:
 
 
 def test_a_rank_killed_by_a_signal_is_reported_with_its_stderr():
-    """A rank that dies by a signal leaves no traceback; run_spawned shows its stderr instead."""
-    with pytest.raises(RuntimeError) as info:
-        run_spawned(_abort_on_rank_one, 2, check_groups=False)
+    """A rank that dies by a signal leaves no traceback; run_spawned shows its stderr instead,
+    after running the group once more (Note [a rank killed by a signal])."""
+    with pytest.warns(RuntimeWarning, match="killed by a signal; running the group once more"):
+        with pytest.raises(RuntimeError) as info:
+            run_spawned(_abort_on_rank_one, 2, check_groups=False)
     text = str(info.value)
     assert "SIGABRT" in text and "--- rank 1 stderr" in text and "rank one's last words" in text
+
+
+def _abort_first_time(marker: str) -> int:
+    """Rank 1 aborts unless ``marker`` exists (it creates it first): only the first run dies."""
+    if dist.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.abort()
+    return dist.get_rank()
+
+
+def _raise_on_rank_one() -> int:
+    if dist.get_rank() == 1:
+        raise ValueError("a Python error")
+    return 0
+
+
+def test_a_group_killed_once_by_a_signal_is_run_again(tmp_path):
+    with pytest.warns(RuntimeWarning, match="SIGABRT"):
+        assert run_spawned(functools.partial(_abort_first_time, str(tmp_path / "died")), 2, check_groups=False) == [0, 1]
+
+
+def test_a_rank_that_raises_is_not_run_again(recwarn):
+    results = run_spawned(_raise_on_rank_one, 2, check_groups=False)
+    assert "ValueError: a Python error" in results[1]["__error__"]
+    assert not [w for w in recwarn if "running the group once more" in str(w.message)]
