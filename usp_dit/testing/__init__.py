@@ -101,12 +101,13 @@ def run_spawned(fn: Callable[[], Any], world_size: int, check_groups: bool = Tru
     interpreter teardown, which can abort a user's process at exit).
 
     Note [a rank killed by a signal]
-        A rank that dies by a signal leaves no Python traceback, only its stderr. One such death
-        was seen in a fresh-clone CI run (2026-12-03: rank 3 of tests/test_pipeline_flux.py's
-        4-rank group, "malloc(): unaligned tcache chunk detected" inside gloo, with 8 processes
-        sharing 2 cores), where the same code passed in the runs before and after. So a group
-        whose rank is killed by a signal is run once more, with a warning that carries the
-        ranks' stderr; a second death fails as before. A rank that raises is never retried.
+        A rank that dies by a signal leaves no Python traceback, only its stderr. Such deaths
+        were seen in fresh-clone CI runs on 2026-12-03, with the same code passing in other runs:
+        rank 3 of tests/test_pipeline_flux.py's 4-rank group ("malloc(): unaligned tcache chunk
+        detected", inside gloo) and rank 2 of tests/test_pipeline_cogvideox.py's (SIGSEGV, no
+        stderr). The cause is not known yet. So a group whose rank is killed by a signal is run
+        once more, with a warning that carries the ranks' stderr (it shows in pytest's summary);
+        a second death fails as before. A rank that raises is never retried.
     """
     try:
         return _spawn_once(fn, world_size, check_groups)
