@@ -46,7 +46,7 @@ from diffusers.models.transformers import transformer_wan
 import usp_dit
 from tests.adapter_parity import GRAD_GRID, GRIDS, assert_within, forward, gradient_errors
 from usp_dit import init_usp, single_rank_mesh
-from usp_dit.pipelines import is_usp_enabled, wan
+from usp_dit.pipelines import _routing, is_usp_enabled
 from usp_dit.pipelines.base import find_adapter
 from usp_dit.demo.tiny_wan import WAN_VARIANTS, tiny_wan, tiny_wan_pipeline, wan_inputs, wan_tokens
 from usp_dit.pipelines.wan import ADAPTER, USPWanAttnProcessor
@@ -172,7 +172,7 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
     q_ref, k_ref = _first_attention_call(model, inputs, transformer_wan, "dispatch_attention_fn")
     ADAPTER.enable(model, mesh, "auto")
     try:
-        q, k = _first_attention_call(model, inputs, wan, "usp_attention")
+        q, k = _first_attention_call(model, inputs, _routing, "usp_attention")
     finally:
         ADAPTER.disable(model)
     return {"q": rel_err(q, shard_sequence(q_ref, mesh)), "k": rel_err(k, shard_sequence(k_ref, mesh))}

@@ -39,33 +39,20 @@ Note [Wan's per-token tables]
     Both hooks sit on submodules called inside the forward, so whatever wraps the forward
     (``enable_usp``'s input broadcast and cfg split) sees full tensors.
 
-Note [routing Wan's self-attention call]
-    ``attn1`` keeps diffusers' maths: ``USPWanAttnProcessor`` runs the code of the stock
-    ``WanAttnProcessor.__call__`` itself (projections, RMS norm across heads, RoPE on this rank's
-    rows, output projection), with one name it looks up changed: ``dispatch_attention_fn``.
-
-        WanAttnProcessor.__call__'s code, unchanged, with its module's globals except
-          dispatch_attention_fn(q, k, v, ..., parallel_config=self._parallel_config)
-                 └─► _dispatch_to_usp ─► usp_attention(q, k, v, mesh, backend, seq_len)
-
-    The stock code passes the processor's ``_parallel_config`` to its self-attention call (that
-    is the seam diffusers' own context parallelism uses); ours holds the ``ShardState``, so the
-    routed function gets the mesh and ``seq_len`` as an argument (no global state: two enabled
-    transformers, e.g. Wan 2.2's experts, route independently). The function object is built once
-    at import from the stock code object; if a future diffusers' processor stops calling
-    ``dispatch_attention_fn`` or passing ``_parallel_config``, enable (or the first call) refuses
-    instead of running local attention on a shard.
+Self-attention keeps diffusers' maths: ``USPWanAttnProcessor`` runs the stock
+``WanAttnProcessor.__call__``'s own code (projections, RMS norm across heads, RoPE on this rank's
+rows, output projection) with its one ``dispatch_attention_fn`` call routed to ``usp_attention``
+(``usp_dit.pipelines._routing``, Note [routing a stock processor's attention call]).
 
 Refused (NotImplementedError, at enable unless noted): processors other than the stock
 ``WanAttnProcessor`` (LoRA-replaced, custom, or diffusers' context parallelism already enabled),
 a diffusers cache (``enable_cache``: its skip decisions would be taken per rank on the shard), an
-``attention_mask``, dropout, causal or scaled self-attention calls (at the call: the stock
+``attention_mask``, dropout or causal self-attention calls (at the call: the stock
 processor passes none), ``num_layers=0``. Wan configs have no dropout, so no replicated-dropout
 handling is needed (the text stream is never updated per block).
 """
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -75,87 +62,22 @@ from torch.utils.hooks import RemovableHandle
 
 from usp_dit.mesh import USPMesh
 from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks, _get_arg, _set_arg
+from usp_dit.pipelines._routing import ROUTED_NAME, Route, RoutedProcessor, routed_processor_class
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.sharding import shard_sequence
-from usp_dit.usp import usp_attention
 
-_ROUTED_NAME = "dispatch_attention_fn"
-
-
-def _dispatch_to_usp(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    attention_kwargs: dict[str, Any] | None = None,
-    *,
-    backend: Any = None,
-    parallel_config: Any = None,
-) -> torch.Tensor:
-    """``dispatch_attention_fn``'s signature, for attn1's one call (Note [routing Wan's self-attention call]).
-
-    Args:
-        query, key, value: (B, S_local, H, D), this rank's rotated tokens.
-        parallel_config: the processor's ``ShardState``.
-        backend: diffusers' backend name (``set_attention_backend``); ignored: usp_dit's is used.
-
-    Returns:
-        (B, S_local, H, D): this rank's queries attended over the whole sequence.
-    """
-    state = parallel_config
-    if not isinstance(state, ShardState):
-        raise RuntimeError(
-            f"usp_dit's Wan processor got parallel_config={type(state).__name__}, not its ShardState: this "
-            f"diffusers' WanAttnProcessor no longer passes _parallel_config to its self-attention call"
-        )
-    if attn_mask is not None:
-        raise NotImplementedError("usp_dit's Wan adapter does not support an attention_mask in self-attention")
-    if dropout_p or is_causal or enable_gqa or scale is not None or attention_kwargs:
-        raise NotImplementedError(
-            f"usp_dit's Wan adapter runs plain self-attention only, got dropout_p={dropout_p}, is_causal={is_causal}, "
-            f"scale={scale}, enable_gqa={enable_gqa}, attention_kwargs={attention_kwargs}"
-        )
-    res = usp_attention(query, key, value, mesh=state.mesh, backend=state.backend, seq_len=state.seq_len)
-    return getattr(res, "out", res)  # an AttentionOutput (its .out) or, before that change, the tensor itself
+# Note [routing a stock processor's attention call] (usp_dit.pipelines._routing): the stock code,
+# its one dispatch_attention_fn call routed. None if this diffusers' processor makes no such call.
+_RoutedWanProcessor = routed_processor_class(WanAttnProcessor, "_RoutedWanProcessor")
 
 
-def _with_global(fn: types.FunctionType, name: str, value: Any) -> types.FunctionType | None:
-    """``fn`` with the module global ``name`` it reads bound to ``value``: the same code object, defaults
-    and closure, a copy of its module's globals. ``None`` when ``fn`` does not read ``name``."""
-    if name not in fn.__code__.co_names:
-        return None
-    scope = dict(fn.__globals__)
-    scope[name] = value
-    routed = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-    routed.__kwdefaults__ = fn.__kwdefaults__
-    routed.__qualname__ = f"{fn.__qualname__}[{name} -> usp_attention]"
-    return routed
-
-
-# Note [routing Wan's self-attention call]: the stock code, one global rebound.
-_ROUTED_STOCK_CALL = _with_global(WanAttnProcessor.__call__, _ROUTED_NAME, _dispatch_to_usp)
-
-
-class USPWanAttnProcessor:
+class USPWanAttnProcessor(_RoutedWanProcessor or RoutedProcessor):
     """Wan self-attention (``attn1``) of this rank's video shard against the whole sequence.
 
     Inputs: ``hidden_states`` (B, S_local, C); ``rotary_emb`` this rank's rows of the RoPE table,
     each (1, S_local, 1, head_dim) (sliced by the hook on ``rope``). Returns (B, S_local, C).
-    The maths is the stock ``WanAttnProcessor``'s own code (Note [routing Wan's self-attention call]).
+    The maths is the stock ``WanAttnProcessor``'s own code, its attention call routed.
     """
-
-    _attention_backend = None  # read by the stock code (and set by diffusers' set_attention_backend)
-
-    def __init__(self, state: ShardState) -> None:
-        self._parallel_config = state  # the stock code hands this to its self-attention call
-
-    @property
-    def state(self) -> ShardState:
-        return self._parallel_config
 
     def __call__(
         self,
@@ -167,7 +89,9 @@ class USPWanAttnProcessor:
     ) -> torch.Tensor:
         if encoder_hidden_states is not None or attn.add_k_proj is not None:
             raise NotImplementedError("USPWanAttnProcessor is for self-attention (attn1) only; attn2 runs locally")
-        return _ROUTED_STOCK_CALL(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        if attention_mask is not None:
+            raise NotImplementedError("usp_dit's Wan adapter does not support an attention_mask in self-attention")
+        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
 
 
 class WanTableHooks:
@@ -233,7 +157,7 @@ class _Patch:
     def install(self) -> None:
         self.tables.install()
         self.tokens.install()
-        processor = USPWanAttnProcessor(self.state)
+        processor = USPWanAttnProcessor(Route(self.state))
         for attn in self.self_attentions:
             attn.processor = processor
 
@@ -247,9 +171,9 @@ class _Patch:
 def _check_supported(transformer: WanTransformer3DModel) -> None:
     """NotImplementedError for a model this adapter would not run exactly."""
     name = type(transformer).__name__
-    if _ROUTED_STOCK_CALL is None:
+    if _RoutedWanProcessor is None:
         raise NotImplementedError(
-            f"this diffusers' WanAttnProcessor does not call {_ROUTED_NAME}: usp_dit's Wan adapter routes that call"
+            f"this diffusers' WanAttnProcessor does not call {ROUTED_NAME}: usp_dit's Wan adapter routes that call"
         )
     if len(transformer.blocks) == 0:
         raise NotImplementedError(f"{name} with num_layers=0 has nothing to parallelise")

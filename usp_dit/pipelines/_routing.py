@@ -1,0 +1,246 @@
+"""Routing a stock Diffusers processor's attention call to ``usp_attention``, its maths untouched.
+
+Layout: Q/K/V as Diffusers' ``dispatch_attention_fn`` takes them, (batch, seq, heads, head_dim);
+the sequence a routed call sees is this rank's video shard, alone or beside the (replicated) text
+tokens: ``[text; shard]`` (text first) or ``[shard; text]`` (text last). Key masks are
+(batch, keys) or (batch, 1, 1, keys), bool (True = attend) or additive float (0 / -inf).
+
+Note [routing a stock processor's attention call]
+    Most Diffusers processors compute their projections, norms and RoPE, then make one call:
+    ``dispatch_attention_fn(q, k, v, attn_mask=..., parallel_config=self._parallel_config)``.
+    An adapter keeps that maths by running the stock ``__call__``'s code object with one module
+    global rebound (``with_global``): the name it calls resolves to a router of ours instead.
+
+        StockProcessor.__call__'s code, unchanged, with its module's globals except
+          dispatch_attention_fn(q, k, v, attn_mask, ..., parallel_config=self._parallel_config)
+                 └─► route_attention ─► usp_attention(shard, joint=text, mesh, seq_len)
+
+    The processor's ``_parallel_config`` (Diffusers' own seam for context parallelism) holds a
+    ``Route``: the mesh and call lengths (``ShardState``) and where the text sits, so two enabled
+    transformers (Wan 2.2's experts) route independently, with no global state. If a future
+    Diffusers' processor stops making that call, ``with_global`` returns ``None`` and the adapter
+    refuses at enable instead of running local attention on a shard.
+
+Note [masked text tokens]
+    A text key mask (padded prompts: HunyuanVideo, Qwen-Image's masks with holes) is honoured
+    per batch element: element b attends over [its valid text tokens; every video token], as
+    stock does with the mask. Video keys must all be valid (a mask over video tokens is refused).
+    The rows of *padded* text queries are the one place we differ from stock: stock attends them
+    to the valid keys, we return zeros there. Nothing downstream reads them: they are masked out
+    as keys in every later layer, and these models' outputs are the video tokens alone (the text
+    stream is dropped after the last block), so outputs and gradients are stock's.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from usp_dit.partition import split_sizes
+from usp_dit.pipelines._token_sharding import ShardState
+from usp_dit.usp import usp_attention
+
+ROUTED_NAME = "dispatch_attention_fn"  # what the stock processors call (diffusers.models.attention_dispatch)
+
+
+def with_global(fn: types.FunctionType, name: str, value: Any) -> types.FunctionType | None:
+    """``fn`` with the module global ``name`` it reads bound to ``value``: the same code object,
+    defaults and closure, a copy of its module's globals. ``None`` when ``fn`` does not read ``name``."""
+    if name not in fn.__code__.co_names:
+        return None
+    scope = dict(fn.__globals__)
+    scope[name] = value
+    routed = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    routed.__kwdefaults__ = fn.__kwdefaults__
+    routed.__qualname__ = f"{fn.__qualname__}[{name} -> usp_attention]"
+    return routed
+
+
+@dataclass(eq=False)
+class Route:
+    """A routed processor's ``_parallel_config``: the shared call state and where the text sits.
+
+    ``text``: "none" (self-attention over the video shard alone), "first" (``[text; shard]``) or
+    "last" (``[shard; text]``). The text length of a call is what is left of the sequence once
+    this rank's shard (``split_sizes(state.seq_len, P)[seq_rank]``) is taken out.
+    """
+
+    state: ShardState
+    text: Literal["none", "first", "last"] = "none"
+
+    def shard_len(self) -> int:
+        mesh = self.state.mesh
+        return split_sizes(self.state.seq_len, mesh.sequence_degree)[mesh.seq_rank]
+
+
+def _valid_text_keys(attn_mask: torch.Tensor | None, batch: int, text: slice, video: slice) -> torch.Tensor | None:
+    """(batch, text_len) bool of the text keys to attend to, or ``None`` for all of them.
+
+    Args:
+        attn_mask: ``None``, or (batch | 1, keys) / (batch | 1, 1, 1, keys), bool (True = attend) or
+            additive float (0 = attend, -inf = masked); keys = the routed call's text + video keys
+            (the video part may cover this shard or the whole sequence: only the text part is read).
+
+    Raises:
+        NotImplementedError: a mask that varies over queries or heads, masks a video key, or has
+            additive values other than 0 and -inf (Note [masked text tokens]).
+    """
+    if attn_mask is None:
+        return None
+    mask = attn_mask
+    if mask.dim() == 4:
+        if mask.shape[1] != 1 or mask.shape[2] != 1:
+            raise NotImplementedError(
+                f"usp_dit routes key-padding masks only ((batch, 1, 1, keys)); got attn_mask {tuple(attn_mask.shape)}"
+            )
+        mask = mask[:, 0, 0]
+    if mask.dim() != 2:
+        raise NotImplementedError(f"usp_dit cannot route an attn_mask of shape {tuple(attn_mask.shape)}")
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | (mask == float("-inf"))).all()):
+            raise NotImplementedError("usp_dit routes additive masks of 0 and -inf only (a key padding mask)")
+        mask = mask == 0
+    if not bool(mask[:, video].all()):
+        raise NotImplementedError("usp_dit routes text key masks only: this attn_mask masks video tokens")
+    valid = mask[:, text].expand(batch, -1)
+    return None if bool(valid.all()) else valid
+
+
+def joint_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    text_q: torch.Tensor | None, text_k: torch.Tensor | None, text_v: torch.Tensor | None,
+    valid: torch.Tensor | None, state: ShardState, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's video shard and the replicated text tokens, attended over the whole sequence.
+
+    Args:
+        q, k, v: (B, S_local, H | H_kv, D) this rank's video tokens.
+        text_q, text_k, text_v: (B, T, H | H_kv, D) every text token (replicated), or ``None``.
+        valid: (B, T) bool, the text keys each element attends to, or ``None`` for all
+            (Note [masked text tokens]: one ``usp_attention`` per element then, each with its own
+            joint length).
+
+    Returns:
+        ``(out (B, S_local, H, D), text_out (B, T, H, D) or None)``; with ``valid``, row b of
+        ``text_out`` holds element b's valid tokens' outputs at their positions, zeros elsewhere.
+    """
+    def call(b: slice, idx: Any = slice(None)):
+        joint = (None,) * 3 if text_q is None else (text_q[b, idx], text_k[b, idx], text_v[b, idx])
+        return usp_attention(q[b], k[b], v[b], joint_q=joint[0], joint_k=joint[1], joint_v=joint[2],
+                             scale=scale, mesh=state.mesh, backend=state.backend, seq_len=state.seq_len)
+
+    if valid is None:
+        res = call(slice(None))
+        return res.out, res.joint_out
+    outs, text_outs = [], []
+    for b in range(q.shape[0]):
+        idx = torch.nonzero(valid[b], as_tuple=False).flatten()
+        res = call(slice(b, b + 1), idx)
+        outs.append(res.out)
+        text_b = text_q.new_zeros(1, text_q.shape[1], *res.joint_out.shape[2:])
+        text_outs.append(text_b.index_copy(1, idx, res.joint_out))
+    return torch.cat(outs), torch.cat(text_outs)
+
+
+def route_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    attention_kwargs: dict[str, Any] | None = None,
+    *,
+    backend: Any = None,
+    parallel_config: Any = None,
+) -> torch.Tensor:
+    """``dispatch_attention_fn``'s signature (Note [routing a stock processor's attention call]).
+
+    Args:
+        query, key, value: (B, L, H | H_kv, D): this rank's shard, with the text before or after
+            it as ``parallel_config.text`` says; L = T + S_local.
+        attn_mask: a text key mask or ``None`` (Note [masked text tokens]).
+        parallel_config: the processor's ``Route``.
+        backend: Diffusers' backend name (``set_attention_backend``); ignored: usp_dit's is used.
+
+    Returns:
+        (B, L, H, D), laid out like ``query``: each token attended over the whole sequence.
+
+    Raises:
+        NotImplementedError: dropout, causal attention, attention kwargs, or a mask other than a
+            text key mask.
+    """
+    route = parallel_config
+    if not isinstance(route, Route):
+        raise RuntimeError(
+            f"usp_dit's routed processor got parallel_config={type(route).__name__}, not its Route: this "
+            f"diffusers' processor no longer passes _parallel_config to its attention call"
+        )
+    if dropout_p or is_causal or attention_kwargs:
+        raise NotImplementedError(
+            f"usp_dit routes plain attention only, got dropout_p={dropout_p}, is_causal={is_causal}, "
+            f"attention_kwargs={attention_kwargs}"
+        )
+    length, shard = query.shape[1], route.shard_len()
+    text_len = length - shard
+    if route.text == "none" and text_len:
+        raise ValueError(f"a routed self-attention call got {length} tokens, but this rank's shard has {shard}")
+    if text_len < 0:
+        raise ValueError(f"a routed joint attention call got {length} tokens, fewer than this rank's {shard} video tokens")
+    text, video = (slice(0, text_len), slice(text_len, None)) if route.text == "first" else (
+        slice(length - text_len, length), slice(0, length - text_len))
+    if attn_mask is not None and attn_mask.shape[-1] != length:
+        # a mask built over the whole sequence (e.g. HunyuanVideo's, before the tokens are split)
+        full = attn_mask.shape[-1]
+        text = slice(0, text_len) if route.text == "first" else slice(full - text_len, full)
+        video = slice(text_len, None) if route.text == "first" else slice(0, full - text_len)
+    valid = _valid_text_keys(attn_mask, query.shape[0], text, video)
+    split = (lambda x: (x[:, text_len:], x[:, :text_len])) if route.text == "first" else (
+        lambda x: (x[:, :shard], x[:, shard:]))
+    (q, tq), (k, tk), (v, tv) = split(query), split(key), split(value)
+    joint = (tq, tk, tv) if text_len else (None, None, None)
+    out, text_out = joint_attention(q, k, v, *joint, valid, route.state, scale)
+    if text_out is None:
+        return out
+    return torch.cat([text_out, out] if route.text == "first" else [out, text_out], dim=1)
+
+
+class RoutedProcessor:
+    """A stock processor's ``__call__`` run with its attention call routed (see the module Note).
+
+    Subclasses (or ``routed_processor_class``) set ``_stock_call``. The instance is the object
+    the stock code sees as ``self``: ``_attention_backend`` and ``_parallel_config`` are read by
+    it; any other attribute it reads must be copied from the stock processor (``copy_from``).
+    """
+
+    _attention_backend = None  # read by the stock code (and set by diffusers' set_attention_backend)
+    _stock_call: types.FunctionType | None = None
+
+    def __init__(self, route: Route, stock: Any = None) -> None:
+        self._parallel_config = route
+        if stock is not None:
+            for name, value in vars(stock).items():
+                if name not in ("_parallel_config", "_attention_backend"):
+                    setattr(self, name, value)
+
+    @property
+    def route(self) -> Route:
+        return self._parallel_config
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return type(self)._stock_call(self, *args, **kwargs)
+
+
+def routed_processor_class(stock_class: type, name: str | None = None) -> type[RoutedProcessor] | None:
+    """A ``RoutedProcessor`` subclass running ``stock_class.__call__`` with ``dispatch_attention_fn``
+    routed, or ``None`` when that code makes no such call (the adapter must then refuse)."""
+    routed = with_global(stock_class.__call__, ROUTED_NAME, route_attention)
+    if routed is None:
+        return None
+    return type(name or f"USP{stock_class.__name__}", (RoutedProcessor,), {"_stock_call": routed, "__doc__": (
+        f"``{stock_class.__name__}``'s own code with its attention call routed to usp_attention."
+    )})
