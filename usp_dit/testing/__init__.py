@@ -7,6 +7,7 @@ parent collects them and pytest asserts case by case.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import functools
 import os
 import pickle
@@ -54,6 +55,8 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[[],
     log = os.open(os.path.join(out_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 2)
     os.close(log)
+    # On SIGSEGV / SIGABRT / SIGBUS, every thread's Python stack goes to that file: where it died.
+    faulthandler.enable(all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)  # several ranks share two cores: oversubscription makes runs crawl
@@ -63,20 +66,38 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[[],
         result = fn()
     except BaseException:  # report the failure to the parent instead of hanging the others
         result = {"__error__": traceback.format_exc()}
+    # Written before teardown too, so that a rank killed during teardown says so (Note [a rank
+    # killed by a signal]): its work's result is on disk, and the phase is in its log.
+    _write_result(out_dir, rank, result)
+    _phase("work done; destroy_process_group")
     dist.destroy_process_group()
+    _phase("release_groups")
     release_groups()  # what usp_dit's exit hook does
     threads = _gloo_threads()
     if check_groups and threads and not (isinstance(result, dict) and "__error__" in result):
         result = {"__error__": f"{threads} gloo threads still running after destroy_process_group and "
                                "release_groups: a process group outlived the job"}
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+        _write_result(out_dir, rank, result)
+    _phase("teardown done")
     # The result is safe on disk: skip interpreter teardown, where a group something still holds
     # (torch's own caches can, e.g. after FSDP2) is destroyed with its gloo threads running and can
     # abort the process (SIGABRT) after the work succeeded.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _phase(what: str) -> None:
+    """One line in this rank's log: how far it got, for a rank that dies without a traceback."""
+    print(f"usp_dit.testing: {what}", file=sys.stderr, flush=True)
+
+
+def _write_result(out_dir: str, rank: int, result: Any) -> None:
+    # Written to a temporary name and renamed: the parent never reads a half-written file.
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(result, f)
+    os.replace(path + ".tmp", path)
 
 
 def _log_tails(out_dir: str, world_size: int, lines: int = 30) -> str:
@@ -107,7 +128,9 @@ def run_spawned(fn: Callable[[], Any], world_size: int, check_groups: bool = Tru
         detected", inside gloo) and rank 2 of tests/test_pipeline_cogvideox.py's (SIGSEGV, no
         stderr). The cause is not known yet. So a group whose rank is killed by a signal is run
         once more, with a warning that carries the ranks' stderr (it shows in pytest's summary);
-        a second death fails as before. A rank that raises is never retried.
+        a second death fails as before. A rank that raises is never retried. To find the cause,
+        each rank's log gets every thread's Python stack at the fatal signal (``faulthandler``)
+        and a line per teardown phase, and the result is written before teardown.
     """
     try:
         return _spawn_once(fn, world_size, check_groups)
