@@ -152,7 +152,8 @@ class PatchingAdapter:
         return transformer.config.num_attention_heads
 
     def matches(self, transformer: torch.nn.Module) -> bool:
-        return isinstance(transformer, self.model_class)
+        # The exact class: a subclass may change what its forward does (usp_dit.pipelines.coverage).
+        return type(transformer) is self.model_class
 
     def __deepcopy__(self, memo: dict) -> PatchingAdapter:
         return self  # the registered adapter is stateless: a copied model's state refers to the same one

@@ -24,6 +24,7 @@ class ModelAdapter(Protocol):
     """One model family (e.g. Flux): see the module docstring."""
 
     name: str
+    model_class: type  # the Diffusers transformer class it handles (usp_dit.pipelines.coverage reads it)
 
     def matches(self, transformer: torch.nn.Module) -> bool:
         """True when this adapter handles ``transformer`` (checked by class)."""
@@ -47,18 +48,27 @@ def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
     return adapter
 
 
+def registered_adapters() -> tuple[ModelAdapter, ...]:
+    """Every registered adapter, in the order ``find_adapter`` tries them."""
+    return tuple(_ADAPTERS)
+
+
 def find_adapter(transformer: torch.nn.Module) -> ModelAdapter:
     """The adapter for ``transformer``.
 
     Raises:
-        NotImplementedError: no adapter handles this class (the message names the supported ones).
+        NotImplementedError: no adapter handles this class (the message says why, from
+            ``usp_dit.pipelines.coverage``, and names the supported families).
     """
     for adapter in _ADAPTERS:
         if adapter.matches(transformer):
             return adapter
+    from usp_dit.pipelines.coverage import refusal_reason  # coverage imports this module
+
     supported = sorted(a.name for a in _ADAPTERS)
     raise NotImplementedError(
-        f"usp_dit has no adapter for {type(transformer).__name__}; supported model families: {supported}"
+        f"usp_dit cannot run {type(transformer).__name__} sequence-parallel: {refusal_reason(type(transformer))}; "
+        f"supported model families: {supported} (docs/COVERAGE.md)"
     )
 
 

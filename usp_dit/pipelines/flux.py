@@ -241,6 +241,7 @@ class FluxAdapter:
     """``FluxTransformer2DModel``: tokens split per Note [Flux token split], attention by ``usp_attention``."""
 
     name = "Flux"
+    model_class = FluxTransformer2DModel
     # Arguments that carry the batch dimension first (split over the "cfg" axis by enable_usp).
     cfg_batch_args = (
         "hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance",
@@ -249,7 +250,8 @@ class FluxAdapter:
     _ATTR = "_usp_dit_flux_patch"
 
     def matches(self, transformer: torch.nn.Module) -> bool:
-        return isinstance(transformer, FluxTransformer2DModel)
+        # The exact class: a subclass may change what its forward does (usp_dit.pipelines.coverage).
+        return type(transformer) is self.model_class
 
     def __deepcopy__(self, memo: dict) -> FluxAdapter:
         return self  # the registered adapter is stateless: a copied model's state refers to the same one

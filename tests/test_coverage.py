@@ -1,0 +1,69 @@
+"""The model coverage table: every Diffusers transformer class is supported (with its test) or refused
+(with the reason ``enable_usp`` gives), and docs/COVERAGE.md is exactly what the code says.
+
+No processes: the table is derived from the registered adapters and checked against the file;
+enabling a refused class is checked on a one-rank mesh (the refusal comes before any communication).
+"""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+import usp_dit
+import usp_dit.pipelines  # noqa: F401  (registers every adapter)
+from usp_dit import single_rank_mesh
+from usp_dit.pipelines.base import registered_adapters
+from usp_dit.pipelines.coverage import NO_ADAPTER, coverage, markdown
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_docs_coverage_is_the_generated_table():
+    text = (ROOT / "docs" / "COVERAGE.md").read_text()
+    assert text == markdown(coverage()), "docs/COVERAGE.md is stale: python -m usp_dit.pipelines.coverage > docs/COVERAGE.md"
+
+
+def test_every_registered_adapter_is_in_the_table_with_a_test_that_names_its_class():
+    rows = {r.model_class: r for r in coverage()}
+    for adapter in registered_adapters():
+        row = rows[adapter.model_class.__name__]
+        assert row.family == adapter.name
+        test = ROOT / row.test
+        assert test.is_file(), f"{adapter.name}: no {row.test}"
+        assert adapter.model_class.__name__ in test.read_text() or adapter.name in test.read_text()
+
+
+def test_refused_rows_have_reasons_and_supported_rows_none():
+    rows = coverage()
+    assert len(rows) > 50  # diffusers 0.42 exports ~76 classes: the walk found them
+    for r in rows:
+        assert (r.family is None) == (r.reason is not None) == (r.test is None), r
+
+
+class _Refused(torch.nn.Module):
+    """Stands in for a transformer class no adapter handles."""
+
+
+class _SubclassOfSupported(registered_adapters()[0].model_class):
+    """A subclass of a supported model (it may change the forward): refused too."""
+
+    def __init__(self) -> None:  # no weights needed: refused before anything runs
+        torch.nn.Module.__init__(self)
+
+
+@pytest.mark.parametrize("model", [_Refused(), _SubclassOfSupported()], ids=["unknown-class", "subclass"])
+def test_enable_usp_on_a_refused_class_names_it_and_the_reason(model):
+    with pytest.raises(NotImplementedError) as info:
+        usp_dit.enable_usp(model, mesh=single_rank_mesh())
+    message = str(info.value)
+    assert type(model).__name__ in message and NO_ADAPTER in message and "supported model families" in message
+
+
+def test_a_refused_diffusers_class_gets_its_specific_reason():
+    from diffusers import PriorTransformer
+
+    with pytest.raises(NotImplementedError, match="PriorTransformer.*not a DiT over latent tokens"):
+        usp_dit.pipelines.find_adapter(PriorTransformer(num_attention_heads=2, attention_head_dim=4, num_layers=1,
+                                                        embedding_dim=8, num_embeddings=2, additional_embeddings=1))
