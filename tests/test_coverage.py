@@ -67,3 +67,17 @@ def test_a_refused_diffusers_class_gets_its_specific_reason():
     with pytest.raises(NotImplementedError, match="PriorTransformer.*not a DiT over latent tokens"):
         usp_dit.pipelines.find_adapter(PriorTransformer(num_attention_heads=2, attention_head_dim=4, num_layers=1,
                                                         embedding_dim=8, num_embeddings=2, additional_embeddings=1))
+
+
+def test_an_fsdp2_wrapped_model_matches_the_class_it_wraps():
+    """fully_shard turns a module's class into a generated ``FSDP<Name>`` subclass; enable_usp
+    after shard_transformer must still find the model's adapter (the exact-class rule unwraps it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from usp_dit.pipelines.base import find_adapter, model_class_of
+
+    adapter = registered_adapters()[0]
+    wrapped_class = type(f"FSDP{adapter.model_class.__name__}", (FSDPModule, adapter.model_class), {})
+    model = object.__new__(wrapped_class)  # FSDPModule.__new__ would build the real (default-config) model
+    assert model_class_of(model) is adapter.model_class
+    assert find_adapter(model) is adapter

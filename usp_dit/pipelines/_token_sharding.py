@@ -34,7 +34,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from usp_dit.mesh import USPMesh
-from usp_dit.pipelines.base import check_ulysses_degree
+from usp_dit.pipelines.base import check_ulysses_degree, model_class_of
 from usp_dit.sharding import gather_sequence, shard_sequence
 
 
@@ -152,8 +152,8 @@ class PatchingAdapter:
         return transformer.config.num_attention_heads
 
     def matches(self, transformer: torch.nn.Module) -> bool:
-        # The exact class: a subclass may change what its forward does (usp_dit.pipelines.coverage).
-        return type(transformer) is self.model_class
+        # The exact class (or FSDP2's wrapper of it): a subclass may change what its forward does.
+        return model_class_of(transformer) is self.model_class
 
     def __deepcopy__(self, memo: dict) -> PatchingAdapter:
         return self  # the registered adapter is stateless: a copied model's state refers to the same one

@@ -48,6 +48,20 @@ def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
     return adapter
 
 
+def model_class_of(transformer: torch.nn.Module) -> type:
+    """The class an adapter matches ``transformer`` by: its own, or for a module FSDP2's
+    ``fully_shard`` has wrapped (its class becomes a generated subclass ``FSDP<Name>`` of
+    ``(FSDPModule, <Name>)``), the class it wrapped."""
+    cls = type(transformer)
+    from torch.distributed.fsdp import FSDPModule
+
+    if issubclass(cls, FSDPModule):
+        bases = [b for b in cls.__bases__ if b is not FSDPModule]
+        if len(bases) == 1:
+            return bases[0]
+    return cls
+
+
 def registered_adapters() -> tuple[ModelAdapter, ...]:
     """Every registered adapter, in the order ``find_adapter`` tries them."""
     return tuple(_ADAPTERS)
@@ -67,7 +81,7 @@ def find_adapter(transformer: torch.nn.Module) -> ModelAdapter:
 
     supported = sorted(a.name for a in _ADAPTERS)
     raise NotImplementedError(
-        f"usp_dit cannot run {type(transformer).__name__} sequence-parallel: {refusal_reason(type(transformer))}; "
+        f"usp_dit cannot run {type(transformer).__name__} sequence-parallel: {refusal_reason(model_class_of(transformer))}; "
         f"supported model families: {supported} (docs/COVERAGE.md)"
     )
 

@@ -49,6 +49,7 @@ from usp_dit.pipelines.base import (
     MISSING,
     MethodWrapper,
     check_ulysses_degree,
+    model_class_of,
     register_adapter,
     restore_instance_attr,
     saved_instance_attr,
@@ -250,8 +251,8 @@ class FluxAdapter:
     _ATTR = "_usp_dit_flux_patch"
 
     def matches(self, transformer: torch.nn.Module) -> bool:
-        # The exact class: a subclass may change what its forward does (usp_dit.pipelines.coverage).
-        return type(transformer) is self.model_class
+        # The exact class (or FSDP2's wrapper of it): a subclass may change what its forward does.
+        return model_class_of(transformer) is self.model_class
 
     def __deepcopy__(self, memo: dict) -> FluxAdapter:
         return self  # the registered adapter is stateless: a copied model's state refers to the same one
