@@ -1,0 +1,469 @@
+"""Qwen-Image adapter: sharded transformer outputs and gradients equal one process's, on CPU gloo grids.
+
+One spawned group of 4 ranks runs every case (process start-up is the slow part); the 2-rank grids
+run on it as two data-parallel replicas of 2 ranks each. Models: tiny 2-layer
+``QwenImageTransformer2DModel`` s (4 heads x 16 head_dim, every weight perturbed;
+``usp_dit.demo.tiny_qwen_image``) in three variants: Qwen-Image (t2i, 15 image tokens), Edit-2511
+(``zero_cond_t``: a target image and a condition image, 15 + 12 = 27 tokens, a per-token modulation
+index) and Layered (layer-aware 3D RoPE, an additional timestep condition, 3 images: 39 tokens).
+No token count divides 2 or 4; batch 2 with a different prompt and timestep per element; 9 text
+tokens with masks whose valid counts differ per element and that have **holes** (t2i: tokens
+2, 6-8 and 0, 8 masked; Edit: prefixes of 4 and 9), and no mask (Layered). RoPE positions are the
+model's own (centred height / width, scale_rope), never zeros.
+
+Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2) (tests/adapter_parity.GRIDS);
+each ring grid also with the "stream" and "gather_merge" schedules forced. Each case: output vs
+stock, block 0's attention sees at most ceil(tokens / P) image tokens (the text is replicated, not
+split), after ``disable`` the output is bit-identical. Per variant, on 2 and on 4 ranks: every
+parameter's gradient (tests/adapter_parity.gradient_errors), and once with gradient checkpointing
+(Edit-2511: modulate_index re-sliced on recompute). The text stream's valid rows after each block
+equal stock's (Note [padded text rows]: the padded ones are the only rows that differ, and nothing
+reads them). Each rank's rotated Q/K (image rows, and the whole text) equal one process's.
+The tiny ``QwenImagePipeline`` (prompt embeddings given: no Qwen2.5-VL encoder; true CFG with a
+negative prompt, both padded) through ``pipe.enable_usp()`` on (2,1) and (2,2), 2 steps, equal to
+one process's; ``cfg_degree=2`` on it raises (two transformer calls of batch 1 per step). The
+transformer enabled directly with cfg_degree=2 on a batch of 2 (the cfg split of the mask) equals
+stock; with ``zero_cond_t`` it raises (img_shapes cannot be split).
+
+Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients, text-stream rows, rotated
+Q/K and the pipeline's final latents: sharding only reorders float32 sums (attention blocks merged by
+log-sum-exp, gradients summed over ranks; masked text handled per element as separate calls).
+Measured (2026-12-03): 4.1e-7 at most on outputs (all grids and schedules), 1.9e-6 on the worst
+parameter gradient, 7.7e-7 on the pipeline's latents, 0 on the rotated Q/K. Decoded images: 1e-4 (an untrained random VAE's gain,
+as in tests/test_pipeline_wan.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from unittest import mock
+
+import pytest
+import torch
+from diffusers.models.transformers import transformer_qwenimage
+
+import usp_dit
+from tests.adapter_parity import GRAD_GRID, GRIDS, assert_within, forward, gradient_errors
+from usp_dit import init_usp, single_rank_mesh
+from usp_dit.demo.tiny_qwen_image import (
+    QWEN_IMAGE_VARIANTS, qwen_image_inputs, qwen_image_tokens, qwen_prompt_embeds, tiny_qwen_image,
+    tiny_qwen_image_pipeline,
+)
+from usp_dit.pipelines import _routing, is_usp_enabled
+from usp_dit.pipelines import qwen_image  # noqa: F401  (registers the adapter)
+from usp_dit.pipelines.base import find_adapter
+from usp_dit.pipelines.qwen_image import ADAPTER, USPQwenDoubleStreamAttnProcessor
+from usp_dit.sharding import shard_sequence
+from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+
+TOL = 1e-5
+TOL_IMAGES = 1e-4
+WORLD = 4
+SCHEDULES = ("stream", "gather_merge")
+
+
+@dataclass(frozen=True)
+class Shape:
+    variant: str
+    images: tuple  # per sample: (frames, h, w) patch grids of the target, then condition images / layers
+    masks: tuple | None  # per element: 0/1 per text token (holes allowed), or None: no mask
+
+    def __str__(self) -> str:
+        return f"{self.variant}-s{qwen_image_tokens(list(self.images))}"
+
+
+_HOLES = ((1, 1, 0, 1, 1, 1, 0, 0, 0), (0, 1, 1, 1, 1, 1, 1, 1, 0))  # 5 and 7 valid, holes inside
+_PREFIXES = ((1, 1, 1, 1, 0, 0, 0, 0, 0), (1,) * 9)  # 4 and 9 valid
+SHAPES = [
+    Shape("t2i", ((1, 3, 5),), _HOLES),  # 15 tokens
+    Shape("edit-2511", ((1, 3, 5), (1, 3, 4)), _PREFIXES),  # 27 tokens: target, then a condition image
+    Shape("layered", ((1, 3, 5), (1, 3, 5), (1, 3, 3)), None),  # 39 tokens: two layers, the condition image
+]
+
+
+def _build(shape: Shape, seed: int = 0):
+    model = tiny_qwen_image(shape.variant, seed=seed)
+    masks = [list(m) for m in shape.masks] if shape.masks else None
+    inputs = qwen_image_inputs(model, list(shape.images), masks)
+    if shape.masks is None:
+        inputs.encoder_hidden_states_mask = None
+    return model, inputs
+
+
+def _grids() -> list[tuple[int, int, int, str | None]]:
+    grids = [(u, r, c, None) for world in (2, 4) for u, r, c in GRIDS[world]]
+    return grids + [(u, r, c, s) for u, r, c, _ in grids if r > 1 for s in SCHEDULES]
+
+
+def _grid_id(grid) -> str:
+    u, r, c, s = grid
+    return f"u{u}r{r}cfg{c}" + (f"-{s}" if s else "")
+
+
+# ---- what each rank runs ---------------------------------------------------------------------------
+
+
+def _output_case(shape: Shape, mesh) -> dict[str, float]:
+    """Output vs stock, block 0's attention length vs ceil(S / P), bit-identity after disable."""
+    model, inputs = _build(shape)
+    ref = forward(model, inputs)
+    lengths = []
+    ADAPTER.enable(model, mesh, "auto")
+    hook = model.transformer_blocks[0].attn.register_forward_pre_hook(
+        lambda m, args, kwargs: lengths.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
+    try:
+        out = forward(model, inputs)
+    finally:
+        hook.remove()
+        ADAPTER.disable(model)
+    again = forward(model, inputs)
+    bound = math.ceil(qwen_image_tokens(list(shape.images)) / mesh.sequence_degree)
+    return {
+        "out": rel_err(out, ref),
+        "block0_tokens_above_ceil": float(max(lengths) > bound),
+        "disable_not_bit_identical": float(not torch.equal(again, ref)),
+    }
+
+
+def _text_streams(model, inputs) -> list[torch.Tensor]:
+    """Each block's text-stream output (B, T, C) (None for none: the model has no context_pre_only block)."""
+    seen = []
+    hooks = [b.register_forward_hook(lambda m, a, out: seen.append(out[0])) for b in model.transformer_blocks]
+    try:
+        forward(model, inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _text_stream_case(mesh) -> dict[str, float]:
+    """Note [padded text rows]: the valid text rows after every block equal stock's (t2i, mask with holes)."""
+    model, inputs = _build(SHAPES[0])
+    refs = _text_streams(model, inputs)
+    ADAPTER.enable(model, mesh, "auto")
+    try:
+        outs = _text_streams(model, inputs)
+    finally:
+        ADAPTER.disable(model)
+    valid = inputs.encoder_hidden_states_mask
+    return {f"block{i}_valid_text_rows": rel_err(o[valid], r[valid]) for i, (o, r) in enumerate(zip(outs, refs))}
+
+
+def _checkpointed_gradient_case(mesh) -> dict[str, float]:
+    """Gradients with gradient checkpointing (Edit-2511: block 0's recompute re-shards its saved full
+    input, every block's recompute re-slices the full modulate_index)."""
+    model, inputs = _build(SHAPES[1])
+    model.enable_gradient_checkpointing()
+    return gradient_errors(model, inputs, ADAPTER, mesh)
+
+
+def _first_attention_call(model, inputs, module, name: str) -> dict:
+    """The keyword and positional tensors of the first call of ``module.name`` in a forward."""
+    seen = []
+    inner = getattr(module, name)
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append({"q": q.clone(), "k": k.clone(), **{n: kwargs.get(n) for n in ("joint_q", "joint_k")}})
+        return inner(q, k, v, *args, **kwargs)
+
+    with mock.patch.object(module, name, spy):
+        forward(model, inputs)
+    return seen[0]
+
+
+def _rotated_qk_case(mesh) -> dict[str, float]:
+    """Each rank's rotated image Q/K equal the same rows of one process's, the text Q/K all rows
+    (Layered: 3D layer RoPE; no mask, so one usp_attention call per block)."""
+    model, inputs = _build(SHAPES[2])
+    text_len = inputs.encoder_hidden_states.shape[1]
+    ref = _first_attention_call(model, inputs, transformer_qwenimage, "dispatch_attention_fn")
+    ADAPTER.enable(model, mesh, "auto")
+    try:
+        got = _first_attention_call(model, inputs, _routing, "usp_attention")
+    finally:
+        ADAPTER.disable(model)
+    return {
+        "q": rel_err(got["q"], shard_sequence(ref["q"][:, text_len:], mesh)),
+        "k": rel_err(got["k"], shard_sequence(ref["k"][:, text_len:], mesh)),
+        "text_q": rel_err(got["joint_q"], ref["q"][:, :text_len]),
+        "text_k": rel_err(got["joint_k"], ref["k"][:, :text_len]),
+    }
+
+
+def _cfg_split_case(mesh) -> dict[str, float]:
+    """The transformer enabled with cfg_degree=2 (usp_dit.enable_usp on the model): its batch of 2
+    (and the mask with holes) split over the cfg groups, equal to stock."""
+    model, inputs = _build(SHAPES[0])
+    ref = forward(model, inputs)
+    usp_dit.enable_usp(model, mesh=mesh)
+    try:
+        out = forward(model, inputs)
+    finally:
+        usp_dit.disable_usp(model)
+    return {"out": rel_err(out, ref)}
+
+
+def _cfg_split_zero_cond_case(mesh) -> dict[str, float]:
+    """cfg_degree=2 with zero_cond_t: img_shapes stays whole, so modulate_index has the full batch's
+    rows: NotImplementedError at the call, not a silently broadcast batch."""
+    model, inputs = _build(SHAPES[1])
+    usp_dit.enable_usp(model, mesh=mesh)
+    try:
+        forward(model, inputs)
+    except NotImplementedError as exc:
+        return {"wrong_error": float("use cfg_degree=1 with zero_cond_t" not in str(exc))}
+    finally:
+        usp_dit.disable_usp(model)
+    return {"did_not_raise": 1.0}
+
+
+def _ulysses_above_heads_case(mesh) -> dict[str, float]:
+    """ulysses_degree 4 on a 2-head model: ValueError at enable, naming the head count."""
+    model = tiny_qwen_image(num_heads=2, head_dim=32)
+    try:
+        ADAPTER.enable(model, mesh, "auto")
+    except ValueError as exc:
+        return {"wrong_error": float("exceeds the 2 attention heads" not in str(exc))}
+    ADAPTER.disable(model)
+    return {"did_not_raise": 1.0}
+
+
+def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final latents, images) of 2 steps at 48 x 80 (3 x 5 = 15 image tokens), true CFG, seed 0.
+    Prompt and negative prompt embeddings padded to 9 tokens (6 and 3 valid)."""
+    last = {}
+
+    def keep_latents(pipe, step, timestep, tensors):
+        last["latents"] = tensors["latents"]
+        return {}
+
+    embeds, mask = qwen_prompt_embeds([6], seed=1)
+    neg_embeds, neg_mask = qwen_prompt_embeds([3], seed=2)
+    images = pipe(
+        prompt_embeds=embeds, prompt_embeds_mask=mask, negative_prompt_embeds=neg_embeds,
+        negative_prompt_embeds_mask=neg_mask, true_cfg_scale=4.0, height=48, width=80, num_inference_steps=2,
+        generator=torch.Generator().manual_seed(0), output_type="pt", callback_on_step_end=keep_latents,
+    ).images
+    return last["latents"], images
+
+
+PIPELINE_GRIDS = [(2, 1), (2, 2)]
+
+
+def _pipeline_cases() -> dict[str, dict[str, float]]:
+    pipe = tiny_qwen_image_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    ref_latents, ref_images = _generate(pipe)
+    results = {}
+    for u, r in PIPELINE_GRIDS:
+        pipe.enable_usp(ulysses_degree=u, ring_degree=r)
+        enabled = is_usp_enabled(pipe.transformer)
+        try:
+            latents, images = _generate(pipe)
+        finally:
+            pipe.disable_usp()
+        results[f"pipeline-u{u}r{r}"] = {
+            "not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer)),
+            "latents": rel_err(latents, ref_latents),
+            "images": rel_err(images, ref_images),
+        }
+    again_latents, again_images = _generate(pipe)
+    same = torch.equal(again_latents, ref_latents) and torch.equal(again_images, ref_images)
+    results["pipeline-after-disable"] = {"not_bit_identical": float(not same)}
+    return results
+
+
+def _pipeline_cfg_case() -> dict[str, float]:
+    """cfg_degree=2 on QwenImagePipeline: two transformer calls of batch 1 per step, nothing to split."""
+    pipe = tiny_qwen_image_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    pipe.enable_usp(cfg_degree=2)
+    try:
+        _generate(pipe)
+    except NotImplementedError as exc:
+        return {"wrong_error": float("cfg_degree=2" not in str(exc))}
+    finally:
+        pipe.disable_usp()
+    return {"did_not_raise": 1.0}
+
+
+def _record(results: dict, key: str, fn, many: bool = False) -> None:
+    try:
+        results.update(fn()) if many else results.__setitem__(key, fn())
+    except Exception as exc:  # recorded, asserted by the parent
+        results[key] = f"{type(exc).__name__}: {exc}"
+
+
+def _run_all() -> dict[str, dict | str]:
+    results = {}
+    meshes = {grid: init_usp(*grid[:3], ring_schedule=grid[3] or "auto") for grid in _grids()}
+    for grid in _grids():
+        for shape in SHAPES:
+            _record(results, f"{_grid_id(grid)}-{shape}", lambda: _output_case(shape, meshes[grid]))
+    for world in (2, 4):
+        for shape in SHAPES:
+            mesh = init_usp(*GRAD_GRID[world])
+            _record(results, f"grad-p{world}-{shape}", lambda: gradient_errors(*_build(shape), ADAPTER, mesh))
+    _record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    _record(results, "text-stream", lambda: _text_stream_case(init_usp(1, 2, 1, "gather_merge")))
+    _record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    _record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    _record(results, "cfg-split-zero-cond", lambda: _cfg_split_zero_cond_case(init_usp(1, 2, 2)))
+    _record(results, "ulysses-above-heads", lambda: _ulysses_above_heads_case(init_usp(ulysses_degree=4)))
+    _record(results, "pipeline", _pipeline_cases, many=True)
+    _record(results, "pipeline-cfg2", _pipeline_cfg_case)
+    return results
+
+
+@pytest.fixture(scope="module")
+def grid_results() -> list[dict]:
+    per_rank = run_spawned(_run_all, WORLD)
+    assert_no_crash(per_rank)
+    return per_rank
+
+
+OUTPUT_KEYS = [f"{_grid_id(g)}-{s}" for g in _grids() for s in SHAPES]
+
+
+@pytest.mark.parametrize("key", OUTPUT_KEYS)
+def test_sharded_output_matches_one_process(grid_results, key: str):
+    assert_within(grid_results, key, TOL)
+
+
+GRAD_KEYS = [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES]
+
+
+@pytest.mark.parametrize("key", GRAD_KEYS + ["grad-ckpt-p4"])
+def test_parameter_gradients_match_one_process(grid_results, key: str):
+    assert_within(grid_results, key, TOL)
+
+
+def test_valid_text_rows_match_stock_after_every_block(grid_results):
+    assert_within(grid_results, "text-stream", TOL)
+
+
+def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
+    assert_within(grid_results, "rotated-qk", TOL)
+
+
+def test_cfg_split_of_a_masked_batch_matches_stock(grid_results):
+    assert_within(grid_results, "cfg-split", TOL)
+
+
+def test_cfg_split_with_zero_cond_t_is_refused(grid_results):
+    assert_within(grid_results, "cfg-split-zero-cond", 0.0)
+
+
+@pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}" for u, r in PIPELINE_GRIDS])
+def test_pipeline_matches_one_process(grid_results, key: str):
+    for rank, res in enumerate(grid_results):
+        errors = res.get(key) or res.get("pipeline", "no result")
+        assert not isinstance(errors, str), f"rank {rank}: {errors}"
+        tols = {name: TOL_IMAGES if name == "images" else TOL for name in errors}
+        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
+        assert not worst, f"rank {rank}: above {tols}: {worst}"
+
+
+def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
+    assert_within(grid_results, "pipeline-after-disable", 0.0)
+
+
+def test_cfg_parallel_is_refused_for_the_qwen_image_pipeline(grid_results):
+    assert_within(grid_results, "pipeline-cfg2", 0.0)
+
+
+def test_ulysses_above_heads_raises_at_enable(grid_results):
+    assert_within(grid_results, "ulysses-above-heads", 0.0)
+
+
+# ---- single process: registration, restore exactly, loud failures --------------------------------
+
+
+@pytest.mark.parametrize("variant", sorted(QWEN_IMAGE_VARIANTS))
+def test_find_adapter_finds_qwen_image(variant: str):
+    assert find_adapter(tiny_qwen_image(variant)) is ADAPTER
+
+
+def test_qwen_image_21_is_not_matched():
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Transformer2DModel
+
+    model = QwenImage21Transformer2DModel(
+        num_layers=1, attention_head_dim=16, num_attention_heads=2, in_channels=4, out_channels=4,
+        context_in_dim=8, axes_dims_rope=(4, 6, 6),
+    )
+    assert not ADAPTER.matches(model)
+
+
+def test_disable_restores_processors_and_hooks():
+    model, inputs = _build(SHAPES[1])
+    before = [b.attn.processor for b in model.transformer_blocks]
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    assert all(isinstance(b.attn.processor, USPQwenDoubleStreamAttnProcessor) for b in model.transformer_blocks)
+    forward(model, inputs)
+    ADAPTER.disable(model)
+    assert all(b.attn.processor is p for b, p in zip(model.transformer_blocks, before))
+    hooked = [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert not hooked, f"hooks left on {hooked}"
+
+
+def test_enable_twice_and_disable_unpatched_raise():
+    model = tiny_qwen_image()
+    with pytest.raises(ValueError, match="not sequence-parallel"):
+        ADAPTER.disable(model)
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    with pytest.raises(ValueError, match="already sequence-parallel"):
+        ADAPTER.enable(model, single_rank_mesh(), "auto")
+    ADAPTER.disable(model)
+
+
+def test_foreign_processor_is_refused():
+    model = tiny_qwen_image()
+    model.transformer_blocks[1].attn.processor = object()
+    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn.processor is object"):
+        ADAPTER.enable(model, single_rank_mesh(), "auto")
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+def test_diffusers_context_parallelism_is_refused():
+    model = tiny_qwen_image()
+    model.transformer_blocks[0].attn.processor._parallel_config = object()
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        ADAPTER.enable(model, single_rank_mesh(), "auto")
+
+
+def test_diffusers_cache_is_refused():
+    from diffusers import FirstBlockCacheConfig
+
+    model = tiny_qwen_image()
+    model.enable_cache(FirstBlockCacheConfig(threshold=0.1))
+    with pytest.raises(NotImplementedError, match="diffusers cache"):
+        ADAPTER.enable(model, single_rank_mesh(), "auto")
+
+
+def test_no_layers_is_refused():
+    model = tiny_qwen_image(num_layers=0)
+    with pytest.raises(NotImplementedError, match="num_layers=0"):
+        ADAPTER.enable(model, single_rank_mesh(), "auto")
+
+
+def test_controlnet_residuals_are_refused():
+    model, inputs = _build(SHAPES[0])
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    try:
+        residual = torch.zeros(2, 15, model.inner_dim)
+        with pytest.raises(NotImplementedError, match="controlnet_block_samples"):
+            model(**inputs.kwargs(), controlnet_block_samples=[residual])
+    finally:
+        ADAPTER.disable(model)
+
+
+def test_img_shapes_unlike_the_tokens_are_refused():
+    model, inputs = _build(SHAPES[0])
+    inputs.img_shapes = [[(1, 3, 4)]] * 2  # 12 rows of RoPE for 15 tokens
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    try:
+        with pytest.raises(ValueError, match="img_shapes describes 12 image tokens but hidden_states has 15"):
+            forward(model, inputs)
+    finally:
+        ADAPTER.disable(model)

@@ -1,0 +1,274 @@
+"""Qwen-Image adapter: ``QwenImageTransformer2DModel`` (Qwen-Image, -Edit, -Edit-2511, -Layered) on a USP grid.
+
+Layout: packed latents / image tokens (batch, seq, channels), each sample's images in
+``img_shapes`` order (the target image, then condition images or layers), each frame-major;
+text tokens (batch, text_seq, channels) with the mask ``encoder_hidden_states_mask``
+(batch, text_seq), True = a real token, **any pattern** (holes allowed: the model masks keys
+element-wise); Q/K/V (batch, seq, heads, head_dim); the RoPE table ``pos_embed(img_shapes, ...)``
+returns ``(img_freqs (seq, head_dim / 2), txt_freqs (text_seq, head_dim / 2))``, complex, **the
+sequence on dim 0**; Edit-2511's ``modulate_index`` (batch, seq), one modulation choice per image token.
+
+Where the tokens are split (``_token_sharding`` Note [where the sequence is split]): ``img_in``,
+``txt_in`` and the timestep embedding run whole on every rank; block 0's input is sharded;
+``proj_out``'s output is gathered. Per-token tables follow the tokens (Note [Qwen-Image's per-token tables]).
+
+Text tokens: **replicated**. Qwen-Image is a double-stream (MMDiT) model: text keeps its own
+stream (``add_*_proj``, ``txt_mlp``) and ``QwenDoubleStreamAttnProcessor2_0`` attends over
+``[text; image]`` (text first) with a key mask built from ``encoder_hidden_states_mask``.
+Replicated, every rank holds all text tokens and hands them to ``usp_attention`` as joint tokens
+(``Route(state, text="first")``), each batch element with its own valid text keys
+(``_routing`` Note [masked text tokens]: masks with holes included). Diffusers' own ``_cp_plan``
+splits the text too; we do not, because the mask with holes would then have to be split and
+padded per rank, and text (at most 1024 tokens, usually a few hundred) is small beside the image
+(Qwen-Image at 1328 x 1328: 83 x 83 = 6889 image tokens; 861 per rank on 8 ranks, + the text).
+
+Note [padded text rows]
+    Where the mask is False, the routed attention returns zeros for that text *query* row, where
+    stock returns its attention over the valid keys. The row differs from stock from then on, and
+    nothing reads it: in every later block the padded token is masked as a key (so no image or
+    valid text token attends to it), the text stream's modulation is per sample (``txt_mod(temb)``,
+    not per token), and the model's output is ``proj_out(norm_out(hidden_states))``: the image
+    stream alone (the text stream is dropped after the last block). So outputs and every
+    parameter's gradient are stock's (tests/test_pipeline_qwen_image.py checks both with masks
+    that have holes).
+
+Note [Qwen-Image's per-token tables]
+    * ``img_freqs``: a forward hook on ``pos_embed`` keeps this rank's rows (dim 0,
+      ``shard_sequence``, a view of Diffusers' cached table) once per forward; ``txt_freqs``
+      stays whole (the text is replicated). The hook records the table's length, and block 0's
+      sharding checks it against the token count (a table sliced unlike the tokens would
+      silently misalign).
+    * ``modulate_index`` (``zero_cond_t``, Qwen-Image-Edit-2511: 0 for the target image's tokens,
+      1 for the condition images'): built inside the forward from ``img_shapes`` and passed to
+      every block, so a pre-hook on every block takes this rank's columns (dim 1), like
+      Diffusers' ``_cp_plan`` for ``transformer_blocks.*``. **Sharded, not refused.** It runs
+      again on a gradient-checkpointing recompute, on the same saved full index.
+
+Attention keeps Diffusers' maths: ``USPQwenDoubleStreamAttnProcessor`` runs the stock
+``QwenDoubleStreamAttnProcessor2_0.__call__``'s own code (projections, QK RMS norms, RoPE on
+this rank's rows, ``[text; image]`` concatenation, mask, output projections) with its one
+``dispatch_attention_fn`` call routed (``_routing`` Note [routing a stock processor's attention call]).
+
+Refused: processors other than the stock ``QwenDoubleStreamAttnProcessor2_0`` (LoRA-replaced,
+custom, or Diffusers' context parallelism already enabled), a Diffusers cache (``enable_cache``:
+its decisions would be taken per rank on a shard), ``num_layers=0`` (NotImplementedError at
+enable); ``controlnet_block_samples`` (Qwen-Image ControlNet: its residuals are full-sequence,
+NotImplementedError at the call); a ``modulate_index`` whose batch is not the tokens' (at the call:
+with ``cfg_degree=2`` and ``zero_cond_t`` the cfg split halves the tokens but not ``img_shapes``,
+a plain Python list, from which the model builds the index). With ``cfg_degree=2`` the stock
+``QwenImagePipeline`` is refused by ``enable_usp``'s cfg split itself (it calls the transformer
+once per guidance branch, batch 1: nothing to split). Qwen-Image configs have no dropout.
+``QwenImage21Transformer2DModel`` is a different class and is not matched.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers import QwenImageTransformer2DModel
+from diffusers.models.attention_processor import Attention
+from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+from torch.utils.hooks import RemovableHandle
+
+from usp_dit.mesh import USPMesh
+from usp_dit.pipelines._routing import ROUTED_NAME, Route, RoutedProcessor, routed_processor_class
+from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks, _get_arg, _set_arg
+from usp_dit.pipelines.base import register_adapter
+from usp_dit.sharding import shard_sequence
+
+# Note [routing a stock processor's attention call] (usp_dit.pipelines._routing): the stock code,
+# its one dispatch_attention_fn call routed. None if this diffusers' processor makes no such call.
+_RoutedQwenProcessor = routed_processor_class(QwenDoubleStreamAttnProcessor2_0, "_RoutedQwenProcessor")
+
+# QwenImageTransformerBlock.forward(hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+# temb, image_rotary_emb, joint_attention_kwargs, modulate_index): the index of modulate_index when
+# passed positionally (gradient checkpointing passes every argument so).
+_MODULATE_INDEX_POS = 6
+
+
+class USPQwenDoubleStreamAttnProcessor(_RoutedQwenProcessor or RoutedProcessor):
+    """Qwen-Image joint attention of this rank's image shard and the replicated, masked text tokens.
+
+    Inputs: ``hidden_states`` (B, S_local, C); ``encoder_hidden_states`` (B, T, C), replicated;
+    ``encoder_hidden_states_mask`` (B, T) bool or ``None``; ``image_rotary_emb``
+    ``(img_freqs (S_local, D/2), txt_freqs (T, D/2))`` (the image rows sliced by the hook on
+    ``pos_embed``). Returns ``(image_out (B, S_local, C), text_out (B, T, C))``, text_out equal on
+    every rank (Note [padded text rows] for its masked rows).
+
+    The explicit signature matters: ``Attention.forward`` passes only the keyword arguments that
+    the processor's ``__call__`` names.
+    """
+
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().__call__(
+            attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask, image_rotary_emb)
+
+
+class QwenTableHooks:
+    """Note [Qwen-Image's per-token tables]: ``img_freqs`` and ``modulate_index``, cut like the tokens.
+
+    Install after the ``TokenShardHooks``: the block pre-hooks then run after block 0's sharding,
+    when ``state.seq_len`` is this call's token count.
+    """
+
+    def __init__(self, state: ShardState, pos_embed: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
+        self.state = state
+        self.pos_embed, self.blocks = pos_embed, blocks
+        self.table_len: int | None = None
+        self.handles: list[RemovableHandle] = []
+
+    def install(self) -> None:
+        self.handles.append(self.pos_embed.register_forward_hook(self._shard_rope))
+        self.handles.append(self.blocks[0].register_forward_pre_hook(self._check_rope_length, with_kwargs=True))
+        for block in self.blocks:
+            self.handles.append(block.register_forward_pre_hook(self._shard_modulate_index, with_kwargs=True))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _shard_rope(self, module, args: tuple, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(img_freqs (S, D/2), txt_freqs (T, D/2))`` -> ``(img_freqs (S_local, D/2), txt_freqs)``."""
+        if not (isinstance(table, tuple) and len(table) == 2 and all(torch.is_tensor(t) and t.dim() == 2 for t in table)):
+            raise NotImplementedError(
+                f"usp_dit's Qwen-Image adapter expects pos_embed to return (img_freqs, txt_freqs), each "
+                f"(seq, head_dim / 2); got {type(table).__name__}"
+            )
+        img_freqs, txt_freqs = table
+        self.table_len = img_freqs.shape[0]
+        return shard_sequence(img_freqs, self.state.mesh, dim=0), txt_freqs
+
+    def _check_rope_length(self, module, args: tuple, kwargs: dict) -> None:
+        """ValueError when ``img_shapes`` describes another token count than ``hidden_states`` has."""
+        if self.table_len is not None and self.table_len != self.state.seq_len:
+            raise ValueError(
+                f"img_shapes describes {self.table_len} image tokens but hidden_states has {self.state.seq_len}: "
+                f"the RoPE table must have one row per token to be sliced like the tokens"
+            )
+
+    def _shard_modulate_index(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """``modulate_index`` (B, S) -> (B, S_local); ``None`` (no ``zero_cond_t``) passes unchanged.
+
+        Raises:
+            ValueError: its length is not the token count.
+            NotImplementedError: its batch is not the tokens' (cfg split with ``zero_cond_t``).
+        """
+        index = _get_arg(args, kwargs, "modulate_index", _MODULATE_INDEX_POS)
+        if index is None:
+            return None
+        hidden = _get_arg(args, kwargs, "hidden_states", 0)
+        if index.shape[1] != self.state.seq_len:
+            raise ValueError(
+                f"modulate_index has {index.shape[1]} entries per sample but hidden_states has {self.state.seq_len} "
+                f"image tokens (img_shapes must describe the tokens)"
+            )
+        if index.shape[0] != hidden.shape[0]:
+            raise NotImplementedError(
+                f"modulate_index has {index.shape[0]} rows for a batch of {hidden.shape[0]}: with zero_cond_t the "
+                f"model builds it from img_shapes, which enable_usp's cfg split cannot halve (a Python list); "
+                f"use cfg_degree=1 with zero_cond_t"
+            )
+        return _set_arg(args, kwargs, "modulate_index", _MODULATE_INDEX_POS, shard_sequence(index, self.state.mesh, dim=1))
+
+
+def _refuse_controlnet(module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of the transformer: ControlNet residuals are (B, S, C), full-sequence."""
+    if kwargs.get("controlnet_block_samples") is not None or (len(args) > 7 and args[7] is not None):
+        raise NotImplementedError(
+            "usp_dit's Qwen-Image adapter does not shard controlnet_block_samples (QwenImage ControlNet): "
+            "call disable_usp() for ControlNet pipelines"
+        )
+
+
+class _Patch:
+    """Everything ``enable`` changed on one transformer, and how to undo it."""
+
+    def __init__(self, transformer: QwenImageTransformer2DModel, mesh: USPMesh, backend: str) -> None:
+        self.transformer = transformer
+        self.state = ShardState(mesh, backend)
+        blocks = list(transformer.transformer_blocks)
+        self.attentions = [block.attn for block in blocks]
+        self.original_processors = [attn.processor for attn in self.attentions]
+        self.tokens = TokenShardHooks(self.state, blocks[0], transformer.proj_out)
+        self.tables = QwenTableHooks(self.state, transformer.pos_embed, blocks)
+        self.controlnet_check: RemovableHandle | None = None
+
+    def install(self) -> None:
+        self.tokens.install()
+        self.tables.install()  # after tokens: Note in QwenTableHooks
+        self.controlnet_check = self.transformer.register_forward_pre_hook(_refuse_controlnet, with_kwargs=True)
+        processor = USPQwenDoubleStreamAttnProcessor(Route(self.state, text="first"))
+        for attn in self.attentions:
+            attn.processor = processor
+
+    def remove(self) -> None:
+        for attn, original in zip(self.attentions, self.original_processors):
+            attn.processor = original
+        self.controlnet_check.remove()
+        self.tables.remove()
+        self.tokens.remove()
+
+
+def _check_supported(transformer: QwenImageTransformer2DModel) -> None:
+    """NotImplementedError for a model this adapter would not run exactly."""
+    name = type(transformer).__name__
+    if _RoutedQwenProcessor is None:
+        raise NotImplementedError(
+            f"this diffusers' QwenDoubleStreamAttnProcessor2_0 does not call {ROUTED_NAME}: usp_dit's Qwen-Image "
+            f"adapter routes that call"
+        )
+    if len(transformer.transformer_blocks) == 0:
+        raise NotImplementedError(f"{name} with num_layers=0 has nothing to parallelise")
+    if transformer.is_cache_enabled:
+        raise NotImplementedError(
+            f"{name} has a diffusers cache enabled (enable_cache): its decisions would be taken per rank on a "
+            f"shard of the tokens; call disable_cache() before enable_usp"
+        )
+    for path, module in transformer.named_modules():
+        if not isinstance(module, Attention):
+            continue
+        proc = module.processor
+        if type(proc) is not QwenDoubleStreamAttnProcessor2_0:
+            raise NotImplementedError(
+                f"{path}.processor is {type(proc).__name__}; usp_dit's Qwen-Image adapter runs only the stock "
+                f"QwenDoubleStreamAttnProcessor2_0 (its maths would be lost silently otherwise)"
+            )
+        if proc._parallel_config is not None:
+            raise NotImplementedError(
+                f"{path} runs diffusers' own context parallelism (enable_parallelism); use one or the other"
+            )
+
+
+class QwenImageAdapter(PatchingAdapter):
+    """``ModelAdapter`` for ``QwenImageTransformer2DModel`` (see the module docstring)."""
+
+    name = "QwenImage"
+    # Arguments batched on dim 0, split over the "cfg" axis by enable_usp. img_shapes (a list of
+    # per-sample shapes, all equal as the model's RoPE requires) stays whole. (QwenImagePipeline
+    # calls the transformer once per guidance branch, batch 1: api.py refuses cfg_degree=2 there.)
+    cfg_batch_args = (
+        "hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep", "guidance",
+        "additional_t_cond",
+    )
+    model_class = QwenImageTransformer2DModel
+
+    def matches(self, transformer: torch.nn.Module) -> bool:
+        # The exact class: a subclass (or QwenImage21Transformer2DModel, a different class) may
+        # change the forward this adapter's hooks rely on.
+        return type(transformer) is QwenImageTransformer2DModel
+
+    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> _Patch:
+        _check_supported(transformer)
+        return _Patch(transformer, mesh, backend)
+
+
+ADAPTER = register_adapter(QwenImageAdapter())
