@@ -259,12 +259,8 @@ class QwenImageAdapter(PatchingAdapter):
         "hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep", "guidance",
         "additional_t_cond",
     )
+    # Matched by exact class (PatchingAdapter.matches): QwenImage21Transformer2DModel is another class.
     model_class = QwenImageTransformer2DModel
-
-    def matches(self, transformer: torch.nn.Module) -> bool:
-        # The exact class: a subclass (or QwenImage21Transformer2DModel, a different class) may
-        # change the forward this adapter's hooks rely on.
-        return type(transformer) is QwenImageTransformer2DModel
 
     def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> _Patch:
         _check_supported(transformer)
