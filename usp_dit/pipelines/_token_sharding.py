@@ -46,13 +46,15 @@ class ShardState:
     sharded; given to ``usp_attention`` and ``gather_sequence`` (no all-gather of shard lengths)
     and checked against the RoPE table's length. ``text_len``: the replicated text stream's token
     count of that call (block 0's ``encoder_hidden_states``), for dropout over [text; video shard]
-    (``_replicated_dropout``).
+    (``_replicated_dropout``). ``table_len``: the token count a per-token table cut before block 0
+    in this call implied (``usp_dit.pipelines.plan.TableHooks``), checked against the tokens there.
     """
 
     mesh: USPMesh
     backend: str
     seq_len: int | None = None
     text_len: int | None = None
+    table_len: int | None = None
 
 
 def local_rope(table: Any, state: ShardState, name: str) -> Any:
@@ -117,8 +119,19 @@ class TokenShardHooks:
         self.handles.clear()
 
     def _shard_input(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """(B, S, C) full hidden states -> (B, S_local, C), this rank's contiguous piece."""
+        """(B, S, C) full hidden states -> (B, S_local, C), this rank's contiguous piece.
+
+        Raises:
+            ValueError: a per-token table cut earlier in this call has another length than the
+                tokens (its rows would not line up with the tokens they belong to).
+        """
         x = _get_arg(args, kwargs, "hidden_states", 0)
+        table_len, self.state.table_len = self.state.table_len, None
+        if table_len is not None and table_len != x.shape[1]:
+            raise ValueError(
+                f"a per-token table of this call has {table_len} rows but the transformer has {x.shape[1]} tokens: "
+                f"they must match for the table to be cut like the tokens"
+            )
         self.state.seq_len = x.shape[1]
         text = _get_arg(args, kwargs, "encoder_hidden_states", 1)
         self.state.text_len = text.shape[1] if torch.is_tensor(text) else None

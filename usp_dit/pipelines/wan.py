@@ -53,16 +53,14 @@ handling is needed (the text stream is never updated per block).
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
 from torch.utils.hooks import RemovableHandle
 
-from usp_dit.mesh import USPMesh
-from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks, _get_arg, _set_arg
-from usp_dit.pipelines._routing import ROUTED_NAME, Route, RoutedProcessor, routed_processor_class
+from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class
+from usp_dit.pipelines._token_sharding import ShardState, _get_arg, _set_arg
+from usp_dit.pipelines.plan import Local, ModelPlan, Parallel, PlanAdapter, Table
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.sharding import shard_sequence
 
@@ -94,35 +92,22 @@ class USPWanAttnProcessor(_RoutedWanProcessor or RoutedProcessor):
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
 
 
-class WanTableHooks:
-    """Note [Wan's per-token tables]: the RoPE table and TI2V's per-token timestep, cut like the tokens."""
+class WanTimestepHook:
+    """Note [Wan's per-token tables]: TI2V's per-token timestep, cut like the tokens (the RoPE
+    table is the plan's ``Table``; its hook runs first and sets this call's ``seq_len``)."""
 
-    def __init__(self, state: ShardState, rope: torch.nn.Module, condition_embedder: torch.nn.Module) -> None:
+    def __init__(self, transformer: WanTransformer3DModel, state: ShardState) -> None:
         self.state = state
-        self.rope, self.condition_embedder = rope, condition_embedder
-        self.handles: list[RemovableHandle] = []
+        self.condition_embedder = transformer.condition_embedder
+        self.handle: RemovableHandle | None = None
 
     def install(self) -> None:
-        self.handles.append(self.rope.register_forward_hook(self._shard_rope))
-        self.handles.append(
-            self.condition_embedder.register_forward_pre_hook(self._shard_timestep, with_kwargs=True))
+        self.handle = self.condition_embedder.register_forward_pre_hook(self._shard_timestep, with_kwargs=True)
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-    def _shard_rope(self, module, args: tuple, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each (1, S, 1, D) -> (1, S_local, 1, D); records S as this call's ``seq_len``."""
-        pair = isinstance(table, tuple) and len(table) == 2
-        if not (pair and all(torch.is_tensor(t) and t.dim() == 4 for t in table)):
-            raise NotImplementedError(
-                f"usp_dit's Wan adapter expects rope to return (cos, sin), each (1, seq, 1, head_dim); "
-                f"got {type(table).__name__}"
-            )
-        # Block 0's pre-hook sets the same value from the tokens; the timestep hook runs before it.
-        self.state.seq_len = table[0].shape[1]
-        return tuple(shard_sequence(t, self.state.mesh, dim=1) for t in table)
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
     def _shard_timestep(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """TI2V-5B: the flattened (B * S,) timestep -> this rank's (B * S_local,), ``timestep_seq_len`` S_local.
@@ -144,71 +129,29 @@ class WanTableHooks:
         return _set_arg(args, kwargs, "timestep_seq_len", 3, local.shape[1])
 
 
-class _Patch:
-    """Everything ``enable`` changed on one transformer, and how to undo it."""
-
-    def __init__(self, transformer: WanTransformer3DModel, mesh: USPMesh, backend: str) -> None:
-        self.state = ShardState(mesh, backend)
-        self.self_attentions = [block.attn1 for block in transformer.blocks]
-        self.original_processors = [attn.processor for attn in self.self_attentions]
-        self.tables = WanTableHooks(self.state, transformer.rope, transformer.condition_embedder)
-        self.tokens = TokenShardHooks(self.state, transformer.blocks[0], transformer.proj_out)
-
-    def install(self) -> None:
-        self.tables.install()
-        self.tokens.install()
-        processor = USPWanAttnProcessor(Route(self.state))
-        for attn in self.self_attentions:
-            attn.processor = processor
-
-    def remove(self) -> None:
-        for attn, original in zip(self.self_attentions, self.original_processors):
-            attn.processor = original
-        self.tokens.remove()
-        self.tables.remove()
-
-
-def _check_supported(transformer: WanTransformer3DModel) -> None:
-    """NotImplementedError for a model this adapter would not run exactly."""
-    name = type(transformer).__name__
+def _routed_call_missing(transformer: WanTransformer3DModel) -> str | None:
     if _RoutedWanProcessor is None:
-        raise NotImplementedError(
-            f"this diffusers' WanAttnProcessor does not call {ROUTED_NAME}: usp_dit's Wan adapter routes that call"
-        )
-    if len(transformer.blocks) == 0:
-        raise NotImplementedError(f"{name} with num_layers=0 has nothing to parallelise")
-    if transformer.is_cache_enabled:
-        raise NotImplementedError(
-            f"{name} has a diffusers cache enabled (enable_cache): its decisions would be taken per rank on a "
-            f"shard of the tokens; call disable_cache() before enable_usp"
-        )
-    for path, module in transformer.named_modules():
-        if not isinstance(module, WanAttention):
-            continue
-        proc = module.processor
-        if type(proc) is not WanAttnProcessor:
-            raise NotImplementedError(
-                f"{path}.processor is {type(proc).__name__}; usp_dit's Wan adapter runs only the stock "
-                f"WanAttnProcessor (its maths would be lost silently otherwise)"
-            )
-        if proc._parallel_config is not None:
-            raise NotImplementedError(
-                f"{path} runs diffusers' own context parallelism (enable_parallelism); use one or the other"
-            )
+        return f"this diffusers' WanAttnProcessor does not call {ROUTED_NAME}, the call usp_dit routes"
+    return None
 
 
-class WanAdapter(PatchingAdapter):
-    """``ModelAdapter`` for ``WanTransformer3DModel`` (see the module docstring)."""
+PLAN = ModelPlan(
+    name="Wan",
+    model_class=WanTransformer3DModel,
+    split_at="blocks.0",
+    gather_at="proj_out",
+    attention=(
+        Parallel("blocks.*.attn1", USPWanAttnProcessor, stock=(WanAttnProcessor,)),  # self-attention
+        Local("blocks.*.attn2", stock=(WanAttnProcessor,)),  # cross-attention to the replicated text (and image)
+    ),
+    block_lists=("blocks",),
+    # rope(latents) -> (cos, sin), each (1, seq, 1, head_dim): Note [Wan's per-token tables].
+    tables=(Table("rope", dim=1, items=(0, 1)),),
+    # Batched on dim 0, split over the "cfg" axis by enable_usp. (Wan's pipelines call the
+    # transformer once per guidance branch, so with batch 1 there is nothing to split.)
+    cfg_batch_args=("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
+    hooks=(WanTimestepHook,),
+    refuse=(_routed_call_missing,),
+)
 
-    name = "Wan"
-    # Arguments batched on dim 0, split over the "cfg" axis by enable_usp. (Wan's pipelines call the
-    # transformer once per guidance branch, so with batch 1 there is nothing to split: api.py refuses.)
-    cfg_batch_args = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image")
-    model_class = WanTransformer3DModel
-
-    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> _Patch:
-        _check_supported(transformer)
-        return _Patch(transformer, mesh, backend)
-
-
-ADAPTER = register_adapter(WanAdapter())
+ADAPTER = register_adapter(PlanAdapter(PLAN))

@@ -1,0 +1,235 @@
+"""A model family as a declarative plan, applied and removed by one generic patcher.
+
+Layout: the plan names modules by their dotted paths in the transformer (``"blocks.0"``,
+``"rope"``) or by ``fnmatch`` patterns over those paths (``"blocks.*.attn1"``); tensors keep the
+layouts of the modules they come from (the hidden states (batch, seq, channels)).
+
+Note [a model is a plan]
+    What differs between DiT families is *where* things happen, not *what* happens: the token
+    sequence is split at one module's input and gathered at another's output; tables indexed by
+    token (RoPE, per-token modulation) are cut like the tokens where a submodule produces them;
+    each attention module is either sequence-parallel (its processor swapped: usually the stock
+    one with its ``dispatch_attention_fn`` call routed, ``_routing``) or local (cross-attention
+    to replicated text: its stock processor stays); some arguments are batched for CFG; some
+    module lists are the FSDP2 units. A ``ModelPlan`` says these things, and ``PlanAdapter``
+    does them, the same way for every family:
+
+        ModelPlan ──PlanAdapter.enable──► checks (stock processors, cache, layers, heads, refusals)
+                                         ► ShardState (mesh, backend, seq_len of the call)
+                                         ► hooks: shard at split_at, gather at gather_at, tables
+                                         ► processors of the parallel attention sites swapped
+                  PlanAdapter.disable ──► everything put back (the original processor objects)
+
+    Every attention module (anything with a ``processor``) must be named by the plan, as
+    parallel or local: an attention module the plan does not know (a new block type, an
+    IP-Adapter) is refused at enable instead of running local attention on a shard. What a
+    family needs beyond this (Wan's per-token timestep, replicated dropout) is a ``hooks``
+    factory returning an object with ``install()`` / ``remove()``.
+"""
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from usp_dit.mesh import USPMesh
+from usp_dit.pipelines._routing import Route, RoutedProcessor
+from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks
+from usp_dit.sharding import shard_sequence
+
+
+class Installable(Protocol):
+    """A set of hooks or patches a plan adds: ``install`` after the checks, ``remove`` on disable."""
+
+    def install(self) -> None: ...
+
+    def remove(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Table:
+    """A submodule's output indexed by token, cut like the tokens (a forward hook on ``module``).
+
+    ``items``: which entries of a tuple output are tables (``None``: the output is one tensor);
+    entries not named pass through whole (e.g. Qwen-Image's text RoPE beside the image's).
+    ``dim``: the sequence dimension of each table.
+    """
+
+    module: str
+    dim: int
+    items: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """Attention modules (paths matching ``pattern``) that attend over the whole sequence.
+
+    ``processor``: a ``RoutedProcessor`` subclass (built with ``Route(state, text)``) or any class
+    built with the ``ShardState``. ``stock``: the processor classes it may replace; any other is
+    refused (its maths would be lost).
+    """
+
+    pattern: str
+    processor: type
+    stock: tuple[type, ...]
+    text: Literal["none", "first", "last"] = "none"
+
+
+@dataclass(frozen=True)
+class Local:
+    """Attention modules that run on this rank's tokens alone (cross-attention to replicated
+    text): the stock processor stays, and must be one of ``stock``."""
+
+    pattern: str
+    stock: tuple[type, ...]
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """Note [a model is a plan]: one Diffusers transformer class, declared."""
+
+    name: str
+    model_class: type
+    split_at: str  # module whose first argument, hidden_states (batch, seq, channels), is sharded
+    gather_at: str  # module whose output (batch, seq_local, channels) is gathered
+    attention: tuple[Parallel | Local, ...]
+    block_lists: tuple[str, ...]  # ModuleLists of blocks: FSDP2's units; empty ones have nothing to split
+    tables: tuple[Table, ...] = ()
+    cfg_batch_args: tuple[str, ...] = ()  # batched on dim 0, split over "cfg" by enable_usp
+    hooks: tuple[Callable[[torch.nn.Module, ShardState], Installable], ...] = ()
+    refuse: tuple[Callable[[torch.nn.Module], str | None], ...] = ()  # a reason to refuse, or None
+    heads: Callable[[torch.nn.Module], int] = lambda model: model.config.num_attention_heads
+
+
+@dataclass(eq=False)
+class TableHooks:
+    """``Table`` hooks: this rank's rows of each table, once per forward (every layer reuses them)."""
+
+    state: ShardState
+    modules: list[tuple[torch.nn.Module, Table]]
+    handles: list[RemovableHandle] = field(default_factory=list)
+
+    def install(self) -> None:
+        for module, table in self.modules:
+            self.handles.append(module.register_forward_hook(self._hook(table)))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _hook(self, table: Table) -> Callable[..., Any]:
+        def cut(module: torch.nn.Module, args: tuple, out: Any) -> Any:
+            if table.items is None:
+                return self._cut(out, table)
+            if not isinstance(out, (tuple, list)):
+                raise NotImplementedError(f"{table.module} returned {type(out).__name__}, not a tuple of tables")
+            cut_out = [self._cut(t, table) if i in table.items else t for i, t in enumerate(out)]
+            return type(out)(cut_out)
+        return cut
+
+    def _cut(self, t: Any, table: Table) -> torch.Tensor:
+        if not torch.is_tensor(t):
+            raise NotImplementedError(f"{table.module} returned {type(t).__name__} where a table was expected")
+        # The table is made before block 0 shards the tokens: it fixes this call's token count,
+        # which block 0's hook then checks against the tokens (TokenShardHooks).
+        self.state.seq_len = self.state.table_len = t.shape[table.dim]
+        return shard_sequence(t, self.state.mesh, dim=table.dim)
+
+
+def _matches(path: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(path, pattern)
+
+
+def _site(plan: ModelPlan, path: str) -> Parallel | Local | None:
+    return next((s for s in plan.attention if _matches(path, s.pattern)), None)
+
+
+def check_plan(plan: ModelPlan, transformer: torch.nn.Module) -> None:
+    """NotImplementedError for a model the plan would not run exactly (Note [a model is a plan])."""
+    name = type(transformer).__name__
+    if sum(len(getattr(transformer, lst)) for lst in plan.block_lists) == 0:
+        raise NotImplementedError(f"{name} has no transformer blocks (num_layers=0): nothing to parallelise")
+    if getattr(transformer, "is_cache_enabled", False):
+        raise NotImplementedError(
+            f"{name} has a diffusers cache enabled (enable_cache): its decisions would be taken per rank on a "
+            f"shard of the tokens; call disable_cache() before enable_usp"
+        )
+    for path, module in transformer.named_modules():
+        proc = getattr(module, "processor", None)
+        if proc is None:
+            continue
+        site = _site(plan, path)
+        if site is None:
+            raise NotImplementedError(
+                f"usp_dit's {plan.name} plan does not say how to run {path} ({type(module).__name__}): refused rather "
+                f"than running it on a shard of the tokens"
+            )
+        if type(proc) not in site.stock:
+            raise NotImplementedError(
+                f"{path}.processor is {type(proc).__name__}; usp_dit's {plan.name} adapter runs only "
+                f"{[c.__name__ for c in site.stock]} there (its maths would be lost silently otherwise)"
+            )
+        if getattr(proc, "_parallel_config", None) is not None:
+            raise NotImplementedError(f"{path} runs diffusers' own context parallelism (enable_parallelism); use one or the other")
+    for refuse in plan.refuse:
+        reason = refuse(transformer)
+        if reason:
+            raise NotImplementedError(f"usp_dit's {plan.name} adapter: {reason}")
+
+
+class PlanPatch:
+    """Everything ``enable`` changed on one transformer, and how to undo it."""
+
+    def __init__(self, plan: ModelPlan, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> None:
+        self.state = ShardState(mesh, backend)
+        get = transformer.get_submodule
+        self.swaps: list[tuple[torch.nn.Module, Any, Any]] = []  # (module, original, replacement)
+        processors: dict[Parallel, Any] = {}  # one processor object per site, shared by its modules
+        for path, module in transformer.named_modules():
+            site = _site(plan, path) if getattr(module, "processor", None) is not None else None
+            if isinstance(site, Parallel):
+                if site not in processors:
+                    processors[site] = self._processor(site)
+                self.swaps.append((module, module.processor, processors[site]))
+        tables = TableHooks(self.state, [(get(t.module), t) for t in plan.tables])
+        tokens = TokenShardHooks(self.state, get(plan.split_at), get(plan.gather_at))
+        self.parts: list[Installable] = [tables, tokens] + [make(transformer, self.state) for make in plan.hooks]
+
+    def _processor(self, site: Parallel) -> Any:
+        if issubclass(site.processor, RoutedProcessor):
+            return site.processor(Route(self.state, site.text))
+        return site.processor(self.state)
+
+    def install(self) -> None:
+        for part in self.parts:
+            part.install()
+        for module, _, replacement in self.swaps:
+            module.processor = replacement
+
+    def remove(self) -> None:
+        for module, original, _ in self.swaps:
+            module.processor = original
+        for part in reversed(self.parts):
+            part.remove()
+
+
+class PlanAdapter(PatchingAdapter):
+    """The ``ModelAdapter`` of a ``ModelPlan`` (Note [a model is a plan])."""
+
+    def __init__(self, plan: ModelPlan) -> None:
+        self.plan = plan
+        self.name = plan.name
+        self.model_class = plan.model_class
+        self.cfg_batch_args = plan.cfg_batch_args
+
+    def num_heads(self, transformer: torch.nn.Module) -> int:
+        return self.plan.heads(transformer)
+
+    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> PlanPatch:
+        check_plan(self.plan, transformer)
+        return PlanPatch(self.plan, transformer, mesh, backend)
