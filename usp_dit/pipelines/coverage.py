@@ -62,8 +62,10 @@ def refusal_reason(cls: type) -> str:
 
 
 def test_file(adapter) -> str:
-    """The test file of an adapter's family, by convention ``tests/test_pipeline_<adapter module>.py``."""
-    return f"tests/test_pipeline_{type(adapter).__module__.rsplit('.', 1)[-1]}.py"
+    """The test file of an adapter's family, by convention ``tests/test_pipeline_<family module>.py``
+    (a ``PlanAdapter`` names its family's module; other adapters live in it)."""
+    module = getattr(adapter, "family_module", None) or type(adapter).__module__
+    return f"tests/test_pipeline_{module.rsplit('.', 1)[-1]}.py"
 
 
 def coverage() -> list[Row]:

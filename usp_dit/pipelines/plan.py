@@ -221,8 +221,10 @@ class PlanPatch:
 class PlanAdapter(PatchingAdapter):
     """The ``ModelAdapter`` of a ``ModelPlan`` (Note [a model is a plan])."""
 
-    def __init__(self, plan: ModelPlan) -> None:
+    def __init__(self, plan: ModelPlan, module: str) -> None:
+        """``module``: the family's module (``__name__``): its tests are ``tests/test_pipeline_<module>.py``."""
         self.plan = plan
+        self.family_module = module
         self.name = plan.name
         self.model_class = plan.model_class
         self.cfg_batch_args = plan.cfg_batch_args

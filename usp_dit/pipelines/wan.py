@@ -154,4 +154,4 @@ PLAN = ModelPlan(
     refuse=(_routed_call_missing,),
 )
 
-ADAPTER = register_adapter(PlanAdapter(PLAN))
+ADAPTER = register_adapter(PlanAdapter(PLAN, __name__))
