@@ -1,0 +1,229 @@
+"""SD3 adapter: ``SD3Transformer2DModel`` (Stable Diffusion 3 Medium, 3.5 Large / Medium) on a USP grid.
+
+Layout: latents (batch, channels, height, width); image tokens (batch, seq, channels),
+``seq = (height / p) * (width / p)``, row-major as ``PatchEmbed`` flattens them; text tokens
+(batch, text_seq, channels), no mask (the pipeline's CLIP and T5 tokens, padding included, are
+all attended, in stock too); inside ``JointAttnProcessor2_0`` Q/K/V are (batch, heads, seq, head_dim)
+and the joint sequence is ``[image; text]``: **image first, text last**.
+
+Where the tokens are split: ``pos_embed`` (patch embedding + the cropped sin-cos position table,
+added per token) runs on the full latent, and a forward hook on it hands the blocks this rank's
+tokens; ``proj_out``'s output is gathered before unpatchify (``_token_sharding`` Note [where the
+sequence is split], with the split moved from block 0's input to ``pos_embed``'s output because
+``forward(skip_layers=...)`` (the pipeline's skip-layer guidance) may skip block 0 itself). SD3
+has no RoPE: the positions are already in the tokens when they are split.
+
+Text tokens: **replicated**. SD3 is an MMDiT: text keeps its own stream (``add_*_proj``,
+``ff_context``) and every rank holds all of it; ``usp_attention`` takes it as joint tokens
+(``Route(state, text="last")``). SD3's text is 77 CLIP + up to 256 T5 tokens = 333 beside 4096
+image tokens at 1024 x 1024 (512 per rank on 8 ranks, + 333 text). The last block is
+``context_pre_only`` (no ``to_add_out``, its text output dropped), as in stock.
+SD3.5 Medium's dual-attention layers have ``attn2``: self-attention over the image tokens alone,
+routed with ``Route(state, text="none")``.
+
+Note [SD3's attention call]
+    ``JointAttnProcessor2_0`` does not call ``dispatch_attention_fn``: it calls
+    ``F.scaled_dot_product_attention(q, k, v)`` on (B, H, L, D) tensors. To keep its maths (the
+    projections, optional RMS QK norms, concatenation, split and output projections), the
+    processor here runs the stock ``__call__``'s own code with its module global ``F`` rebound
+    (``_routing.with_global``) to a namespace whose ``scaled_dot_product_attention`` transposes to
+    (B, L, H, D) and calls ``_routing.route_attention``, the shared router, with this processor's
+    ``Route``; every other ``F.`` name resolves to ``torch.nn.functional``. The stock code passes no
+    ``self._parallel_config``, so the route lives in the namespace, one per processor instance
+    (joint and self-attention differ); a deep copy of the processor (an EMA copy of an enabled
+    transformer: ``base`` Note [deep copies]) rebuilds that function around the copied route.
+    Writing a processor of our own would have meant copying the stock maths; this is the same
+    code object, so a Diffusers fix to it is picked up. If a future Diffusers' processor stops
+    calling ``F.scaled_dot_product_attention``, ``with_global`` returns ``None`` and enable refuses.
+
+Refused: processors other than the stock ``JointAttnProcessor2_0`` (fused QKV, IP-Adapter, PAG,
+LoRA-replaced or custom ones), a Diffusers cache (``enable_cache``), ``num_layers=0``
+(NotImplementedError at enable); ``block_controlnet_hidden_states`` (SD3 ControlNet: full-sequence
+residuals, NotImplementedError at the call). (An ``attention_mask`` handed to the processor is
+ignored, as the stock code ignores it: it never reaches its attention call.) SD3 configs have no
+dropout. The pipeline batches its CFG halves in one transformer call, so ``cfg_degree=2`` splits
+them; its skip-layer-guidance call (``skip_guidance_layers``) has batch 1, which ``cfg_degree=2``
+cannot split (``enable_usp`` raises there).
+"""
+from __future__ import annotations
+
+import copy
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional
+from diffusers import SD3Transformer2DModel
+from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
+from torch.utils.hooks import RemovableHandle
+
+from usp_dit.mesh import USPMesh
+from usp_dit.pipelines._routing import Route, route_attention, with_global
+from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks
+from usp_dit.pipelines.base import register_adapter
+from usp_dit.sharding import shard_sequence
+
+_ROUTED_GLOBAL = "F"  # JointAttnProcessor2_0 calls F.scaled_dot_product_attention (torch.nn.functional as F)
+
+
+class _RoutedFunctional:
+    """Stands in for ``torch.nn.functional`` in the stock processor's code: ``scaled_dot_product_attention``
+    is routed (Note [SD3's attention call]), every other name is torch's."""
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
+
+    def scaled_dot_product_attention(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        """(B, H, L, D) in and out, L = S_local (+ T, text last): ``route_attention`` on (B, L, H, D) views."""
+        out = route_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask, dropout_p, is_causal,
+            scale, parallel_config=self.route,
+        )
+        return out.transpose(1, 2)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.nn.functional, name)
+
+
+def _routed_call(route: Route) -> types.FunctionType | None:
+    """``JointAttnProcessor2_0.__call__``'s code with ``F`` bound to a ``_RoutedFunctional(route)``."""
+    return with_global(JointAttnProcessor2_0.__call__, _ROUTED_GLOBAL, _RoutedFunctional(route))
+
+
+class USPJointAttnProcessor:
+    """SD3 attention of this rank's image shard: joint with the replicated text (``attn``, route
+    text="last") or self-attention over the image alone (SD3.5's ``attn2``, route text="none").
+
+    Inputs: ``hidden_states`` (B, S_local, C); ``encoder_hidden_states`` (B, T, C) for ``attn``,
+    ``None`` for ``attn2``. Returns ``(image_out (B, S_local, C), text_out (B, T, C))`` (text_out
+    before ``to_add_out`` in the ``context_pre_only`` block, as stock) or ``image_out`` alone.
+    The maths is the stock processor's own code (Note [SD3's attention call]).
+    """
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
+        self._call = _routed_call(route)
+
+    def __deepcopy__(self, memo: dict) -> USPJointAttnProcessor:
+        clone = USPJointAttnProcessor(copy.deepcopy(self.route, memo))
+        memo[id(self)] = clone
+        return clone
+
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # The signature is the stock one: Attention.forward passes the keyword arguments it names
+        # (here, like stock, all of them; the stock code ignores the extra ones).
+        joint = self.route.text != "none"
+        if joint != (encoder_hidden_states is not None):
+            raise ValueError(
+                f"this SD3 processor routes {'joint' if joint else 'self-'}attention, but encoder_hidden_states is "
+                f"{'None' if encoder_hidden_states is None else 'given'}: it was installed on the wrong attention"
+            )
+        return self._call(self, attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
+
+
+class PosEmbedShardHooks(TokenShardHooks):
+    """Shard at ``pos_embed``'s output (``first_block`` is ``pos_embed`` here), gather at ``proj_out``'s.
+
+    ``pos_embed`` maps the latent (B, C, H, W) to tokens (B, S, C_model) with their positions
+    added; the hook hands on this rank's (B, S_local, C_model). Being outside the blocks, it also
+    holds when ``skip_layers`` skips block 0, and it is not recomputed by gradient checkpointing.
+    """
+
+    def install(self) -> None:
+        self.handles.append(self.first_block.register_forward_hook(self._shard_output))
+        self.handles.append(self.out_proj.register_forward_hook(self._gather_output))
+
+    def _shard_output(self, module, args: tuple, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, S, C) -> (B, S_local, C); records S as this call's ``seq_len``."""
+        self.state.seq_len = tokens.shape[1]
+        return shard_sequence(tokens, self.state.mesh, dim=1)
+
+
+def _refuse_controlnet(module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of the transformer: ControlNet residuals are (B, S, C), full-sequence."""
+    if kwargs.get("block_controlnet_hidden_states") is not None or (len(args) > 4 and args[4] is not None):
+        raise NotImplementedError(
+            "usp_dit's SD3 adapter does not shard block_controlnet_hidden_states (SD3 ControlNet): "
+            "call disable_usp() for ControlNet pipelines"
+        )
+
+
+class _Patch:
+    """Everything ``enable`` changed on one transformer, and how to undo it."""
+
+    def __init__(self, transformer: SD3Transformer2DModel, mesh: USPMesh, backend: str) -> None:
+        self.transformer = transformer
+        self.state = ShardState(mesh, backend)
+        blocks = list(transformer.transformer_blocks)
+        self.joint = [block.attn for block in blocks]
+        self.self_attentions = [block.attn2 for block in blocks if block.attn2 is not None]
+        self.originals = [(attn, attn.processor) for attn in self.joint + self.self_attentions]
+        self.tokens = PosEmbedShardHooks(self.state, transformer.pos_embed, transformer.proj_out)
+        self.controlnet_check: RemovableHandle | None = None
+
+    def install(self) -> None:
+        self.tokens.install()
+        self.controlnet_check = self.transformer.register_forward_pre_hook(_refuse_controlnet, with_kwargs=True)
+        joint = USPJointAttnProcessor(Route(self.state, text="last"))
+        image_only = USPJointAttnProcessor(Route(self.state, text="none"))
+        for attn in self.joint:
+            attn.processor = joint
+        for attn in self.self_attentions:
+            attn.processor = image_only
+
+    def remove(self) -> None:
+        for attn, original in self.originals:
+            attn.processor = original
+        self.controlnet_check.remove()
+        self.tokens.remove()
+
+
+def _check_supported(transformer: SD3Transformer2DModel) -> None:
+    """NotImplementedError for a model this adapter would not run exactly."""
+    name = type(transformer).__name__
+    if _routed_call(Route(None)) is None:
+        raise NotImplementedError(
+            f"this diffusers' JointAttnProcessor2_0 does not call {_ROUTED_GLOBAL}.scaled_dot_product_attention: "
+            f"usp_dit's SD3 adapter routes that call"
+        )
+    if len(transformer.transformer_blocks) == 0:
+        raise NotImplementedError(f"{name} with num_layers=0 has nothing to parallelise")
+    if getattr(transformer, "is_cache_enabled", False):
+        raise NotImplementedError(
+            f"{name} has a diffusers cache enabled (enable_cache): its decisions would be taken per rank on a "
+            f"shard of the tokens; call disable_cache() before enable_usp"
+        )
+    for path, module in transformer.named_modules():
+        if isinstance(module, Attention) and type(module.processor) is not JointAttnProcessor2_0:
+            raise NotImplementedError(
+                f"{path}.processor is {type(module.processor).__name__}; usp_dit's SD3 adapter runs only the stock "
+                f"JointAttnProcessor2_0 (its maths would be lost silently otherwise)"
+            )
+
+
+class SD3Adapter(PatchingAdapter):
+    """``ModelAdapter`` for ``SD3Transformer2DModel`` (see the module docstring)."""
+
+    name = "SD3"
+    # Arguments batched on dim 0, split over the "cfg" axis by enable_usp: StableDiffusion3Pipeline
+    # batches [uncond, cond] in one call.
+    cfg_batch_args = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
+    model_class = SD3Transformer2DModel
+
+    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> _Patch:
+        _check_supported(transformer)
+        return _Patch(transformer, mesh, backend)
+
+
+ADAPTER = register_adapter(SD3Adapter())
