@@ -29,8 +29,8 @@ Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients, text-str
 Q/K and the pipeline's final latents: sharding only reorders float32 sums (attention blocks merged by
 log-sum-exp, gradients summed over ranks; masked text handled per element as separate calls).
 Measured (2026-12-03): 4.1e-7 at most on outputs (all grids and schedules), 1.9e-6 on the worst
-parameter gradient, 7.7e-7 on the pipeline's latents, 0 on the rotated Q/K. Decoded images: 1e-4 (an untrained random VAE's gain,
-as in tests/test_pipeline_wan.py).
+parameter gradient, 7.7e-7 on the pipeline's latents, 0 on the rotated Q/K. Decoded images: 1e-4
+(an untrained random VAE's gain, as in tests/test_pipeline_wan.py).
 """
 from __future__ import annotations
 
@@ -443,7 +443,7 @@ def test_diffusers_cache_is_refused():
 
 def test_no_layers_is_refused():
     model = tiny_qwen_image(num_layers=0)
-    with pytest.raises(NotImplementedError, match="num_layers=0"):
+    with pytest.raises(NotImplementedError, match=r"no transformer blocks \(num_layers=0\)"):
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
@@ -463,7 +463,15 @@ def test_img_shapes_unlike_the_tokens_are_refused():
     inputs.img_shapes = [[(1, 3, 4)]] * 2  # 12 rows of RoPE for 15 tokens
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
-        with pytest.raises(ValueError, match="img_shapes describes 12 image tokens but hidden_states has 15"):
+        with pytest.raises(ValueError, match="table of this call has 12 rows but the transformer has 15 tokens"):
             forward(model, inputs)
     finally:
         ADAPTER.disable(model)
+
+
+def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
+    """Should a future diffusers' processor stop calling dispatch_attention_fn, enable refuses
+    instead of running local attention on a shard."""
+    monkeypatch.setattr(qwen_image, "_RoutedQwenProcessor", None)
+    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
+        ADAPTER.enable(tiny_qwen_image(), single_rank_mesh(), "auto")

@@ -353,3 +353,11 @@ def test_controlnet_residuals_are_refused():
             model(**inputs.kwargs(), block_controlnet_hidden_states=[residual])
     finally:
         ADAPTER.disable(model)
+
+
+def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
+    """Should a future diffusers' JointAttnProcessor2_0 stop calling F.scaled_dot_product_attention,
+    enable refuses instead of running local attention on a shard."""
+    monkeypatch.setattr(sd3, "_routed_call", lambda route: None)
+    with pytest.raises(NotImplementedError, match="does not call F.scaled_dot_product_attention"):
+        ADAPTER.enable(tiny_sd3(), single_rank_mesh(), "auto")

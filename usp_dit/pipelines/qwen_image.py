@@ -33,16 +33,20 @@ Note [padded text rows]
     that have holes).
 
 Note [Qwen-Image's per-token tables]
-    * ``img_freqs``: a forward hook on ``pos_embed`` keeps this rank's rows (dim 0,
-      ``shard_sequence``, a view of Diffusers' cached table) once per forward; ``txt_freqs``
-      stays whole (the text is replicated). The hook records the table's length, and block 0's
-      sharding checks it against the token count (a table sliced unlike the tokens would
-      silently misalign).
+    * ``img_freqs``: the plan's ``Table("pos_embed", dim=0, items=(0,))``, a forward hook on
+      ``pos_embed`` keeping this rank's rows (a view of Diffusers' cached table) once per forward;
+      ``txt_freqs`` stays whole (the text is replicated). Block 0's sharding checks the table's
+      length against the token count (``img_shapes`` that describe other tokens would otherwise
+      misalign silently).
     * ``modulate_index`` (``zero_cond_t``, Qwen-Image-Edit-2511: 0 for the target image's tokens,
       1 for the condition images'): built inside the forward from ``img_shapes`` and passed to
-      every block, so a pre-hook on every block takes this rank's columns (dim 1), like
-      Diffusers' ``_cp_plan`` for ``transformer_blocks.*``. **Sharded, not refused.** It runs
-      again on a gradient-checkpointing recompute, on the same saved full index.
+      every block, so a pre-hook on every block (``ModulateIndexHooks``) takes this rank's
+      columns (dim 1), like Diffusers' ``_cp_plan`` for ``transformer_blocks.*``. **Sharded, not
+      refused.** It runs again on a gradient-checkpointing recompute, on the same saved full index.
+
+The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a plan]): split at
+``transformer_blocks.0``, gather at ``proj_out``, every block's attention parallel (text first),
+the image RoPE a ``Table``, ``modulate_index`` and the ControlNet refusal hooks.
 
 Attention keeps Diffusers' maths: ``USPQwenDoubleStreamAttnProcessor`` runs the stock
 ``QwenDoubleStreamAttnProcessor2_0.__call__``'s own code (projections, QK RMS norms, RoPE on
@@ -50,7 +54,8 @@ this rank's rows, ``[text; image]`` concatenation, mask, output projections) wit
 ``dispatch_attention_fn`` call routed (``_routing`` Note [routing a stock processor's attention call]).
 
 Refused: processors other than the stock ``QwenDoubleStreamAttnProcessor2_0`` (LoRA-replaced,
-custom, or Diffusers' context parallelism already enabled), a Diffusers cache (``enable_cache``:
+custom, or Diffusers' context parallelism already enabled), attention modules the plan does not
+name, a Diffusers cache (``enable_cache``:
 its decisions would be taken per rank on a shard), ``num_layers=0`` (NotImplementedError at
 enable); ``controlnet_block_samples`` (Qwen-Image ControlNet: its residuals are full-sequence,
 NotImplementedError at the call); a ``modulate_index`` whose batch is not the tokens' (at the call:
@@ -62,18 +67,16 @@ once per guidance branch, batch 1: nothing to split). Qwen-Image configs have no
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from diffusers import QwenImageTransformer2DModel
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 from torch.utils.hooks import RemovableHandle
 
-from usp_dit.mesh import USPMesh
-from usp_dit.pipelines._routing import ROUTED_NAME, Route, RoutedProcessor, routed_processor_class
-from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks, _get_arg, _set_arg
+from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class
+from usp_dit.pipelines._token_sharding import ShardState, _get_arg, _set_arg
 from usp_dit.pipelines.base import register_adapter
+from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter, Table
 from usp_dit.sharding import shard_sequence
 
 # Note [routing a stock processor's attention call] (usp_dit.pipelines._routing): the stock code,
@@ -112,22 +115,19 @@ class USPQwenDoubleStreamAttnProcessor(_RoutedQwenProcessor or RoutedProcessor):
             attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask, image_rotary_emb)
 
 
-class QwenTableHooks:
-    """Note [Qwen-Image's per-token tables]: ``img_freqs`` and ``modulate_index``, cut like the tokens.
+class ModulateIndexHooks:
+    """Note [Qwen-Image's per-token tables]: ``modulate_index``, cut like the tokens at every block.
 
-    Install after the ``TokenShardHooks``: the block pre-hooks then run after block 0's sharding,
-    when ``state.seq_len`` is this call's token count.
+    A plan ``hooks`` factory: installed after the token hooks, so block 0's pre-hook here runs
+    after its input is sharded, when ``state.seq_len`` is this call's token count.
     """
 
-    def __init__(self, state: ShardState, pos_embed: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
+    def __init__(self, transformer: QwenImageTransformer2DModel, state: ShardState) -> None:
         self.state = state
-        self.pos_embed, self.blocks = pos_embed, blocks
-        self.table_len: int | None = None
+        self.blocks = list(transformer.transformer_blocks)
         self.handles: list[RemovableHandle] = []
 
     def install(self) -> None:
-        self.handles.append(self.pos_embed.register_forward_hook(self._shard_rope))
-        self.handles.append(self.blocks[0].register_forward_pre_hook(self._check_rope_length, with_kwargs=True))
         for block in self.blocks:
             self.handles.append(block.register_forward_pre_hook(self._shard_modulate_index, with_kwargs=True))
 
@@ -135,25 +135,6 @@ class QwenTableHooks:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-
-    def _shard_rope(self, module, args: tuple, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(img_freqs (S, D/2), txt_freqs (T, D/2))`` -> ``(img_freqs (S_local, D/2), txt_freqs)``."""
-        if not (isinstance(table, tuple) and len(table) == 2 and all(torch.is_tensor(t) and t.dim() == 2 for t in table)):
-            raise NotImplementedError(
-                f"usp_dit's Qwen-Image adapter expects pos_embed to return (img_freqs, txt_freqs), each "
-                f"(seq, head_dim / 2); got {type(table).__name__}"
-            )
-        img_freqs, txt_freqs = table
-        self.table_len = img_freqs.shape[0]
-        return shard_sequence(img_freqs, self.state.mesh, dim=0), txt_freqs
-
-    def _check_rope_length(self, module, args: tuple, kwargs: dict) -> None:
-        """ValueError when ``img_shapes`` describes another token count than ``hidden_states`` has."""
-        if self.table_len is not None and self.table_len != self.state.seq_len:
-            raise ValueError(
-                f"img_shapes describes {self.table_len} image tokens but hidden_states has {self.state.seq_len}: "
-                f"the RoPE table must have one row per token to be sliced like the tokens"
-            )
 
     def _shard_modulate_index(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """``modulate_index`` (B, S) -> (B, S_local); ``None`` (no ``zero_cond_t``) passes unchanged.
@@ -177,7 +158,8 @@ class QwenTableHooks:
                 f"model builds it from img_shapes, which enable_usp's cfg split cannot halve (a Python list); "
                 f"use cfg_degree=1 with zero_cond_t"
             )
-        return _set_arg(args, kwargs, "modulate_index", _MODULATE_INDEX_POS, shard_sequence(index, self.state.mesh, dim=1))
+        index_local = shard_sequence(index, self.state.mesh, dim=1)  # (B, S_local)
+        return _set_arg(args, kwargs, "modulate_index", _MODULATE_INDEX_POS, index_local)
 
 
 def _refuse_controlnet(module, args: tuple, kwargs: dict) -> None:
@@ -189,82 +171,52 @@ def _refuse_controlnet(module, args: tuple, kwargs: dict) -> None:
         )
 
 
-class _Patch:
-    """Everything ``enable`` changed on one transformer, and how to undo it."""
+class ControlNetRefusal:
+    """A plan ``hooks`` factory: ``_refuse_controlnet`` as a forward pre-hook of the transformer."""
 
-    def __init__(self, transformer: QwenImageTransformer2DModel, mesh: USPMesh, backend: str) -> None:
+    def __init__(self, transformer: QwenImageTransformer2DModel, state: ShardState) -> None:
         self.transformer = transformer
-        self.state = ShardState(mesh, backend)
-        blocks = list(transformer.transformer_blocks)
-        self.attentions = [block.attn for block in blocks]
-        self.original_processors = [attn.processor for attn in self.attentions]
-        self.tokens = TokenShardHooks(self.state, blocks[0], transformer.proj_out)
-        self.tables = QwenTableHooks(self.state, transformer.pos_embed, blocks)
-        self.controlnet_check: RemovableHandle | None = None
+        self.handle: RemovableHandle | None = None
 
     def install(self) -> None:
-        self.tokens.install()
-        self.tables.install()  # after tokens: Note in QwenTableHooks
-        self.controlnet_check = self.transformer.register_forward_pre_hook(_refuse_controlnet, with_kwargs=True)
-        processor = USPQwenDoubleStreamAttnProcessor(Route(self.state, text="first"))
-        for attn in self.attentions:
-            attn.processor = processor
+        self.handle = self.transformer.register_forward_pre_hook(_refuse_controlnet, with_kwargs=True)
 
     def remove(self) -> None:
-        for attn, original in zip(self.attentions, self.original_processors):
-            attn.processor = original
-        self.controlnet_check.remove()
-        self.tables.remove()
-        self.tokens.remove()
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
 
-def _check_supported(transformer: QwenImageTransformer2DModel) -> None:
-    """NotImplementedError for a model this adapter would not run exactly."""
-    name = type(transformer).__name__
+def _routed_call_missing(transformer: QwenImageTransformer2DModel) -> str | None:
     if _RoutedQwenProcessor is None:
-        raise NotImplementedError(
-            f"this diffusers' QwenDoubleStreamAttnProcessor2_0 does not call {ROUTED_NAME}: usp_dit's Qwen-Image "
-            f"adapter routes that call"
-        )
-    if len(transformer.transformer_blocks) == 0:
-        raise NotImplementedError(f"{name} with num_layers=0 has nothing to parallelise")
-    if transformer.is_cache_enabled:
-        raise NotImplementedError(
-            f"{name} has a diffusers cache enabled (enable_cache): its decisions would be taken per rank on a "
-            f"shard of the tokens; call disable_cache() before enable_usp"
-        )
-    for path, module in transformer.named_modules():
-        if not isinstance(module, Attention):
-            continue
-        proc = module.processor
-        if type(proc) is not QwenDoubleStreamAttnProcessor2_0:
-            raise NotImplementedError(
-                f"{path}.processor is {type(proc).__name__}; usp_dit's Qwen-Image adapter runs only the stock "
-                f"QwenDoubleStreamAttnProcessor2_0 (its maths would be lost silently otherwise)"
-            )
-        if proc._parallel_config is not None:
-            raise NotImplementedError(
-                f"{path} runs diffusers' own context parallelism (enable_parallelism); use one or the other"
-            )
+        return f"this diffusers' QwenDoubleStreamAttnProcessor2_0 does not call {ROUTED_NAME}, the call usp_dit routes"
+    return None
 
 
-class QwenImageAdapter(PatchingAdapter):
-    """``ModelAdapter`` for ``QwenImageTransformer2DModel`` (see the module docstring)."""
-
-    name = "QwenImage"
-    # Arguments batched on dim 0, split over the "cfg" axis by enable_usp. img_shapes (a list of
-    # per-sample shapes, all equal as the model's RoPE requires) stays whole. (QwenImagePipeline
-    # calls the transformer once per guidance branch, batch 1: api.py refuses cfg_degree=2 there.)
-    cfg_batch_args = (
+PLAN = ModelPlan(
+    name="QwenImage",
+    # Matched by exact class: QwenImage21Transformer2DModel is another class.
+    model_class=QwenImageTransformer2DModel,
+    split_at="transformer_blocks.0",
+    gather_at="proj_out",
+    attention=(
+        # joint [text; image shard] attention, text first and replicated, masked per element
+        Parallel("transformer_blocks.*.attn", USPQwenDoubleStreamAttnProcessor,
+                 stock=(QwenDoubleStreamAttnProcessor2_0,), text="first"),
+    ),
+    block_lists=("transformer_blocks",),
+    # pos_embed(img_shapes, ...) -> (img_freqs (S, D/2), txt_freqs (T, D/2)): the image table is
+    # cut on dim 0, the text table passes whole (Note [Qwen-Image's per-token tables]).
+    tables=(Table("pos_embed", dim=0, items=(0,)),),
+    # Batched on dim 0, split over the "cfg" axis by enable_usp. img_shapes (a list of per-sample
+    # shapes, all equal as the model's RoPE requires) stays whole. (QwenImagePipeline calls the
+    # transformer once per guidance branch, batch 1: api.py refuses cfg_degree=2 there.)
+    cfg_batch_args=(
         "hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep", "guidance",
         "additional_t_cond",
-    )
-    # Matched by exact class (PatchingAdapter.matches): QwenImage21Transformer2DModel is another class.
-    model_class = QwenImageTransformer2DModel
+    ),
+    hooks=(ModulateIndexHooks, ControlNetRefusal),
+    refuse=(_routed_call_missing,),
+)
 
-    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> _Patch:
-        _check_supported(transformer)
-        return _Patch(transformer, mesh, backend)
-
-
-ADAPTER = register_adapter(QwenImageAdapter())
+ADAPTER = register_adapter(PlanAdapter(PLAN, __name__))
