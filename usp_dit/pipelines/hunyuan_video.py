@@ -7,11 +7,10 @@ nonzero = real token; Q/K/V (batch, seq, heads, head_dim); the RoPE table ``self
 ``(cos, sin)``, each (seq, head_dim): **the sequence on dim 0**, frame-major like the tokens.
 
 Where the tokens are split (``_token_sharding`` Note [where the sequence is split]): the patch
-embedding, the condition embedding and the text token refiner run on every rank; the first block's
-input (``transformer_blocks[0]``, or ``single_transformer_blocks[0]`` when there are no dual-stream
-layers) is sharded; ``proj_out``'s output is gathered before unpatchify. The RoPE table is cut like
-the tokens by a forward hook on ``rope`` (Diffusers' own ``_cp_plan`` splits the same output on
-the same dim).
+embedding, the condition embedding and the text token refiner run on every rank; block 0's input
+(``transformer_blocks.0``, the first dual-stream block) is sharded; ``proj_out``'s output is
+gathered before unpatchify. The RoPE table is cut like the tokens by a forward hook on ``rope``
+(Diffusers' own ``_cp_plan`` splits the same output on the same dim).
 
 Text tokens: **replicated**. HunyuanVideo attends over ``[video; text]`` jointly (text *last*):
 the dual-stream blocks keep the text as a second stream with its own weights, the single-stream
@@ -51,10 +50,17 @@ rows of the video part, added text projections, output projections) with its one
 ``dispatch_attention_fn`` call routed to ``usp_attention`` (``_routing`` Note [routing a stock
 processor's attention call]).
 
+The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a plan]): split at
+``transformer_blocks.0``, gather at ``proj_out``, the dual- and single-stream blocks' attention
+parallel (text last), the token refiner's attention local, the RoPE table a ``Table``, the
+first-frame count a hook.
+
 Refused (NotImplementedError, at enable unless noted): block processors other than the stock
 ``HunyuanVideoAttnProcessor2_0`` (custom ones, or Diffusers' context parallelism already enabled),
-a Diffusers cache (``enable_cache``: its decisions would be taken per rank on a shard), no blocks
-at all (``num_layers=0`` and ``num_single_layers=0``), and at the call a mask other than a text
+token refiner processors other than the stock ``AttnProcessor2_0`` / ``AttnProcessor``, an
+attention module the plan does not name, a Diffusers cache (``enable_cache``: its decisions would
+be taken per rank on a shard), ``num_layers=0`` (no dual-stream block to split at; no released
+checkpoint has none), and at the call a mask other than a text
 key-padding mask, dropout or causal attention (the stock processor passes none).
 ``HunyuanVideoFramepackTransformer3DModel`` is a different class (not a subclass) and is not
 handled by this adapter. No dropout is configurable in this model, so no replicated-dropout
@@ -62,20 +68,17 @@ handling is needed for the replicated text stream.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from diffusers import HunyuanVideoTransformer3DModel
-from diffusers.models.attention_processor import Attention
+from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
 from torch.utils.hooks import RemovableHandle
 
-from usp_dit.mesh import USPMesh
 from usp_dit.partition import offsets, split_sizes
-from usp_dit.pipelines._routing import ROUTED_NAME, Route, RoutedProcessor, routed_processor_class
-from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks, _get_arg, _set_arg
+from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class
+from usp_dit.pipelines._token_sharding import ShardState, _get_arg, _set_arg
 from usp_dit.pipelines.base import register_adapter
-from usp_dit.sharding import shard_sequence
+from usp_dit.pipelines.plan import Local, ModelPlan, Parallel, PlanAdapter, Table
 
 # Note [routing a stock processor's attention call] (usp_dit.pipelines._routing): the stock code,
 # its one dispatch_attention_fn call routed. None if this diffusers' processor makes no such call.
@@ -114,16 +117,16 @@ class USPHunyuanVideoAttnProcessor(_RoutedHunyuanProcessor or RoutedProcessor):
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
 
-class HunyuanVideoTableHooks:
-    """The RoPE table (on ``rope``) and the first frame's token count (on every block), cut like the tokens."""
+class FirstFrameHooks:
+    """Note [HunyuanVideo's first-frame tokens]: every block gets this rank's count of first-frame
+    tokens (the RoPE table is the plan's ``Table``; its hook runs first and sets this call's ``seq_len``)."""
 
-    def __init__(self, state: ShardState, rope: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
+    def __init__(self, transformer: HunyuanVideoTransformer3DModel, state: ShardState) -> None:
         self.state = state
-        self.rope, self.blocks = rope, blocks
+        self.blocks = list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks)
         self.handles: list[RemovableHandle] = []
 
     def install(self) -> None:
-        self.handles.append(self.rope.register_forward_hook(self._shard_rope))
         for block in self.blocks:
             self.handles.append(block.register_forward_pre_hook(self._local_first_frame, with_kwargs=True))
 
@@ -132,20 +135,8 @@ class HunyuanVideoTableHooks:
             handle.remove()
         self.handles.clear()
 
-    def _shard_rope(self, module, args: tuple, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each (S, D) -> (S_local, D); records S as this call's ``seq_len``."""
-        pair = isinstance(table, tuple) and len(table) == 2
-        if not (pair and all(torch.is_tensor(t) and t.dim() == 2 for t in table)):
-            raise NotImplementedError(
-                f"usp_dit's HunyuanVideo adapter expects rope to return (cos, sin), each (seq, head_dim); "
-                f"got {type(table).__name__}"
-            )
-        # Block 0's pre-hook sets the same value from the tokens; the block hooks below read it first.
-        self.state.seq_len = table[0].shape[0]
-        return tuple(shard_sequence(t, self.state.mesh, dim=0) for t in table)
-
     def _local_first_frame(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """Note [HunyuanVideo's first-frame tokens]: the global first-frame count -> this rank's.
+        """The global first-frame count -> this rank's, ``clamp(count - shard_start, 0, shard_len)``.
 
         Raises:
             ValueError: the count exceeds the video token count.
@@ -163,78 +154,44 @@ class HunyuanVideoTableHooks:
         return _set_arg(args, kwargs, name, index, local)
 
 
-class _Patch:
-    """Everything ``enable`` changed on one transformer, and how to undo it."""
-
-    def __init__(self, transformer: HunyuanVideoTransformer3DModel, mesh: USPMesh, backend: str) -> None:
-        self.state = ShardState(mesh, backend)
-        blocks = list(transformer.transformer_blocks) + list(transformer.single_transformer_blocks)
-        self.attentions = [block.attn for block in blocks]
-        self.original_processors = [attn.processor for attn in self.attentions]
-        self.tables = HunyuanVideoTableHooks(self.state, transformer.rope, blocks)
-        self.tokens = TokenShardHooks(self.state, blocks[0], transformer.proj_out)
-
-    def install(self) -> None:
-        self.tables.install()  # first: its hook on block 0 reads the global count before anything else
-        self.tokens.install()
-        processor = USPHunyuanVideoAttnProcessor(Route(self.state, text="last"))
-        for attn in self.attentions:
-            attn.processor = processor
-
-    def remove(self) -> None:
-        for attn, original in zip(self.attentions, self.original_processors):
-            attn.processor = original
-        self.tokens.remove()
-        self.tables.remove()
-
-
-def _check_supported(transformer: HunyuanVideoTransformer3DModel) -> None:
-    """NotImplementedError for a model this adapter would not run exactly."""
-    name = type(transformer).__name__
+def _routed_call_missing(transformer: HunyuanVideoTransformer3DModel) -> str | None:
     if _RoutedHunyuanProcessor is None:
-        raise NotImplementedError(
-            f"this diffusers' HunyuanVideoAttnProcessor2_0 does not call {ROUTED_NAME}: usp_dit's HunyuanVideo "
-            f"adapter routes that call"
-        )
-    if len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks) == 0:
-        raise NotImplementedError(f"{name} with num_layers=0 and num_single_layers=0 has nothing to parallelise")
-    if transformer.is_cache_enabled:
-        raise NotImplementedError(
-            f"{name} has a diffusers cache enabled (enable_cache): its decisions would be taken per rank on a "
-            f"shard of the tokens; call disable_cache() before enable_usp"
-        )
-    # The token refiner's attention (context_embedder) runs locally over the whole text: any processor works there.
-    for kind in ("transformer_blocks", "single_transformer_blocks"):
-        for i, block in enumerate(getattr(transformer, kind)):
-            proc = block.attn.processor
-            if type(proc) is not HunyuanVideoAttnProcessor2_0:
-                raise NotImplementedError(
-                    f"{kind}.{i}.attn.processor is {type(proc).__name__}; usp_dit's HunyuanVideo adapter runs only "
-                    f"the stock HunyuanVideoAttnProcessor2_0 (its maths would be lost silently otherwise)"
-                )
-            if proc._parallel_config is not None:
-                raise NotImplementedError(
-                    f"{kind}.{i}.attn runs diffusers' own context parallelism (enable_parallelism); "
-                    f"use one or the other"
-                )
+        return f"this diffusers' HunyuanVideoAttnProcessor2_0 does not call {ROUTED_NAME}, the call usp_dit routes"
+    return None
 
 
-class HunyuanVideoAdapter(PatchingAdapter):
-    """``ModelAdapter`` for ``HunyuanVideoTransformer3DModel`` (see the module docstring)."""
+def _no_dual_stream_blocks(transformer: HunyuanVideoTransformer3DModel) -> str | None:
+    if len(transformer.transformer_blocks) == 0:
+        return ("num_layers=0 (single-stream blocks only) is not supported: the tokens are split at "
+                "transformer_blocks.0 (every released HunyuanVideo has dual-stream blocks)")
+    return None
 
-    name = "HunyuanVideo"
-    # Arguments batched on dim 0, split over the "cfg" axis by enable_usp. (HunyuanVideoPipeline calls
-    # the transformer once per guidance branch ("true cfg"), so with batch 1 there is nothing to
-    # split: api.py refuses.)
-    cfg_batch_args = (
+
+_STOCK = (HunyuanVideoAttnProcessor2_0,)
+
+PLAN = ModelPlan(
+    name="HunyuanVideo",
+    model_class=HunyuanVideoTransformer3DModel,
+    split_at="transformer_blocks.0",
+    gather_at="proj_out",
+    attention=(
+        # joint [video shard; text] attention, text last (Note [HunyuanVideo's prompt mask])
+        Parallel("transformer_blocks.*.attn", USPHunyuanVideoAttnProcessor, stock=_STOCK, text="last"),
+        Parallel("single_transformer_blocks.*.attn", USPHunyuanVideoAttnProcessor, stock=_STOCK, text="last"),
+        # the token refiner's self-attention over the whole (replicated) text, before the blocks
+        Local("context_embedder.token_refiner.refiner_blocks.*.attn", stock=(AttnProcessor2_0, AttnProcessor)),
+    ),
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
+    # rope(latents) -> (cos, sin), each (seq, head_dim): the sequence on dim 0.
+    tables=(Table("rope", dim=0, items=(0, 1)),),
+    # Batched on dim 0, split over the "cfg" axis by enable_usp. (HunyuanVideoPipeline calls the
+    # transformer once per guidance branch ("true cfg"), so with batch 1 there is nothing to split.)
+    cfg_batch_args=(
         "hidden_states", "timestep", "encoder_hidden_states", "encoder_attention_mask", "pooled_projections",
         "guidance",
-    )
-    model_class = HunyuanVideoTransformer3DModel
+    ),
+    hooks=(FirstFrameHooks,),
+    refuse=(_routed_call_missing, _no_dual_stream_blocks),
+)
 
-    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> _Patch:
-        _check_supported(transformer)
-        return _Patch(transformer, mesh, backend)
-
-
-ADAPTER = register_adapter(HunyuanVideoAdapter())
+ADAPTER = register_adapter(PlanAdapter(PLAN, __name__))
