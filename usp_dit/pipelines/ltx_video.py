@@ -41,9 +41,13 @@ Note [LTX-Video's per-token tables]
     Both hooks sit on submodules called inside the forward, so whatever wraps the forward
     (``enable_usp``'s input broadcast and cfg split) sees full tensors.
 
+The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a plan]): split at
+``transformer_blocks.0``, gather at ``proj_out``, ``attn1`` parallel, ``attn2`` local, the RoPE
+table a ``Table``, the per-token timestep a hook.
+
 Refused (NotImplementedError, at enable unless noted): processors other than the stock
-``LTXVideoAttnProcessor`` (custom ones, or Diffusers' context parallelism already enabled), a
-Diffusers cache (``enable_cache``: its skip decisions would be taken per rank on a shard),
+``LTXVideoAttnProcessor`` (custom ones, or Diffusers' context parallelism already enabled), an
+attention module the plan does not name, a Diffusers cache (``enable_cache``: its skip decisions would be taken per rank on a shard),
 ``num_layers=0``, and at the call an attention mask in self-attention (the model passes none).
 A timestep with neither B nor B * S entries raises ValueError. Dropout: the attention's output
 dropout (``to_out[1]``) is 0 in the released configs; set, it draws each rank's mask over its own
@@ -52,17 +56,15 @@ different class and is not handled by this adapter.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from diffusers import LTXVideoTransformer3DModel
 from diffusers.models.transformers.transformer_ltx import LTXAttention, LTXVideoAttnProcessor
 from torch.utils.hooks import RemovableHandle
 
-from usp_dit.mesh import USPMesh
-from usp_dit.pipelines._routing import ROUTED_NAME, Route, RoutedProcessor, routed_processor_class
-from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks, _get_arg, _set_arg
+from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class
+from usp_dit.pipelines._token_sharding import ShardState, _get_arg, _set_arg
 from usp_dit.pipelines.base import register_adapter
+from usp_dit.pipelines.plan import Local, ModelPlan, Parallel, PlanAdapter, Table
 from usp_dit.sharding import shard_sequence
 
 # Note [routing a stock processor's attention call] (usp_dit.pipelines._routing): the stock code,
@@ -97,34 +99,22 @@ class USPLTXVideoAttnProcessor(_RoutedLTXProcessor or RoutedProcessor):
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
 
-class LTXVideoTableHooks:
-    """Note [LTX-Video's per-token tables]: the RoPE table and a per-token timestep, cut like the tokens."""
+class LTXVideoTimestepHook:
+    """Note [LTX-Video's per-token tables]: a per-token timestep, cut like the tokens (the RoPE
+    table is the plan's ``Table``; its hook runs first and sets this call's ``seq_len``)."""
 
-    def __init__(self, state: ShardState, rope: torch.nn.Module, time_embed: torch.nn.Module) -> None:
+    def __init__(self, transformer: LTXVideoTransformer3DModel, state: ShardState) -> None:
         self.state = state
-        self.rope, self.time_embed = rope, time_embed
-        self.handles: list[RemovableHandle] = []
+        self.time_embed = transformer.time_embed
+        self.handle: RemovableHandle | None = None
 
     def install(self) -> None:
-        self.handles.append(self.rope.register_forward_hook(self._shard_rope))
-        self.handles.append(self.time_embed.register_forward_pre_hook(self._shard_timestep, with_kwargs=True))
+        self.handle = self.time_embed.register_forward_pre_hook(self._shard_timestep, with_kwargs=True)
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-    def _shard_rope(self, module, args: tuple, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each (B, S, C) -> (B, S_local, C); records S as this call's ``seq_len``."""
-        pair = isinstance(table, tuple) and len(table) == 2
-        if not (pair and all(torch.is_tensor(t) and t.dim() == 3 for t in table)):
-            raise NotImplementedError(
-                f"usp_dit's LTX-Video adapter expects rope to return (cos, sin), each (batch, seq, dim); "
-                f"got {type(table).__name__}"
-            )
-        # Block 0's pre-hook sets the same value from the tokens; the timestep hook runs before it.
-        self.state.seq_len = table[0].shape[1]
-        return tuple(shard_sequence(t, self.state.mesh, dim=1) for t in table)
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
     def _shard_timestep(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """A per-token (B * S,) timestep -> this rank's (B * S_local,); one per element is left alone.
@@ -146,72 +136,29 @@ class LTXVideoTableHooks:
         return _set_arg(args, kwargs, "timestep", 0, local.flatten())
 
 
-class _Patch:
-    """Everything ``enable`` changed on one transformer, and how to undo it."""
-
-    def __init__(self, transformer: LTXVideoTransformer3DModel, mesh: USPMesh, backend: str) -> None:
-        self.state = ShardState(mesh, backend)
-        self.self_attentions = [block.attn1 for block in transformer.transformer_blocks]
-        self.original_processors = [attn.processor for attn in self.self_attentions]
-        self.tables = LTXVideoTableHooks(self.state, transformer.rope, transformer.time_embed)
-        self.tokens = TokenShardHooks(self.state, transformer.transformer_blocks[0], transformer.proj_out)
-
-    def install(self) -> None:
-        self.tables.install()
-        self.tokens.install()
-        processor = USPLTXVideoAttnProcessor(Route(self.state, text="none"))
-        for attn in self.self_attentions:
-            attn.processor = processor
-
-    def remove(self) -> None:
-        for attn, original in zip(self.self_attentions, self.original_processors):
-            attn.processor = original
-        self.tokens.remove()
-        self.tables.remove()
-
-
-def _check_supported(transformer: LTXVideoTransformer3DModel) -> None:
-    """NotImplementedError for a model this adapter would not run exactly."""
-    name = type(transformer).__name__
+def _routed_call_missing(transformer: LTXVideoTransformer3DModel) -> str | None:
     if _RoutedLTXProcessor is None:
-        raise NotImplementedError(
-            f"this diffusers' LTXVideoAttnProcessor does not call {ROUTED_NAME}: usp_dit's LTX-Video adapter "
-            f"routes that call"
-        )
-    if len(transformer.transformer_blocks) == 0:
-        raise NotImplementedError(f"{name} with num_layers=0 has nothing to parallelise")
-    if transformer.is_cache_enabled:
-        raise NotImplementedError(
-            f"{name} has a diffusers cache enabled (enable_cache): its decisions would be taken per rank on a "
-            f"shard of the tokens; call disable_cache() before enable_usp"
-        )
-    for path, module in transformer.named_modules():
-        if not isinstance(module, LTXAttention):
-            continue
-        proc = module.processor
-        if type(proc) is not LTXVideoAttnProcessor:
-            raise NotImplementedError(
-                f"{path}.processor is {type(proc).__name__}; usp_dit's LTX-Video adapter runs only the stock "
-                f"LTXVideoAttnProcessor (its maths would be lost silently otherwise)"
-            )
-        if proc._parallel_config is not None:
-            raise NotImplementedError(
-                f"{path} runs diffusers' own context parallelism (enable_parallelism); use one or the other"
-            )
+        return f"this diffusers' LTXVideoAttnProcessor does not call {ROUTED_NAME}, the call usp_dit routes"
+    return None
 
 
-class LTXVideoAdapter(PatchingAdapter):
-    """``ModelAdapter`` for ``LTXVideoTransformer3DModel`` (see the module docstring)."""
-
-    name = "LTX-Video"
-    # Arguments batched on dim 0, split over the "cfg" axis by enable_usp (LTXPipeline batches its
+PLAN = ModelPlan(
+    name="LTX-Video",
+    model_class=LTXVideoTransformer3DModel,
+    split_at="transformer_blocks.0",
+    gather_at="proj_out",
+    attention=(
+        Parallel("transformer_blocks.*.attn1", USPLTXVideoAttnProcessor, stock=(LTXVideoAttnProcessor,)),  # self
+        Local("transformer_blocks.*.attn2", stock=(LTXVideoAttnProcessor,)),  # cross-attention to the replicated text
+    ),
+    block_lists=("transformer_blocks",),
+    # rope(...) -> (cos, sin), each (batch, seq, inner_dim): Note [LTX-Video's per-token tables].
+    tables=(Table("rope", dim=1, items=(0, 1)),),
+    # Batched on dim 0, split over the "cfg" axis by enable_usp (LTXPipeline batches its
     # [uncond, cond] halves in one call). ``video_coords`` (B, 3, S): the condition pipeline's.
-    cfg_batch_args = ("hidden_states", "encoder_hidden_states", "timestep", "encoder_attention_mask", "video_coords")
-    model_class = LTXVideoTransformer3DModel
+    cfg_batch_args=("hidden_states", "encoder_hidden_states", "timestep", "encoder_attention_mask", "video_coords"),
+    hooks=(LTXVideoTimestepHook,),
+    refuse=(_routed_call_missing,),
+)
 
-    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> _Patch:
-        _check_supported(transformer)
-        return _Patch(transformer, mesh, backend)
-
-
-ADAPTER = register_adapter(LTXVideoAdapter())
+ADAPTER = register_adapter(PlanAdapter(PLAN, __name__))
