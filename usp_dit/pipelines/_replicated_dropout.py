@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -174,3 +175,35 @@ class ReplicaDropouts:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+
+
+class ReplicatedDropoutHooks:
+    """A ``ModelPlan`` hook (``usp_dit.pipelines.plan``): the dropouts that see replicated tokens.
+
+    ``add_sites(transformer, dropouts, state)`` registers them on ``dropouts``. At one rank nothing
+    is replicated across ranks, so nothing is swapped (stock dropout, bit for bit). Building it is
+    collective over the sequence group (the seed's broadcast): it happens at enable, on every rank.
+    """
+
+    def __init__(
+        self, transformer: torch.nn.Module, state: ShardState,
+        add_sites: Callable[[torch.nn.Module, ReplicaDropouts, ShardState], None],
+    ) -> None:
+        self.transformer = transformer
+        self.dropouts = None
+        if state.mesh.sequence_degree > 1:
+            self.dropouts = ReplicaDropouts.for_mesh(state.mesh)
+            add_sites(transformer, self.dropouts, state)
+
+    @classmethod
+    def factory(cls, add_sites: Callable[[torch.nn.Module, ReplicaDropouts, ShardState], None]):
+        """``plan.hooks`` entry: ``(transformer, state) -> ReplicatedDropoutHooks``."""
+        return lambda transformer, state: cls(transformer, state, add_sites)
+
+    def install(self) -> None:
+        if self.dropouts is not None:
+            self.dropouts.install(self.transformer)
+
+    def remove(self) -> None:
+        if self.dropouts is not None:
+            self.dropouts.remove()

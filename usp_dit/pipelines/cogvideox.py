@@ -28,8 +28,8 @@ block's feed-forward over [text; video shard] (``ff.net``'s dropouts: the text r
 shared mask, the video rows the rank's own); its attention is built without output dropout, but
 the text output's ``to_out[1]`` takes the shared mask too should one be set.
 
-Attention processors are swapped with ``set_attn_processor`` for ``USPCogVideoXAttnProcessor``
-(same maths as diffusers' ``CogVideoXAttnProcessor2_0`` with attention done by ``usp_attention``);
+The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan``): attention processors are swapped
+for ``USPCogVideoXAttnProcessor`` (same maths as diffusers' ``CogVideoXAttnProcessor2_0`` with attention done by ``usp_attention``);
 the originals are kept and put back on ``disable``. Unsupported: ``attention_mask`` (no CogVideoX
 pipeline passes one) and processors other than the stock (fused or not) ones, e.g. LoRA-replaced.
 """
@@ -40,10 +40,10 @@ from diffusers import CogVideoXTransformer3DModel
 from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0, FusedCogVideoXAttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 
-from usp_dit.mesh import USPMesh
-from usp_dit.pipelines._replicated_dropout import ReplicaDropout, ReplicaDropouts
-from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks, local_rope
+from usp_dit.pipelines._replicated_dropout import ReplicaDropout, ReplicaDropouts, ReplicatedDropoutHooks
+from usp_dit.pipelines._token_sharding import ShardState, local_rope
 from usp_dit.pipelines.base import register_adapter
+from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter
 from usp_dit.usp import usp_attention
 
 _STOCK_PROCESSORS = (CogVideoXAttnProcessor2_0, FusedCogVideoXAttnProcessor2_0)
@@ -104,63 +104,25 @@ class USPCogVideoXAttnProcessor:
         return _out_proj(attn, res.out), _out_proj(attn, res.joint_out, replicated=True)
 
 
-def _replicated_dropouts(transformer: CogVideoXTransformer3DModel, state: ShardState) -> ReplicaDropouts:
-    """The dropout sites that see replicated tokens (module docstring; collective: the seed)."""
-    dropouts = ReplicaDropouts.for_mesh(state.mesh)
+def _replicated_dropout_sites(transformer: CogVideoXTransformer3DModel, dropouts: ReplicaDropouts, state: ShardState) -> None:
+    """The dropout sites that see replicated tokens (module docstring)."""
     dropouts.add(transformer, "embedding_dropout", "all")
     for block in transformer.transformer_blocks:
         dropouts.add(block.attn1.to_out, "1", "none")  # video rows own; the processor asks for the text's
         dropouts.add_all(block.ff.net, "text", state)  # input [text; video shard]
-    return dropouts
 
 
-class _Patch:
-    """Everything ``enable`` changed on one transformer, and how to undo it."""
+PLAN = ModelPlan(
+    name="CogVideoX",
+    model_class=CogVideoXTransformer3DModel,
+    split_at="transformer_blocks.0",
+    gather_at="proj_out",
+    # Joint attention over [text; video]: the stock processors' maths with usp_attention inside.
+    attention=(Parallel("transformer_blocks.*.attn1", USPCogVideoXAttnProcessor, stock=_STOCK_PROCESSORS),),
+    block_lists=("transformer_blocks",),
+    # Batched on dim 0, split over the "cfg" axis by enable_usp (image_rotary_emb is not).
+    cfg_batch_args=("hidden_states", "encoder_hidden_states", "timestep", "timestep_cond", "ofs"),
+    hooks=(ReplicatedDropoutHooks.factory(_replicated_dropout_sites),),
+)
 
-    def __init__(self, transformer: CogVideoXTransformer3DModel, mesh: USPMesh, backend: str) -> None:
-        self.transformer = transformer
-        self.state = ShardState(mesh, backend)
-        self.original_processors = transformer.attn_processors
-        self.hooks = TokenShardHooks(self.state, transformer.transformer_blocks[0], transformer.proj_out)
-        # At one rank nothing is replicated across ranks: stock dropout, bit for bit.
-        self.dropouts = _replicated_dropouts(transformer, self.state) if mesh.sequence_degree > 1 else None
-
-    def install(self) -> None:
-        self.hooks.install()
-        if self.dropouts is not None:
-            self.dropouts.install(self.transformer)
-        self.transformer.set_attn_processor(USPCogVideoXAttnProcessor(self.state))
-
-    def remove(self) -> None:
-        self.transformer.set_attn_processor(dict(self.original_processors))
-        if self.dropouts is not None:
-            self.dropouts.remove()
-        self.hooks.remove()
-
-
-def _check_supported(transformer: CogVideoXTransformer3DModel) -> None:
-    """NotImplementedError for a model this adapter would not run exactly."""
-    if len(transformer.transformer_blocks) == 0:
-        raise NotImplementedError("CogVideoXTransformer3DModel with num_layers=0 has nothing to parallelise")
-    for name, proc in transformer.attn_processors.items():
-        if not isinstance(proc, _STOCK_PROCESSORS):
-            raise NotImplementedError(
-                f"{name} is {type(proc).__name__}; usp_dit's CogVideoX adapter replaces only "
-                f"{[c.__name__ for c in _STOCK_PROCESSORS]} (its maths would be lost silently otherwise)"
-            )
-
-
-class CogVideoXAdapter(PatchingAdapter):
-    """``ModelAdapter`` for ``CogVideoXTransformer3DModel`` (see the module docstring)."""
-
-    name = "CogVideoX"
-    # Arguments batched on dim 0, split over the "cfg" axis by enable_usp (image_rotary_emb is not).
-    cfg_batch_args = ("hidden_states", "encoder_hidden_states", "timestep", "timestep_cond", "ofs")
-    model_class = CogVideoXTransformer3DModel
-
-    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> _Patch:
-        _check_supported(transformer)
-        return _Patch(transformer, mesh, backend)
-
-
-ADAPTER = register_adapter(CogVideoXAdapter())
+ADAPTER = register_adapter(PlanAdapter(PLAN, __name__))

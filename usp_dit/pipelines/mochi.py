@@ -33,8 +33,9 @@ the sequence group (``_replicated_dropout`` Note [dropout on replicated tokens])
 no other dropout (its attention output goes through ``to_add_out`` alone); video dropouts stay
 each rank's own.
 
-Attention processors (``MochiAttention.processor``; the model has no ``set_attn_processor``) are
-replaced by ``USPMochiAttnProcessor`` and the original objects put back on ``disable``.
+The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan``): every ``attn1`` processor is
+replaced by ``USPMochiAttnProcessor`` and the original objects put back on ``disable``; any other
+processor (LoRA-replaced, custom) is refused.
 """
 from __future__ import annotations
 
@@ -42,10 +43,10 @@ import torch
 from diffusers import MochiTransformer3DModel
 from diffusers.models.attention_processor import MochiAttention, MochiAttnProcessor2_0
 
-from usp_dit.mesh import USPMesh
-from usp_dit.pipelines._replicated_dropout import ReplicaDropouts
-from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks, local_rope
+from usp_dit.pipelines._replicated_dropout import ReplicaDropouts, ReplicatedDropoutHooks
+from usp_dit.pipelines._token_sharding import ShardState, local_rope
 from usp_dit.pipelines.base import register_adapter
+from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter
 from usp_dit.usp import usp_attention
 
 
@@ -132,60 +133,23 @@ class USPMochiAttnProcessor:
         return out, text_out
 
 
-class _Patch:
-    """Everything ``enable`` changed on one transformer, and how to undo it."""
-
-    def __init__(self, transformer: MochiTransformer3DModel, mesh: USPMesh, backend: str) -> None:
-        self.transformer = transformer
-        self.state = ShardState(mesh, backend)
-        self.attentions = [m for m in transformer.modules() if isinstance(m, MochiAttention)]
-        self.original_processors = [m.processor for m in self.attentions]
-        self.hooks = TokenShardHooks(self.state, transformer.transformer_blocks[0], transformer.proj_out)
-        self.dropouts = None
-        if mesh.sequence_degree > 1:  # at one rank nothing is replicated across ranks: stock dropout
-            self.dropouts = ReplicaDropouts.for_mesh(mesh)  # collective: the seed
-            for block in transformer.transformer_blocks:  # the last block has no ff_context
-                self.dropouts.add_all(getattr(block.ff_context, "net", None), "all")
-
-    def install(self) -> None:
-        self.hooks.install()
-        if self.dropouts is not None:
-            self.dropouts.install(self.transformer)
-        processor = USPMochiAttnProcessor(self.state)
-        for attn in self.attentions:
-            attn.processor = processor
-
-    def remove(self) -> None:
-        for attn, original in zip(self.attentions, self.original_processors):
-            attn.processor = original
-        if self.dropouts is not None:
-            self.dropouts.remove()
-        self.hooks.remove()
+def _replicated_dropout_sites(transformer: MochiTransformer3DModel, dropouts: ReplicaDropouts, state: ShardState) -> None:
+    """The text stream's feed-forward dropouts (module docstring); the last block has no ff_context."""
+    for block in transformer.transformer_blocks:
+        dropouts.add_all(getattr(block.ff_context, "net", None), "all")
 
 
-def _check_supported(transformer: MochiTransformer3DModel) -> None:
-    """NotImplementedError for a model this adapter would not run exactly."""
-    if len(transformer.transformer_blocks) == 0:
-        raise NotImplementedError("MochiTransformer3DModel with num_layers=0 has nothing to parallelise")
-    for name, module in transformer.named_modules():
-        if isinstance(module, MochiAttention) and not isinstance(module.processor, MochiAttnProcessor2_0):
-            raise NotImplementedError(
-                f"{name}.processor is {type(module.processor).__name__}; usp_dit's Mochi adapter replaces only "
-                f"MochiAttnProcessor2_0 (its maths would be lost silently otherwise)"
-            )
+PLAN = ModelPlan(
+    name="Mochi",
+    model_class=MochiTransformer3DModel,
+    split_at="transformer_blocks.0",
+    gather_at="proj_out",
+    # Joint attention over [video; valid prompt tokens] (Note [Mochi's prompt mask, exactly as stock]).
+    attention=(Parallel("transformer_blocks.*.attn1", USPMochiAttnProcessor, stock=(MochiAttnProcessor2_0,)),),
+    block_lists=("transformer_blocks",),
+    # Batched on dim 0, split over the "cfg" axis by enable_usp.
+    cfg_batch_args=("hidden_states", "encoder_hidden_states", "timestep", "encoder_attention_mask"),
+    hooks=(ReplicatedDropoutHooks.factory(_replicated_dropout_sites),),
+)
 
-
-class MochiAdapter(PatchingAdapter):
-    """``ModelAdapter`` for ``MochiTransformer3DModel`` (see the module docstring)."""
-
-    name = "Mochi"
-    # Arguments batched on dim 0, split over the "cfg" axis by enable_usp.
-    cfg_batch_args = ("hidden_states", "encoder_hidden_states", "timestep", "encoder_attention_mask")
-    model_class = MochiTransformer3DModel
-
-    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> _Patch:
-        _check_supported(transformer)
-        return _Patch(transformer, mesh, backend)
-
-
-ADAPTER = register_adapter(MochiAdapter())
+ADAPTER = register_adapter(PlanAdapter(PLAN, __name__))
