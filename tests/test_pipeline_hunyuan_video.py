@@ -50,7 +50,7 @@ from usp_dit.demo.tiny_hunyuan_video import (
     HUNYUAN_VIDEO_VARIANTS, TINY_PROMPT_TEMPLATE, hunyuan_video_inputs, hunyuan_video_tokens, tiny_hunyuan_video,
     tiny_hunyuan_video_pipeline,
 )
-from usp_dit.pipelines import _routing
+from usp_dit.pipelines import _routing, hunyuan_video
 from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.hunyuan_video import ADAPTER, USPHunyuanVideoAttnProcessor
 from usp_dit.sharding import shard_sequence
@@ -437,3 +437,11 @@ def test_a_mask_over_video_tokens_is_refused():
             attn(x, text, mask, image_rotary_emb=None)
     finally:
         ADAPTER.disable(model)
+
+
+def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
+    """Should a future diffusers' processor stop calling dispatch_attention_fn, enable refuses
+    instead of running local attention on a shard."""
+    monkeypatch.setattr(hunyuan_video, "_RoutedHunyuanProcessor", None)
+    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
+        ADAPTER.enable(tiny_hunyuan_video(), single_rank_mesh(), "auto")

@@ -43,7 +43,7 @@ from diffusers.models.transformers import transformer_ltx
 from tests.adapter_parity import GRAD_GRID, GRIDS, assert_within, forward, gradient_errors
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ltx_video import ltx_video_inputs, tiny_ltx_video, tiny_ltx_video_pipeline
-from usp_dit.pipelines import _routing
+from usp_dit.pipelines import _routing, ltx_video
 from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.ltx_video import ADAPTER, USPLTXVideoAttnProcessor
 from usp_dit.sharding import shard_sequence
@@ -360,3 +360,11 @@ def test_timestep_of_wrong_length_is_refused():
             forward(model, inputs)
     finally:
         ADAPTER.disable(model)
+
+
+def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
+    """Should a future diffusers' processor stop calling dispatch_attention_fn, enable refuses
+    instead of running local attention on a shard."""
+    monkeypatch.setattr(ltx_video, "_RoutedLTXProcessor", None)
+    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
+        ADAPTER.enable(tiny_ltx_video(), single_rank_mesh(), "auto")
