@@ -8,7 +8,8 @@ perturbed; ``usp_dit.demo.tiny_hunyuan_video``) in three variants: T2V (guidance
 Latents give 45, 27 and 63 tokens (none divides 2 or 4; token_replace's 21 first-frame tokens fall
 on rank 0 and part of rank 1 on 4 ranks), batch 2 with a different prompt, timestep and guidance
 per element, and padded prompts of different valid lengths per element (element 0's mask has a
-hole: the token refiner honours it, the blocks' mask is a prefix of the valid count, as in stock).
+hole: the token refiner honours it, the blocks' mask is a prefix of the valid count, as in stock);
+latent_concat's prompts are unpadded (no mask reaches usp_attention: one call for the batch).
 
 Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2) (tests/adapter_parity.GRIDS);
 each ring grid also with the "stream" and "gather_merge" schedules forced ("auto" never merges at
@@ -86,7 +87,9 @@ GRAD_SHAPES = {2: SHAPES, 4: [SHAPES[0], SHAPES[2]]}
 
 def _build(shape: Shape, seed: int = 0):
     model = tiny_hunyuan_video(shape.variant, seed=seed)
-    return model, hunyuan_video_inputs(model, shape.frames, shape.height, shape.width)
+    # latent_concat gets unpadded prompts: the router's other path (one call for the whole batch, no mask)
+    valid = [list(range(9))] * 2 if shape.variant == "i2v-concat" else None
+    return model, hunyuan_video_inputs(model, shape.frames, shape.height, shape.width, valid=valid)
 
 
 def _grids() -> list[tuple[int, int, int, str | None]]:
