@@ -16,7 +16,9 @@ parameter's gradient (tests/adapter_parity.gradient_errors), and once with gradi
 ``skip_layers=[0]`` (skip-layer guidance skipping block 0: the tokens are split at ``pos_embed``,
 not at block 0) equals stock. The transformer enabled with cfg_degree=2 on a batch of 2 equals
 stock. The tiny ``StableDiffusion3Pipeline`` (two CLIPs, T5, VAE; CFG batched in one call) through
-``pipe.enable_usp()`` on (U, R, cfg) = (2,1,1), (2,2,1) and (1,2,2), 2 steps, equal to one process's.
+``pipe.enable_usp()`` on (U, R, cfg) = (2,1,1), (2,2,1) and (1,2,2), 2 steps, equal to one process's;
+with skip-layer guidance (a third call of batch 1, skipping block 0) on (2,2) equal too, and refused
+with cfg_degree=2 (that call has no batch to split).
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients and the pipeline's final
 latents: sharding only reorders float32 sums (attention blocks merged by log-sum-exp, gradients
@@ -204,6 +206,38 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
     return results
 
 
+def _skip_layer_guidance(pipe) -> torch.Tensor:
+    """Final latents of 6 steps with skip-layer guidance skipping block 0 (a third transformer call,
+    batch 1, at step 1: 0.06 < 1 < 1.2)."""
+    return pipe(
+        prompt="fox", negative_prompt="dim", height=12, width=20, num_inference_steps=6, guidance_scale=4.0,
+        max_sequence_length=7, skip_guidance_layers=[0], generator=torch.Generator().manual_seed(0),
+        output_type="latent",
+    ).images
+
+
+def _skip_layer_guidance_cases() -> dict[str, dict[str, float]]:
+    """SLG through pipe.enable_usp on (2, 2): equal to one process's; with cfg_degree=2 its batch-1
+    call cannot be split: NotImplementedError naming cfg_degree=2."""
+    pipe = tiny_sd3_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    ref = _skip_layer_guidance(pipe)
+    pipe.enable_usp(ulysses_degree=2, ring_degree=2)
+    try:
+        results = {"slg-u2r2": {"latents": rel_err(_skip_layer_guidance(pipe), ref)}}
+    finally:
+        pipe.disable_usp()
+    pipe.enable_usp(ring_degree=2, cfg_degree=2)
+    try:
+        _skip_layer_guidance(pipe)
+        results["slg-cfg2"] = {"did_not_raise": 1.0}
+    except NotImplementedError as exc:
+        results["slg-cfg2"] = {"wrong_error": float("cfg_degree=2" not in str(exc))}
+    finally:
+        pipe.disable_usp()
+    return results
+
+
 def _record(results: dict, key: str, fn, many: bool = False) -> None:
     try:
         results.update(fn()) if many else results.__setitem__(key, fn())
@@ -226,6 +260,7 @@ def _run_all() -> dict[str, dict | str]:
     _record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
     _record(results, "ulysses-above-heads", lambda: _ulysses_above_heads_case(init_usp(ulysses_degree=4)))
     _record(results, "pipeline", _pipeline_cases, many=True)
+    _record(results, "slg", _skip_layer_guidance_cases, many=True)
     return results
 
 
@@ -269,6 +304,20 @@ def test_pipeline_matches_one_process(grid_results, key: str):
         tols = {name: TOL_IMAGES if name == "images" else TOL for name in errors}
         worst = {name: v for name, v in errors.items() if not v <= tols[name]}
         assert not worst, f"rank {rank}: above {tols}: {worst}"
+
+
+def test_skip_layer_guidance_pipeline_matches_one_process(grid_results):
+    for rank, res in enumerate(grid_results):
+        errors = res.get("slg-u2r2") or res.get("slg", "no result")
+        assert not isinstance(errors, str), f"rank {rank}: {errors}"
+        assert errors["latents"] <= TOL, f"rank {rank}: {errors}"
+
+
+def test_skip_layer_guidance_with_cfg_parallel_is_refused(grid_results):
+    for rank, res in enumerate(grid_results):
+        errors = res.get("slg-cfg2") or res.get("slg", "no result")
+        assert not isinstance(errors, str), f"rank {rank}: {errors}"
+        assert not any(errors.values()), f"rank {rank}: {errors}"
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):

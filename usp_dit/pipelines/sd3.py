@@ -36,14 +36,20 @@ Note [SD3's attention call]
     code object, so a Diffusers fix to it is picked up. If a future Diffusers' processor stops
     calling ``F.scaled_dot_product_attention``, ``with_global`` returns ``None`` and enable refuses.
 
+The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a plan]): gather at
+``proj_out``, ``attn`` parallel (text last), ``attn2`` parallel (image only), the ControlNet
+refusal a hook; its split is ``pos_embed``'s *output*, which a plan cannot say yet (``split_at``
+shards a module's ``hidden_states`` input), so ``SD3PlanAdapter`` puts ``PosEmbedShardHooks`` in
+the place of the plan's token hooks.
+
 Refused: processors other than the stock ``JointAttnProcessor2_0`` (fused QKV, IP-Adapter, PAG,
-LoRA-replaced or custom ones), a Diffusers cache (``enable_cache``), ``num_layers=0``
-(NotImplementedError at enable); ``block_controlnet_hidden_states`` (SD3 ControlNet: full-sequence
-residuals, NotImplementedError at the call). (An ``attention_mask`` handed to the processor is
-ignored, as the stock code ignores it: it never reaches its attention call.) SD3 configs have no
-dropout. The pipeline batches its CFG halves in one transformer call, so ``cfg_degree=2`` splits
-them; its skip-layer-guidance call (``skip_guidance_layers``) has batch 1, which ``cfg_degree=2``
-cannot split (``enable_usp`` raises there).
+LoRA-replaced or custom ones), attention modules the plan does not name, a Diffusers cache
+(``enable_cache``), ``num_layers=0`` (NotImplementedError at enable); ``block_controlnet_hidden_states``
+(SD3 ControlNet: full-sequence residuals, NotImplementedError at the call). (An ``attention_mask``
+handed to the processor is ignored, as the stock code ignores it: it never reaches its attention
+call.) SD3 configs have no dropout. The pipeline batches its CFG halves in one transformer call,
+so ``cfg_degree=2`` splits them; its skip-layer-guidance call (``skip_guidance_layers``) has batch 1,
+which ``cfg_degree=2`` cannot split (``enable_usp`` raises there).
 """
 from __future__ import annotations
 
@@ -59,8 +65,9 @@ from torch.utils.hooks import RemovableHandle
 
 from usp_dit.mesh import USPMesh
 from usp_dit.pipelines._routing import Route, route_attention, with_global
-from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks
+from usp_dit.pipelines._token_sharding import ShardState, TokenShardHooks
 from usp_dit.pipelines.base import register_adapter
+from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter, PlanPatch, check_plan
 from usp_dit.sharding import shard_sequence
 
 _ROUTED_GLOBAL = "F"  # JointAttnProcessor2_0 calls F.scaled_dot_product_attention (torch.nn.functional as F)
@@ -94,8 +101,9 @@ def _routed_call(route: Route) -> types.FunctionType | None:
 
 
 class USPJointAttnProcessor:
-    """SD3 attention of this rank's image shard: joint with the replicated text (``attn``, route
-    text="last") or self-attention over the image alone (SD3.5's ``attn2``, route text="none").
+    """SD3 attention of this rank's image shard: joint with the replicated text (``attn``,
+    ``USPSD3JointProcessor``, text last) or self-attention over the image alone (SD3.5's ``attn2``,
+    ``USPSD3ImageProcessor``); ``text`` is the subclass's ``Route`` text mode.
 
     Inputs: ``hidden_states`` (B, S_local, C); ``encoder_hidden_states`` (B, T, C) for ``attn``,
     ``None`` for ``attn2``. Returns ``(image_out (B, S_local, C), text_out (B, T, C))`` (text_out
@@ -103,12 +111,15 @@ class USPJointAttnProcessor:
     The maths is the stock processor's own code (Note [SD3's attention call]).
     """
 
-    def __init__(self, route: Route) -> None:
-        self.route = route
-        self._call = _routed_call(route)
+    text: str = "none"
+
+    def __init__(self, state: ShardState) -> None:
+        self.route = Route(state, self.text)
+        self._call = _routed_call(self.route)
 
     def __deepcopy__(self, memo: dict) -> USPJointAttnProcessor:
-        clone = USPJointAttnProcessor(copy.deepcopy(self.route, memo))
+        # Rebuild the routed function around the copied state (Note [SD3's attention call]).
+        clone = type(self)(copy.deepcopy(self.route.state, memo))
         memo[id(self)] = clone
         return clone
 
@@ -123,13 +134,25 @@ class USPJointAttnProcessor:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # The signature is the stock one: Attention.forward passes the keyword arguments it names
         # (here, like stock, all of them; the stock code ignores the extra ones).
-        joint = self.route.text != "none"
+        joint = self.text != "none"
         if joint != (encoder_hidden_states is not None):
             raise ValueError(
                 f"this SD3 processor routes {'joint' if joint else 'self-'}attention, but encoder_hidden_states is "
                 f"{'None' if encoder_hidden_states is None else 'given'}: it was installed on the wrong attention"
             )
         return self._call(self, attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
+
+
+class USPSD3JointProcessor(USPJointAttnProcessor):
+    """``attn``: joint attention over ``[image shard; text]``, the text replicated and last."""
+
+    text = "last"
+
+
+class USPSD3ImageProcessor(USPJointAttnProcessor):
+    """SD3.5's ``attn2``: self-attention over the image tokens alone."""
+
+    text = "none"
 
 
 class PosEmbedShardHooks(TokenShardHooks):
@@ -159,71 +182,64 @@ def _refuse_controlnet(module, args: tuple, kwargs: dict) -> None:
         )
 
 
-class _Patch:
-    """Everything ``enable`` changed on one transformer, and how to undo it."""
+class ControlNetRefusal:
+    """A plan ``hooks`` factory: ``_refuse_controlnet`` as a forward pre-hook of the transformer."""
 
-    def __init__(self, transformer: SD3Transformer2DModel, mesh: USPMesh, backend: str) -> None:
+    def __init__(self, transformer: SD3Transformer2DModel, state: ShardState) -> None:
         self.transformer = transformer
-        self.state = ShardState(mesh, backend)
-        blocks = list(transformer.transformer_blocks)
-        self.joint = [block.attn for block in blocks]
-        self.self_attentions = [block.attn2 for block in blocks if block.attn2 is not None]
-        self.originals = [(attn, attn.processor) for attn in self.joint + self.self_attentions]
-        self.tokens = PosEmbedShardHooks(self.state, transformer.pos_embed, transformer.proj_out)
-        self.controlnet_check: RemovableHandle | None = None
+        self.handle: RemovableHandle | None = None
 
     def install(self) -> None:
-        self.tokens.install()
-        self.controlnet_check = self.transformer.register_forward_pre_hook(_refuse_controlnet, with_kwargs=True)
-        joint = USPJointAttnProcessor(Route(self.state, text="last"))
-        image_only = USPJointAttnProcessor(Route(self.state, text="none"))
-        for attn in self.joint:
-            attn.processor = joint
-        for attn in self.self_attentions:
-            attn.processor = image_only
+        self.handle = self.transformer.register_forward_pre_hook(_refuse_controlnet, with_kwargs=True)
 
     def remove(self) -> None:
-        for attn, original in self.originals:
-            attn.processor = original
-        self.controlnet_check.remove()
-        self.tokens.remove()
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
 
-def _check_supported(transformer: SD3Transformer2DModel) -> None:
-    """NotImplementedError for a model this adapter would not run exactly."""
-    name = type(transformer).__name__
+def _routed_call_missing(transformer: SD3Transformer2DModel) -> str | None:
     if _routed_call(Route(None)) is None:
-        raise NotImplementedError(
-            f"this diffusers' JointAttnProcessor2_0 does not call {_ROUTED_GLOBAL}.scaled_dot_product_attention: "
-            f"usp_dit's SD3 adapter routes that call"
-        )
-    if len(transformer.transformer_blocks) == 0:
-        raise NotImplementedError(f"{name} with num_layers=0 has nothing to parallelise")
-    if getattr(transformer, "is_cache_enabled", False):
-        raise NotImplementedError(
-            f"{name} has a diffusers cache enabled (enable_cache): its decisions would be taken per rank on a "
-            f"shard of the tokens; call disable_cache() before enable_usp"
-        )
-    for path, module in transformer.named_modules():
-        if isinstance(module, Attention) and type(module.processor) is not JointAttnProcessor2_0:
-            raise NotImplementedError(
-                f"{path}.processor is {type(module.processor).__name__}; usp_dit's SD3 adapter runs only the stock "
-                f"JointAttnProcessor2_0 (its maths would be lost silently otherwise)"
-            )
+        return (f"this diffusers' JointAttnProcessor2_0 does not call {_ROUTED_GLOBAL}.scaled_dot_product_attention, "
+                f"the call usp_dit routes")
+    return None
 
 
-class SD3Adapter(PatchingAdapter):
-    """``ModelAdapter`` for ``SD3Transformer2DModel`` (see the module docstring)."""
+PLAN = ModelPlan(
+    name="SD3",
+    model_class=SD3Transformer2DModel,
+    split_at="pos_embed",  # its *output* (SD3PlanAdapter's PosEmbedShardHooks), not its latent input
+    gather_at="proj_out",
+    attention=(
+        Parallel("transformer_blocks.*.attn", USPSD3JointProcessor, stock=(JointAttnProcessor2_0,), text="last"),
+        Parallel("transformer_blocks.*.attn2", USPSD3ImageProcessor, stock=(JointAttnProcessor2_0,)),
+    ),
+    block_lists=("transformer_blocks",),
+    # Batched on dim 0, split over the "cfg" axis by enable_usp: StableDiffusion3Pipeline batches
+    # [uncond, cond] in one call.
+    cfg_batch_args=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"),
+    hooks=(ControlNetRefusal,),
+    refuse=(_routed_call_missing,),
+)
 
-    name = "SD3"
-    # Arguments batched on dim 0, split over the "cfg" axis by enable_usp: StableDiffusion3Pipeline
-    # batches [uncond, cond] in one call.
-    cfg_batch_args = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
-    model_class = SD3Transformer2DModel
 
-    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> _Patch:
-        _check_supported(transformer)
-        return _Patch(transformer, mesh, backend)
+class _SD3PlanPatch(PlanPatch):
+    """``PlanPatch`` with the tokens split at ``pos_embed``'s output (``PosEmbedShardHooks``)
+    instead of ``split_at``'s ``hidden_states`` input (the latent, for ``pos_embed``)."""
+
+    def __init__(self, plan: ModelPlan, transformer: SD3Transformer2DModel, mesh: USPMesh, backend: str) -> None:
+        super().__init__(plan, transformer, mesh, backend)
+        tokens = [i for i, part in enumerate(self.parts) if type(part) is TokenShardHooks]
+        assert len(tokens) == 1, "PlanPatch installs one TokenShardHooks"
+        self.parts[tokens[0]] = PosEmbedShardHooks(self.state, transformer.pos_embed, transformer.proj_out)
 
 
-ADAPTER = register_adapter(SD3Adapter())
+class SD3PlanAdapter(PlanAdapter):
+    """The SD3 ``ModelPlan``'s adapter, its tokens split at ``pos_embed``'s output (module docstring)."""
+
+    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> _SD3PlanPatch:
+        check_plan(self.plan, transformer)
+        return _SD3PlanPatch(self.plan, transformer, mesh, backend)
+
+
+ADAPTER = register_adapter(SD3PlanAdapter(PLAN, __name__))
