@@ -19,9 +19,12 @@ parameter's gradient (tests/adapter_parity.gradient_errors), and once with gradi
 (Edit-2511: modulate_index re-sliced on recompute). The text stream's valid rows after each block
 equal stock's (Note [padded text rows]: the padded ones are the only rows that differ, and nothing
 reads them). Each rank's rotated Q/K (image rows, and the whole text) equal one process's.
-The tiny ``QwenImagePipeline`` (prompt embeddings given: no Qwen2.5-VL encoder; true CFG with a
-negative prompt, both padded) through ``pipe.enable_usp()`` on (2,1) and (2,2), 2 steps, equal to
-one process's; ``cfg_degree=2`` on it raises (two transformer calls of batch 1 per step). The
+The tiny ``QwenImagePipeline`` (a Qwen2.5-VL-like text encoder and a character tokenizer; two
+prompts of different lengths, so padded and masked, and true CFG with negative prompts: two
+transformer calls of batch 2 per step) through ``pipe.enable_usp()`` on (U, R, cfg) = (2,1,1),
+(2,2,1) and (1,2,2) (the cfg split halves each call's batch of two prompts, masks included),
+2 steps, equal to one process's; with one prompt, ``cfg_degree=2`` raises (two transformer calls
+of batch 1 per step: nothing to split). The
 transformer enabled directly with cfg_degree=2 on a batch of 2 (the cfg split of the mask) equals
 stock; with ``zero_cond_t`` it raises (img_shapes cannot be split).
 
@@ -29,7 +32,7 @@ Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients, text-str
 Q/K and the pipeline's final latents: sharding only reorders float32 sums (attention blocks merged by
 log-sum-exp, gradients summed over ranks; masked text handled per element as separate calls).
 Measured (2026-12-03): 4.1e-7 at most on outputs (all grids and schedules), 1.9e-6 on the worst
-parameter gradient, 7.7e-7 on the pipeline's latents, 0 on the rotated Q/K. Decoded images: 1e-4
+parameter gradient, 8.8e-7 on the pipeline's latents, 0 on the rotated Q/K. Decoded images: 1e-4
 (an untrained random VAE's gain, as in tests/test_pipeline_wan.py).
 """
 from __future__ import annotations
@@ -46,8 +49,7 @@ import usp_dit
 from tests.adapter_parity import GRAD_GRID, GRIDS, assert_within, forward, gradient_errors
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_qwen_image import (
-    QWEN_IMAGE_VARIANTS, qwen_image_inputs, qwen_image_tokens, qwen_prompt_embeds, tiny_qwen_image,
-    tiny_qwen_image_pipeline,
+    QWEN_IMAGE_VARIANTS, qwen_image_inputs, qwen_image_tokens, tiny_qwen_image, tiny_qwen_image_pipeline,
 )
 from usp_dit.pipelines import _routing, is_usp_enabled
 from usp_dit.pipelines import qwen_image  # noqa: F401  (registers the adapter)
@@ -229,26 +231,28 @@ def _ulysses_above_heads_case(mesh) -> dict[str, float]:
     return {"did_not_raise": 1.0}
 
 
-def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
-    """(final latents, images) of 2 steps at 48 x 80 (3 x 5 = 15 image tokens), true CFG, seed 0.
-    Prompt and negative prompt embeddings padded to 9 tokens (6 and 3 valid)."""
+PROMPTS = (["a red fox jumps", "a cat"], ["blurry", "dark and dim"])  # of different lengths: padded, masked
+
+
+def _generate(pipe, prompts: tuple = PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final latents, images) of 2 steps at 48 x 80 (3 x 5 = 15 image tokens), true CFG (a negative
+    prompt: two transformer calls per step), seed 0."""
     last = {}
 
     def keep_latents(pipe, step, timestep, tensors):
         last["latents"] = tensors["latents"]
         return {}
 
-    embeds, mask = qwen_prompt_embeds([6], seed=1)
-    neg_embeds, neg_mask = qwen_prompt_embeds([3], seed=2)
+    prompt, negative_prompt = prompts
     images = pipe(
-        prompt_embeds=embeds, prompt_embeds_mask=mask, negative_prompt_embeds=neg_embeds,
-        negative_prompt_embeds_mask=neg_mask, true_cfg_scale=4.0, height=48, width=80, num_inference_steps=2,
-        generator=torch.Generator().manual_seed(0), output_type="pt", callback_on_step_end=keep_latents,
+        prompt=prompt, negative_prompt=negative_prompt, true_cfg_scale=4.0, height=48, width=80,
+        num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt",
+        callback_on_step_end=keep_latents,
     ).images
     return last["latents"], images
 
 
-PIPELINE_GRIDS = [(2, 1), (2, 2)]
+PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits the batch of 2 prompts over cfg
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
@@ -256,14 +260,14 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
     pipe.set_progress_bar_config(disable=True)
     ref_latents, ref_images = _generate(pipe)
     results = {}
-    for u, r in PIPELINE_GRIDS:
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r)
+    for u, r, c in PIPELINE_GRIDS:
+        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
         enabled = is_usp_enabled(pipe.transformer)
         try:
             latents, images = _generate(pipe)
         finally:
             pipe.disable_usp()
-        results[f"pipeline-u{u}r{r}"] = {
+        results[f"pipeline-u{u}r{r}cfg{c}"] = {
             "not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer)),
             "latents": rel_err(latents, ref_latents),
             "images": rel_err(images, ref_images),
@@ -275,12 +279,13 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 
 def _pipeline_cfg_case() -> dict[str, float]:
-    """cfg_degree=2 on QwenImagePipeline: two transformer calls of batch 1 per step, nothing to split."""
+    """cfg_degree=2 on QwenImagePipeline with one prompt: two transformer calls of batch 1 per step
+    (its true CFG), nothing to split: the cfg split's NotImplementedError."""
     pipe = tiny_qwen_image_pipeline()
     pipe.set_progress_bar_config(disable=True)
     pipe.enable_usp(cfg_degree=2)
     try:
-        _generate(pipe)
+        _generate(pipe, ("a red fox", "blurry"))
     except NotImplementedError as exc:
         return {"wrong_error": float("cfg_degree=2" not in str(exc))}
     finally:
@@ -355,7 +360,7 @@ def test_cfg_split_with_zero_cond_t_is_refused(grid_results):
     assert_within(grid_results, "cfg-split-zero-cond", 0.0)
 
 
-@pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}" for u, r in PIPELINE_GRIDS])
+@pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
     for rank, res in enumerate(grid_results):
         errors = res.get(key) or res.get("pipeline", "no result")

@@ -117,15 +117,54 @@ def tiny_qwen_image_vae(seed: int = 0):
     ).eval()
 
 
+def tiny_qwen_tokenizer():
+    """A tokenizer over single characters (a word-level vocabulary of characters, written here, no
+    file) with Qwen's chat special tokens, ``<|endoftext|>`` as padding: what ``QwenImagePipeline``
+    needs of Qwen2.5-VL's tokenizer (its prompt template is tokenized, padded, and masked)."""
+    import string
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {token: i for i, token in enumerate(specials)}
+    for c in string.ascii_letters + string.digits + string.punctuation + " \n":
+        vocab.setdefault(c, len(vocab))
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # one token per character
+    tokenizer.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>", eos_token="<|im_end|>")
+
+
+def tiny_qwen_text_encoder(vocab_size: int, seed: int = 0):
+    """A 2-layer ``Qwen2_5_VLForConditionalGeneration`` of width ``TEXT_DIM`` (and a 1-layer vision
+    tower the pipeline never calls), float32, eval mode: its last hidden states are the prompt embeddings."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=vocab_size, hidden_size=TEXT_DIM, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},  # 2 * (1 + 1 + 2) = head_dim 8
+            bos_token_id=None, eos_token_id=2, pad_token_id=0,
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TEXT_DIM,
+                           fullatt_block_indexes=[0]),
+    )
+    torch.manual_seed(seed)
+    encoder = Qwen2_5_VLForConditionalGeneration(config)
+    _perturb(encoder, seed + 1, std=0.02)
+    return encoder.eval()
+
+
 def tiny_qwen_image_pipeline(seed: int = 0):
-    """A ``QwenImagePipeline`` of a tiny random transformer and VAE, float32, **without a text encoder**.
+    """A ``QwenImagePipeline`` of tiny random models (Qwen2.5-VL-like text encoder, character
+    tokenizer, VAE, transformer), float32.
 
-    Qwen-Image's text encoder is Qwen2.5-VL-7B; the pipeline takes ``prompt_embeds`` /
-    ``prompt_embeds_mask`` (and ``negative_...``) instead of prompts, which ``qwen_prompt_embeds``
-    makes (the text stand-in: what the encoder would have produced, masks included).
-
-    VAE: 8x spatial compression and patch 2, so ``height x width`` gives
-    ``(height / 16) * (width / 16)`` image tokens; e.g. 48 x 80 -> 15 tokens.
+    The pipeline wraps each prompt in its chat template and keeps the tokens after the template's
+    first 34: with one token per character that leaves about 130 text tokens a prompt, padded
+    and masked when a batch's prompts differ in length. VAE: 8x spatial compression and patch 2,
+    so ``height x width`` gives ``(height / 16) * (width / 16)`` image tokens; e.g. 48 x 80 -> 15.
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
@@ -133,18 +172,8 @@ def tiny_qwen_image_pipeline(seed: int = 0):
         shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
         base_image_seq_len=16, max_image_seq_len=4096,
     )
+    tokenizer = tiny_qwen_tokenizer()
     return QwenImagePipeline(
-        scheduler=scheduler, vae=tiny_qwen_image_vae(seed + 20), text_encoder=None, tokenizer=None,
-        transformer=tiny_qwen_image(seed=seed + 30),
+        scheduler=scheduler, vae=tiny_qwen_image_vae(seed + 20), tokenizer=tokenizer,
+        text_encoder=tiny_qwen_text_encoder(len(tokenizer), seed + 10), transformer=tiny_qwen_image(seed=seed + 30),
     )
-
-
-def qwen_prompt_embeds(valid: list[int], text_len: int = 9, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(prompt_embeds (B, text_len, TEXT_DIM), prompt_embeds_mask (B, text_len) long)`` as the
-    pipeline's encoder pads them: element b's ``valid[b]`` tokens first, then zeros."""
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.zeros(len(valid), text_len, dtype=torch.long)
-    for b, n in enumerate(valid):
-        mask[b, :n] = 1
-    embeds = torch.randn(len(valid), text_len, TEXT_DIM, generator=g) * mask[..., None]
-    return embeds, mask
