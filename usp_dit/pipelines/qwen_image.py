@@ -60,9 +60,10 @@ its decisions would be taken per rank on a shard), ``num_layers=0`` (NotImplemen
 enable); ``controlnet_block_samples`` (Qwen-Image ControlNet: its residuals are full-sequence,
 NotImplementedError at the call); a ``modulate_index`` whose batch is not the tokens' (at the call:
 with ``cfg_degree=2`` and ``zero_cond_t`` the cfg split halves the tokens but not ``img_shapes``,
-a plain Python list, from which the model builds the index). With ``cfg_degree=2`` the stock
-``QwenImagePipeline`` is refused by ``enable_usp``'s cfg split itself (it calls the transformer
-once per guidance branch, batch 1: nothing to split). Qwen-Image configs have no dropout.
+a plain Python list, from which the model builds the index). ``QwenImagePipeline`` calls the
+transformer once per guidance branch (true CFG), so with one prompt ``cfg_degree=2`` is refused by
+``enable_usp``'s cfg split itself (batch 1: nothing to split); a batch of prompts is split over
+the cfg groups like any batch (prompt masks included). Qwen-Image configs have no dropout.
 ``QwenImage21Transformer2DModel`` is a different class and is not matched.
 """
 from __future__ import annotations
@@ -210,7 +211,7 @@ PLAN = ModelPlan(
     tables=(Table("pos_embed", dim=0, items=(0,)),),
     # Batched on dim 0, split over the "cfg" axis by enable_usp. img_shapes (a list of per-sample
     # shapes, all equal as the model's RoPE requires) stays whole. (QwenImagePipeline calls the
-    # transformer once per guidance branch, batch 1: api.py refuses cfg_degree=2 there.)
+    # transformer once per guidance branch: with one prompt, batch 1, api.py refuses cfg_degree=2.)
     cfg_batch_args=(
         "hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep", "guidance",
         "additional_t_cond",
