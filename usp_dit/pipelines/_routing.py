@@ -32,6 +32,7 @@ Note [masked text tokens]
 """
 from __future__ import annotations
 
+import inspect
 import types
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -241,6 +242,15 @@ def routed_processor_class(stock_class: type, name: str | None = None) -> type[R
     routed = with_global(stock_class.__call__, ROUTED_NAME, route_attention)
     if routed is None:
         return None
-    return type(name or f"USP{stock_class.__name__}", (RoutedProcessor,), {"_stock_call": routed, "__doc__": (
-        f"``{stock_class.__name__}``'s own code with its attention call routed to usp_attention."
-    )})
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return routed(self, *args, **kwargs)
+
+    # Diffusers' Attention.forward passes a processor only the keyword arguments its __call__'s
+    # signature names (dropping the others, e.g. image_rotary_emb, with a warning at most): the
+    # routed class must show the stock signature, not (*args, **kwargs).
+    __call__.__signature__ = inspect.signature(stock_class.__call__)
+    return type(name or f"USP{stock_class.__name__}", (RoutedProcessor,), {
+        "_stock_call": routed, "__call__": __call__,
+        "__doc__": f"``{stock_class.__name__}``'s own code with its attention call routed to usp_attention.",
+    })

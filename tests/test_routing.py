@@ -1,0 +1,112 @@
+"""The shared router of stock processors' attention calls (usp_dit.pipelines._routing), on one rank.
+
+No processes: with a single-rank mesh the router's splitting of [text; video] or [video; text],
+its text key masks (per batch element) and its refusals are checked against PyTorch's own masked
+attention in float64 (tolerance 1e-12: the same sums, only grouped differently). The multi-rank
+paths are covered by each family's grid tests (tests/test_pipeline_*.py).
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from usp_dit import single_rank_mesh
+from usp_dit.pipelines._routing import Route, route_attention, routed_processor_class
+from usp_dit.pipelines._token_sharding import ShardState
+
+B, S, T, H, D = 2, 7, 5, 3, 8
+
+
+def _qkv(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, S + T, H, D, generator=g, dtype=torch.float64) for _ in range(3))
+
+
+def _route(text: str) -> Route:
+    return Route(ShardState(single_rank_mesh(), "reference", seq_len=S), text)
+
+
+def _reference(q, k, v, key_mask):
+    """(B, L, H, D) attention with a (B, L) bool key mask, as Diffusers' SDPA call computes it."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=key_mask[:, None, None, :])
+    return out.transpose(1, 2)
+
+
+def _text_mask() -> torch.Tensor:
+    """(B, T): element 0 has a hole and padding, element 1 every token."""
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 1] = False
+    mask[0, -1] = False
+    return mask
+
+
+@pytest.mark.parametrize("text", ["first", "last"])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "bool-4d"])
+def test_joint_call_equals_masked_attention_on_every_row_read_downstream(text, mask_kind):
+    q, k, v = _qkv()
+    text_mask = _text_mask()
+    video = torch.ones(B, S, dtype=torch.bool)
+    keys = torch.cat([text_mask, video] if text == "first" else [video, text_mask], dim=1)  # (B, L)
+    if mask_kind == "none":
+        keys, attn_mask = torch.ones_like(keys), None
+    elif mask_kind == "bool":
+        attn_mask = keys
+    elif mask_kind == "additive":
+        attn_mask = torch.zeros(keys.shape, dtype=torch.float64).masked_fill(~keys, float("-inf"))
+    else:
+        attn_mask = keys[:, None, None, :]
+    out = route_attention(q, k, v, attn_mask=attn_mask, parallel_config=_route(text))
+    ref = _reference(q, k, v, keys)
+    # Note [masked text tokens]: padded text queries' rows are zeros; every other row is stock's.
+    assert torch.allclose(out[keys], ref[keys], atol=1e-12, rtol=0)
+    assert torch.count_nonzero(out[~keys]) == 0
+
+
+def test_a_mask_over_the_whole_sequence_is_read_at_its_text_end():
+    """HunyuanVideo builds its mask over [all video; text] before the tokens are split: wider than the call."""
+    q, k, v = _qkv(1)
+    text_mask = _text_mask()
+    full = torch.cat([torch.ones(B, S + 4, dtype=torch.bool), text_mask], dim=1)  # 4 more video keys elsewhere
+    out = route_attention(q, k, v, attn_mask=full[:, None, None, :], parallel_config=_route("last"))
+    keys = torch.cat([torch.ones(B, S, dtype=torch.bool), text_mask], dim=1)
+    assert torch.allclose(out[keys], _reference(q, k, v, keys)[keys], atol=1e-12, rtol=0)
+
+
+def test_self_attention_route():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(B, S, H, D, generator=g, dtype=torch.float64) for _ in range(3))
+    out = route_attention(q, k, v, parallel_config=_route("none"))
+    assert torch.allclose(out, _reference(q, k, v, torch.ones(B, S, dtype=torch.bool)), atol=1e-12, rtol=0)
+
+
+def test_refusals():
+    q, k, v = _qkv()
+    video_masked = torch.ones(B, S + T, dtype=torch.bool)
+    video_masked[0, T + 2] = False  # text first: a video key
+    with pytest.raises(NotImplementedError, match="masks video tokens"):
+        route_attention(q, k, v, attn_mask=video_masked, parallel_config=_route("first"))
+    with pytest.raises(NotImplementedError, match="key-padding masks only"):
+        route_attention(q, k, v, attn_mask=torch.ones(B, 1, S + T, S + T, dtype=torch.bool), parallel_config=_route("first"))
+    with pytest.raises(NotImplementedError, match="0 and -inf only"):
+        route_attention(q, k, v, attn_mask=torch.full((B, S + T), 0.5, dtype=torch.float64), parallel_config=_route("first"))
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        route_attention(q, k, v, dropout_p=0.1, parallel_config=_route("first"))
+    with pytest.raises(ValueError, match="shard has 7"):
+        route_attention(q, k, v, parallel_config=_route("none"))
+    with pytest.raises(RuntimeError, match="not its Route"):
+        route_attention(q, k, v, parallel_config=None)
+
+
+def test_a_routed_processor_shows_the_stock_signature():
+    """Diffusers' Attention.forward passes only the keyword arguments the processor's __call__
+    names: a (*args, **kwargs) signature would silently lose e.g. image_rotary_emb."""
+    from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
+
+    routed = routed_processor_class(HunyuanVideoAttnProcessor2_0)
+    params = inspect.signature(routed(_route("last")).__call__).parameters
+    assert list(params) == list(inspect.signature(HunyuanVideoAttnProcessor2_0().__call__).parameters)
+    assert "image_rotary_emb" in params
