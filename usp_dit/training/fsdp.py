@@ -28,7 +28,6 @@ from usp_dit.groups import register_device_mesh
 from usp_dit.mesh import USPMesh
 
 _KINDS = ("full", "hybrid")
-_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")  # Flux has both; CogVideoX, Mochi the first
 
 
 def fsdp_device_mesh(mesh: USPMesh, kind: str = "full") -> DeviceMesh:
@@ -52,6 +51,23 @@ def fsdp_device_mesh(mesh: USPMesh, kind: str = "full") -> DeviceMesh:
     return register_device_mesh(mesh.seq_mesh["dp", "seq"])
 
 
+def block_lists(transformer: torch.nn.Module) -> tuple[str, ...]:
+    """The names of ``transformer``'s lists of blocks, FSDP2's units: its model plan's
+    (``usp_dit.pipelines.plan.ModelPlan.block_lists``, e.g. Wan's ``blocks``, HunyuanVideo's dual-
+    and single-stream lists), or for a model without a plan every ``ModuleList`` child whose name
+    ends in "blocks" (Flux's ``transformer_blocks`` and ``single_transformer_blocks``)."""
+    try:
+        from usp_dit.pipelines import find_adapter  # the Diffusers integration: loaded on use
+
+        plan = getattr(find_adapter(transformer), "plan", None)
+    except (ImportError, NotImplementedError):
+        plan = None
+    if plan is not None:
+        return plan.block_lists
+    return tuple(name for name, child in transformer.named_children()
+                 if isinstance(child, torch.nn.ModuleList) and name.endswith("blocks"))
+
+
 def shard_transformer(transformer: torch.nn.Module, mesh: USPMesh, kind: str = "full", **fsdp_kwargs: Any) -> torch.nn.Module:
     """``fully_shard`` every transformer block, then the whole transformer, over ``fsdp_device_mesh``.
 
@@ -64,8 +80,8 @@ def shard_transformer(transformer: torch.nn.Module, mesh: USPMesh, kind: str = "
         ValueError: see ``fsdp_device_mesh``.
     """
     device_mesh = fsdp_device_mesh(mesh, kind)
-    for name in _BLOCK_LISTS:
-        for block in getattr(transformer, name, None) or []:
+    for name in block_lists(transformer):
+        for block in getattr(transformer, name):
             fully_shard(block, mesh=device_mesh, **fsdp_kwargs)
     fully_shard(transformer, mesh=device_mesh, **fsdp_kwargs)
     return transformer
