@@ -118,22 +118,17 @@ def tiny_qwen_image_vae(seed: int = 0):
 
 
 def tiny_qwen_tokenizer():
-    """A tokenizer over single characters (a word-level vocabulary of characters, written here, no
-    file) with Qwen's chat special tokens, ``<|endoftext|>`` as padding: what ``QwenImagePipeline``
-    needs of Qwen2.5-VL's tokenizer (its prompt template is tokenized, padded, and masked)."""
+    """A tokenizer over single characters (a unigram vocabulary of printable characters, written
+    here, no file) with Qwen's chat tokens as special tokens: what ``QwenImagePipeline`` needs of
+    Qwen2.5-VL's tokenizer (its prompt template tokenized, padded and masked). Built as a
+    ``T5TokenizerFast`` (transformers builds it from the vocabulary alone)."""
     import string
 
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import T5TokenizerFast
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {token: i for i, token in enumerate(specials)}
-    for c in string.ascii_letters + string.digits + string.punctuation + " \n":
-        vocab.setdefault(c, len(vocab))
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # one token per character
-    tokenizer.add_special_tokens(specials)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>", eos_token="<|im_end|>")
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
+    pieces += [(c, -2.0) for c in string.ascii_letters + string.digits + string.punctuation + "\n"]
+    return T5TokenizerFast(vocab=pieces, extra_ids=0, additional_special_tokens=["<|im_start|>", "<|im_end|>"])
 
 
 def tiny_qwen_text_encoder(vocab_size: int, seed: int = 0):
@@ -146,7 +141,7 @@ def tiny_qwen_text_encoder(vocab_size: int, seed: int = 0):
             vocab_size=vocab_size, hidden_size=TEXT_DIM, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
             rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},  # 2 * (1 + 1 + 2) = head_dim 8
-            bos_token_id=None, eos_token_id=2, pad_token_id=0,
+            bos_token_id=None, eos_token_id=1, pad_token_id=0,
         ),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TEXT_DIM,
                            fullatt_block_indexes=[0]),
