@@ -99,18 +99,26 @@ def _set_arg(args: tuple, kwargs: dict, name: str, index: int, value: Any) -> tu
 
 @dataclass(eq=False)
 class TokenShardHooks:
-    """Note [where the sequence is split]: shard at ``first_block``'s input, gather at ``out_proj``'s output.
+    """Note [where the sequence is split]: shard at ``first_block``'s input (or output), gather at
+    ``out_proj``'s output.
 
-    ``first_block`` must take ``hidden_states`` (batch, seq, channels) as its first argument.
+    ``at="input"``: ``first_block`` takes ``hidden_states`` (batch, seq, channels) as its first
+    argument, sharded by a forward pre-hook. ``at="output"``: ``first_block`` *returns* the tokens
+    (batch, seq, channels), e.g. a patch embedding, sharded by a forward hook (SD3's ``pos_embed``:
+    outside the blocks, so it holds when ``skip_layers`` skips block 0).
     """
 
     state: ShardState
     first_block: torch.nn.Module
     out_proj: torch.nn.Module
+    at: str = "input"
     handles: list[RemovableHandle] = field(default_factory=list)
 
     def install(self) -> None:
-        self.handles.append(self.first_block.register_forward_pre_hook(self._shard_input, with_kwargs=True))
+        if self.at == "input":
+            self.handles.append(self.first_block.register_forward_pre_hook(self._shard_input, with_kwargs=True))
+        else:
+            self.handles.append(self.first_block.register_forward_hook(self._shard_output))
         self.handles.append(self.out_proj.register_forward_hook(self._gather_output))
 
     def remove(self) -> None:
@@ -119,13 +127,23 @@ class TokenShardHooks:
         self.handles.clear()
 
     def _shard_input(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """(B, S, C) full hidden states -> (B, S_local, C), this rank's contiguous piece.
+        """(B, S, C) full hidden states -> (B, S_local, C), this rank's contiguous piece."""
+        x = _get_arg(args, kwargs, "hidden_states", 0)
+        text = _get_arg(args, kwargs, "encoder_hidden_states", 1)
+        self.state.text_len = text.shape[1] if torch.is_tensor(text) else None
+        return _set_arg(args, kwargs, "hidden_states", 0, self._shard(x))
+
+    def _shard_output(self, module, args: tuple, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, S, C) tokens ``first_block`` made -> (B, S_local, C)."""
+        return self._shard(tokens)
+
+    def _shard(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, C) -> this rank's (B, S_local, C); records S as the call's ``seq_len``.
 
         Raises:
             ValueError: a per-token table cut earlier in this call has another length than the
                 tokens (its rows would not line up with the tokens they belong to).
         """
-        x = _get_arg(args, kwargs, "hidden_states", 0)
         table_len, self.state.table_len = self.state.table_len, None
         if table_len is not None and table_len != x.shape[1]:
             raise ValueError(
@@ -133,9 +151,7 @@ class TokenShardHooks:
                 f"they must match for the table to be cut like the tokens"
             )
         self.state.seq_len = x.shape[1]
-        text = _get_arg(args, kwargs, "encoder_hidden_states", 1)
-        self.state.text_len = text.shape[1] if torch.is_tensor(text) else None
-        return _set_arg(args, kwargs, "hidden_states", 0, shard_sequence(x, self.state.mesh, dim=1))
+        return shard_sequence(x, self.state.mesh, dim=1)
 
     def _gather_output(self, module, args: tuple, out_local: torch.Tensor) -> torch.Tensor:
         """(B, S_local, C_out) -> (B, S, C_out), identical on every rank of the sequence group."""

@@ -94,7 +94,7 @@ class ModelPlan:
 
     name: str
     model_class: type
-    split_at: str  # module whose first argument, hidden_states (batch, seq, channels), is sharded
+    split_at: str  # module whose hidden_states (batch, seq, channels) are sharded: its first argument ...
     gather_at: str  # module whose output (batch, seq_local, channels) is gathered
     attention: tuple[Parallel | Local, ...]
     block_lists: tuple[str, ...]  # ModuleLists of blocks: FSDP2's units; empty ones have nothing to split
@@ -103,6 +103,7 @@ class ModelPlan:
     hooks: tuple[Callable[[torch.nn.Module, ShardState], Installable], ...] = ()
     refuse: tuple[Callable[[torch.nn.Module], str | None], ...] = ()  # a reason to refuse, or None
     heads: Callable[[torch.nn.Module], int] = lambda model: model.config.num_attention_heads
+    split: Literal["input", "output"] = "input"  # ... or its output (a patch embedding's tokens)
 
 
 @dataclass(eq=False)
@@ -197,7 +198,7 @@ class PlanPatch:
                     processors[site] = self._processor(site)
                 self.swaps.append((module, module.processor, processors[site]))
         tables = TableHooks(self.state, [(get(t.module), t) for t in plan.tables])
-        tokens = TokenShardHooks(self.state, get(plan.split_at), get(plan.gather_at))
+        tokens = TokenShardHooks(self.state, get(plan.split_at), get(plan.gather_at), at=plan.split)
         self.parts: list[Installable] = [tables, tokens] + [make(transformer, self.state) for make in plan.hooks]
 
     def _processor(self, site: Parallel) -> Any:
