@@ -4,14 +4,18 @@
     PYTHONPATH=. python3 benchmarks/bench_pipelines.py --model cogvideox     # CogVideoX-5B, 49 x 480 x 720
     PYTHONPATH=. python3 benchmarks/bench_pipelines.py --model mochi         # Mochi-1, 163 x 480 x 848
     PYTHONPATH=. python3 benchmarks/bench_pipelines.py --model all --json out.json
+    PYTHONPATH=. python3 benchmarks/bench_pipelines.py --model wan,qwen_image,sd35   # several, in order
+
+Also: wan (Wan 2.1-14B 81x720x1280), hunyuan_video (720p x 129 frames), qwen_image (1328x1328),
+sd35 (SD3.5 Large 1024x1024), ltx_video (121x512x768), flux2 (Flux.2-dev 1024x1024): benchmarks/pipeline_cases.py.
 
 Full-size transformers with random weights (configs of the released checkpoints, written below),
 bf16, batch 1, ``torch.inference_mode``. One model is built per family; the two variants are timed
 side by side by switching it between stock and USP with ``enable_usp`` / ``disable_usp`` (which
 restores the stock processors and forward exactly): each round times ``--iters`` back-to-back
 forwards of each variant between two CUDA events; the reported figure is the median over
-``--rounds`` rounds, in ms per forward (one denoising step). Peak memory is measured for each
-variant in a separate forward after the rounds. The outputs of the two variants are compared
+``--rounds`` rounds, in ms per forward (one denoising step). Peak memory is each variant's
+largest over its timed rounds. The outputs of the two variants are compared
 (max |diff| / max |stock|): kernels differ (stock Diffusers calls SDPA with PyTorch's own kernel
 choice, usp_dit's "auto" picks cuDNN where it fits), so bf16 rounding differences are expected.
 
@@ -31,6 +35,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+
+try:
+    import pipeline_cases  # run as benchmarks/bench_pipelines.py: this folder is on sys.path
+except ImportError:
+    from benchmarks import pipeline_cases
 
 # Flux.1-dev: diffusers' FluxTransformer2DModel defaults are the dev checkpoint's config.
 FLUX_DEV = dict(
@@ -137,7 +146,17 @@ def mochi_case(device: torch.device, frames: int = 163, height: int = 480, width
     return model, inputs, f"{frames}x{height}x{width} ({tokens} + 256 tokens)"
 
 
-CASES: dict[str, Callable] = {"flux": flux_case, "cogvideox": cogvideox_case, "mochi": mochi_case}
+def _later(case: Callable) -> Callable:
+    """A ``pipeline_cases`` case, given this module's ``build``."""
+    return lambda device: case(build, device)
+
+
+CASES: dict[str, Callable] = {
+    "flux": flux_case, "cogvideox": cogvideox_case, "mochi": mochi_case,
+    "wan": _later(pipeline_cases.wan_case), "hunyuan_video": _later(pipeline_cases.hunyuan_video_case),
+    "qwen_image": _later(pipeline_cases.qwen_image_case), "sd35": _later(pipeline_cases.sd35_case),
+    "ltx_video": _later(pipeline_cases.ltx_video_case), "flux2": _later(pipeline_cases.flux2_case),
+}
 
 
 def time_round(fn: Callable[[], object], iters: int) -> float:
@@ -149,14 +168,6 @@ def time_round(fn: Callable[[], object], iters: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
-
-
-def peak_gib(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2**30
 
 
 def set_variant(model: torch.nn.Module, variant: str, backend: str) -> None:
@@ -184,14 +195,13 @@ def bench(name: str, args: argparse.Namespace, device: torch.device) -> Row:
             for _ in range(args.warmup):
                 outputs[variant] = forward()
             torch.cuda.synchronize()
+        peaks = {"stock": 0.0, "usp": 0.0}
         for _ in range(args.rounds):
             for variant in ("stock", "usp"):
                 set_variant(model, variant, args.backend)
+                torch.cuda.reset_peak_memory_stats()
                 samples[variant].append(time_round(forward, args.iters))
-        peaks = {}
-        for variant in ("stock", "usp"):
-            set_variant(model, variant, args.backend)
-            peaks[variant] = peak_gib(forward)
+                peaks[variant] = max(peaks[variant], torch.cuda.max_memory_allocated() / 2**30)
         set_variant(model, "stock", args.backend)
     ref, got = outputs["stock"].float(), outputs["usp"].float()
     diff = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
@@ -208,7 +218,7 @@ def markdown(row: Row) -> str:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=[*CASES, "all"], default="flux")
+    p.add_argument("--model", default="flux", help=f"'all' or a comma-separated list of {', '.join(CASES)}")
     p.add_argument("--backend", default="auto", help="usp_dit attention backend for the usp variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed forwards per variant")
     p.add_argument("--iters", type=int, default=3, help="forwards per timed round")
@@ -233,7 +243,12 @@ def main() -> int:
     print("| model | shape | stock ms | usp ms | usp/stock | stock peak GiB | usp peak GiB | max rel diff |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
-    for name in (CASES if args.model == "all" else [args.model]):
+    names = list(CASES) if args.model == "all" else args.model.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        print(f"--model: unknown {unknown}; choose from {list(CASES)}", file=sys.stderr)
+        return 2
+    for name in names:
         rows.append(bench(name, args, device))
         print(markdown(rows[-1]), flush=True)
     if args.json:

@@ -1,0 +1,144 @@
+"""Full-size transformers (random weights, released configs) and one denoising step's inputs, for
+``bench_pipelines.py``: the families added after Flux, CogVideoX and Mochi.
+
+Each case returns ``(model, inputs, shape)``: a bf16 model on ``device``, the keyword arguments of
+one forward (batch 1, as the family's pipeline passes them, ``return_dict=False``) and a readable
+shape with the token counts. Text lengths and masks are the pipelines' usual ones; where a pipeline
+pads the prompt, the mask marks a typical prompt's valid tokens, so that stock pays for its mask as
+it does in real use.
+"""
+from __future__ import annotations
+
+import torch
+
+# Wan 2.1 T2V 14B (Wan-AI/Wan2.1-T2V-14B-Diffusers, transformer/config.json).
+WAN_14B = dict(
+    patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+    text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+)
+# SD3.5 Large (stabilityai/stable-diffusion-3.5-large, transformer/config.json).
+SD35_LARGE = dict(
+    sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64, num_attention_heads=38,
+    joint_attention_dim=4096, caption_projection_dim=2432, pooled_projection_dim=2048, out_channels=16,
+    pos_embed_max_size=192, qk_norm="rms_norm",
+)
+# HunyuanVideo, Qwen-Image, LTX-Video 0.9 and Flux.2-dev: diffusers' defaults are the released configs.
+
+
+def _bf(device: torch.device) -> dict:
+    return dict(device=device, dtype=torch.bfloat16)
+
+
+def _prompt_mask(device: torch.device, length: int, valid: int) -> torch.Tensor:
+    mask = torch.zeros(1, length, dtype=torch.bool, device=device)
+    mask[:, :valid] = True
+    return mask
+
+
+def wan_case(build, device: torch.device, frames: int = 81, height: int = 720, width: int = 1280):
+    """Wan 2.1-14B: latents (1, 16, (f-1)/4+1, h/8, w/8), 1x2x2 patches, 512 text tokens (T5, padded to 512)."""
+    from diffusers import WanTransformer3DModel
+
+    model = build(WanTransformer3DModel, WAN_14B, device)
+    lat = ((frames - 1) // 4 + 1, height // 8, width // 8)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, *lat, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 512, 4096, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 500, device=device, dtype=torch.long), return_dict=False,
+    )
+    tokens = lat[0] * (lat[1] // 2) * (lat[2] // 2)
+    return model, inputs, f"{frames}x{height}x{width} ({tokens} + 512 tokens)"
+
+
+def hunyuan_video_case(build, device: torch.device, frames: int = 129, height: int = 720, width: int = 1280):
+    """HunyuanVideo: latents (1, 16, (f-1)/4+1, h/8, w/8), 2x2 patches; 256 prompt tokens (Llama,
+    padded), 77 of them valid; guidance-distilled (guidance 6.0)."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    model = build(HunyuanVideoTransformer3DModel, {}, device)
+    lat = ((frames - 1) // 4 + 1, height // 8, width // 8)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, *lat, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 500, device=device, dtype=torch.long),
+        encoder_hidden_states=torch.randn(1, 256, 4096, generator=g, **_bf(device)),
+        encoder_attention_mask=_prompt_mask(device, 256, 77),
+        pooled_projections=torch.randn(1, 768, generator=g, **_bf(device)),
+        guidance=torch.full((1,), 6000.0, **_bf(device)), return_dict=False,
+    )
+    tokens = lat[0] * (lat[1] // 2) * (lat[2] // 2)
+    return model, inputs, f"{frames}x{height}x{width} ({tokens} + 256 tokens, 77 valid)"
+
+
+def qwen_image_case(build, device: torch.device, height: int = 1328, width: int = 1328):
+    """Qwen-Image: packed latents (1, (h/16)*(w/16), 64); 128 prompt tokens (Qwen2.5-VL), 96 valid."""
+    from diffusers import QwenImageTransformer2DModel
+
+    model = build(QwenImageTransformer2DModel, {}, device)
+    rows, cols = height // 16, width // 16
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, rows * cols, 64, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 128, 3584, generator=g, **_bf(device)),
+        encoder_hidden_states_mask=_prompt_mask(device, 128, 96),
+        timestep=torch.full((1,), 0.5, **_bf(device)), img_shapes=[[(1, rows, cols)]], return_dict=False,
+    )
+    return model, inputs, f"{height}x{width} ({rows * cols} + 128 tokens, 96 valid)"
+
+
+def sd35_case(build, device: torch.device, height: int = 1024, width: int = 1024):
+    """SD3.5 Large: latents (1, 16, h/8, w/8), 2x2 patches; 333 text tokens (77 CLIP + 256 T5)."""
+    from diffusers import SD3Transformer2DModel
+
+    model = build(SD3Transformer2DModel, SD35_LARGE, device)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, height // 8, width // 8, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 333, 4096, generator=g, **_bf(device)),
+        pooled_projections=torch.randn(1, 2048, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 500.0, **_bf(device)), return_dict=False,
+    )
+    tokens = (height // 16) * (width // 16)
+    return model, inputs, f"{height}x{width} ({tokens} + 333 tokens)"
+
+
+def ltx_video_case(build, device: torch.device, frames: int = 121, height: int = 512, width: int = 768):
+    """LTX-Video 0.9: packed latents (1, f'*h'*w', 128) with f' = (f-1)/8+1, h' = h/32, w' = w/32;
+    128 prompt tokens (T5, padded), 64 valid (cross-attention mask)."""
+    from diffusers import LTXVideoTransformer3DModel
+
+    model = build(LTXVideoTransformer3DModel, {}, device)
+    lat = ((frames - 1) // 8 + 1, height // 32, width // 32)
+    tokens = lat[0] * lat[1] * lat[2]
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, tokens, 128, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 128, 4096, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 500, device=device, dtype=torch.long),
+        encoder_attention_mask=_prompt_mask(device, 128, 64).to(torch.bfloat16),
+        num_frames=lat[0], height=lat[1], width=lat[2], rope_interpolation_scale=(8 / 25, 32, 32),
+        return_dict=False,
+    )
+    return model, inputs, f"{frames}x{height}x{width} ({tokens} + 128 tokens, 64 valid)"
+
+
+def flux2_case(build, device: torch.device, height: int = 1024, width: int = 1024):
+    """Flux.2-dev: packed latents (1, (h/16)*(w/16), 128), 4-axis position ids; 512 text tokens (Mistral)."""
+    from diffusers import Flux2Transformer2DModel
+
+    model = build(Flux2Transformer2DModel, {}, device)
+    rows, cols = height // 16, width // 16
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(r), r, c, torch.zeros_like(r)], -1).reshape(1, -1, 4).to(device)
+    txt_ids = torch.zeros(1, 512, 4, dtype=torch.long, device=device)
+    txt_ids[..., 3] = torch.arange(512, device=device)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, rows * cols, 128, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 512, 15360, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 0.5, **_bf(device)), guidance=torch.full((1,), 4.0, **_bf(device)),
+        img_ids=img_ids, txt_ids=txt_ids, return_dict=False,
+    )
+    return model, inputs, f"{height}x{width} ({rows * cols} + 512 tokens)"
