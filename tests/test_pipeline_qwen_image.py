@@ -480,3 +480,17 @@ def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
     monkeypatch.setattr(qwen_image, "_RoutedQwenProcessor", None)
     with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
         ADAPTER.enable(tiny_qwen_image(), single_rank_mesh(), "auto")
+
+
+def test_a_processor_replaced_after_enable_is_refused_at_the_call():
+    """set_attn_processor after enable_usp: that layer would attend over the shard alone."""
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
+    model, inputs = _build(SHAPES[0])
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    try:
+        model.transformer_blocks[1].attn.processor = QwenDoubleStreamAttnProcessor2_0()
+        with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn.processor became QwenDoubleStream"):
+            forward(model, inputs)
+    finally:
+        ADAPTER.disable(model)

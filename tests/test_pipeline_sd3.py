@@ -410,3 +410,17 @@ def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
     monkeypatch.setattr(sd3, "_routed_call", lambda route: None)
     with pytest.raises(NotImplementedError, match="does not call F.scaled_dot_product_attention"):
         ADAPTER.enable(tiny_sd3(), single_rank_mesh(), "auto")
+
+
+def test_a_processor_replaced_after_enable_is_refused_at_the_call():
+    """A PAG pipeline swaps processors at call time: that layer would attend over the shard alone."""
+    from diffusers.models.attention_processor import PAGJointAttnProcessor2_0
+
+    model, inputs = _build(SHAPES[2])
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    try:
+        model.transformer_blocks[0].attn2.processor = PAGJointAttnProcessor2_0()
+        with pytest.raises(NotImplementedError, match="transformer_blocks.0.attn2.processor became PAGJointAttnProc"):
+            forward(model, inputs)
+    finally:
+        ADAPTER.disable(model)

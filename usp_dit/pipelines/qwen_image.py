@@ -46,25 +46,25 @@ Note [Qwen-Image's per-token tables]
 
 The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a plan]): split at
 ``transformer_blocks.0``, gather at ``proj_out``, every block's attention parallel (text first),
-the image RoPE a ``Table``, ``modulate_index`` and the ControlNet refusal hooks.
+the image RoPE a ``Table``, ``modulate_index`` and the call-time checks (``CallChecks``) hooks.
 
 Attention keeps Diffusers' maths: ``USPQwenDoubleStreamAttnProcessor`` runs the stock
 ``QwenDoubleStreamAttnProcessor2_0.__call__``'s own code (projections, QK RMS norms, RoPE on
 this rank's rows, ``[text; image]`` concatenation, mask, output projections) with its one
 ``dispatch_attention_fn`` call routed (``_routing`` Note [routing a stock processor's attention call]).
 
-Refused: processors other than the stock ``QwenDoubleStreamAttnProcessor2_0`` (LoRA-replaced,
-custom, or Diffusers' context parallelism already enabled), attention modules the plan does not
-name, a Diffusers cache (``enable_cache``:
-its decisions would be taken per rank on a shard), ``num_layers=0`` (NotImplementedError at
-enable); ``controlnet_block_samples`` (Qwen-Image ControlNet: its residuals are full-sequence,
-NotImplementedError at the call); a ``modulate_index`` whose batch is not the tokens' (at the call:
-with ``cfg_degree=2`` and ``zero_cond_t`` the cfg split halves the tokens but not ``img_shapes``,
-a plain Python list, from which the model builds the index). ``QwenImagePipeline`` calls the
-transformer once per guidance branch (true CFG), so with one prompt ``cfg_degree=2`` is refused by
-``enable_usp``'s cfg split itself (batch 1: nothing to split); a batch of prompts is split over
-the cfg groups like any batch (prompt masks included). Qwen-Image configs have no dropout.
-``QwenImage21Transformer2DModel`` is a different class and is not matched.
+Refused (NotImplementedError): at enable, processors other than the stock
+``QwenDoubleStreamAttnProcessor2_0`` (LoRA-replaced, custom, or Diffusers' context parallelism
+already enabled), attention modules the plan does not name, a Diffusers cache (``enable_cache``:
+its decisions would be taken per rank on a shard), ``num_layers=0``; at the call
+(``CallChecks``), ``controlnet_block_samples`` (Qwen-Image ControlNet: full-sequence residuals)
+and a processor replaced after enable, and a ``modulate_index`` whose batch is not the tokens'
+(with ``cfg_degree=2`` and ``zero_cond_t`` the cfg split halves the tokens but not
+``img_shapes``, a plain Python list, from which the model builds the index).
+``QwenImagePipeline`` calls the transformer once per guidance branch (true CFG), so with one
+prompt ``cfg_degree=2`` is refused by ``enable_usp``'s cfg split itself (batch 1: nothing to
+split); a batch of prompts is split over the cfg groups like any batch (prompt masks included).
+Qwen-Image configs have no dropout. ``QwenImage21Transformer2DModel`` is a different class and is not matched.
 """
 from __future__ import annotations
 
@@ -163,29 +163,42 @@ class ModulateIndexHooks:
         return _set_arg(args, kwargs, "modulate_index", _MODULATE_INDEX_POS, index_local)
 
 
-def _refuse_controlnet(module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of the transformer: ControlNet residuals are (B, S, C), full-sequence."""
-    if kwargs.get("controlnet_block_samples") is not None or (len(args) > 7 and args[7] is not None):
-        raise NotImplementedError(
-            "usp_dit's Qwen-Image adapter does not shard controlnet_block_samples (QwenImage ControlNet): "
-            "call disable_usp() for ControlNet pipelines"
-        )
+class CallChecks:
+    """A plan ``hooks`` factory: a forward pre-hook of the transformer refusing, at each call, what
+    the adapter would otherwise run wrongly (NotImplementedError):
 
-
-class ControlNetRefusal:
-    """A plan ``hooks`` factory: ``_refuse_controlnet`` as a forward pre-hook of the transformer."""
+    * ``controlnet_block_samples`` (QwenImage ControlNet): full-sequence residuals (B, S, C) added to
+      the blocks' sharded tokens;
+    * a parallel attention whose processor was replaced after ``enable_usp`` (a PAG pipeline swaps
+      processors at call time, ``set_attn_processor``): it would attend over this rank's shard alone.
+    """
 
     def __init__(self, transformer: QwenImageTransformer2DModel, state: ShardState) -> None:
         self.transformer = transformer
+        blocks = enumerate(transformer.transformer_blocks)
+        self.attentions = [(f"transformer_blocks.{i}.attn", b.attn) for i, b in blocks]
         self.handle: RemovableHandle | None = None
 
     def install(self) -> None:
-        self.handle = self.transformer.register_forward_pre_hook(_refuse_controlnet, with_kwargs=True)
+        self.handle = self.transformer.register_forward_pre_hook(self._check, with_kwargs=True)
 
     def remove(self) -> None:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+
+    def _check(self, module, args: tuple, kwargs: dict) -> None:
+        if kwargs.get("controlnet_block_samples") is not None or (len(args) > 7 and args[7] is not None):
+            raise NotImplementedError(
+                "usp_dit's Qwen-Image adapter does not shard controlnet_block_samples (QwenImage ControlNet): "
+                "call disable_usp() for ControlNet pipelines"
+            )
+        for path, attn in self.attentions:
+            if not isinstance(attn.processor, USPQwenDoubleStreamAttnProcessor):
+                raise NotImplementedError(
+                    f"{path}.processor became {type(attn.processor).__name__} after enable_usp (PAG, "
+                    f"set_attn_processor): it would attend over this rank's shard alone; call disable_usp() first"
+                )
 
 
 def _routed_call_missing(transformer: QwenImageTransformer2DModel) -> str | None:
@@ -216,7 +229,7 @@ PLAN = ModelPlan(
         "hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep", "guidance",
         "additional_t_cond",
     ),
-    hooks=(ModulateIndexHooks, ControlNetRefusal),
+    hooks=(ModulateIndexHooks, CallChecks),
     refuse=(_routed_call_missing,),
 )
 

@@ -37,18 +37,19 @@ Note [SD3's attention call]
     calling ``F.scaled_dot_product_attention``, ``with_global`` returns ``None`` and enable refuses.
 
 The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a plan]): gather at
-``proj_out``, ``attn`` parallel (text last), ``attn2`` parallel (image only), the ControlNet
-refusal a hook; its split is ``pos_embed``'s *output*, which a plan cannot say yet (``split_at``
-shards a module's ``hidden_states`` input), so ``SD3PlanAdapter`` puts ``PosEmbedShardHooks`` in
-the place of the plan's token hooks.
+``proj_out``, ``attn`` parallel (text last), ``attn2`` parallel (image only), the call-time checks
+(``CallChecks``) a hook; its split is ``pos_embed``'s *output*, which a plan cannot say yet
+(``split_at`` shards a module's ``hidden_states`` input), so ``SD3PlanAdapter`` puts
+``PosEmbedShardHooks`` in the place of the plan's token hooks.
 
-Refused: processors other than the stock ``JointAttnProcessor2_0`` (fused QKV, IP-Adapter, PAG,
-LoRA-replaced or custom ones), attention modules the plan does not name, a Diffusers cache
-(``enable_cache``), ``num_layers=0`` (NotImplementedError at enable); ``block_controlnet_hidden_states``
-(SD3 ControlNet: full-sequence residuals, NotImplementedError at the call). (An ``attention_mask``
-handed to the processor is ignored, as the stock code ignores it: it never reaches its attention
-call.) SD3 configs have no dropout. The pipeline batches its CFG halves in one transformer call,
-so ``cfg_degree=2`` splits them; its skip-layer-guidance call (``skip_guidance_layers``) has batch 1,
+Refused (NotImplementedError): at enable, processors other than the stock ``JointAttnProcessor2_0``
+(fused QKV, IP-Adapter, PAG, LoRA-replaced or custom ones), attention modules the plan does not
+name, a Diffusers cache (``enable_cache``), ``num_layers=0``; at the call (``CallChecks``),
+``block_controlnet_hidden_states`` (SD3 ControlNet: full-sequence residuals) and a processor
+replaced after enable (a PAG pipeline swaps them at call time). (An ``attention_mask`` handed to
+the processor is ignored, as the stock code ignores it: it never reaches its attention call.)
+SD3 configs have no dropout. The pipeline batches its CFG halves in one transformer call, so
+``cfg_degree=2`` splits them; its skip-layer-guidance call (``skip_guidance_layers``) has batch 1,
 which ``cfg_degree=2`` cannot split (``enable_usp`` raises there).
 """
 from __future__ import annotations
@@ -173,29 +174,43 @@ class PosEmbedShardHooks(TokenShardHooks):
         return shard_sequence(tokens, self.state.mesh, dim=1)
 
 
-def _refuse_controlnet(module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of the transformer: ControlNet residuals are (B, S, C), full-sequence."""
-    if kwargs.get("block_controlnet_hidden_states") is not None or (len(args) > 4 and args[4] is not None):
-        raise NotImplementedError(
-            "usp_dit's SD3 adapter does not shard block_controlnet_hidden_states (SD3 ControlNet): "
-            "call disable_usp() for ControlNet pipelines"
-        )
+class CallChecks:
+    """A plan ``hooks`` factory: a forward pre-hook of the transformer refusing, at each call, what
+    the adapter would otherwise run wrongly (NotImplementedError):
 
-
-class ControlNetRefusal:
-    """A plan ``hooks`` factory: ``_refuse_controlnet`` as a forward pre-hook of the transformer."""
+    * ``block_controlnet_hidden_states`` (SD3 ControlNet): full-sequence residuals (B, S, C) added to
+      the blocks' sharded tokens;
+    * a parallel attention whose processor was replaced after ``enable_usp`` (a PAG pipeline swaps
+      processors at call time, ``set_attn_processor``): it would attend over this rank's shard alone.
+    """
 
     def __init__(self, transformer: SD3Transformer2DModel, state: ShardState) -> None:
         self.transformer = transformer
+        blocks = enumerate(transformer.transformer_blocks)
+        self.attentions = [(f"transformer_blocks.{i}.{name}", getattr(b, name))
+                           for i, b in blocks for name in ("attn", "attn2") if getattr(b, name) is not None]
         self.handle: RemovableHandle | None = None
 
     def install(self) -> None:
-        self.handle = self.transformer.register_forward_pre_hook(_refuse_controlnet, with_kwargs=True)
+        self.handle = self.transformer.register_forward_pre_hook(self._check, with_kwargs=True)
 
     def remove(self) -> None:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+
+    def _check(self, module, args: tuple, kwargs: dict) -> None:
+        if kwargs.get("block_controlnet_hidden_states") is not None or (len(args) > 4 and args[4] is not None):
+            raise NotImplementedError(
+                "usp_dit's SD3 adapter does not shard block_controlnet_hidden_states (SD3 ControlNet): "
+                "call disable_usp() for ControlNet pipelines"
+            )
+        for path, attn in self.attentions:
+            if not isinstance(attn.processor, USPJointAttnProcessor):
+                raise NotImplementedError(
+                    f"{path}.processor became {type(attn.processor).__name__} after enable_usp (PAG, "
+                    f"set_attn_processor): it would attend over this rank's shard alone; call disable_usp() first"
+                )
 
 
 def _routed_call_missing(transformer: SD3Transformer2DModel) -> str | None:
@@ -218,7 +233,7 @@ PLAN = ModelPlan(
     # Batched on dim 0, split over the "cfg" axis by enable_usp: StableDiffusion3Pipeline batches
     # [uncond, cond] in one call.
     cfg_batch_args=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"),
-    hooks=(ControlNetRefusal,),
+    hooks=(CallChecks,),
     refuse=(_routed_call_missing,),
 )
 
