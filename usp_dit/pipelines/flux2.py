@@ -1,0 +1,298 @@
+"""Flux.2 adapter: ``Flux2Transformer2DModel`` (FLUX.2-dev, FLUX.2-klein; ``Flux2Pipeline`` and the Klein pipelines).
+
+Layout: image tokens (batch, N, channels) in the pipeline's packed order: the target image's
+latent patches row-major, then any reference images' (image editing: ``img_ids`` time coordinate
+10, 20, ...); text tokens (batch, T, channels), the prompt padded to ``max_sequence_length`` and
+**all attended** (the pipeline hands the transformer no mask); position ids (tokens, 4) or
+(batch, tokens, 4) (the model reads row 0), axes (t, h, w, l); Q/K/V (batch, seq, heads, head_dim);
+the RoPE table ``(cos, sin)``, each (T + N, head_dim), built in the forward from
+``cat(pos_embed(txt_ids), pos_embed(img_ids))``: row i rotates token i of ``[text; image]``.
+
+Text tokens: **split** together with the image tokens (as the Flux.1 adapter,
+``usp_dit.pipelines.flux`` Note [Flux token split]): the joint sequence ``[text; image]`` is cut
+into ``split_sizes(T + N, P)`` contiguous pieces. Flux.2-dev has 8 double-stream and 48
+single-stream blocks; the single-stream ones run all per-token work (the fused QKV + MLP
+projection, the MLP, the output projection) on ``[text; image]``, so a text token costs what an
+image token costs. At 1024 x 1024 (4096 image tokens, 512 text tokens = 4608):
+
+    per rank     P=2    P=4    P=8
+    replicated   2560   1536   1024    (4096 / P image + all 512 text)
+    split        2304   1152    576    (4608 / P; at P=8 rank 0 holds 512 text + 64 image)
+
+Replicating the text would leave 512 tokens of unshrunk work on every rank (1.8x the split's
+load at P=8). Split, every rank holds one piece of the joint sequence in global order, the load
+is even to one token, and attention sees one plain sharded sequence (``Route(state, "none")``:
+no joint tokens; there is no mask to split). Diffusers' own ``_cp_plan`` splits the text too (it
+cuts text and image separately, which needs P | T and P | N; ours are cut as one sequence and
+may have any lengths).
+
+Where the tokens are split: at the forward's arguments (``JointSplitForward``, a wrapper of the
+forward installed by the plan, like Diffusers' ``_cp_plan`` entry ``""``): this rank's rows of
+``hidden_states`` / ``img_ids`` and ``encoder_hidden_states`` / ``txt_ids`` (Note [Flux.2 token
+split]). The stock forward then runs unchanged on the pieces: ``x_embedder`` / ``context_embedder``
+per token, ``pos_embed`` on this rank's ids (so the RoPE rows are exactly its tokens'), the
+double blocks' ``[text; image]`` concatenation and the single blocks' ``cat([text, image])`` both
+this rank's piece of the joint sequence in global order, and the forward's final
+``hidden_states[:, num_txt_tokens:]`` drops this rank's text rows (``num_txt_tokens`` is read from
+the local ``encoder_hidden_states``). ``proj_out``'s output, this rank's image rows, is gathered
+(uneven pieces: every rank's image count) once, after the forward. The split cannot be a pre-hook
+of the first block: the forward computes ``num_txt_tokens`` before it, from the whole text.
+
+Note [Flux.2 token split]
+    joint sequence    [ t_0 .. t_{T-1} | i_0 .. i_{N-1} ]     (Flux.2's attention order)
+    pieces            split_sizes(T + N, P): rank s holds [lo_s, hi_s)
+    rank s passes     encoder_hidden_states, txt_ids rows [lo_s, hi_s) ∩ [0, T)
+                      hidden_states, img_ids rows ([lo_s, hi_s) ∩ [T, T + N)) - T
+    A rank may hold no text (its text stream is (B, 0, C)) or no image tokens (FLUX.2-dev at
+    P = 16: 288 per rank, ranks 0 and 1 text only); both run, and the gather takes 0 rows from it.
+
+Note [Flux.2's KV processors]
+    ``Flux2KVAttnProcessor`` / ``Flux2KVParallelSelfAttnProcessor`` are what
+    ``Flux2KleinKVPipeline`` installs in its ``__init__``: with reference images, step 0 runs
+    ``kv_cache_mode="extract"`` ([text, ref, image]: the reference tokens attend only to
+    themselves, their post-RoPE K/V cached per layer) and later steps ``"cached"`` (the cached
+    reference K/V injected between text and image keys). Those paths call
+    ``_flux2_kv_causal_attention``, a module function whose attention calls are not routed: they
+    would attend within this rank's shard only. So the KV *modes* are refused at the call
+    (``kv_cache_mode``, ``kv_cache``, ``num_ref_tokens``, and the same keys in
+    ``joint_attention_kwargs``); the KV *processors* are accepted: without those arguments their
+    code is the plain processors' line for line, and they are replaced by the routed plain ones
+    (a Klein KV pipeline without reference images runs sequence-parallel; tested against stock).
+
+The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a plan]): double- and
+single-stream attention parallel (the stock processors' own code with their
+``dispatch_attention_fn`` call routed, ``_routing`` Note [routing a stock processor's attention
+call]), the tokens split at the forward's arguments and gathered after it (``Flux2PlanAdapter``
+puts ``JointSplitForward`` in the place of the plan's token hooks, as SD3 does for its split).
+
+Refused (NotImplementedError): processors other than the stock ``Flux2AttnProcessor`` /
+``Flux2ParallelSelfAttnProcessor`` and their KV variants (LoRA-replaced, custom, Diffusers'
+context parallelism already enabled), attention modules the plan does not name, a Diffusers
+cache, a model without blocks (at enable); the KV-cache modes, an ``attention_mask`` (Flux.2
+pipelines pass none; the stock blocks never forward one) and processors swapped after enable (at
+the call). ``Flux2Pipeline`` is guidance-distilled: one transformer call per step, batch = the
+prompts, so ``cfg_degree=2`` splits a batch of prompts and raises for one prompt (the cfg
+split's error); ``Flux2KleinPipeline`` (non-distilled) calls the transformer once per guidance
+branch, batch 1 each with one prompt: the same. Flux.2 configs have no dropout.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers import Flux2Transformer2DModel
+from diffusers.models.transformers.transformer_flux2 import (
+    Flux2Attention,
+    Flux2AttnProcessor,
+    Flux2KVAttnProcessor,
+    Flux2KVParallelSelfAttnProcessor,
+    Flux2ParallelSelfAttention,
+    Flux2ParallelSelfAttnProcessor,
+)
+
+from usp_dit.comm import all_gather_uneven
+from usp_dit.mesh import USPMesh
+from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class
+from usp_dit.pipelines._token_sharding import ShardState, TokenShardHooks
+from usp_dit.pipelines.base import MISSING, MethodWrapper, register_adapter, restore_instance_attr, saved_instance_attr
+from usp_dit.pipelines.flux import FluxSplit, flux_split
+from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter, PlanPatch, check_plan
+
+# Note [routing a stock processor's attention call] (usp_dit.pipelines._routing): the stock code,
+# its one dispatch_attention_fn call routed. None if this diffusers' processor makes no such call.
+_RoutedFlux2Attn = routed_processor_class(Flux2AttnProcessor, "_RoutedFlux2Attn")
+_RoutedFlux2SelfAttn = routed_processor_class(Flux2ParallelSelfAttnProcessor, "_RoutedFlux2SelfAttn")
+
+# Note [Flux.2's KV processors]: the arguments of the KV-cache modes, refused at the call.
+_KV_ARGS = ("kv_cache", "kv_cache_mode", "num_ref_tokens", "num_txt_tokens")
+
+
+class USPFlux2AttnProcessor(_RoutedFlux2Attn or RoutedProcessor):
+    """Double-stream attention of this rank's piece of ``[text; image]`` against the whole sequence.
+
+    Inputs: ``hidden_states`` (B, N_local, C) this rank's image rows, ``encoder_hidden_states``
+    (B, T_local, C) its text rows (possibly none), ``image_rotary_emb`` ``(cos, sin)`` each
+    (T_local + N_local, head_dim), this rank's rows. Returns ``(image_out (B, N_local, C),
+    text_out (B, T_local, C))``. The maths is ``Flux2AttnProcessor``'s own code.
+
+    The explicit signature matters: ``Flux2Attention.forward`` passes a processor only the
+    keyword arguments its ``__call__`` names.
+    """
+
+    def __call__(
+        self,
+        attn: Flux2Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if attention_mask is not None:
+            raise NotImplementedError("usp_dit's Flux.2 adapter does not route an attention_mask (Flux.2 pipelines pass none)")
+        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+
+
+class USPFlux2SelfAttnProcessor(_RoutedFlux2SelfAttn or RoutedProcessor):
+    """Single-stream attention (+ the fused MLP) of this rank's piece of ``[text; image]``.
+
+    Inputs: ``hidden_states`` (B, T_local + N_local, C); ``image_rotary_emb`` ``(cos, sin)`` each
+    (T_local + N_local, head_dim). Returns (B, T_local + N_local, C). The maths is
+    ``Flux2ParallelSelfAttnProcessor``'s own code.
+    """
+
+    def __call__(
+        self,
+        attn: Flux2ParallelSelfAttention,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if attention_mask is not None:
+            raise NotImplementedError("usp_dit's Flux.2 adapter does not route an attention_mask (Flux.2 pipelines pass none)")
+        return super().__call__(attn, hidden_states, attention_mask, image_rotary_emb)
+
+
+def _rows(x: torch.Tensor, lo: int, hi: int, dim: int) -> torch.Tensor:
+    return x.narrow(dim, lo, hi - lo)
+
+
+def _ids_rows(ids: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows [lo, hi) of position ids (tokens, 4) or (batch, tokens, 4) (the model reads row 0 of the latter)."""
+    return _rows(ids, lo, hi, ids.dim() - 2)
+
+
+def _check_call(call: dict[str, Any]) -> None:
+    """NotImplementedError for the KV-cache modes, ValueError for ids that do not match the tokens."""
+    extra = {k for k, v in call.items() if k in _KV_ARGS and v not in (None, 0)}
+    extra |= {k for k in (call.get("joint_attention_kwargs") or {}) if k in _KV_ARGS}
+    if extra:
+        raise NotImplementedError(
+            f"usp_dit's Flux.2 adapter does not run the KV-cache modes ({sorted(extra)}): their reference-token "
+            f"attention is not routed (Note [Flux.2's KV processors]); call disable_usp() for Flux2KleinKVPipeline "
+            f"with reference images"
+        )
+    for ids, tokens in (("txt_ids", "encoder_hidden_states"), ("img_ids", "hidden_states")):
+        if call[ids].shape[-2] != call[tokens].shape[1]:
+            raise ValueError(
+                f"{ids} has {call[ids].shape[-2]} rows but {tokens} has {call[tokens].shape[1]} tokens: they must "
+                f"match for the ids to be split like the tokens"
+            )
+
+
+class JointSplitForward(MethodWrapper):
+    """Flux.2's forward on this rank's piece of ``[text; image]`` (Note [Flux.2 token split]),
+    its image output gathered: (B, N, C_out) on every rank of the sequence group.
+
+    An object, not a closure (``usp_dit.pipelines.base`` Note [deep copies]).
+    """
+
+    def __init__(self, inner, state: ShardState, swaps: list[tuple[torch.nn.Module, Any, Any]]) -> None:
+        super().__init__(inner)
+        self.state = state
+        self.swaps = swaps  # (module, stock processor, ours): checked at every call
+
+    def _check_processors(self) -> None:
+        for module, _, ours in self.swaps:
+            if module.processor is not ours:
+                raise NotImplementedError(
+                    f"an attention processor was replaced after enable_usp ({type(module.processor).__name__}): it "
+                    f"would attend within this rank's shard; call disable_usp() before set_attn_processor"
+                )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self.__signature__.bind(*args, **kwargs)
+        call = bound.arguments
+        for name in ("hidden_states", "encoder_hidden_states", "img_ids", "txt_ids"):
+            if call.get(name) is None:
+                raise ValueError(f"Flux2Transformer2DModel under usp_dit needs {name}, got None")
+        _check_call(call)
+        self._check_processors()
+        num_text, num_image = call["encoder_hidden_states"].shape[1], call["hidden_states"].shape[1]
+        mesh = self.state.mesh
+        split = flux_split(num_text, num_image, mesh.sequence_degree, mesh.seq_rank)
+        (tlo, thi), (ilo, ihi) = split.text, split.image
+        call["encoder_hidden_states"] = _rows(call["encoder_hidden_states"], tlo, thi, 1)
+        call["txt_ids"] = _ids_rows(call["txt_ids"], tlo, thi)
+        call["hidden_states"] = _rows(call["hidden_states"], ilo, ihi, 1)
+        call["img_ids"] = _ids_rows(call["img_ids"], ilo, ihi)
+        self.state.seq_len = num_text + num_image  # what every routed attention call covers
+        self.state.text_len = None  # the text is not replicated (nothing joint)
+        out = self.inner(*bound.args, **bound.kwargs)
+        return _gather_image(out, split, mesh)
+
+
+def _gather_image(out: Any, split: FluxSplit, mesh: USPMesh) -> Any:
+    """(B, N_local, C_out) -> (B, N, C_out) on every rank, in the output's own type (tuple or output)."""
+    sizes = list(split.image_sizes)
+    if isinstance(out, tuple):
+        return (all_gather_uneven(out[0], sizes, 1, mesh.seq_group),) + out[1:]
+    out.sample = all_gather_uneven(out.sample, sizes, 1, mesh.seq_group)
+    return out
+
+
+class JointSplitHooks:
+    """The plan part installing ``JointSplitForward`` as the transformer's ``forward`` (and removing it)."""
+
+    def __init__(self, transformer: Flux2Transformer2DModel, state: ShardState, swaps: list) -> None:
+        self.transformer = transformer
+        self.state = state
+        self.swaps = swaps
+        self.saved: Any = MISSING
+
+    def install(self) -> None:
+        self.saved = saved_instance_attr(self.transformer, "forward")
+        self.transformer.forward = JointSplitForward(self.transformer.forward, self.state, self.swaps)
+
+    def remove(self) -> None:
+        restore_instance_attr(self.transformer, "forward", self.saved)
+
+
+def _routed_call_missing(transformer: Flux2Transformer2DModel) -> str | None:
+    for stock, routed in ((Flux2AttnProcessor, _RoutedFlux2Attn), (Flux2ParallelSelfAttnProcessor, _RoutedFlux2SelfAttn)):
+        if routed is None:
+            return f"this diffusers' {stock.__name__} does not call {ROUTED_NAME}, the call usp_dit routes"
+    return None
+
+
+PLAN = ModelPlan(
+    name="Flux2",
+    model_class=Flux2Transformer2DModel,
+    # The forward's own arguments ("" is the transformer: Diffusers' _cp_plan entry), split by
+    # JointSplitForward (Flux2PlanAdapter); the image rows of proj_out's output gathered after it.
+    split_at="",
+    gather_at="proj_out",
+    attention=(
+        # [text; image] pieces of one sharded sequence: plain self-attention over the whole of it
+        Parallel("transformer_blocks.*.attn", USPFlux2AttnProcessor,
+                 stock=(Flux2AttnProcessor, Flux2KVAttnProcessor)),
+        Parallel("single_transformer_blocks.*.attn", USPFlux2SelfAttnProcessor,
+                 stock=(Flux2ParallelSelfAttnProcessor, Flux2KVParallelSelfAttnProcessor)),
+    ),
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
+    # Batched on dim 0, split over the "cfg" axis by enable_usp. img_ids / txt_ids stay whole:
+    # the model reads their row 0 for every batch element.
+    cfg_batch_args=("hidden_states", "encoder_hidden_states", "timestep", "guidance"),
+    refuse=(_routed_call_missing,),
+)
+
+
+class _Flux2PlanPatch(PlanPatch):
+    """``PlanPatch`` with the tokens split at the forward's arguments (``JointSplitHooks``)
+    instead of at ``split_at``'s ``hidden_states`` input."""
+
+    def __init__(self, plan: ModelPlan, transformer: Flux2Transformer2DModel, mesh: USPMesh, backend: str) -> None:
+        super().__init__(plan, transformer, mesh, backend)
+        tokens = [i for i, part in enumerate(self.parts) if isinstance(part, TokenShardHooks)]
+        assert len(tokens) == 1, "PlanPatch installs one TokenShardHooks"
+        self.parts[tokens[0]] = JointSplitHooks(transformer, self.state, self.swaps)
+
+
+class Flux2PlanAdapter(PlanAdapter):
+    """The Flux.2 ``ModelPlan``'s adapter, its tokens split at the forward's arguments (module docstring)."""
+
+    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> _Flux2PlanPatch:
+        check_plan(self.plan, transformer)
+        return _Flux2PlanPatch(self.plan, transformer, mesh, backend)
+
+
+ADAPTER = register_adapter(Flux2PlanAdapter(PLAN, __name__))
