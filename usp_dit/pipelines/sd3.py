@@ -36,11 +36,9 @@ Note [SD3's attention call]
     code object, so a Diffusers fix to it is picked up. If a future Diffusers' processor stops
     calling ``F.scaled_dot_product_attention``, ``with_global`` returns ``None`` and enable refuses.
 
-The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a plan]): gather at
-``proj_out``, ``attn`` parallel (text last), ``attn2`` parallel (image only), the call-time checks
-(``CallChecks``) a hook; its split is ``pos_embed``'s *output*, which a plan cannot say yet
-(``split_at`` shards a module's ``hidden_states`` input), so ``SD3PlanAdapter`` puts
-``PosEmbedShardHooks`` in the place of the plan's token hooks.
+The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a plan]): split at
+``pos_embed``'s output (``split="output"``), gather at ``proj_out``, ``attn`` parallel (text last),
+``attn2`` parallel (image only), the call-time checks (``CallChecks``) a hook.
 
 Refused (NotImplementedError): at enable, processors other than the stock ``JointAttnProcessor2_0``
 (fused QKV, IP-Adapter, PAG, LoRA-replaced or custom ones), attention modules the plan does not
@@ -64,12 +62,10 @@ from diffusers import SD3Transformer2DModel
 from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
 from torch.utils.hooks import RemovableHandle
 
-from usp_dit.mesh import USPMesh
 from usp_dit.pipelines._routing import Route, route_attention, with_global
-from usp_dit.pipelines._token_sharding import ShardState, TokenShardHooks
+from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.pipelines.base import register_adapter
-from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter, PlanPatch, check_plan
-from usp_dit.sharding import shard_sequence
+from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter
 
 _ROUTED_GLOBAL = "F"  # JointAttnProcessor2_0 calls F.scaled_dot_product_attention (torch.nn.functional as F)
 
@@ -156,24 +152,6 @@ class USPSD3ImageProcessor(USPJointAttnProcessor):
     text = "none"
 
 
-class PosEmbedShardHooks(TokenShardHooks):
-    """Shard at ``pos_embed``'s output (``first_block`` is ``pos_embed`` here), gather at ``proj_out``'s.
-
-    ``pos_embed`` maps the latent (B, C, H, W) to tokens (B, S, C_model) with their positions
-    added; the hook hands on this rank's (B, S_local, C_model). Being outside the blocks, it also
-    holds when ``skip_layers`` skips block 0, and it is not recomputed by gradient checkpointing.
-    """
-
-    def install(self) -> None:
-        self.handles.append(self.first_block.register_forward_hook(self._shard_output))
-        self.handles.append(self.out_proj.register_forward_hook(self._gather_output))
-
-    def _shard_output(self, module, args: tuple, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, S, C) -> (B, S_local, C); records S as this call's ``seq_len``."""
-        self.state.seq_len = tokens.shape[1]
-        return shard_sequence(tokens, self.state.mesh, dim=1)
-
-
 class CallChecks:
     """A plan ``hooks`` factory: a forward pre-hook of the transformer refusing, at each call, what
     the adapter would otherwise run wrongly (NotImplementedError):
@@ -223,7 +201,10 @@ def _routed_call_missing(transformer: SD3Transformer2DModel) -> str | None:
 PLAN = ModelPlan(
     name="SD3",
     model_class=SD3Transformer2DModel,
-    split_at="pos_embed",  # its *output* (SD3PlanAdapter's PosEmbedShardHooks), not its latent input
+    # pos_embed's output, the tokens with their positions added (its input is the latent):
+    # outside the blocks, so the split holds when skip_layers skips block 0.
+    split_at="pos_embed",
+    split="output",
     gather_at="proj_out",
     attention=(
         Parallel("transformer_blocks.*.attn", USPSD3JointProcessor, stock=(JointAttnProcessor2_0,), text="last"),
@@ -238,23 +219,4 @@ PLAN = ModelPlan(
 )
 
 
-class _SD3PlanPatch(PlanPatch):
-    """``PlanPatch`` with the tokens split at ``pos_embed``'s output (``PosEmbedShardHooks``)
-    instead of ``split_at``'s ``hidden_states`` input (the latent, for ``pos_embed``)."""
-
-    def __init__(self, plan: ModelPlan, transformer: SD3Transformer2DModel, mesh: USPMesh, backend: str) -> None:
-        super().__init__(plan, transformer, mesh, backend)
-        tokens = [i for i, part in enumerate(self.parts) if type(part) is TokenShardHooks]
-        assert len(tokens) == 1, "PlanPatch installs one TokenShardHooks"
-        self.parts[tokens[0]] = PosEmbedShardHooks(self.state, transformer.pos_embed, transformer.proj_out)
-
-
-class SD3PlanAdapter(PlanAdapter):
-    """The SD3 ``ModelPlan``'s adapter, its tokens split at ``pos_embed``'s output (module docstring)."""
-
-    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> _SD3PlanPatch:
-        check_plan(self.plan, transformer)
-        return _SD3PlanPatch(self.plan, transformer, mesh, backend)
-
-
-ADAPTER = register_adapter(SD3PlanAdapter(PLAN, __name__))
+ADAPTER = register_adapter(PlanAdapter(PLAN, __name__))
