@@ -200,6 +200,11 @@ def route_attention(
         text = slice(0, text_len) if route.text == "first" else slice(full - text_len, full)
         video = slice(text_len, None) if route.text == "first" else slice(0, full - text_len)
     valid = _valid_text_keys(attn_mask, query.shape[0], text, video)
+    if route.state.mesh.sequence_degree == 1 and valid is None:
+        # One rank: attention over [text; shard] is plain attention over the sequence the stock
+        # code concatenated; taking it apart and joining it again would copy q, k, v and the output.
+        state = route.state
+        return usp_attention(query, key, value, scale=scale, mesh=state.mesh, backend=state.backend).out
     split = (lambda x: (x[:, text_len:], x[:, :text_len])) if route.text == "first" else (
         lambda x: (x[:, :shard], x[:, shard:]))
     (q, tq), (k, tk), (v, tv) = split(query), split(key), split(value)

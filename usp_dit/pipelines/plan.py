@@ -29,6 +29,7 @@ Note [a model is a plan]
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -104,6 +105,9 @@ class ModelPlan:
     refuse: tuple[Callable[[torch.nn.Module], str | None], ...] = ()  # a reason to refuse, or None
     heads: Callable[[torch.nn.Module], int] = lambda model: model.config.num_attention_heads
     split: Literal["input", "output"] = "input"  # ... or its output (a patch embedding's tokens)
+    # Arguments of the transformer's forward the plan does not shard (e.g. ControlNet residuals,
+    # (B, S, C) over the whole sequence): a call that passes one is refused (Note [checks at the call]).
+    refuse_args: dict[str, str] = field(default_factory=dict)  # name -> what it is, for the message
 
 
 @dataclass(eq=False)
@@ -183,23 +187,68 @@ def check_plan(plan: ModelPlan, transformer: torch.nn.Module) -> None:
             raise NotImplementedError(f"usp_dit's {plan.name} adapter: {reason}")
 
 
+class CallChecks:
+    """Note [checks at the call]: a forward pre-hook of the transformer, raising NotImplementedError
+    for what would otherwise run wrongly on a shard:
+
+    * an argument in ``plan.refuse_args`` that is not ``None``;
+    * a parallel attention module whose processor is no longer the one installed at enable (a PAG
+      pipeline swaps processors at each call with ``set_attn_processor``): it would attend over this
+      rank's shard alone.
+
+    Note [checks at the call]
+        ``check_plan`` runs once, at enable; what a pipeline changes between calls is checked here,
+        once per forward, before any token is split (a loop over the parallel sites: microseconds).
+    """
+
+    def __init__(self, plan: ModelPlan, transformer: torch.nn.Module, swaps: list[tuple[str, torch.nn.Module, Any]]) -> None:
+        self.plan, self.transformer, self.swaps = plan, transformer, swaps
+        self.signature = inspect.signature(type(transformer).forward)
+        self.handle: RemovableHandle | None = None
+
+    def install(self) -> None:
+        self.handle = self.transformer.register_forward_pre_hook(self._check, with_kwargs=True)
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+    def _check(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.plan.refuse_args:
+            given = self.signature.bind_partial(module, *args, **kwargs).arguments
+            for name, what in self.plan.refuse_args.items():
+                if given.get(name) is not None:
+                    raise NotImplementedError(
+                        f"usp_dit's {self.plan.name} adapter does not shard {name} ({what}): call disable_usp() "
+                        f"for this pipeline"
+                    )
+        for path, attn, installed in self.swaps:
+            if attn.processor is not installed:
+                raise NotImplementedError(
+                    f"{path}.processor became {type(attn.processor).__name__} after enable_usp (e.g. a PAG pipeline's "
+                    f"set_attn_processor): it would attend over this rank's shard alone; call disable_usp() first"
+                )
+
+
 class PlanPatch:
     """Everything ``enable`` changed on one transformer, and how to undo it."""
 
     def __init__(self, plan: ModelPlan, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> None:
         self.state = ShardState(mesh, backend)
         get = transformer.get_submodule
-        self.swaps: list[tuple[torch.nn.Module, Any, Any]] = []  # (module, original, replacement)
+        self.swaps: list[tuple[str, torch.nn.Module, Any, Any]] = []  # (path, module, original, replacement)
         processors: dict[Parallel, Any] = {}  # one processor object per site, shared by its modules
         for path, module in transformer.named_modules():
             site = _site(plan, path) if getattr(module, "processor", None) is not None else None
             if isinstance(site, Parallel):
                 if site not in processors:
                     processors[site] = self._processor(site)
-                self.swaps.append((module, module.processor, processors[site]))
+                self.swaps.append((path, module, module.processor, processors[site]))
         tables = TableHooks(self.state, [(get(t.module), t) for t in plan.tables])
         tokens = TokenShardHooks(self.state, get(plan.split_at), get(plan.gather_at), at=plan.split)
-        self.parts: list[Installable] = [tables, tokens] + [make(transformer, self.state) for make in plan.hooks]
+        checks = CallChecks(plan, transformer, [(p, m, new) for p, m, _, new in self.swaps])
+        self.parts: list[Installable] = [checks, tables, tokens] + [make(transformer, self.state) for make in plan.hooks]
 
     def _processor(self, site: Parallel) -> Any:
         if issubclass(site.processor, RoutedProcessor):
@@ -209,11 +258,11 @@ class PlanPatch:
     def install(self) -> None:
         for part in self.parts:
             part.install()
-        for module, _, replacement in self.swaps:
+        for _, module, _, replacement in self.swaps:
             module.processor = replacement
 
     def remove(self) -> None:
-        for module, original, _ in self.swaps:
+        for _, module, original, _ in self.swaps:
             module.processor = original
         for part in reversed(self.parts):
             part.remove()

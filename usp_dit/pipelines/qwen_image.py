@@ -46,7 +46,7 @@ Note [Qwen-Image's per-token tables]
 
 The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a plan]): split at
 ``transformer_blocks.0``, gather at ``proj_out``, every block's attention parallel (text first),
-the image RoPE a ``Table``, ``modulate_index`` and the call-time checks (``CallChecks``) hooks.
+the image RoPE a ``Table``, ``modulate_index`` and the call-time checks (the plan's ``CallChecks``) hooks.
 
 Attention keeps Diffusers' maths: ``USPQwenDoubleStreamAttnProcessor`` runs the stock
 ``QwenDoubleStreamAttnProcessor2_0.__call__``'s own code (projections, QK RMS norms, RoPE on
@@ -57,7 +57,7 @@ Refused (NotImplementedError): at enable, processors other than the stock
 ``QwenDoubleStreamAttnProcessor2_0`` (LoRA-replaced, custom, or Diffusers' context parallelism
 already enabled), attention modules the plan does not name, a Diffusers cache (``enable_cache``:
 its decisions would be taken per rank on a shard), ``num_layers=0``; at the call
-(``CallChecks``), ``controlnet_block_samples`` (Qwen-Image ControlNet: full-sequence residuals)
+(the plan's ``CallChecks``), ``controlnet_block_samples`` (Qwen-Image ControlNet: full-sequence residuals)
 and a processor replaced after enable, and a ``modulate_index`` whose batch is not the tokens'
 (with ``cfg_degree=2`` and ``zero_cond_t`` the cfg split halves the tokens but not
 ``img_shapes``, a plain Python list, from which the model builds the index).
@@ -163,44 +163,6 @@ class ModulateIndexHooks:
         return _set_arg(args, kwargs, "modulate_index", _MODULATE_INDEX_POS, index_local)
 
 
-class CallChecks:
-    """A plan ``hooks`` factory: a forward pre-hook of the transformer refusing, at each call, what
-    the adapter would otherwise run wrongly (NotImplementedError):
-
-    * ``controlnet_block_samples`` (QwenImage ControlNet): full-sequence residuals (B, S, C) added to
-      the blocks' sharded tokens;
-    * a parallel attention whose processor was replaced after ``enable_usp`` (a PAG pipeline swaps
-      processors at call time, ``set_attn_processor``): it would attend over this rank's shard alone.
-    """
-
-    def __init__(self, transformer: QwenImageTransformer2DModel, state: ShardState) -> None:
-        self.transformer = transformer
-        blocks = enumerate(transformer.transformer_blocks)
-        self.attentions = [(f"transformer_blocks.{i}.attn", b.attn) for i, b in blocks]
-        self.handle: RemovableHandle | None = None
-
-    def install(self) -> None:
-        self.handle = self.transformer.register_forward_pre_hook(self._check, with_kwargs=True)
-
-    def remove(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-
-    def _check(self, module, args: tuple, kwargs: dict) -> None:
-        if kwargs.get("controlnet_block_samples") is not None or (len(args) > 7 and args[7] is not None):
-            raise NotImplementedError(
-                "usp_dit's Qwen-Image adapter does not shard controlnet_block_samples (QwenImage ControlNet): "
-                "call disable_usp() for ControlNet pipelines"
-            )
-        for path, attn in self.attentions:
-            if not isinstance(attn.processor, USPQwenDoubleStreamAttnProcessor):
-                raise NotImplementedError(
-                    f"{path}.processor became {type(attn.processor).__name__} after enable_usp (PAG, "
-                    f"set_attn_processor): it would attend over this rank's shard alone; call disable_usp() first"
-                )
-
-
 def _routed_call_missing(transformer: QwenImageTransformer2DModel) -> str | None:
     if _RoutedQwenProcessor is None:
         return f"this diffusers' QwenDoubleStreamAttnProcessor2_0 does not call {ROUTED_NAME}, the call usp_dit routes"
@@ -229,7 +191,8 @@ PLAN = ModelPlan(
         "hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep", "guidance",
         "additional_t_cond",
     ),
-    hooks=(ModulateIndexHooks, CallChecks),
+    hooks=(ModulateIndexHooks,),
+    refuse_args={"controlnet_block_samples": "Qwen-Image ControlNet's residuals, (B, S, C) over the whole sequence"},
     refuse=(_routed_call_missing,),
 )
 

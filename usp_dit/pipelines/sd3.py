@@ -38,11 +38,11 @@ Note [SD3's attention call]
 
 The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a plan]): split at
 ``pos_embed``'s output (``split="output"``), gather at ``proj_out``, ``attn`` parallel (text last),
-``attn2`` parallel (image only), the call-time checks (``CallChecks``) a hook.
+``attn2`` parallel (image only), the call-time checks the plan's ``CallChecks`` (ControlNet residuals in ``refuse_args``).
 
 Refused (NotImplementedError): at enable, processors other than the stock ``JointAttnProcessor2_0``
 (fused QKV, IP-Adapter, PAG, LoRA-replaced or custom ones), attention modules the plan does not
-name, a Diffusers cache (``enable_cache``), ``num_layers=0``; at the call (``CallChecks``),
+name, a Diffusers cache (``enable_cache``), ``num_layers=0``; at the call (the plan's ``CallChecks``),
 ``block_controlnet_hidden_states`` (SD3 ControlNet: full-sequence residuals) and a processor
 replaced after enable (a PAG pipeline swaps them at call time). (An ``attention_mask`` handed to
 the processor is ignored, as the stock code ignores it: it never reaches its attention call.)
@@ -60,7 +60,6 @@ import torch
 import torch.nn.functional
 from diffusers import SD3Transformer2DModel
 from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
-from torch.utils.hooks import RemovableHandle
 
 from usp_dit.pipelines._routing import Route, route_attention, with_global
 from usp_dit.pipelines._token_sharding import ShardState
@@ -152,45 +151,6 @@ class USPSD3ImageProcessor(USPJointAttnProcessor):
     text = "none"
 
 
-class CallChecks:
-    """A plan ``hooks`` factory: a forward pre-hook of the transformer refusing, at each call, what
-    the adapter would otherwise run wrongly (NotImplementedError):
-
-    * ``block_controlnet_hidden_states`` (SD3 ControlNet): full-sequence residuals (B, S, C) added to
-      the blocks' sharded tokens;
-    * a parallel attention whose processor was replaced after ``enable_usp`` (a PAG pipeline swaps
-      processors at call time, ``set_attn_processor``): it would attend over this rank's shard alone.
-    """
-
-    def __init__(self, transformer: SD3Transformer2DModel, state: ShardState) -> None:
-        self.transformer = transformer
-        blocks = enumerate(transformer.transformer_blocks)
-        self.attentions = [(f"transformer_blocks.{i}.{name}", getattr(b, name))
-                           for i, b in blocks for name in ("attn", "attn2") if getattr(b, name) is not None]
-        self.handle: RemovableHandle | None = None
-
-    def install(self) -> None:
-        self.handle = self.transformer.register_forward_pre_hook(self._check, with_kwargs=True)
-
-    def remove(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-
-    def _check(self, module, args: tuple, kwargs: dict) -> None:
-        if kwargs.get("block_controlnet_hidden_states") is not None or (len(args) > 4 and args[4] is not None):
-            raise NotImplementedError(
-                "usp_dit's SD3 adapter does not shard block_controlnet_hidden_states (SD3 ControlNet): "
-                "call disable_usp() for ControlNet pipelines"
-            )
-        for path, attn in self.attentions:
-            if not isinstance(attn.processor, USPJointAttnProcessor):
-                raise NotImplementedError(
-                    f"{path}.processor became {type(attn.processor).__name__} after enable_usp (PAG, "
-                    f"set_attn_processor): it would attend over this rank's shard alone; call disable_usp() first"
-                )
-
-
 def _routed_call_missing(transformer: SD3Transformer2DModel) -> str | None:
     if _routed_call(Route(None)) is None:
         return (f"this diffusers' JointAttnProcessor2_0 does not call {_ROUTED_GLOBAL}.scaled_dot_product_attention, "
@@ -214,7 +174,7 @@ PLAN = ModelPlan(
     # Batched on dim 0, split over the "cfg" axis by enable_usp: StableDiffusion3Pipeline batches
     # [uncond, cond] in one call.
     cfg_batch_args=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"),
-    hooks=(CallChecks,),
+    refuse_args={"block_controlnet_hidden_states": "SD3 ControlNet's residuals, (B, S, C) over the whole sequence"},
     refuse=(_routed_call_missing,),
 )
 
