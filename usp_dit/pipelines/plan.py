@@ -237,17 +237,19 @@ class PlanPatch:
     def __init__(self, plan: ModelPlan, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> None:
         self.state = ShardState(mesh, backend)
         get = transformer.get_submodule
-        self.swaps: list[tuple[str, torch.nn.Module, Any, Any]] = []  # (path, module, original, replacement)
+        self.swaps: list[tuple[torch.nn.Module, Any, Any]] = []  # (module, original, replacement)
+        paths: list[str] = []
         processors: dict[Parallel, Any] = {}  # one processor object per site, shared by its modules
         for path, module in transformer.named_modules():
             site = _site(plan, path) if getattr(module, "processor", None) is not None else None
             if isinstance(site, Parallel):
                 if site not in processors:
                     processors[site] = self._processor(site)
-                self.swaps.append((path, module, module.processor, processors[site]))
+                self.swaps.append((module, module.processor, processors[site]))
+                paths.append(path)
         tables = TableHooks(self.state, [(get(t.module), t) for t in plan.tables])
         tokens = TokenShardHooks(self.state, get(plan.split_at), get(plan.gather_at), at=plan.split)
-        checks = CallChecks(plan, transformer, [(p, m, new) for p, m, _, new in self.swaps])
+        checks = CallChecks(plan, transformer, [(p, m, new) for p, (m, _, new) in zip(paths, self.swaps)])
         self.parts: list[Installable] = [checks, tables, tokens] + [make(transformer, self.state) for make in plan.hooks]
 
     def _processor(self, site: Parallel) -> Any:
@@ -258,11 +260,11 @@ class PlanPatch:
     def install(self) -> None:
         for part in self.parts:
             part.install()
-        for _, module, _, replacement in self.swaps:
+        for module, _, replacement in self.swaps:
             module.processor = replacement
 
     def remove(self) -> None:
-        for _, module, original, _ in self.swaps:
+        for module, original, _ in self.swaps:
             module.processor = original
         for part in reversed(self.parts):
             part.remove()
