@@ -161,7 +161,7 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
         got = _first_attention_call(model, inputs, _routing, "usp_attention")
     finally:
         ADAPTER.disable(model)
-    return {"q": rel_err(got["q"], shard_sequence(ref["q"], mesh)), "k": rel_err(got["k"], shard_sequence(ref["k"], mesh))}
+    return {name: rel_err(got[name], shard_sequence(ref[name], mesh)) for name in ("q", "k")}
 
 
 def _cfg_split_case(mesh) -> dict[str, float]:
@@ -423,7 +423,7 @@ def test_processor_swapped_after_enable_is_refused_at_the_call():
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         model.transformer_blocks[1].attn.set_processor(Flux2KVAttnProcessor())
-        with pytest.raises(NotImplementedError, match="replaced after enable_usp"):
+        with pytest.raises(NotImplementedError, match="became Flux2KVAttnProcessor after enable_usp"):
             forward(model, inputs)
     finally:
         ADAPTER.disable(model)

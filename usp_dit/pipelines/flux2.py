@@ -62,7 +62,7 @@ Note [Flux.2's KV processors]
 The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a plan]): double- and
 single-stream attention parallel (the stock processors' own code with their
 ``dispatch_attention_fn`` call routed, ``_routing`` Note [routing a stock processor's attention
-call]), the tokens split at the forward's arguments and gathered after it (``Flux2PlanAdapter``
+call]), the tokens split at the forward's arguments and gathered after it (``JointSplitPlanAdapter``
 puts ``JointSplitForward`` in the place of the plan's token hooks, as SD3 does for its split).
 
 Refused (NotImplementedError): processors other than the stock ``Flux2AttnProcessor`` /
@@ -105,6 +105,7 @@ _RoutedFlux2SelfAttn = routed_processor_class(Flux2ParallelSelfAttnProcessor, "_
 
 # Note [Flux.2's KV processors]: the arguments of the KV-cache modes, refused at the call.
 _KV_ARGS = ("kv_cache", "kv_cache_mode", "num_ref_tokens", "num_txt_tokens")
+_NO_MASK = "usp_dit's Flux.2 adapter does not route an attention_mask (Flux.2 pipelines pass none)"
 
 
 class USPFlux2AttnProcessor(_RoutedFlux2Attn or RoutedProcessor):
@@ -128,7 +129,7 @@ class USPFlux2AttnProcessor(_RoutedFlux2Attn or RoutedProcessor):
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if attention_mask is not None:
-            raise NotImplementedError("usp_dit's Flux.2 adapter does not route an attention_mask (Flux.2 pipelines pass none)")
+            raise NotImplementedError(_NO_MASK)
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
 
@@ -148,7 +149,7 @@ class USPFlux2SelfAttnProcessor(_RoutedFlux2SelfAttn or RoutedProcessor):
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if attention_mask is not None:
-            raise NotImplementedError("usp_dit's Flux.2 adapter does not route an attention_mask (Flux.2 pipelines pass none)")
+            raise NotImplementedError(_NO_MASK)
         return super().__call__(attn, hidden_states, attention_mask, image_rotary_emb)
 
 
@@ -162,7 +163,7 @@ def _ids_rows(ids: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 
 def _check_call(call: dict[str, Any]) -> None:
-    """NotImplementedError for the KV-cache modes, ValueError for ids that do not match the tokens."""
+    """NotImplementedError for the KV-cache modes (Note [Flux.2's KV processors])."""
     extra = {k for k, v in call.items() if k in _KV_ARGS and v not in (None, 0)}
     extra |= {k for k in (call.get("joint_attention_kwargs") or {}) if k in _KV_ARGS}
     if extra:
@@ -171,42 +172,40 @@ def _check_call(call: dict[str, Any]) -> None:
             f"attention is not routed (Note [Flux.2's KV processors]); call disable_usp() for Flux2KleinKVPipeline "
             f"with reference images"
         )
-    for ids, tokens in (("txt_ids", "encoder_hidden_states"), ("img_ids", "hidden_states")):
-        if call[ids].shape[-2] != call[tokens].shape[1]:
-            raise ValueError(
-                f"{ids} has {call[ids].shape[-2]} rows but {tokens} has {call[tokens].shape[1]} tokens: they must "
-                f"match for the ids to be split like the tokens"
-            )
 
 
 class JointSplitForward(MethodWrapper):
     """Flux.2's forward on this rank's piece of ``[text; image]`` (Note [Flux.2 token split]),
     its image output gathered: (B, N, C_out) on every rank of the sequence group.
 
-    An object, not a closure (``usp_dit.pipelines.base`` Note [deep copies]).
+    Subclasses (Chroma) add their own call checks (``check``) and per-token arguments
+    (``split_more``). An object, not a closure (``usp_dit.pipelines.base`` Note [deep copies]).
     """
 
-    def __init__(self, inner, state: ShardState, swaps: list[tuple[torch.nn.Module, Any, Any]]) -> None:
+    def __init__(self, inner, state: ShardState) -> None:
         super().__init__(inner)
         self.state = state
-        self.swaps = swaps  # (module, stock processor, ours): checked at every call
 
-    def _check_processors(self) -> None:
-        for module, _, ours in self.swaps:
-            if module.processor is not ours:
-                raise NotImplementedError(
-                    f"an attention processor was replaced after enable_usp ({type(module.processor).__name__}): it "
-                    f"would attend within this rank's shard; call disable_usp() before set_attn_processor"
-                )
+    def check(self, call: dict[str, Any]) -> None:
+        """Refuse a call the split would not run exactly (the model's own checks)."""
+        _check_call(call)
+
+    def split_more(self, call: dict[str, Any], split: FluxSplit, num_text: int) -> None:
+        """Cut further per-token arguments of ``call`` in place (none for Flux.2)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         bound = self.__signature__.bind(*args, **kwargs)
         call = bound.arguments
         for name in ("hidden_states", "encoder_hidden_states", "img_ids", "txt_ids"):
             if call.get(name) is None:
-                raise ValueError(f"Flux2Transformer2DModel under usp_dit needs {name}, got None")
-        _check_call(call)
-        self._check_processors()
+                raise ValueError(f"{type(self).__name__} needs {name}, got None")
+        for ids, tokens in (("txt_ids", "encoder_hidden_states"), ("img_ids", "hidden_states")):
+            if call[ids].shape[-2] != call[tokens].shape[1]:
+                raise ValueError(
+                    f"{ids} has {call[ids].shape[-2]} rows but {tokens} has {call[tokens].shape[1]} tokens: they "
+                    f"must match for the ids to be split like the tokens"
+                )
+        self.check(call)
         num_text, num_image = call["encoder_hidden_states"].shape[1], call["hidden_states"].shape[1]
         mesh = self.state.mesh
         split = flux_split(num_text, num_image, mesh.sequence_degree, mesh.seq_rank)
@@ -215,6 +214,7 @@ class JointSplitForward(MethodWrapper):
         call["txt_ids"] = _ids_rows(call["txt_ids"], tlo, thi)
         call["hidden_states"] = _rows(call["hidden_states"], ilo, ihi, 1)
         call["img_ids"] = _ids_rows(call["img_ids"], ilo, ihi)
+        self.split_more(call, split, num_text)
         self.state.seq_len = num_text + num_image  # what every routed attention call covers
         self.state.text_len = None  # the text is not replicated (nothing joint)
         out = self.inner(*bound.args, **bound.kwargs)
@@ -231,24 +231,27 @@ def _gather_image(out: Any, split: FluxSplit, mesh: USPMesh) -> Any:
 
 
 class JointSplitHooks:
-    """The plan part installing ``JointSplitForward`` as the transformer's ``forward`` (and removing it)."""
+    """The plan part installing a ``JointSplitForward`` (``wrapper``) as the transformer's ``forward``
+    (and removing it)."""
 
-    def __init__(self, transformer: Flux2Transformer2DModel, state: ShardState, swaps: list) -> None:
+    def __init__(self, transformer: torch.nn.Module, state: ShardState,
+                 wrapper: type[JointSplitForward] = JointSplitForward) -> None:
         self.transformer = transformer
         self.state = state
-        self.swaps = swaps
+        self.wrapper = wrapper
         self.saved: Any = MISSING
 
     def install(self) -> None:
         self.saved = saved_instance_attr(self.transformer, "forward")
-        self.transformer.forward = JointSplitForward(self.transformer.forward, self.state, self.swaps)
+        self.transformer.forward = self.wrapper(self.transformer.forward, self.state)
 
     def remove(self) -> None:
         restore_instance_attr(self.transformer, "forward", self.saved)
 
 
 def _routed_call_missing(transformer: Flux2Transformer2DModel) -> str | None:
-    for stock, routed in ((Flux2AttnProcessor, _RoutedFlux2Attn), (Flux2ParallelSelfAttnProcessor, _RoutedFlux2SelfAttn)):
+    pairs = ((Flux2AttnProcessor, _RoutedFlux2Attn), (Flux2ParallelSelfAttnProcessor, _RoutedFlux2SelfAttn))
+    for stock, routed in pairs:
         if routed is None:
             return f"this diffusers' {stock.__name__} does not call {ROUTED_NAME}, the call usp_dit routes"
     return None
@@ -258,7 +261,7 @@ PLAN = ModelPlan(
     name="Flux2",
     model_class=Flux2Transformer2DModel,
     # The forward's own arguments ("" is the transformer: Diffusers' _cp_plan entry), split by
-    # JointSplitForward (Flux2PlanAdapter); the image rows of proj_out's output gathered after it.
+    # JointSplitForward (JointSplitPlanAdapter); the image rows of proj_out's output gathered after it.
     split_at="",
     gather_at="proj_out",
     attention=(
@@ -276,23 +279,29 @@ PLAN = ModelPlan(
 )
 
 
-class _Flux2PlanPatch(PlanPatch):
-    """``PlanPatch`` with the tokens split at the forward's arguments (``JointSplitHooks``)
-    instead of at ``split_at``'s ``hidden_states`` input."""
+class JointSplitPlanPatch(PlanPatch):
+    """``PlanPatch`` with the tokens split at the forward's arguments (``JointSplitHooks`` with
+    ``wrapper``) instead of at ``split_at``'s ``hidden_states`` input."""
 
-    def __init__(self, plan: ModelPlan, transformer: Flux2Transformer2DModel, mesh: USPMesh, backend: str) -> None:
+    def __init__(self, plan: ModelPlan, transformer: torch.nn.Module, mesh: USPMesh, backend: str,
+                 wrapper: type[JointSplitForward]) -> None:
         super().__init__(plan, transformer, mesh, backend)
         tokens = [i for i, part in enumerate(self.parts) if isinstance(part, TokenShardHooks)]
         assert len(tokens) == 1, "PlanPatch installs one TokenShardHooks"
-        self.parts[tokens[0]] = JointSplitHooks(transformer, self.state, self.swaps)
+        self.parts[tokens[0]] = JointSplitHooks(transformer, self.state, wrapper)
 
 
-class Flux2PlanAdapter(PlanAdapter):
-    """The Flux.2 ``ModelPlan``'s adapter, its tokens split at the forward's arguments (module docstring)."""
+class JointSplitPlanAdapter(PlanAdapter):
+    """A Flux-like ``ModelPlan``'s adapter, its ``[text; image]`` tokens split at the forward's
+    arguments by ``wrapper`` (module docstring); Flux.2's, and Chroma's with its own wrapper."""
 
-    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> _Flux2PlanPatch:
+    def __init__(self, plan: ModelPlan, module: str, wrapper: type[JointSplitForward] = JointSplitForward) -> None:
+        super().__init__(plan, module)
+        self.wrapper = wrapper
+
+    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> JointSplitPlanPatch:
         check_plan(self.plan, transformer)
-        return _Flux2PlanPatch(self.plan, transformer, mesh, backend)
+        return JointSplitPlanPatch(self.plan, transformer, mesh, backend, self.wrapper)
 
 
-ADAPTER = register_adapter(Flux2PlanAdapter(PLAN, __name__))
+ADAPTER = register_adapter(JointSplitPlanAdapter(PLAN, __name__))
