@@ -1,0 +1,464 @@
+"""Chroma adapter: sharded transformer outputs and gradients equal one process's, on CPU gloo grids.
+
+One spawned group of 4 ranks runs every case (process start-up is the slow part); the 2-rank grids
+run on it as two data-parallel replicas of 2 ranks each. Model: a tiny ``ChromaTransformer2DModel``
+(2 double + 2 single blocks, 4 heads x 16 head_dim, every weight perturbed; ``usp_dit.demo.tiny_chroma``).
+The text is split with the image (``usp_dit.pipelines.chroma``): shapes 6 text + 15 image = 21
+tokens with the pipeline's float mask (prompts of 2 and 5 tokens: 3 and 6 unmasked text tokens),
+6 + 21 = 27 with prompts of 1 and 4 tokens, and 8 + 25 = 33 without a mask; no joint count
+divides 2 or 4; on 4 ranks rank 0 of the first holds the 6 text tokens and no image token. Batch 2
+with different prompts, latents and timesteps; RoPE from Flux's real (0, h, w) image ids.
+
+Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2) (tests/adapter_parity.GRIDS);
+each ring grid also with the "stream" and "gather_merge" schedules forced. Each case: output vs
+stock, block 0's attention sees at most ceil((T + N) / P) tokens (text + image), after ``disable``
+the output is bit-identical. Per shape, on 2 and 4 ranks: every parameter's gradient
+(tests/adapter_parity.gradient_errors), and once with gradient checkpointing. Each rank's rotated
+Q/K of block 0 equal the same rows of one process's. The transformer enabled with cfg_degree=2 on
+a masked batch of 2 equals stock. Stock's float mask is additive (Note [Chroma's mask]): the
+"masked" text tokens still count (e^-1), so the test also checks the output is not the one
+without a mask (the mask path is exercised, not skipped).
+
+Pipeline: the tiny ``ChromaPipeline`` (character T5 tokenizer and a 2-layer T5, all built in
+code) with two prompts of different lengths and negative prompts (true CFG: **two** transformer
+calls of batch 2 per step, each with its own mask), 12 text tokens, through ``pipe.enable_usp()``
+on (U, R, cfg) = (2,1,1), (2,2,1) and (1,2,2) (the cfg split halves each call's batch of two
+prompts, masks included), 2 steps, equal to one process's; with one prompt, ``cfg_degree=2``
+raises the cfg split's error (batch 1: nothing to split).
+
+Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients, rotated Q/K and the
+pipeline's final latents: sharding only reorders float32 sums (attention blocks merged by
+log-sum-exp, gradients summed over ranks; the mask's bias enters as one more product in the
+scores). Decoded images: 1e-4 (an untrained random VAE's gain). Measured (2026-12-03): 5.4e-7 at most on outputs (all
+grids and schedules), 2.5e-6 on the worst parameter gradient, 3.3e-7 with the cfg split, 1.2e-6 on
+the pipeline's latents (1.4e-6 on its images), 2.4e-7 on the rotated Q/K (the projections' float32
+sums over pieces of another length).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from unittest import mock
+
+import pytest
+import torch
+from diffusers.models.transformers import transformer_flux
+
+import usp_dit
+from tests.adapter_parity import GRAD_GRID, GRIDS, assert_within, forward, gradient_errors
+from usp_dit import init_usp, single_rank_mesh
+from usp_dit.demo.tiny_chroma import chroma_inputs, tiny_chroma, tiny_chroma_pipeline
+from usp_dit.pipelines import is_usp_enabled
+from usp_dit.pipelines import chroma  # noqa: F401  (registers the adapter)
+from usp_dit.pipelines.base import find_adapter
+from usp_dit.pipelines.chroma import ADAPTER, USPChromaAttnProcessor
+from usp_dit.sharding import shard_sequence
+from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+
+TOL = 1e-5
+TOL_IMAGES = 1e-4
+WORLD = 4
+SCHEDULES = ("stream", "gather_merge")
+
+
+@dataclass(frozen=True)
+class Shape:
+    height: int
+    width: int
+    text_len: int
+    prompts: tuple | None  # per element: prompt tokens (mask as the pipeline makes it), None: no mask
+
+    @property
+    def tokens(self) -> int:
+        return self.text_len + self.height * self.width
+
+    def __str__(self) -> str:
+        return f"s{self.tokens}-" + ("nomask" if self.prompts is None else "mask" + "-".join(map(str, self.prompts)))
+
+
+SHAPES = [
+    Shape(3, 5, 6, (2, 5)),  # 6 + 15 = 21; 3 and 6 unmasked text tokens
+    Shape(3, 7, 6, (1, 4)),  # 6 + 21 = 27
+    Shape(5, 5, 8, None),  # 8 + 25 = 33, no mask
+]
+
+
+def _build(shape: Shape, seed: int = 0):
+    model = tiny_chroma(seed=seed)
+    prompts = list(shape.prompts) if shape.prompts else None
+    return model, chroma_inputs(shape.height, shape.width, prompts, shape.text_len)
+
+
+def _grids() -> list[tuple[int, int, int, str | None]]:
+    grids = [(u, r, c, None) for world in (2, 4) for u, r, c in GRIDS[world]]
+    return grids + [(u, r, c, s) for u, r, c, _ in grids if r > 1 for s in SCHEDULES]
+
+
+def _grid_id(grid) -> str:
+    u, r, c, s = grid
+    return f"u{u}r{r}cfg{c}" + (f"-{s}" if s else "")
+
+
+# ---- what each rank runs ---------------------------------------------------------------------------
+
+
+def _output_case(shape: Shape, mesh) -> dict[str, float]:
+    """Output vs stock, block 0's attention length (text + image) vs ceil((T + N) / P), bit-identity after disable."""
+    model, inputs = _build(shape)
+    ref = forward(model, inputs)
+    lengths = []
+
+    def seen(m, args, kwargs):
+        lengths.append(kwargs["hidden_states"].shape[1] + kwargs["encoder_hidden_states"].shape[1])
+
+    ADAPTER.enable(model, mesh, "auto")
+    hook = model.transformer_blocks[0].attn.register_forward_pre_hook(seen, with_kwargs=True)
+    try:
+        out = forward(model, inputs)
+    finally:
+        hook.remove()
+        ADAPTER.disable(model)
+    again = forward(model, inputs)
+    return {
+        "out": rel_err(out, ref),
+        "block0_tokens_above_ceil": float(max(lengths) > math.ceil(shape.tokens / mesh.sequence_degree)),
+        "disable_not_bit_identical": float(not torch.equal(again, ref)),
+    }
+
+
+def _checkpointed_gradient_case(mesh) -> dict[str, float]:
+    """Gradients with gradient checkpointing (the blocks recomputed on this rank's pieces)."""
+    model, inputs = _build(SHAPES[0])
+    model.enable_gradient_checkpointing()
+    return gradient_errors(model, inputs, ADAPTER, mesh)
+
+
+def _first_attention_call(model, inputs, module, name: str) -> dict:
+    """Q and K of the first call of ``module.name`` in a forward (block 0's attention)."""
+    seen = []
+    inner = getattr(module, name)
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append({"q": q.clone(), "k": k.clone()})
+        return inner(q, k, v, *args, **kwargs)
+
+    with mock.patch.object(module, name, spy):
+        forward(model, inputs)
+    return seen[0]
+
+
+def _rotated_qk_case(mesh) -> dict[str, float]:
+    """Each rank's rotated Q/K of block 0 (its first head_dim columns: Note [Chroma's mask] extends
+    them) equal rows [lo, hi) of one process's joint [text; image] Q/K."""
+    model, inputs = _build(SHAPES[1])
+    ref = _first_attention_call(model, inputs, transformer_flux, "dispatch_attention_fn")
+    ADAPTER.enable(model, mesh, "auto")
+    try:
+        got = _first_attention_call(model, inputs, chroma, "usp_attention")
+    finally:
+        ADAPTER.disable(model)
+    head_dim = ref["q"].shape[-1]
+    return {
+        "q": rel_err(got["q"][..., :head_dim], shard_sequence(ref["q"], mesh)),
+        "k": rel_err(got["k"][..., :head_dim], shard_sequence(ref["k"], mesh)),
+    }
+
+
+def _cfg_split_case(mesh) -> dict[str, float]:
+    """The transformer enabled with cfg_degree=2 (usp_dit.enable_usp on the model): its masked
+    batch of 2 split over the cfg groups, equal to stock."""
+    model, inputs = _build(SHAPES[0])
+    ref = forward(model, inputs)
+    usp_dit.enable_usp(model, mesh=mesh)
+    try:
+        out = forward(model, inputs)
+    finally:
+        usp_dit.disable_usp(model)
+    return {"out": rel_err(out, ref)}
+
+
+def _ulysses_above_heads_case(mesh) -> dict[str, float]:
+    """ulysses_degree 4 on a 2-head model: ValueError at enable, naming the head count."""
+    model = tiny_chroma(num_heads=2, head_dim=32)
+    try:
+        ADAPTER.enable(model, mesh, "auto")
+    except ValueError as exc:
+        return {"wrong_error": float("exceeds the 2 attention heads" not in str(exc))}
+    ADAPTER.disable(model)
+    return {"did_not_raise": 1.0}
+
+
+PROMPTS = (["a red fox", "cat"], ["blurry", "dark dim"])  # of different lengths: padded, masked
+
+
+def _generate(pipe, prompts: tuple = PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final latents, images) of 2 steps at 12 x 20 (3 x 5 = 15 image tokens), 12 text tokens,
+    true CFG (two transformer calls per step), seed 0."""
+    last = {}
+
+    def keep_latents(pipe, step, timestep, tensors):
+        last["latents"] = tensors["latents"]
+        return {}
+
+    prompt, negative_prompt = prompts
+    images = pipe(
+        prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.0, max_sequence_length=12, height=12,
+        width=20, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt",
+        callback_on_step_end=keep_latents,
+    ).images
+    return last["latents"], images
+
+
+PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits the batch of 2 prompts over cfg
+
+
+def _pipeline_cases() -> dict[str, dict[str, float]]:
+    pipe = tiny_chroma_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    ref_latents, ref_images = _generate(pipe)
+    results = {}
+    for u, r, c in PIPELINE_GRIDS:
+        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
+        enabled = is_usp_enabled(pipe.transformer)
+        try:
+            latents, images = _generate(pipe)
+        finally:
+            pipe.disable_usp()
+        results[f"pipeline-u{u}r{r}cfg{c}"] = {
+            "not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer)),
+            "latents": rel_err(latents, ref_latents),
+            "images": rel_err(images, ref_images),
+        }
+    again_latents, again_images = _generate(pipe)
+    same = torch.equal(again_latents, ref_latents) and torch.equal(again_images, ref_images)
+    results["pipeline-after-disable"] = {"not_bit_identical": float(not same)}
+    return results
+
+
+def _pipeline_cfg_case() -> dict[str, float]:
+    """cfg_degree=2 on ChromaPipeline with one prompt: two transformer calls of batch 1 per step
+    (its true CFG), nothing to split: the cfg split's NotImplementedError."""
+    pipe = tiny_chroma_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    pipe.enable_usp(cfg_degree=2)
+    try:
+        _generate(pipe, ("a red fox", "blurry"))
+    except NotImplementedError as exc:
+        return {"wrong_error": float("cfg_degree=2" not in str(exc))}
+    finally:
+        pipe.disable_usp()
+    return {"did_not_raise": 1.0}
+
+
+def _record(results: dict, key: str, fn, many: bool = False) -> None:
+    try:
+        results.update(fn()) if many else results.__setitem__(key, fn())
+    except Exception as exc:  # recorded, asserted by the parent
+        results[key] = f"{type(exc).__name__}: {exc}"
+
+
+def _run_all() -> dict[str, dict | str]:
+    warnings.filterwarnings("ignore", category=FutureWarning)  # FluxPosEmbed's deprecation, once per forward
+    results = {}
+    meshes = {grid: init_usp(*grid[:3], ring_schedule=grid[3] or "auto") for grid in _grids()}
+    for grid in _grids():
+        for shape in SHAPES:
+            _record(results, f"{_grid_id(grid)}-{shape}", lambda: _output_case(shape, meshes[grid]))
+    for world in (2, 4):
+        for shape in SHAPES:
+            mesh = init_usp(*GRAD_GRID[world])
+            _record(results, f"grad-p{world}-{shape}", lambda: gradient_errors(*_build(shape), ADAPTER, mesh))
+    _record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    _record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    _record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    _record(results, "ulysses-above-heads", lambda: _ulysses_above_heads_case(init_usp(ulysses_degree=4)))
+    _record(results, "pipeline", _pipeline_cases, many=True)
+    _record(results, "pipeline-cfg2", _pipeline_cfg_case)
+    return results
+
+
+@pytest.fixture(scope="module")
+def grid_results() -> list[dict]:
+    per_rank = run_spawned(_run_all, WORLD)
+    assert_no_crash(per_rank)
+    return per_rank
+
+
+OUTPUT_KEYS = [f"{_grid_id(g)}-{s}" for g in _grids() for s in SHAPES]
+
+
+@pytest.mark.parametrize("key", OUTPUT_KEYS)
+def test_sharded_output_matches_one_process(grid_results, key: str):
+    assert_within(grid_results, key, TOL)
+
+
+GRAD_KEYS = [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES]
+
+
+@pytest.mark.parametrize("key", GRAD_KEYS + ["grad-ckpt-p4"])
+def test_parameter_gradients_match_one_process(grid_results, key: str):
+    assert_within(grid_results, key, TOL)
+
+
+def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
+    assert_within(grid_results, "rotated-qk", TOL)
+
+
+def test_cfg_split_of_a_masked_batch_matches_stock(grid_results):
+    assert_within(grid_results, "cfg-split", TOL)
+
+
+@pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
+def test_pipeline_matches_one_process(grid_results, key: str):
+    for rank, res in enumerate(grid_results):
+        errors = res.get(key) or res.get("pipeline", "no result")
+        assert not isinstance(errors, str), f"rank {rank}: {errors}"
+        tols = {name: TOL_IMAGES if name == "images" else TOL for name in errors}
+        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
+        assert not worst, f"rank {rank}: above {tols}: {worst}"
+
+
+def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
+    assert_within(grid_results, "pipeline-after-disable", 0.0)
+
+
+def test_cfg_parallel_is_refused_for_the_chroma_pipeline_with_one_prompt(grid_results):
+    assert_within(grid_results, "pipeline-cfg2", 0.0)
+
+
+def test_ulysses_above_heads_raises_at_enable(grid_results):
+    assert_within(grid_results, "ulysses-above-heads", 0.0)
+
+
+# ---- single process: registration, the mask's effect, restore exactly, loud failures ---------------
+
+
+def test_find_adapter_finds_chroma():
+    assert find_adapter(tiny_chroma()) is ADAPTER
+
+
+def test_the_float_mask_changes_the_output_and_is_kept():
+    """Stock's float mask is additive (Note [Chroma's mask]): the output differs from the unmasked
+    one, and the enabled model (one rank, the extended Q/K path) gives stock's masked output."""
+    model, inputs = _build(SHAPES[0])
+    ref = forward(model, inputs)
+    unmasked = forward(model, chroma_inputs(3, 5, None, 6))
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    try:
+        out = forward(model, inputs)
+    finally:
+        ADAPTER.disable(model)
+    assert rel_err(unmasked, ref) > 1e-2
+    assert rel_err(out, ref) <= TOL
+
+
+def test_disable_restores_processors_forward_and_hooks():
+    model, inputs = _build(SHAPES[0])
+    before = [m.processor for m in model.modules() if hasattr(m, "processor")]
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    assert all(isinstance(m.processor, USPChromaAttnProcessor) for m in model.modules() if hasattr(m, "processor"))
+    forward(model, inputs)
+    ADAPTER.disable(model)
+    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
+    assert "forward" not in model.__dict__
+    hooked = [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert not hooked, f"hooks left on {hooked}"
+
+
+def test_enable_twice_and_disable_unpatched_raise():
+    model = tiny_chroma()
+    with pytest.raises(ValueError, match="not sequence-parallel"):
+        ADAPTER.disable(model)
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    with pytest.raises(ValueError, match="already sequence-parallel"):
+        ADAPTER.enable(model, single_rank_mesh(), "auto")
+    ADAPTER.disable(model)
+
+
+def test_foreign_processor_is_refused():
+    model = tiny_chroma()
+    model.single_transformer_blocks[1].attn.processor = object()
+    with pytest.raises(NotImplementedError, match="single_transformer_blocks.1.attn.processor is object"):
+        ADAPTER.enable(model, single_rank_mesh(), "auto")
+    assert "forward" not in model.__dict__
+
+
+def test_diffusers_context_parallelism_is_refused():
+    model = tiny_chroma()
+    model.transformer_blocks[0].attn.processor._parallel_config = object()
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        ADAPTER.enable(model, single_rank_mesh(), "auto")
+
+
+def test_diffusers_cache_is_refused():
+    from diffusers import PyramidAttentionBroadcastConfig  # (FirstBlockCache does not know Chroma's blocks)
+
+    model = tiny_chroma()
+    model.enable_cache(PyramidAttentionBroadcastConfig(spatial_attention_block_skip_range=2,
+                                                       current_timestep_callback=lambda: 500))
+    with pytest.raises(NotImplementedError, match="diffusers cache"):
+        ADAPTER.enable(model, single_rank_mesh(), "auto")
+
+
+def test_no_layers_is_refused():
+    model = tiny_chroma(num_layers=0, num_single_layers=0)
+    with pytest.raises(NotImplementedError, match=r"no transformer blocks \(num_layers=0\)"):
+        ADAPTER.enable(model, single_rank_mesh(), "auto")
+
+
+def _refused_call(change: dict, error: type, match: str) -> None:
+    model, inputs = _build(SHAPES[0])
+    kwargs = {**inputs.kwargs(), **change}
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    try:
+        with pytest.raises(error, match=match):
+            model(**kwargs)
+    finally:
+        ADAPTER.disable(model)
+
+
+def test_a_bool_mask_with_masked_tokens_is_refused():
+    mask = chroma_inputs(3, 5, [2, 5], 6).attention_mask.bool()
+    _refused_call({"attention_mask": mask}, NotImplementedError, "bool attention_mask with masked tokens")
+
+
+def test_mask_values_other_than_0_and_1_are_refused():
+    mask = chroma_inputs(3, 5, [2, 5], 6).attention_mask * 0.5
+    _refused_call({"attention_mask": mask}, NotImplementedError, "values 0 and 1 only")
+
+
+def test_a_mask_of_another_length_is_refused():
+    mask = chroma_inputs(3, 5, [2, 5], 6).attention_mask[:, :-1]
+    _refused_call({"attention_mask": mask}, ValueError, r"attention_mask must be \(batch, text \+ image tokens\)")
+
+
+def test_controlnet_residuals_are_refused():
+    residual = torch.zeros(2, 15, 64)
+    _refused_call({"controlnet_block_samples": [residual]}, NotImplementedError, "controlnet_block_samples")
+
+
+def test_ip_adapter_is_refused():
+    _refused_call({"joint_attention_kwargs": {"ip_adapter_image_embeds": [torch.zeros(2, 8)]}}, NotImplementedError,
+                  "IP-Adapter")
+
+
+def test_processor_swapped_after_enable_is_refused_at_the_call():
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    model, inputs = _build(SHAPES[0])
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    try:
+        model.transformer_blocks[1].attn.set_processor(FluxAttnProcessor())
+        with pytest.raises(NotImplementedError, match="became FluxAttnProcessor after enable_usp"):
+            forward(model, inputs)
+    finally:
+        ADAPTER.disable(model)
+
+
+def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
+    """Should a future diffusers' processor stop calling dispatch_attention_fn, enable refuses
+    instead of running local attention on a shard."""
+    monkeypatch.setattr(chroma, "_ROUTED_CALL", None)
+    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
+        ADAPTER.enable(tiny_chroma(), single_rank_mesh(), "auto")
