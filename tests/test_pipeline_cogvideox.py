@@ -22,7 +22,7 @@ import torch
 
 from tests.adapter_parity import assert_within, cases, forward, run_grid
 from usp_dit import single_rank_mesh
-from usp_dit.pipelines.cogvideox import ADAPTER, USPCogVideoXAttnProcessor
+from usp_dit.pipelines.cogvideox import ADAPTER
 from usp_dit.demo.tiny_video import cogvideox_inputs, tiny_cogvideox
 from usp_dit.testing import run_spawned_worlds
 
@@ -79,39 +79,6 @@ def test_parameter_gradients_match_one_process(grid_results, world: int):
 
 
 # ---- single process: restore exactly, loud failures -------------------------------------------
-
-
-def test_disable_restores_processors_and_hooks():
-    model, inputs = _build(Shape("5b", 3, 6, 6))
-    before = model.attn_processors
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert all(isinstance(p, USPCogVideoXAttnProcessor) for p in model.attn_processors.values())
-    ADAPTER.disable(model)
-    after = model.attn_processors
-    assert before.keys() == after.keys() and all(before[k] is after[k] for k in before)
-    hooked = [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
-    assert not hooked, f"hooks left on {[type(m).__name__ for m in hooked]}"
-    assert "forward" not in model.__dict__
-
-
-def test_enable_twice_and_disable_unpatched_raise():
-    model, _ = _build(Shape("2b", 3, 6, 6))
-    with pytest.raises(ValueError, match="not sequence-parallel"):
-        ADAPTER.disable(model)
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    with pytest.raises(ValueError, match="already sequence-parallel"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    ADAPTER.disable(model)
-
-
-def test_foreign_processor_is_refused():
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
-    model, _ = _build(Shape("2b", 3, 6, 6))
-    model.transformer_blocks[1].attn1.set_processor(AttnProcessor2_0())
-    with pytest.raises(NotImplementedError, match="AttnProcessor2_0"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert not any(m._forward_pre_hooks for m in model.modules())
 
 
 def test_rope_table_of_wrong_length_raises():

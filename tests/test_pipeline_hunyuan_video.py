@@ -48,12 +48,11 @@ import torch.distributed as dist
 from tests.adapter_parity import GRAD_GRID, GRIDS, _param_grads, assert_within, forward
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_hunyuan_video import (
-    HUNYUAN_VIDEO_VARIANTS, TINY_PROMPT_TEMPLATE, hunyuan_video_inputs, hunyuan_video_tokens, tiny_hunyuan_video,
+    TINY_PROMPT_TEMPLATE, hunyuan_video_inputs, hunyuan_video_tokens, tiny_hunyuan_video,
     tiny_hunyuan_video_pipeline,
 )
 from usp_dit.pipelines import _routing, hunyuan_video
-from usp_dit.pipelines.base import find_adapter
-from usp_dit.pipelines.hunyuan_video import ADAPTER, USPHunyuanVideoAttnProcessor
+from usp_dit.pipelines.hunyuan_video import ADAPTER
 from usp_dit.sharding import shard_sequence
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
@@ -345,11 +344,6 @@ def test_ulysses_above_heads_raises_at_enable(grid_results):
 # ---- single process: registration, restore exactly, loud failures --------------------------------
 
 
-@pytest.mark.parametrize("variant", sorted(HUNYUAN_VIDEO_VARIANTS))
-def test_find_adapter_finds_hunyuan_video(variant: str):
-    assert find_adapter(tiny_hunyuan_video(variant)) is ADAPTER
-
-
 def test_framepack_is_another_class_not_matched():
     from diffusers import HunyuanVideoFramepackTransformer3DModel
 
@@ -358,58 +352,6 @@ def test_framepack_is_another_class_not_matched():
         num_single_layers=1, num_refiner_layers=1, text_embed_dim=16, pooled_projection_dim=16, rope_axes_dim=(2, 2, 4),
     )
     assert not ADAPTER.matches(framepack)
-
-
-def test_disable_restores_processors_and_hooks():
-    model, inputs = _build(SHAPES[2])
-    blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
-    refiner = [m for m in model.context_embedder.modules() if hasattr(m, "processor")]
-    before = [b.attn.processor for b in blocks]
-    refiner_before = [m.processor for m in refiner]
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert all(isinstance(b.attn.processor, USPHunyuanVideoAttnProcessor) for b in blocks)
-    assert [m.processor for m in refiner] == refiner_before  # the token refiner stays stock
-    forward(model, inputs)
-    ADAPTER.disable(model)
-    assert all(b.attn.processor is p for b, p in zip(blocks, before))
-    hooked = [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
-    assert not hooked, f"hooks left on {hooked}"
-    assert "forward" not in model.__dict__
-
-
-def test_enable_twice_and_disable_unpatched_raise():
-    model = tiny_hunyuan_video()
-    with pytest.raises(ValueError, match="not sequence-parallel"):
-        ADAPTER.disable(model)
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    with pytest.raises(ValueError, match="already sequence-parallel"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    ADAPTER.disable(model)
-
-
-def test_foreign_processor_is_refused():
-    model = tiny_hunyuan_video()
-    model.single_transformer_blocks[0].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="single_transformer_blocks.0.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
-
-
-def test_diffusers_cache_is_refused():
-    from diffusers import FirstBlockCacheConfig
-
-    model = tiny_hunyuan_video()
-    model.enable_cache(FirstBlockCacheConfig(threshold=0.1))
-    with pytest.raises(NotImplementedError, match="diffusers cache"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_a_model_without_blocks_is_refused():
-    model = tiny_hunyuan_video()
-    model.transformer_blocks = torch.nn.ModuleList()
-    model.single_transformer_blocks = torch.nn.ModuleList()
-    with pytest.raises(NotImplementedError, match="nothing to parallelise"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
 def test_single_stream_blocks_alone_are_refused():

@@ -44,8 +44,7 @@ from tests.adapter_parity import GRAD_GRID, GRIDS, assert_within, forward, gradi
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ltx_video import ltx_video_inputs, tiny_ltx_video, tiny_ltx_video_pipeline
 from usp_dit.pipelines import _routing, ltx_video
-from usp_dit.pipelines.base import find_adapter
-from usp_dit.pipelines.ltx_video import ADAPTER, USPLTXVideoAttnProcessor
+from usp_dit.pipelines.ltx_video import ADAPTER
 from usp_dit.sharding import shard_sequence
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
@@ -285,59 +284,6 @@ def test_ulysses_above_heads_raises_at_enable(grid_results):
 
 
 # ---- single process: registration, restore exactly, loud failures --------------------------------
-
-
-def test_find_adapter_finds_ltx_video():
-    assert find_adapter(tiny_ltx_video()) is ADAPTER
-
-
-def test_disable_restores_processors_and_hooks():
-    model, inputs = _build(SHAPES[1])
-    attns = [(b.attn1, b.attn2) for b in model.transformer_blocks]
-    before = [(a1.processor, a2.processor) for a1, a2 in attns]
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert all(isinstance(a1.processor, USPLTXVideoAttnProcessor) for a1, _ in attns)
-    assert all(a2.processor is p2 for (_, a2), (_, p2) in zip(attns, before))  # cross-attention stays stock
-    forward(model, inputs)
-    ADAPTER.disable(model)
-    assert all(a1.processor is p1 and a2.processor is p2 for (a1, a2), (p1, p2) in zip(attns, before))
-    hooked = [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
-    assert not hooked, f"hooks left on {hooked}"
-    assert "forward" not in model.__dict__
-
-
-def test_enable_twice_and_disable_unpatched_raise():
-    model = tiny_ltx_video()
-    with pytest.raises(ValueError, match="not sequence-parallel"):
-        ADAPTER.disable(model)
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    with pytest.raises(ValueError, match="already sequence-parallel"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    ADAPTER.disable(model)
-
-
-def test_foreign_processor_is_refused():
-    model = tiny_ltx_video()
-    model.transformer_blocks[1].attn2.processor = object()
-    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn2.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
-
-
-def test_diffusers_cache_is_refused():
-    from diffusers import FirstBlockCacheConfig
-
-    model = tiny_ltx_video()
-    model.enable_cache(FirstBlockCacheConfig(threshold=0.1))
-    with pytest.raises(NotImplementedError, match="diffusers cache"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_num_layers_zero_is_refused():
-    model = tiny_ltx_video()
-    model.transformer_blocks = torch.nn.ModuleList()
-    with pytest.raises(NotImplementedError, match="num_layers=0"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
 def test_attention_mask_in_self_attention_is_refused():

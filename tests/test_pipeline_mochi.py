@@ -21,7 +21,7 @@ import torch
 
 from tests.adapter_parity import assert_within, cases, forward, run_grid
 from usp_dit import single_rank_mesh
-from usp_dit.pipelines.mochi import ADAPTER, USPMochiAttnProcessor
+from usp_dit.pipelines.mochi import ADAPTER
 from usp_dit.demo.tiny_video import mochi_inputs, tiny_mochi
 from usp_dit.testing import run_spawned_worlds
 
@@ -91,32 +91,3 @@ def test_prompt_mask_changes_the_output():
         ADAPTER.disable(model)
 
 
-def test_disable_restores_processors_and_hooks():
-    model, _ = _build(SHAPES[0])
-    attns = [m for m in model.modules() if hasattr(m, "processor")]
-    before = [m.processor for m in attns]
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert all(isinstance(m.processor, USPMochiAttnProcessor) for m in attns)
-    ADAPTER.disable(model)
-    assert all(m.processor is p for m, p in zip(attns, before))
-    hooked = [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
-    assert not hooked, f"hooks left on {[type(m).__name__ for m in hooked]}"
-    assert "forward" not in model.__dict__
-
-
-def test_enable_twice_and_disable_unpatched_raise():
-    model, _ = _build(SHAPES[0])
-    with pytest.raises(ValueError, match="not sequence-parallel"):
-        ADAPTER.disable(model)
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    with pytest.raises(ValueError, match="already sequence-parallel"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    ADAPTER.disable(model)
-
-
-def test_foreign_processor_is_refused():
-    model, _ = _build(SHAPES[0])
-    model.transformer_blocks[0].attn1.processor = object()
-    with pytest.raises(NotImplementedError, match="transformer_blocks.0.attn1.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert not any(m._forward_pre_hooks for m in model.modules())

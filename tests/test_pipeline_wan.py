@@ -47,9 +47,8 @@ import usp_dit
 from tests.adapter_parity import GRAD_GRID, GRIDS, assert_within, forward, gradient_errors
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.pipelines import _routing, is_usp_enabled
-from usp_dit.pipelines.base import find_adapter
-from usp_dit.demo.tiny_wan import WAN_VARIANTS, tiny_wan, tiny_wan_pipeline, wan_inputs, wan_tokens
-from usp_dit.pipelines.wan import ADAPTER, USPWanAttnProcessor
+from usp_dit.demo.tiny_wan import tiny_wan, tiny_wan_pipeline, wan_inputs, wan_tokens
+from usp_dit.pipelines.wan import ADAPTER
 from usp_dit.sharding import shard_sequence
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
@@ -361,53 +360,6 @@ def test_ulysses_above_heads_raises_at_enable(grid_results):
 
 
 # ---- single process: registration, restore exactly, loud failures --------------------------------
-
-
-@pytest.mark.parametrize("variant", sorted(WAN_VARIANTS))
-def test_find_adapter_finds_wan(variant: str):
-    assert find_adapter(tiny_wan(variant)) is ADAPTER
-
-
-def test_disable_restores_processors_and_hooks():
-    model, inputs = _build(SHAPES[2])
-    attns = [(b.attn1, b.attn2) for b in model.blocks]
-    before = [(a1.processor, a2.processor) for a1, a2 in attns]
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert all(isinstance(a1.processor, USPWanAttnProcessor) for a1, _ in attns)
-    assert all(a2.processor is p2 for (_, a2), (_, p2) in zip(attns, before))  # cross-attention stays stock
-    forward(model, inputs)
-    ADAPTER.disable(model)
-    assert all(a1.processor is p1 and a2.processor is p2 for (a1, a2), (p1, p2) in zip(attns, before))
-    hooked = [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
-    assert not hooked, f"hooks left on {hooked}"
-    assert "forward" not in model.__dict__
-
-
-def test_enable_twice_and_disable_unpatched_raise():
-    model = tiny_wan()
-    with pytest.raises(ValueError, match="not sequence-parallel"):
-        ADAPTER.disable(model)
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    with pytest.raises(ValueError, match="already sequence-parallel"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    ADAPTER.disable(model)
-
-
-def test_foreign_processor_is_refused():
-    model = tiny_wan()
-    model.blocks[1].attn2.processor = object()
-    with pytest.raises(NotImplementedError, match="blocks.1.attn2.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
-
-
-def test_diffusers_cache_is_refused():
-    from diffusers import FirstBlockCacheConfig
-
-    model = tiny_wan()
-    model.enable_cache(FirstBlockCacheConfig(threshold=0.1))
-    with pytest.raises(NotImplementedError, match="diffusers cache"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
 def test_attention_mask_is_refused():

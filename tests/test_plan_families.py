@@ -1,0 +1,135 @@
+"""What every model plan promises, checked once for every family (no processes).
+
+Each family is a ``ModelPlan`` applied by the one generic ``PlanAdapter`` (usp_dit.pipelines.plan),
+so its mechanics are the same everywhere: the adapter is found by the model's class, enable swaps the
+processor of each parallel attention site and leaves local ones stock, disable puts back the same
+processor objects and leaves no hook, and the patcher refuses (NotImplementedError, naming the
+module) a foreign processor at any attention site, an enabled Diffusers cache, a model without
+blocks, and at the call a processor replaced after enable. Parity on grids is each family's own
+file (tests/test_pipeline_<family>.py).
+"""
+from __future__ import annotations
+
+import fnmatch
+
+import pytest
+import torch
+
+import usp_dit.pipelines  # noqa: F401  (registers every adapter)
+from usp_dit import single_rank_mesh
+from usp_dit.demo import tiny_flux2, tiny_hunyuan_video, tiny_ltx_video, tiny_qwen_image, tiny_sd3, tiny_video, tiny_wan
+from usp_dit.pipelines.base import find_adapter, registered_adapters
+from usp_dit.pipelines.plan import Parallel, PlanAdapter
+
+# A tiny model per family (the families whose files test everything else).
+BUILDERS = {
+    "CogVideoX": tiny_video.tiny_cogvideox,
+    "Mochi": tiny_video.tiny_mochi,
+    "Wan": lambda: tiny_wan.tiny_wan("i2v"),  # I2V: the added K/V cross-attention too
+    "HunyuanVideo": tiny_hunyuan_video.tiny_hunyuan_video,  # the token refiner's local attention too
+    "LTX-Video": tiny_ltx_video.tiny_ltx_video,
+    "QwenImage": tiny_qwen_image.tiny_qwen_image,
+    "SD3": lambda: tiny_sd3.tiny_sd3("sd3.5-medium"),  # SD3.5's dual attention (attn2) too
+    "Flux2": tiny_flux2.tiny_flux2,
+}
+
+
+def _plan_adapters() -> list[PlanAdapter]:
+    return [a for a in registered_adapters() if isinstance(a, PlanAdapter) and a.name in BUILDERS]
+
+
+def _processors(model: torch.nn.Module) -> dict[str, object]:
+    return {path: m.processor for path, m in model.named_modules() if getattr(m, "processor", None) is not None}
+
+
+def _site(adapter: PlanAdapter, path: str):
+    return next(s for s in adapter.plan.attention if fnmatch.fnmatchcase(path, s.pattern))
+
+
+def _hooked(model: torch.nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+
+
+families = pytest.mark.parametrize("adapter", _plan_adapters(), ids=lambda a: a.name)
+
+
+def test_every_plan_family_has_a_builder_here():
+    plans = {a.name for a in registered_adapters() if isinstance(a, PlanAdapter)}
+    assert set(BUILDERS) == plans
+
+
+@families
+def test_found_by_class_and_only_parallel_sites_swapped_then_all_put_back(adapter):
+    model = BUILDERS[adapter.name]()
+    assert find_adapter(model) is adapter
+    before = _processors(model)
+    adapter.enable(model, single_rank_mesh(), "auto")
+    during = _processors(model)
+    for path, proc in during.items():
+        swapped = proc is not before[path]
+        assert swapped == isinstance(_site(adapter, path), Parallel), path
+    assert any(proc is not before[p] for p, proc in during.items())
+    adapter.disable(model)
+    assert all(proc is before[p] for p, proc in _processors(model).items())
+    assert not _hooked(model), f"hooks left on {_hooked(model)}"
+    assert "forward" not in model.__dict__ and not hasattr(model, "_usp_dit_patch")
+
+
+@families
+def test_enable_twice_and_disable_unpatched_raise(adapter):
+    model = BUILDERS[adapter.name]()
+    with pytest.raises(ValueError, match="not sequence-parallel"):
+        adapter.disable(model)
+    adapter.enable(model, single_rank_mesh(), "auto")
+    with pytest.raises(ValueError, match="already sequence-parallel"):
+        adapter.enable(model, single_rank_mesh(), "auto")
+    adapter.disable(model)
+
+
+@families
+def test_a_foreign_processor_at_any_site_is_refused_and_nothing_is_patched(adapter):
+    for path in _processors(BUILDERS[adapter.name]()):
+        model = BUILDERS[adapter.name]()
+        model.get_submodule(path).processor = object()
+        with pytest.raises(NotImplementedError, match=rf"{path}\.processor is object"):
+            adapter.enable(model, single_rank_mesh(), "auto")
+        assert not _hooked(model)
+
+
+@families
+def test_an_enabled_diffusers_cache_is_refused(adapter):
+    from diffusers import FirstBlockCacheConfig
+
+    model = BUILDERS[adapter.name]()
+    if not hasattr(model, "enable_cache"):
+        pytest.skip(f"{type(model).__name__} has no Diffusers cache support")
+    try:
+        model.enable_cache(FirstBlockCacheConfig(threshold=0.1))
+    except Exception as exc:  # a model whose blocks the cache cannot hook: nothing to refuse
+        pytest.skip(f"{type(model).__name__}: enable_cache raised {type(exc).__name__}")
+    with pytest.raises(NotImplementedError, match="diffusers cache"):
+        adapter.enable(model, single_rank_mesh(), "auto")
+
+
+@families
+def test_a_model_without_blocks_is_refused(adapter):
+    model = BUILDERS[adapter.name]()
+    for name in adapter.plan.block_lists:
+        setattr(model, name, torch.nn.ModuleList())
+    with pytest.raises(NotImplementedError):  # "num_layers=0", or the split block that no longer exists
+        adapter.enable(model, single_rank_mesh(), "auto")
+
+
+@families
+def test_a_processor_replaced_after_enable_is_refused_at_the_call(adapter):
+    """A PAG pipeline swaps processors at each call: the layer would attend over the shard alone."""
+    model = BUILDERS[adapter.name]()
+    stock = _processors(model)
+    adapter.enable(model, single_rank_mesh(), "auto")
+    try:
+        path = next(p for p in stock if isinstance(_site(adapter, p), Parallel))
+        model.get_submodule(path).processor = stock[path]
+        with pytest.raises(NotImplementedError, match=rf"{path}\.processor became"):
+            model()  # refused by the pre-hook, before the forward reads any argument
+    finally:
+        adapter.disable(model)
