@@ -110,3 +110,52 @@ def assert_within(per_rank: list[dict], key: str, tol: float) -> None:
         assert not isinstance(errors, str), f"rank {rank}: {errors}"
         worst = {k: v for k, v in errors.items() if not v <= tol}
         assert not worst, f"rank {rank}: above {tol}: {worst}"
+
+
+# ---- the grid of a family's spawned group (tests/test_pipeline_<family>.py) ------------------------
+# One group of 4 ranks runs every case; the 2-rank grids run on it as two data-parallel replicas.
+
+SCHEDULES = ("stream", "gather_merge")  # forced on every grid with a ring, besides the mesh default ("auto")
+
+
+def schedule_grids() -> list[tuple[int, int, int, str | None]]:
+    """(U, R, cfg, forced schedule or None): the 2- and 4-rank grids, each ring grid also with every
+    schedule forced ("auto" never merges at the tiny sizes of the tests)."""
+    grids = [(u, r, c, None) for world in (2, 4) for u, r, c in GRIDS[world]]
+    return grids + [(u, r, c, s) for u, r, c, _ in grids if r > 1 for s in SCHEDULES]
+
+
+def grid_id(grid: tuple[int, int, int, str | None]) -> str:
+    u, r, c, s = grid
+    return f"u{u}r{r}cfg{c}" + (f"-{s}" if s else "")
+
+
+def record(results: dict, key: str, fn: Callable[[], Any], many: bool = False) -> None:
+    """``results[key] = fn()`` (``many``: ``fn()`` is a dict of keys), or the error as a string,
+    asserted by the parent (``assert_within``)."""
+    try:
+        results.update(fn()) if many else results.__setitem__(key, fn())
+    except Exception as exc:
+        results[key] = f"{type(exc).__name__}: {exc}"
+
+
+def run_grid_cases(
+    results: dict, shapes: list, output_case: Callable[[Any, Any], dict],
+    gradient_case: Callable[[Any, Any], dict], grad_shapes: dict[int, list] | None = None,
+) -> None:
+    """Into ``results``: ``output_case(shape, mesh)`` for every grid of ``schedule_grids`` and every
+    shape (key ``"<grid id>-<shape>"``), and ``gradient_case(shape, mesh)`` on 2 and 4 ranks
+    (``GRAD_GRID``; key ``"grad-p<P>-<shape>"``) for ``grad_shapes[P]`` (default: every shape)."""
+    meshes = {grid: init_usp(*grid[:3], ring_schedule=grid[3] or "auto") for grid in schedule_grids()}
+    for grid in schedule_grids():  # meshes that differ only in schedule share their groups
+        for shape in shapes:
+            record(results, f"{grid_id(grid)}-{shape}", lambda: output_case(shape, meshes[grid]))
+    for world in (2, 4):
+        mesh = init_usp(*GRAD_GRID[world])
+        for shape in (grad_shapes or {}).get(world, shapes):
+            record(results, f"grad-p{world}-{shape}", lambda: gradient_case(shape, mesh))
+
+
+def output_keys(shapes: list) -> list[str]:
+    """The keys ``run_grid_cases`` records output cases under."""
+    return [f"{grid_id(g)}-{s}" for g in schedule_grids() for s in shapes]

@@ -45,7 +45,7 @@ from diffusers.models.transformers import transformer_hunyuan_video
 
 import torch.distributed as dist
 
-from tests.adapter_parity import GRAD_GRID, GRIDS, _param_grads, assert_within, forward
+from tests.adapter_parity import assert_within, forward, output_keys, _param_grads, record, run_grid_cases
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_hunyuan_video import (
     TINY_PROMPT_TEMPLATE, hunyuan_video_inputs, hunyuan_video_tokens, tiny_hunyuan_video,
@@ -59,7 +59,6 @@ from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 TOL = 1e-5
 TOL_FRAMES = 1e-4
 WORLD = 4  # one spawned group; the 2-rank grids run on it as two data-parallel replicas
-SCHEDULES = ("stream", "gather_merge")  # forced on every grid with a ring, besides the mesh default ("auto")
 
 
 @dataclass(frozen=True)
@@ -89,17 +88,6 @@ def _build(shape: Shape, seed: int = 0):
     # latent_concat gets unpadded prompts: the router's other path (one call for the whole batch, no mask)
     valid = [list(range(9))] * 2 if shape.variant == "i2v-concat" else None
     return model, hunyuan_video_inputs(model, shape.frames, shape.height, shape.width, valid=valid)
-
-
-def _grids() -> list[tuple[int, int, int, str | None]]:
-    """(U, R, cfg, forced schedule or None): the 2- and 4-rank grids, each ring grid with every schedule."""
-    grids = [(u, r, c, None) for world in (2, 4) for u, r, c in GRIDS[world]]
-    return grids + [(u, r, c, s) for u, r, c, _ in grids if r > 1 for s in SCHEDULES]
-
-
-def _grid_id(grid) -> str:
-    u, r, c, s = grid
-    return f"u{u}r{r}cfg{c}" + (f"-{s}" if s else "")
 
 
 # ---- what each rank runs ---------------------------------------------------------------------------
@@ -265,30 +253,16 @@ def _pipeline_cfg_case() -> dict[str, float]:
     return {"did_not_raise": 1.0}
 
 
-def _record(results: dict, key: str, fn, many: bool = False) -> None:
-    """``results[key] = fn()`` (``many``: ``fn()`` is a dict of keys), or the error as a string."""
-    try:
-        results.update(fn()) if many else results.__setitem__(key, fn())
-    except Exception as exc:  # recorded, asserted by the parent
-        results[key] = f"{type(exc).__name__}: {exc}"
-
-
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
-    meshes = {grid: init_usp(*grid[:3], ring_schedule=grid[3] or "auto") for grid in _grids()}
-    for grid in _grids():
-        for shape in SHAPES:
-            _record(results, f"{_grid_id(grid)}-{shape}", lambda: _output_case(shape, meshes[grid]))
-    for world in (2, 4):
-        mesh = init_usp(*GRAD_GRID[world])
-        for shape in GRAD_SHAPES[world]:
-            _record(results, f"grad-p{world}-{shape}", lambda: gradient_errors(*_build(shape), ADAPTER, mesh))
-    _record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    _record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    _record(results, "ulysses-above-heads", lambda: _ulysses_above_heads_case(init_usp(ulysses_degree=4)))
-    _record(results, "pipeline", _pipeline_cases, many=True)
-    _record(results, "pipeline-cfg2", _pipeline_cfg_case)
+    run_grid_cases(results, SHAPES, _output_case,
+                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh), GRAD_SHAPES)
+    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    record(results, "ulysses-above-heads", lambda: _ulysses_above_heads_case(init_usp(ulysses_degree=4)))
+    record(results, "pipeline", _pipeline_cases, many=True)
+    record(results, "pipeline-cfg2", _pipeline_cfg_case)
     return results
 
 
@@ -299,7 +273,7 @@ def grid_results() -> list[dict]:
     return per_rank
 
 
-OUTPUT_KEYS = [f"{_grid_id(g)}-{s}" for g in _grids() for s in SHAPES]
+OUTPUT_KEYS = output_keys(SHAPES)
 
 
 @pytest.mark.parametrize("key", OUTPUT_KEYS)

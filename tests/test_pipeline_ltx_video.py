@@ -40,7 +40,7 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_ltx
 
-from tests.adapter_parity import GRAD_GRID, GRIDS, assert_within, forward, gradient_errors
+from tests.adapter_parity import assert_within, forward, gradient_errors, output_keys, record, run_grid_cases
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ltx_video import ltx_video_inputs, tiny_ltx_video, tiny_ltx_video_pipeline
 from usp_dit.pipelines import _routing, ltx_video
@@ -51,7 +51,6 @@ from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 TOL = 1e-5
 TOL_FRAMES = 1e-4
 WORLD = 4  # one spawned group; the 2-rank grids run on it as two data-parallel replicas
-SCHEDULES = ("stream", "gather_merge")  # forced on every grid with a ring, besides the mesh default ("auto")
 
 
 @dataclass(frozen=True)
@@ -85,17 +84,6 @@ def _build(shape: Shape, seed: int = 0):
         video_coords=shape.call == "cond",
     )
     return model, inputs
-
-
-def _grids() -> list[tuple[int, int, int, str | None]]:
-    """(U, R, cfg, forced schedule or None): the 2- and 4-rank grids, each ring grid with every schedule."""
-    grids = [(u, r, c, None) for world in (2, 4) for u, r, c in GRIDS[world]]
-    return grids + [(u, r, c, s) for u, r, c, _ in grids if r > 1 for s in SCHEDULES]
-
-
-def _grid_id(grid) -> str:
-    u, r, c, s = grid
-    return f"u{u}r{r}cfg{c}" + (f"-{s}" if s else "")
 
 
 # ---- what each rank runs ---------------------------------------------------------------------------
@@ -209,30 +197,16 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
     return results
 
 
-def _record(results: dict, key: str, fn, many: bool = False) -> None:
-    """``results[key] = fn()`` (``many``: ``fn()`` is a dict of keys), or the error as a string."""
-    try:
-        results.update(fn()) if many else results.__setitem__(key, fn())
-    except Exception as exc:  # recorded, asserted by the parent
-        results[key] = f"{type(exc).__name__}: {exc}"
-
-
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
-    meshes = {grid: init_usp(*grid[:3], ring_schedule=grid[3] or "auto") for grid in _grids()}
-    for grid in _grids():
-        for shape in SHAPES:
-            _record(results, f"{_grid_id(grid)}-{shape}", lambda: _output_case(shape, meshes[grid]))
-    for world in (2, 4):
-        mesh = init_usp(*GRAD_GRID[world])
-        for shape in GRAD_SHAPES[world]:
-            _record(results, f"grad-p{world}-{shape}", lambda: gradient_errors(*_build(shape), ADAPTER, mesh))
-    _record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    run_grid_cases(results, SHAPES, _output_case,
+                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh), GRAD_SHAPES)
+    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
     for shape in SHAPES[1:]:
-        _record(results, f"rotated-qk-{shape.call}", lambda: _rotated_qk_case(shape, init_usp(2, 2)))
-    _record(results, "ulysses-above-heads", lambda: _ulysses_above_heads_case(init_usp(ulysses_degree=4)))
-    _record(results, "pipeline", _pipeline_cases, many=True)
+        record(results, f"rotated-qk-{shape.call}", lambda: _rotated_qk_case(shape, init_usp(2, 2)))
+    record(results, "ulysses-above-heads", lambda: _ulysses_above_heads_case(init_usp(ulysses_degree=4)))
+    record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
@@ -243,7 +217,7 @@ def grid_results() -> list[dict]:
     return per_rank
 
 
-OUTPUT_KEYS = [f"{_grid_id(g)}-{s}" for g in _grids() for s in SHAPES]
+OUTPUT_KEYS = output_keys(SHAPES)
 
 
 @pytest.mark.parametrize("key", OUTPUT_KEYS)
