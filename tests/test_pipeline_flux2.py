@@ -20,12 +20,14 @@ rotated Q/K of block 0 equal the same rows of one process's joint [text; image] 
 transformer enabled with cfg_degree=2 on a batch of 2 equals stock.
 
 Pipeline: ``Flux2Pipeline`` is guidance-distilled: **one** transformer call per step, batch = the
-prompts. It is built tiny in code *without* a text encoder and called with ``prompt_embeds``
-(two prompts' embeddings, 6 tokens each): a tiny Mistral-3 with a Pixtral processor and Mistral's
-chat template (whose system message alone is ~170 tokens at one character a token) was left out
-for time. Through ``pipe.enable_usp()`` on (U, R, cfg) = (2,1,1), (2,2,1) and (1,2,2) (the cfg
-split halves the batch of two prompts), 2 steps, equal to one process's; with one prompt,
-``cfg_degree=2`` raises the cfg split's error (batch 1: nothing to split).
+prompts. Built tiny in code (``usp_dit.demo.tiny_flux2``): a 3-layer Mistral-3 text encoder and a
+character tokenizer with a Mistral-like chat template standing in for the Pixtral processor (the
+pipeline calls only its ``apply_chat_template``; PixtralProcessor needs torchvision). Two prompts
+of different lengths, padded to 192 text tokens (the system message is ~170: the transformer sees
+192 + 15 = 207 tokens; on 4 ranks three hold text only). Through ``pipe.enable_usp()`` on
+(U, R, cfg) = (2,1,1), (2,2,1) and (1,2,2) (the cfg split halves the batch of two prompts),
+2 steps, equal to one process's; with one prompt, ``cfg_degree=2`` raises the cfg split's error
+(batch 1: nothing to split).
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients, rotated Q/K and the
 pipeline's final latents: sharding only reorders float32 sums (attention blocks merged by
@@ -48,7 +50,7 @@ from diffusers.models.transformers.transformer_flux2 import Flux2KVAttnProcessor
 import usp_dit
 from tests.adapter_parity import GRAD_GRID, GRIDS, assert_within, forward, gradient_errors
 from usp_dit import init_usp, single_rank_mesh
-from usp_dit.demo.tiny_flux2 import TEXT_DIM, flux2_inputs, tiny_flux2, tiny_flux2_pipeline
+from usp_dit.demo.tiny_flux2 import MISTRAL_LAYERS, flux2_inputs, tiny_flux2, tiny_flux2_pipeline
 from usp_dit.pipelines import _routing, is_usp_enabled
 from usp_dit.pipelines import flux2  # noqa: F401  (registers the adapter)
 from usp_dit.pipelines.base import find_adapter
@@ -188,13 +190,12 @@ def _ulysses_above_heads_case(mesh) -> dict[str, float]:
     return {"did_not_raise": 1.0}
 
 
-def _prompt_embeds(batch: int) -> torch.Tensor:
-    """Two prompts' embeddings (B, 6, TEXT_DIM), different per element."""
-    return torch.randn(batch, TEXT_LEN, TEXT_DIM, generator=torch.Generator().manual_seed(7))
+PROMPTS = ["a red fox jumps", "a cat"]
 
 
-def _generate(pipe, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """(final latents, images) of 2 steps at 12 x 20 (3 x 5 = 15 image tokens), guidance 3.5, seed 0."""
+def _generate(pipe, prompts: list[str] = PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final latents, images) of 2 steps at 12 x 20 (3 x 5 = 15 image tokens), 192 text tokens,
+    guidance 3.5, seed 0."""
     last = {}
 
     def keep_latents(pipe, step, timestep, tensors):
@@ -202,8 +203,9 @@ def _generate(pipe, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
         return {}
 
     images = pipe(
-        prompt_embeds=_prompt_embeds(batch), guidance_scale=3.5, height=12, width=20, num_inference_steps=2,
-        generator=torch.Generator().manual_seed(0), output_type="pt", callback_on_step_end=keep_latents,
+        prompt=prompts, text_encoder_out_layers=MISTRAL_LAYERS, max_sequence_length=192, guidance_scale=3.5,
+        height=12, width=20, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt",
+        callback_on_step_end=keep_latents,
     ).images
     return last["latents"], images
 
@@ -241,7 +243,7 @@ def _pipeline_cfg_case() -> dict[str, float]:
     pipe.set_progress_bar_config(disable=True)
     pipe.enable_usp(cfg_degree=2)
     try:
-        _generate(pipe, batch=1)
+        _generate(pipe, ["a red fox"])
     except NotImplementedError as exc:
         return {"wrong_error": float("cfg_degree=2" not in str(exc))}
     finally:

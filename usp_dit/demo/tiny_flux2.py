@@ -5,9 +5,12 @@ latent row-major, then any reference images' (editing); text embeddings (batch, 
 text_dim); position ids as ``Flux2Pipeline`` makes them, (batch, tokens, 4), axes (t, h, w, l):
 image (0, h, w, 0), the k-th reference image (10 k, h, w, 0), text (0, 0, 0, l).
 
-Nothing is downloaded. The pipeline has no text encoder: it is called with ``prompt_embeds``
-(a tiny Mistral-3 and a Pixtral processor with Mistral's chat template were not built: see
-tests/test_pipeline_flux2.py). Every process that calls a builder with the same arguments gets
+Nothing is downloaded: the pipeline's text encoder is a 3-layer ``Mistral3ForConditionalGeneration``
+(and a 1-layer Pixtral vision tower it never calls), its "tokenizer" a character tokenizer with a
+Mistral-like chat template (``[SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]...[/INST]``), all built
+here. FLUX.2-dev's tokenizer slot holds a ``PixtralProcessor``; the pipeline calls only its
+``apply_chat_template``, which a tokenizer has too (PixtralProcessor itself needs torchvision,
+not installed here). Every process that calls a builder with the same arguments gets
 bit-identical weights and inputs.
 """
 from __future__ import annotations
@@ -20,6 +23,8 @@ from diffusers import Flux2Transformer2DModel
 from usp_dit.demo.tiny_video import _perturb
 
 TEXT_DIM = 48  # joint_attention_dim (FLUX.2-dev: 15360, three Mistral layers of 5120 stacked)
+MISTRAL_DIM = TEXT_DIM // 3  # the tiny Mistral's width: the pipeline stacks three of its layers' hidden states
+MISTRAL_LAYERS = (1, 2, 3)  # the layers stacked: pass as text_encoder_out_layers (FLUX.2-dev: (10, 20, 30))
 LATENT_CHANNELS = 4  # the tiny VAE's latent channels (FLUX.2: 32); the transformer sees 4x (2x2 patches)
 
 # Variants of the family, tiny versions of released configs.
@@ -114,17 +119,61 @@ def tiny_flux2_vae(seed: int = 0):
     return vae.eval()
 
 
-def tiny_flux2_pipeline(seed: int = 0):
-    """A ``Flux2Pipeline`` (dev: guidance-distilled) of a tiny VAE and transformer, float32, no text
-    encoder: call it with ``prompt_embeds`` (B, T, ``TEXT_DIM``).
+def tiny_mistral_tokenizer():
+    """A tokenizer over single characters (a unigram vocabulary written here, no file) with a
+    Mistral-like chat template for ``Flux2Pipeline``'s ``[system, user]`` messages (their content a
+    list of one ``{"type": "text"}`` item). The system message alone is about 170 tokens."""
+    import string
 
-    VAE 2x compression and 2x2 patches: ``height x width`` gives ``(height / 4) * (width / 4)``
-    image tokens; e.g. 12 x 20 -> 15.
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
+    pieces += [(c, -2.0) for c in string.ascii_letters + string.digits + string.punctuation + "\n"]
+    tokenizer = T5TokenizerFast(
+        vocab=pieces, extra_ids=0, additional_special_tokens=["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]"])
+    tokenizer.chat_template = (
+        "{%- for m in messages -%}{%- if m['role'] == 'system' -%}"
+        "[SYSTEM_PROMPT]{{ m['content'][0]['text'] }}[/SYSTEM_PROMPT]"
+        "{%- else -%}[INST]{{ m['content'][0]['text'] }}[/INST]{%- endif -%}{%- endfor -%}"
+    )
+    return tokenizer
+
+
+def tiny_mistral3_text_encoder(vocab_size: int, seed: int = 0):
+    """A 3-layer ``Mistral3ForConditionalGeneration`` of width ``MISTRAL_DIM`` (and a 1-layer Pixtral
+    vision tower the pipeline never calls), float32, eval mode, every weight perturbed."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    config = Mistral3Config(
+        text_config=dict(
+            model_type="mistral", vocab_size=vocab_size, hidden_size=MISTRAL_DIM, intermediate_size=32,
+            num_hidden_layers=len(MISTRAL_LAYERS), num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+            max_position_embeddings=512, pad_token_id=0,
+        ),
+        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=32, patch_size=16, head_dim=8),
+        spatial_merge_size=1,
+    )
+    torch.manual_seed(seed)
+    encoder = Mistral3ForConditionalGeneration(config)
+    _perturb(encoder, seed + 1, std=0.02)
+    return encoder.eval()
+
+
+def tiny_flux2_pipeline(seed: int = 0):
+    """A ``Flux2Pipeline`` (dev: guidance-distilled) of tiny random models (Mistral-3-like text
+    encoder, character tokenizer with a chat template, VAE, transformer), float32.
+
+    Call it with ``text_encoder_out_layers=MISTRAL_LAYERS`` and ``max_sequence_length`` of about
+    200 (the template's system message is ~170 tokens; the prompt is padded to that length, and
+    the transformer attends to every text token). VAE 2x compression and 2x2 patches: ``height x
+    width`` gives ``(height / 4) * (width / 4)`` image tokens; e.g. 12 x 20 -> 15.
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
 
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+    tokenizer = tiny_mistral_tokenizer()
     return Flux2Pipeline(
-        scheduler=scheduler, vae=tiny_flux2_vae(seed + 20), text_encoder=None, tokenizer=None,
-        transformer=tiny_flux2(seed=seed + 30),
+        scheduler=scheduler, vae=tiny_flux2_vae(seed + 20), tokenizer=tokenizer,
+        text_encoder=tiny_mistral3_text_encoder(len(tokenizer), seed + 10), transformer=tiny_flux2(seed=seed + 30),
     )
