@@ -130,7 +130,9 @@ def tiny_mistral_tokenizer():
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
     pieces += [(c, -2.0) for c in string.ascii_letters + string.digits + string.punctuation + "\n"]
     tokenizer = T5TokenizerFast(
-        vocab=pieces, extra_ids=0, additional_special_tokens=["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]"])
+        vocab=pieces, extra_ids=0,
+        additional_special_tokens=["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]"],
+    )
     tokenizer.chat_template = (
         "{%- for m in messages -%}{%- if m['role'] == 'system' -%}"
         "[SYSTEM_PROMPT]{{ m['content'][0]['text'] }}[/SYSTEM_PROMPT]"

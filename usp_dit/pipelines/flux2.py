@@ -44,7 +44,7 @@ Note [Flux.2 token split]
     rank s passes     encoder_hidden_states, txt_ids rows [lo_s, hi_s) ∩ [0, T)
                       hidden_states, img_ids rows ([lo_s, hi_s) ∩ [T, T + N)) - T
     A rank may hold no text (its text stream is (B, 0, C)) or no image tokens (FLUX.2-dev at
-    P = 16: 288 per rank, ranks 0 and 1 text only); both run, and the gather takes 0 rows from it.
+    P = 16: 288 per rank, rank 0 text only); both run, and the gather takes 0 rows from it.
 
 Note [Flux.2's KV processors]
     ``Flux2KVAttnProcessor`` / ``Flux2KVParallelSelfAttnProcessor`` are what
