@@ -5,7 +5,9 @@ and 4 ranks) in train mode; where the dp degree is 2, each dp index draws its ow
 expected gradient is the mean of the two one-process gradients.
   * FSDP2 "full" (one axis over all 4 ranks) on grids (U, R) = (2,1) (dp 2) and (2,2) with
     gradient checkpointing; FSDP2 "hybrid" (dp x replica) on (1,2) (dp 2); and the Flux
-    transformer (FSDP2 "full", (1,2)) when its adapter is in this checkout. FSDP2 averages over its
+    transformer (FSDP2 "full", (1,2)) when its adapter is in this checkout; Wan (FSDP2 "full", (2,2),
+    gradient checkpointing: its units are its plan's block list) and Qwen-Image (FSDP2 "hybrid",
+    (1,2), dp 2, a prompt mask with a hole). FSDP2 averages over its
     mesh: its gathered gradients (``full_grads``) must equal the expected ones with no rescaling.
   * LoRA (``transformer.add_adapter``, rank 4, random A and B) with ``sync_grads`` on (2,1) and
     with FSDP2 on (2,2): only LoRA parameters get gradients, and they match.
@@ -59,10 +61,26 @@ def _expected_grads(family: str, dp: int, lora: bool) -> dict[str, torch.Tensor]
 
 
 def _worst(grads: dict, expected: dict) -> dict:
+    # No gradient where one process's is zero too (a parameter the loss does not reach, e.g. the
+    # last Qwen-Image block's text stream, dropped by the model) is that zero (param_grads' convention).
+    grads = {n: (torch.zeros_like(expected[n]) if g is None and n in expected and not expected[n].any() else g)
+             for n, g in grads.items()}
     missing = sorted(n for n in expected if grads.get(n) is None)
     extra = sorted(n for n, g in grads.items() if g is not None and n not in expected)
     err, name = max(((rel_err(grads[n], expected[n]), n) for n in expected if n not in missing), default=(0.0, ""))
     return {"err": err, "worst": name, "missing": missing, "extra": extra}
+
+
+def _blocks_not_fsdp_units(model: torch.nn.Module) -> list[str]:
+    """Blocks of the model's block lists (its plan's, or Flux's) that are not FSDP2 units."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from usp_dit.training.fsdp import block_lists
+
+    names = block_lists(model)
+    blocks = [(f"{n}.{i}", b) for n in names for i, b in enumerate(getattr(model, n))]
+    return [f"<not an FSDP2 unit: {path}>" for path, b in blocks if not isinstance(b, FSDPModule)] or (
+        [] if blocks else ["<no block list>"])
 
 
 def _grad_case(family: str, grid, fsdp: str | None, lora: bool, ckpt: bool) -> dict:
@@ -70,8 +88,10 @@ def _grad_case(family: str, grid, fsdp: str | None, lora: bool, ckpt: bool) -> d
     expected = _expected_grads(family, mesh.dp_degree, lora)
     case = _build(family, mesh.dp_rank, lora, ckpt)
     enable_usp(case.model, mesh=mesh)
+    not_units = []
     if fsdp:
         shard_transformer(case.model, mesh, kind=fsdp)
+        not_units = _blocks_not_fsdp_units(case.model)
     try:
         loss_of(case).backward()
     finally:
@@ -82,6 +102,7 @@ def _grad_case(family: str, grid, fsdp: str | None, lora: bool, ckpt: bool) -> d
         sync_grads(case.model, mesh)
         grads = {n: p.grad for n, p in case.model.named_parameters()}
     result = _worst(grads, expected)
+    result["missing"] += not_units  # a block FSDP2 did not make its own unit (its block list not found)
     if lora:  # PEFT froze the base weights: only LoRA parameters are trainable (and none is missed)
         result["extra"] += sorted(n for n in expected if "lora_" not in n)
         result["missing"] += [] if any("lora_" in n for n in expected) else ["<no LoRA parameter>"]
@@ -129,6 +150,9 @@ GRAD_CASES = {  # id: (family, grid, fsdp kind, lora, checkpointing)
     "fsdp-full-u2r2-ckpt": ("cogvideox", (2, 2), "full", False, True),
     "fsdp-hybrid-u1r2-dp2": ("cogvideox", (1, 2), "hybrid", False, False),
     "fsdp-full-u1r2-dp2-flux": ("flux", (1, 2), "full", False, False),
+    # FSDP2's units from the model plan (Wan's "blocks"), with checkpointing; an image family with masks
+    "fsdp-full-u2r2-ckpt-wan": ("wan", (2, 2), "full", False, True),
+    "fsdp-hybrid-u1r2-dp2-qwen_image": ("qwen_image", (1, 2), "hybrid", False, False),
     "lora-sync-u2r1-dp2": ("cogvideox", (2, 1), None, True, False),
     "lora-fsdp-u2r2-ckpt": ("cogvideox", (2, 2), "full", True, True),
 }

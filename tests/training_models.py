@@ -1,4 +1,4 @@
-"""Tiny Flux, CogVideoX and Mochi transformers with training inputs, for the tests/test_training_*.py.
+"""Tiny Flux, CogVideoX, Mochi, Wan and Qwen-Image transformers with training inputs, for the tests/test_training_*.py.
 
 Layout: each model's own forward arguments (``kwargs``), its output ``out`` (batch, ...) and a
 regression ``target`` of the same shape; loss = mean((out - target)^2).
@@ -15,11 +15,13 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("cogvideox", "flux", "mochi")
+FAMILIES = ("cogvideox", "flux", "mochi", "wan", "qwen_image")
 _BUILDER_MODULES = {
     "cogvideox": ("usp_dit.pipelines.cogvideox", "usp_dit.demo.tiny_video"),
     "flux": ("usp_dit.pipelines.flux", "usp_dit.demo.tiny_flux"),
     "mochi": ("usp_dit.pipelines.mochi", "usp_dit.demo.tiny_video"),
+    "wan": ("usp_dit.pipelines.wan", "usp_dit.demo.tiny_wan"),
+    "qwen_image": ("usp_dit.pipelines.qwen_image", "usp_dit.demo.tiny_qwen_image"),
 }
 
 
@@ -73,7 +75,25 @@ def _mochi(seed: int) -> TrainingCase:
     return TrainingCase(model, inputs.kwargs(), _target(inputs.hidden_states.shape, seed), 27)
 
 
-_BUILDERS = {"cogvideox": _cogvideox, "flux": _flux, "mochi": _mochi}
+def _wan(seed: int) -> TrainingCase:
+    from usp_dit.demo.tiny_wan import tiny_wan, wan_inputs
+
+    model = tiny_wan("t2v").train()  # FSDP2's units: its plan's block list, "blocks"
+    inputs = wan_inputs(model, frames=3, height=6, width=10, seed=seed)  # 45 tokens, batch 2
+    return TrainingCase(model, inputs.kwargs(), _target(inputs.hidden_states.shape, seed), 45)
+
+
+def _qwen_image(seed: int) -> TrainingCase:
+    from usp_dit.demo.tiny_qwen_image import qwen_image_inputs, tiny_qwen_image
+
+    model = tiny_qwen_image().train()
+    # 5 x 7 = 35 image tokens; two prompts, one with a hole and padding (masked text keys)
+    inputs = qwen_image_inputs(model, [(1, 5, 7)], masks=[[1, 1, 0, 1, 1, 1, 0], [1] * 7], seed=seed)
+    out_shape = (*inputs.hidden_states.shape[:2], model.config.out_channels * 4)
+    return TrainingCase(model, inputs.kwargs(), _target(torch.Size(out_shape), seed), 35)
+
+
+_BUILDERS = {"cogvideox": _cogvideox, "flux": _flux, "mochi": _mochi, "wan": _wan, "qwen_image": _qwen_image}
 
 
 def build(family: str, seed: int = 0) -> TrainingCase:
