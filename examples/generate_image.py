@@ -1,29 +1,65 @@
-"""torchrun: generate an image with Flux on a Ulysses x Ring (x CFG) grid, checked against one rank.
+"""torchrun: generate an image with Flux, Flux.2, Qwen-Image, SD3 or Chroma on a Ulysses x Ring (x CFG) grid,
+checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --ulysses 2 --ring 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family sd3 --ring 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family qwen_image --ulysses 2 --ring 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family flux2 --ring 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family chroma --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py \
         --model black-forest-labs/FLUX.1-dev --height 1024 --width 1024 --steps 28 --ulysses 4 --ring 2
+    torchrun --standalone --nproc-per-node 8 examples/generate_image.py --family sd3 \
+        --model stabilityai/stable-diffusion-3.5-large --steps 28 --ulysses 4 --cfg 2
 
-With no ``--model`` it builds a tiny randomly initialised FluxPipeline in code (tiny transformer,
-VAE, scheduler, CLIP and T5 encoders with character tokenizers; nothing is downloaded) and runs it
-in float32 on CPU with gloo. Every rank runs the pipeline's real ``__call__``; the transformer's
-tokens are split over the grid (``pipe.enable_usp``); rank 0 alone shows the progress bar and
-writes the PNG. Then ``pipe.disable_usp()`` and rank 0 runs the same pipeline alone, in the same
-process, and prints the largest difference (max |diff| / max |one rank|) and MATCH or MISMATCH.
+``--family`` picks the model family (default ``flux``). With no ``--model`` it builds a tiny
+randomly initialised pipeline of that family in code (``usp_dit.demo.tiny_flux``, ``tiny_flux2``,
+``tiny_qwen_image``, ``tiny_sd3``, ``tiny_chroma``: tiny transformer, VAE, scheduler and text
+encoders (CLIP, T5, Qwen2.5-VL, Mistral-3) with character tokenizers; nothing is downloaded) and
+runs it in float32 on CPU with gloo. The tiny SD3 is an SD3.5 Medium-like transformer (QK norm,
+dual attention in its first layer). With ``--model`` it loads ``FluxPipeline``, ``Flux2Pipeline``,
+``QwenImagePipeline``, ``StableDiffusion3Pipeline`` or ``ChromaPipeline`` (bf16 on GPUs). Every
+rank runs the pipeline's real ``__call__``; the transformer's tokens are split over the grid
+(``pipe.enable_usp``); rank 0 alone shows the progress bar and writes the PNG. Then
+``pipe.disable_usp()`` and rank 0 runs the same pipeline alone, in the same process, and prints
+the largest difference (max |diff| / max |one rank|) and MATCH or MISMATCH.
 
-Layout: images (batch, height, width, 3) in [0, 1]; ``--height``/``--width`` must be multiples of 16
-(Flux's VAE: 8 pixels per latent pixel, 2x2 latent pixels per token). The default 1008x1008 gives
-63 x 63 = 3969 image tokens + 64 text tokens: a count that divides neither 2 nor 4 ranks.
+Layout: images (batch, height, width, 3) in [0, 1], written side by side. ``--height``/``--width``
+must be multiples of the pixels per token: 16 for every real model (VAE: 8 pixels per latent
+pixel, 2x2 latent pixels per token) and for the tiny Flux and Qwen-Image; 4 for the tiny Flux.2,
+SD3 and Chroma (their VAEs: 2 pixels per latent pixel). The tiny SD3's position table covers 16 x 16
+tokens, so its sides are at most 64. Defaults:
 
-A bad value (degrees that do not fit the ranks, a missing ``--model`` folder, an unknown
-``--backend``, a size Flux cannot take) is reported on one line by rank 0 before anything loads,
-and every rank exits with code 2; Ctrl-C exits with 130 (``usp_dit.launch``).
+    family      tiny default size -> image tokens   with --model   --cfg 2 splits
+    flux        1008 x 1008 -> 63 x 63 = 3969       1008 x 1008     the batch of --num-images images
+    flux2       60 x 100 -> 15 x 25 = 375           1024 x 1024     the batch of --num-images images
+    qwen_image  144 x 240 -> 9 x 15 = 135           1024 x 1024     the batch of --num-images images
+    sd3         44 x 60 -> 11 x 15 = 165            1024 x 1024     [uncond, cond] (batched CFG)
+    chroma      60 x 100 -> 15 x 25 = 375           1024 x 1024     the batch of --num-images images
+
+(besides the text tokens of the tiny pipelines: 64 for Flux and Chroma, 64 + 64 for SD3 (CLIPs,
+then T5), 256 for Flux.2 (its chat template's system message is ~170), about one per character of
+the prompt for Qwen-Image.) No tiny image token count divides 2 or 4 ranks.
+
+Guidance (``--guidance``): Flux (dev) and Flux.2 are guidance-distilled, the scale is embedded and
+each step is one transformer call of batch ``--num-images``; Qwen-Image runs true CFG, two calls per
+step (prompt, then negative prompt) of that batch each, ``--guidance`` its ``true_cfg_scale``;
+Chroma too (two calls a step when ``--guidance`` > 1); SD3 batches CFG, one call of batch
+2 x ``--num-images`` ([uncond, cond]) when ``--guidance`` > 1. So ``--cfg 2`` splits the images for
+Flux, Flux.2, Qwen-Image and Chroma (``--num-images`` a multiple of the cfg degree, default the cfg
+degree) and the guidance halves for SD3 (``--num-images`` default 1). ``--negative-prompt`` is for
+Qwen-Image, SD3 and Chroma only.
+
+A bad value (degrees that do not fit the ranks, a ``--cfg`` that has no batch to split, a missing
+``--model`` folder, an unknown ``--backend``, a size the model cannot take) is reported on one line
+by rank 0 before anything loads, and every rank exits with code 2; Ctrl-C exits with 130
+(``usp_dit.launch``).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import time
+from dataclasses import dataclass
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no torchvision notices from transformers
 
@@ -38,69 +74,168 @@ from usp_dit import launch  # noqa: E402
 from usp_dit.config import RING_SCHEDULES  # noqa: E402
 from usp_dit.launch import compare_with_one_rank, init_distributed  # noqa: E402
 
-TINY_TEXT_LEN = 64  # text tokens of the tiny pipeline (its tokenizers spend one per character)
-PIXELS_PER_TOKEN = 16  # Flux: 8 pixels per latent pixel (VAE), 2 x 2 latent pixels per token
+
+@dataclass(frozen=True)
+class ImageFamily:
+    """What the example needs to know of a model family before anything loads."""
+
+    pipeline: str  # the diffusers pipeline class that --model loads
+    name: str  # for messages
+    tiny_size: tuple[int, int]  # default --height, --width of the tiny pipeline
+    tiny_pixels_per_token: int  # the tiny VAE's pixels per latent pixel x 2 (2x2 latent pixels a token)
+    guidance_arg: str  # the pipeline argument --guidance sets
+    guidance: float | None = None  # default --guidance (None: the pipeline's)
+    batched_cfg: bool = False  # [uncond, cond] in one call (the cfg axis splits it), else the images
+    negative_prompt: bool = False  # takes a negative prompt
+    tiny_max_side: int | None = None  # the tiny transformer's position table, in pixels
+    real_size: tuple[int, int] = (1024, 1024)  # default --height, --width with --model
+
+
+REAL_PIXELS_PER_TOKEN = 16  # every real family: 8 pixels per latent pixel (VAE), 2 x 2 latent pixels per token
+FAMILIES = {
+    # 1008 for the real model too, as before the other families came: 63 x 63 tokens.
+    "flux": ImageFamily("FluxPipeline", "Flux", (1008, 1008), 16, "guidance_scale", guidance=3.5,
+                        real_size=(1008, 1008)),
+    "flux2": ImageFamily("Flux2Pipeline", "Flux.2", (60, 100), 4, "guidance_scale"),
+    "qwen_image": ImageFamily("QwenImagePipeline", "Qwen-Image", (144, 240), 16, "true_cfg_scale",
+                              negative_prompt=True),
+    "sd3": ImageFamily("StableDiffusion3Pipeline", "SD3", (44, 60), 4, "guidance_scale", batched_cfg=True,
+                       negative_prompt=True, tiny_max_side=64),
+    "chroma": ImageFamily("ChromaPipeline", "Chroma", (60, 100), 4, "guidance_scale", negative_prompt=True),
+}
+# Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
+# Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
+# cut (the pipelines warn about a cut prompt).
+TINY_TEXT_LEN = 64
+# The tiny Flux.2's Mistral tokens: its chat template's system message (~170) and the prompt.
+TINY_FLUX2_TEXT_LEN = 256
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+DEFAULT_NEGATIVE_PROMPT = "blurry, low quality"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, checked (``check_args``); a bad value raises ``launch.UsageError``."""
     p = launch.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="Flux checkpoint path or hub id (default: a tiny random pipeline)")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="flux", help="model family (default: flux)")
+    p.add_argument("--model", default=None, help="checkpoint path or hub id of the family's pipeline "
+                   "(default: a tiny random pipeline)")
     p.add_argument("--prompt", default="a lighthouse on a cliff at dawn, oil painting")
-    p.add_argument("--height", type=int, default=1008)
-    p.add_argument("--width", type=int, default=1008)
+    p.add_argument("--negative-prompt", default=None,
+                   help=f"Qwen-Image, SD3 and Chroma only (default: {DEFAULT_NEGATIVE_PROMPT!r})")
+    p.add_argument("--height", type=int, default=None, help="default: the family's (the table above)")
+    p.add_argument("--width", type=int, default=None, help="default: the family's (the table above)")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--guidance", type=float, default=3.5, help="Flux guidance (dev; schnell ignores it)")
+    p.add_argument("--guidance", type=float, default=None, help="Flux and Flux.2: the embedded guidance (Flux "
+                   "default 3.5; schnell ignores it); Qwen-Image: true_cfg_scale; SD3 and Chroma: the CFG "
+                   "scale (default: the pipeline's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ulysses", type=int, default=None, help="Ulysses degree (default: 2 if it fits)")
     p.add_argument("--ring", type=int, default=None, help="ring degree (default: what is left of the world)")
-    p.add_argument("--cfg", type=int, default=1, help="cfg degree; Flux does not batch CFG, so the cfg axis "
-                   "splits the batch of --num-images images")
-    p.add_argument("--num-images", type=int, default=None, help="images per prompt (default: the cfg degree)")
+    p.add_argument("--cfg", type=int, default=1, help="cfg degree: splits SD3's [uncond, cond] batch; Flux, Flux.2, "
+                   "Qwen-Image and Chroma do not batch CFG, so there it splits the batch of --num-images images")
+    p.add_argument("--num-images", type=int, default=None,
+                   help="images per prompt (default: the cfg degree; SD3: 1)")
     p.add_argument("--backend", default="auto", help="attention kernel: auto or a name from usp_dit.kernels")
     p.add_argument("--ring-schedule", default="auto", choices=RING_SCHEDULES,
                    help="how the ring's forward moves K/V blocks (README: ring schedules)")
-    p.add_argument("--output", default="flux_usp.png")
+    p.add_argument("--output", default=None, help="default: <family>_usp.png")
     p.add_argument("--no-check", action="store_true", help="skip the one-rank comparison")
     args = p.parse_args(argv)
     check_args(args, launch.env_world_size())
     return args
 
 
+def pixels_per_token(args: argparse.Namespace) -> int:
+    """``--height``/``--width`` must be multiples of this: the VAE's compression x the 2x2 patch."""
+    return FAMILIES[args.family].tiny_pixels_per_token if args.model is None else REAL_PIXELS_PER_TOKEN
+
+
 def check_args(args: argparse.Namespace, world: int) -> None:
-    """Raise ``launch.UsageError`` for a value that would fail later; fills ``args.degrees``."""
+    """Raise ``launch.UsageError`` for a value that would fail later; fills the family's defaults
+    (``args.height``, ``args.width``, ``args.guidance``, ``args.negative_prompt``, ``args.output``),
+    ``args.degrees`` and ``args.num_images``."""
+    family = FAMILIES[args.family]
+    size = family.tiny_size if args.model is None else family.real_size
+    args.height = args.height if args.height is not None else size[0]
+    args.width = args.width if args.width is not None else size[1]
+    args.guidance = args.guidance if args.guidance is not None else family.guidance
+    args.output = args.output or f"{args.family}_usp.png"
+    unit = pixels_per_token(args)
+    why = (f"{'tiny ' if args.model is None else ''}{family.name}: {unit // 2} pixels per latent pixel, "
+           f"2x2 per token")
     for flag, value in (("--height", args.height), ("--width", args.width)):
-        launch.check_multiple(flag, value, PIXELS_PER_TOKEN, "Flux: 8 pixels per latent pixel, 2x2 per token")
+        launch.check_multiple(flag, value, unit, why)
+        if args.model is None and family.tiny_max_side and value > family.tiny_max_side:
+            raise launch.UsageError(f"{flag} {value}: the tiny {family.name} transformer's position table covers at "
+                                    f"most {family.tiny_max_side} pixels a side")
     launch.check_at_least("--steps", args.steps, 1)
     launch.check_model_path("--model", args.model)
     launch.check_backend("--backend", args.backend)
     launch.check_output("--output", args.output, IMAGE_SUFFIXES)
+    if args.negative_prompt is not None and not family.negative_prompt:
+        raise launch.UsageError(f"--negative-prompt with --family {args.family}: {family.name} is guidance-distilled "
+                                f"(the guidance scale is embedded), it takes no negative prompt")
+    if family.negative_prompt and args.negative_prompt is None:
+        args.negative_prompt = DEFAULT_NEGATIVE_PROMPT
     args.degrees = launch.check_degrees(world, args.ulysses, args.ring, args.cfg)
     cfg = args.degrees[2]
-    if args.num_images is not None and (args.num_images < 1 or args.num_images % cfg):
+    # SD3 skips CFG at a scale of 1 or less: then, like the others, one call of batch --num-images.
+    guided = family.batched_cfg and (args.guidance is None or args.guidance > 1)
+    if args.num_images is not None and args.num_images < 1:
+        raise launch.UsageError(f"--num-images {args.num_images} must be at least 1")
+    if guided:
+        args.num_images = args.num_images or 1  # the cfg axis splits [uncond, cond]: any count works
+    elif args.num_images is not None and args.num_images % cfg:
+        what = ("with --guidance <= 1 SD3 runs no CFG" if family.batched_cfg
+                else f"{family.name} does not batch CFG")
         raise launch.UsageError(f"--num-images {args.num_images} must be a positive multiple of --cfg {cfg} "
-                                f"(the cfg axis splits the batch of images)")
+                                f"({what}: the cfg axis splits the batch of images)")
+    else:
+        args.num_images = args.num_images or cfg
 
 
 def load_pipeline(args: argparse.Namespace, device: torch.device):
     """The pipeline to run: ``--model`` from disk/hub in bf16 on GPUs, or the tiny one in float32."""
+    if args.family == "chroma":
+        # Registers the Chroma adapter: usp_dit.pipelines does not import its module yet. (An import
+        # is done once, so this stays harmless once it does.)
+        from usp_dit.pipelines import chroma  # noqa: F401
     if args.model is None:
-        from usp_dit.demo.tiny_flux import tiny_flux_pipeline
+        from usp_dit.demo import tiny_chroma, tiny_flux, tiny_flux2, tiny_qwen_image, tiny_sd3
 
-        return tiny_flux_pipeline(vae_blocks=4, max_text_len=TINY_TEXT_LEN).to(device)
-    from diffusers import FluxPipeline
+        builders = {
+            "flux": lambda: tiny_flux.tiny_flux_pipeline(vae_blocks=4, max_text_len=TINY_TEXT_LEN),
+            "flux2": tiny_flux2.tiny_flux2_pipeline,
+            "qwen_image": tiny_qwen_image.tiny_qwen_image_pipeline,
+            "sd3": lambda: tiny_sd3.tiny_sd3_pipeline(clip_len=TINY_TEXT_LEN),
+            "chroma": lambda: tiny_chroma.tiny_chroma_pipeline(max_text_len=TINY_TEXT_LEN),
+        }
+        return builders[args.family]().to(device)
+    import diffusers
 
+    cls = getattr(diffusers, FAMILIES[args.family].pipeline)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return FluxPipeline.from_pretrained(args.model, torch_dtype=dtype).to(device)
+    return cls.from_pretrained(args.model, torch_dtype=dtype).to(device)
 
 
-def generate(pipe, args: argparse.Namespace, num_images: int) -> np.ndarray:
+def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     """(num_images, height, width, 3) float32 in [0, 1]; the seeded generator is the same on every rank."""
-    kwargs = {"max_sequence_length": TINY_TEXT_LEN} if args.model is None else {}
+    family = FAMILIES[args.family]
+    kwargs = {}
+    if args.model is None and args.family in ("flux", "sd3", "chroma"):
+        kwargs["max_sequence_length"] = TINY_TEXT_LEN
+    elif args.model is None and args.family == "flux2":
+        from usp_dit.demo.tiny_flux2 import MISTRAL_LAYERS
+
+        # The tiny Mistral has 3 layers; the pipeline's default stacks FLUX.2-dev's layers 10, 20, 30.
+        kwargs.update(max_sequence_length=TINY_FLUX2_TEXT_LEN, text_encoder_out_layers=MISTRAL_LAYERS)
+    if args.guidance is not None:
+        kwargs[family.guidance_arg] = args.guidance
+    if args.negative_prompt is not None:
+        kwargs["negative_prompt"] = args.negative_prompt
     out = pipe(
-        args.prompt, height=args.height, width=args.width, num_inference_steps=args.steps,
-        guidance_scale=args.guidance, num_images_per_prompt=num_images, output_type="np",
+        prompt=args.prompt, height=args.height, width=args.width, num_inference_steps=args.steps,
+        num_images_per_prompt=args.num_images, output_type="np",
         generator=torch.Generator("cpu").manual_seed(args.seed), **kwargs,
     )
     return np.asarray(out.images, dtype=np.float32)
@@ -120,26 +255,28 @@ def main(argv: list[str] | None = None) -> None:
     # Diffusers and Transformers load here, after the checks, so that a bad value fails in seconds.
     # usp_dit.pipelines also gives every DiffusionPipeline .enable_usp / .disable_usp.
     from usp_dit.pipelines import install_failure_handler
-    install_failure_handler()  # a rank that raises ends the job at once (usp_dit.pipelines.failure)
     rank, world, device = init_distributed()
+    # After init_process_group, which wraps sys.excepthook with stderr sent to a buffer: installed
+    # before, the handler's os._exit would lose the traceback in that buffer.
+    install_failure_handler()  # a rank that raises ends the job at once (usp_dit.pipelines.failure)
     ulysses, ring, cfg = args.degrees
-    num_images = args.num_images or cfg
     pipe = load_pipeline(args, device)
     mesh = pipe.enable_usp(ulysses_degree=ulysses, ring_degree=ring, cfg_degree=cfg, backend=args.backend,
                            ring_schedule=args.ring_schedule)
-    tokens = (args.height // PIXELS_PER_TOKEN) * (args.width // PIXELS_PER_TOKEN)
+    unit = pixels_per_token(args)
+    tokens = (args.height // unit) * (args.width // unit)
     if rank == 0:
         print(f"usp_dit {usp_dit.__version__}: {mesh} on {world} ranks, {device.type}; "
-              f"{args.model or 'tiny random FluxPipeline'}, {args.height}x{args.width} ({tokens} image tokens), "
-              f"{args.steps} steps, {num_images} image(s)", flush=True)
+              f"{args.model or f'tiny random {type(pipe).__name__}'}, {args.height}x{args.width} "
+              f"({tokens} image tokens), {args.steps} steps, {args.num_images} image(s)", flush=True)
     start = time.perf_counter()
-    images = generate(pipe, args, num_images)
+    images = generate(pipe, args)
     if rank == 0:
         print(f"grid: {time.perf_counter() - start:.1f} s", flush=True)
         save_png(images, args.output)
         print(f"wrote {args.output}", flush=True)
     if not args.no_check:
-        compare_with_one_rank(pipe, lambda: generate(pipe, args, num_images), images, rank)
+        compare_with_one_rank(pipe, lambda: generate(pipe, args), images, rank)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -1,17 +1,25 @@
-"""torchrun: generate a video with CogVideoX, Mochi or Wan on a Ulysses x Ring (x CFG) grid, checked against one rank.
+"""torchrun: generate a video with CogVideoX, Mochi, Wan, HunyuanVideo or LTX-Video on a Ulysses x Ring (x CFG)
+grid, checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cogvideox --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model mochi --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model wan --ulysses 2 --ring 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model hunyuan_video --ulysses 2 --ring 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model ltx_video --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model cogvideox \
         --model-path THUDM/CogVideoX-5b --height 480 --width 720 --frames 49 --steps 50 --ulysses 2 --ring 2 --cfg 2
+    torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model ltx_video \
+        --model-path Lightricks/LTX-Video --height 480 --width 704 --frames 161 --steps 50 --ulysses 4 --cfg 2
 
 With no ``--model-path`` it builds a tiny randomly initialised pipeline in code
-(``usp_dit.demo.tiny_video``, ``tiny_wan``: tiny transformer, VAE, scheduler, a T5 encoder with
-a character tokenizer; nothing is downloaded; the tiny Wan is a Wan 2.2 A14B-like pair of experts)
-and runs it in float32 on CPU with gloo. Every rank runs the
-pipeline's real ``__call__`` (text encoding, denoising with classifier-free guidance, VAE decode);
-the transformer's tokens are split over the grid (``pipe.enable_usp``) and, with ``--cfg 2``, the
+(``usp_dit.demo.tiny_video``, ``tiny_wan``, ``tiny_hunyuan_video``, ``tiny_ltx_video``: tiny
+transformer, VAE, scheduler and text encoders with character tokenizers, T5 or, for HunyuanVideo,
+Llama and CLIP; nothing is downloaded; the tiny Wan is a Wan 2.2 A14B-like pair of experts, the
+tiny HunyuanVideo the guidance-distilled text-to-video model) and runs it in float32 on CPU with
+gloo. With ``--model-path`` it loads ``CogVideoXPipeline``, ``MochiPipeline``, ``WanPipeline``,
+``HunyuanVideoPipeline`` or ``LTXPipeline`` (bf16 on GPUs, VAE tiling on). Every rank runs the
+pipeline's real ``__call__`` (text encoding, denoising with guidance, VAE decode); the
+transformer's tokens are split over the grid (``pipe.enable_usp``) and, with ``--cfg 2``, the
 [uncond, cond] batch over two groups of ranks. Rank 0 alone shows the progress bar and writes the
 video: an animated WebP or GIF (by the output's extension) with Pillow, and an MP4 beside it when
 imageio-ffmpeg is installed; or, for an ``--output`` ending in ``.mp4``, the MP4 alone (that needs
@@ -19,21 +27,36 @@ imageio-ffmpeg: ``pip install 'usp-dit[video]'``). Then ``pipe.disable_usp()`` a
 in the same process, and prints the largest difference (max |diff| / max |one rank|) and MATCH or
 MISMATCH.
 
-Layout: frames (frames, height, width, 3) in [0, 1]. The VAEs (tiny and real) have 8 pixels per
-latent pixel and the transformers 2 x 2 latent pixels per token, so ``--height``/``--width`` must
-be multiples of 16. CogVideoX compresses 4 frames into one latent frame and its VAE decodes latent
-frames in pairs, so it returns exactly ``--frames`` frames for 8k + 1 only (5 comes back as 8, 13
-as 16); Mochi compresses 6 (``--frames`` = 6k + 1) and its sigma schedule needs ``--steps`` >= 2;
-Wan compresses 4 (``--frames`` = 4k + 1). ``pipe.enable_usp()`` enables both of Wan 2.2's experts
-(``transformer`` and ``transformer_2``) on one mesh. Wan's
-pipelines run guidance as two transformer calls of batch 1, so ``--cfg 2`` is refused for Wan.
-The defaults (96 x 144, 9 or 13 frames) give 3 x 6 x 9 = 162 video tokens: a count that 4 ranks do
-not divide.
+Layout: frames (frames, height, width, 3) in [0, 1]. Sizes and frame counts, per model (the tiny
+pipelines compress as the real ones do):
 
-A bad value (degrees that do not fit the ranks, a missing ``--model-path``, an unknown
-``--backend``, a size or frame count the model cannot take, an MP4 without imageio-ffmpeg) is
-reported on one line by rank 0 before anything loads, and every rank exits with code 2; Ctrl-C
-exits with 130 (``usp_dit.launch``).
+    model          pixels/token  --frames  default size, frames -> video tokens   --cfg 2
+    cogvideox      16            8k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
+    mochi          16            6k + 1    96 x 144, 13 -> 3 x 6 x 9 = 162          yes (batched CFG)
+    wan            16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          no
+    hunyuan_video  16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          no
+    ltx_video      32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45           yes (batched CFG)
+
+Pixels per token: the VAEs have 8 pixels per latent pixel and the transformers 2 x 2 latent pixels
+per token, except LTX-Video's VAE (32 pixels per latent pixel, patch 1), so ``--height``/``--width``
+must be multiples of 16 (LTX-Video: 32). CogVideoX compresses 4 frames into one latent frame and
+its VAE decodes latent frames in pairs, so it returns exactly ``--frames`` frames for 8k + 1 only
+(5 comes back as 8, 13 as 16); Mochi compresses 6 and its sigma schedule needs ``--steps`` >= 2;
+Wan and HunyuanVideo compress 4, LTX-Video 8. ``pipe.enable_usp()`` enables both of Wan 2.2's
+experts (``transformer`` and ``transformer_2``) on one mesh. None of the default token counts is
+divided by 4 ranks.
+
+Guidance: CogVideoX, Mochi and LTX-Video batch classifier-free guidance ([uncond, cond] in one
+transformer call of batch 2 when ``--guidance`` > 1), which ``--cfg 2`` splits over two groups of
+ranks. Wan's pipelines, and HunyuanVideoPipeline, call the transformer once per guidance branch
+(batch 1), so ``--cfg 2`` is refused for them. HunyuanVideo T2V is guidance-distilled:
+``--guidance`` is the embedded scale (one call per step), and ``--true-cfg`` > 1 (HunyuanVideo
+only) adds real CFG with the negative prompt, a second call per step.
+
+A bad value (degrees that do not fit the ranks, ``--cfg 2`` for a model that cannot split it, a
+missing ``--model-path``, an unknown ``--backend``, a size or frame count the model cannot take, an
+MP4 without imageio-ffmpeg) is reported on one line by rank 0 before anything loads, and every rank
+exits with code 2; Ctrl-C exits with 130 (``usp_dit.launch``).
 """
 from __future__ import annotations
 
@@ -41,6 +64,7 @@ import argparse
 import importlib.util
 import os
 import time
+from dataclasses import dataclass
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no torchvision notices from transformers
 
@@ -55,16 +79,44 @@ from usp_dit import launch  # noqa: E402
 from usp_dit.config import RING_SCHEDULES  # noqa: E402
 from usp_dit.launch import compare_with_one_rank, init_distributed  # noqa: E402
 
-FAMILIES = {"cogvideox": (9, 4), "mochi": (13, 6), "wan": (9, 4)}  # default frames, frames per latent frame
-# --frames must be step k + 1: (step, why).
-FRAME_RULES = {
-    "cogvideox": (8, "CogVideoX's VAE decodes latent frames of 4 in pairs: 5 frames come back as 8, 13 as 16"),
-    "mochi": (6, "Mochi's VAE: 6 frames per latent frame"),
-    "wan": (4, "Wan's VAE: 4 frames per latent frame"),
+
+@dataclass(frozen=True)
+class VideoFamily:
+    """What the example needs to know of a model family before anything loads."""
+
+    pipeline: str  # the diffusers pipeline class that --model-path loads
+    frames: int  # default --frames
+    frames_per_latent: int  # frames the VAE compresses into one latent frame
+    frame_step: int  # --frames must be frame_step * k + 1 ...
+    frame_why: str  # ... because of this
+    latent_pixels: int  # pixels per latent pixel (VAE), each side
+    pixels_per_token: int  # latent_pixels x the transformer's spatial patch: --height/--width multiple
+    size: tuple[int, int] = (96, 144)  # default --height, --width
+    min_steps: tuple[int, str] = (1, "")  # (minimum --steps, why)
+    # None: the pipeline batches [uncond, cond] in one call, --cfg 2 splits it; else why it cannot.
+    cfg_refusal: str | None = None
+
+
+FAMILIES = {
+    "cogvideox": VideoFamily(
+        "CogVideoXPipeline", 9, 4, 8, "CogVideoX's VAE decodes latent frames of 4 in pairs: 5 frames come back "
+        "as 8, 13 as 16", 8, 16),
+    "mochi": VideoFamily(
+        "MochiPipeline", 13, 6, 6, "Mochi's VAE: 6 frames per latent frame", 8, 16,
+        min_steps=(2, "Mochi's linear-quadratic sigma schedule divides by steps // 2")),
+    "wan": VideoFamily(
+        "WanPipeline", 9, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16,
+        cfg_refusal="Wan's pipelines call the transformer once per guidance branch (batch 1), so there is no "
+                    "batch to split over cfg groups"),
+    "hunyuan_video": VideoFamily(
+        "HunyuanVideoPipeline", 9, 4, 4, "HunyuanVideo's VAE: 4 frames per latent frame", 8, 16,
+        cfg_refusal="HunyuanVideoPipeline calls the transformer once per guidance branch (batch 1: the guidance "
+                    "is embedded, and --true-cfg adds a second call for the negative prompt), so there is no "
+                    "batch to split over cfg groups"),
+    "ltx_video": VideoFamily(
+        "LTXPipeline", 17, 8, 8, "LTX-Video's VAE: 8 frames per latent frame", 32, 32, size=(96, 160)),
 }
-MIN_STEPS = {"cogvideox": (1, ""), "mochi": (2, "Mochi's linear-quadratic sigma schedule divides by steps // 2"),
-             "wan": (1, "")}
-PIXELS_PER_TOKEN = 16  # 8 pixels per latent pixel (VAE), 2 x 2 latent pixels per token
+TINY_TEXT_LEN = 32  # text tokens of the tiny pipelines (their tokenizers spend one per character)
 VIDEO_SUFFIXES = (".webp", ".gif", ".mp4")
 MP4_MODULES = ("imageio", "imageio_ffmpeg")  # what diffusers' export_to_video writes MP4 with
 
@@ -76,16 +128,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", default=None, help="checkpoint path or hub id (default: a tiny random pipeline)")
     p.add_argument("--prompt", default="a paper boat drifting down a rainy street, cinematic")
     p.add_argument("--negative-prompt", default="blurry, low quality")
-    p.add_argument("--height", type=int, default=96)
-    p.add_argument("--width", type=int, default=144)
-    p.add_argument("--frames", type=int, default=None, help="video frames (default: 9 CogVideoX and Wan, 13 Mochi)")
+    p.add_argument("--height", type=int, default=None, help="default: 96 (a multiple of 16; LTX-Video: of 32)")
+    p.add_argument("--width", type=int, default=None, help="default: 144 (LTX-Video: 160)")
+    p.add_argument("--frames", type=int, default=None,
+                   help="video frames (default: 9 CogVideoX, Wan and HunyuanVideo, 13 Mochi, 17 LTX-Video)")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--guidance", type=float, default=None, help="CFG scale (default: the pipeline's)")
+    p.add_argument("--guidance", type=float, default=None,
+                   help="guidance scale (default: the pipeline's; HunyuanVideo: the embedded, distilled scale)")
+    p.add_argument("--true-cfg", type=float, default=None,
+                   help="HunyuanVideo only: true CFG scale; > 1 uses the negative prompt, a second call per step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ulysses", type=int, default=None, help="Ulysses degree (default: 2 if it fits)")
     p.add_argument("--ring", type=int, default=None, help="ring degree (default: what is left of the world)")
     p.add_argument("--cfg", type=int, default=1,
-                   help="cfg degree: 2 puts the uncond and cond halves on two groups (not Wan: it calls them apart)")
+                   help="cfg degree: 2 puts the uncond and cond halves on two groups (CogVideoX, Mochi, LTX-Video; "
+                        "not Wan or HunyuanVideo: they call them apart)")
     p.add_argument("--backend", default="auto", help="attention kernel: auto or a name from usp_dit.kernels")
     p.add_argument("--ring-schedule", default="auto", choices=RING_SCHEDULES,
                    help="how the ring's forward moves K/V blocks (README: ring schedules)")
@@ -99,20 +156,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace, world: int) -> None:
-    """Raise ``launch.UsageError`` for a value that would fail later; fills ``args.frames`` and ``args.degrees``."""
-    args.frames = args.frames or FAMILIES[args.model][0]
-    launch.check_frames("--frames", args.frames, *FRAME_RULES[args.model])
+    """Raise ``launch.UsageError`` for a value that would fail later; fills ``args.frames``,
+    ``args.height``, ``args.width`` and ``args.degrees``."""
+    family = FAMILIES[args.model]
+    args.frames = args.frames or family.frames
+    args.height = args.height if args.height is not None else family.size[0]
+    args.width = args.width if args.width is not None else family.size[1]
+    launch.check_frames("--frames", args.frames, family.frame_step, family.frame_why)
+    why = (f"{args.model}: {family.latent_pixels} pixels per latent pixel, "
+           + ("2x2 per token" if family.pixels_per_token != family.latent_pixels else "1 per token"))
     for flag, value in (("--height", args.height), ("--width", args.width)):
-        launch.check_multiple(flag, value, PIXELS_PER_TOKEN, f"{args.model}: 8 pixels per latent pixel, 2x2 per token")
-    launch.check_at_least("--steps", args.steps, *MIN_STEPS[args.model])
+        launch.check_multiple(flag, value, family.pixels_per_token, why)
+    launch.check_at_least("--steps", args.steps, *family.min_steps)
     launch.check_at_least("--fps", args.fps, 1)
     launch.check_model_path("--model-path", args.model_path)
     launch.check_backend("--backend", args.backend)
     launch.check_output("--output", args.output, VIDEO_SUFFIXES)
-    if args.model == "wan" and args.cfg != 1:
-        raise launch.UsageError(f"--cfg {args.cfg} with --model wan: Wan's pipelines call the transformer once "
-                                f"per guidance branch (batch 1), so there is no batch to split over cfg groups; "
-                                f"use --cfg 1")
+    if args.true_cfg is not None and args.model != "hunyuan_video":
+        raise launch.UsageError(f"--true-cfg with --model {args.model}: only HunyuanVideo (guidance-distilled) has a "
+                                f"separate true CFG scale; use --guidance")
+    if args.cfg != 1:
+        if family.cfg_refusal is not None:
+            raise launch.UsageError(f"--cfg {args.cfg} with --model {args.model}: {family.cfg_refusal}; use --cfg 1")
+        if args.guidance is not None and args.guidance <= 1:
+            # The pipelines skip CFG at a scale of 1 or less: one call of batch 1, nothing to split.
+            raise launch.UsageError(f"--cfg {args.cfg} with --guidance {args.guidance}: at a guidance scale <= 1 the "
+                                    f"pipeline runs no classifier-free guidance, so there is no [uncond, cond] batch "
+                                    f"to split; use --cfg 1 or --guidance above 1")
     if args.output.lower().endswith(".mp4"):
         launch.check_installed("--output", args.output, MP4_MODULES,
                                "pip install imageio imageio-ffmpeg (or 'usp-dit[video]'), or write .webp / .gif")
@@ -122,14 +192,18 @@ def check_args(args: argparse.Namespace, world: int) -> None:
 def load_pipeline(args: argparse.Namespace, device: torch.device):
     """``--model-path`` in bf16 on GPUs (VAE tiling on), or the tiny random pipeline in float32."""
     if args.model_path is None:
-        from usp_dit.demo import tiny_video, tiny_wan
+        from usp_dit.demo import tiny_hunyuan_video, tiny_ltx_video, tiny_video, tiny_wan
 
-        builders = {"cogvideox": tiny_video.tiny_cogvideox_pipeline, "mochi": tiny_video.tiny_mochi_pipeline,
-                    "wan": lambda **kw: tiny_wan.tiny_wan_pipeline(two_experts=True, **kw)}
-        return builders[args.model](max_text_len=32).to(device)
-    from diffusers import CogVideoXPipeline, MochiPipeline, WanPipeline
+        builders = {
+            "cogvideox": tiny_video.tiny_cogvideox_pipeline, "mochi": tiny_video.tiny_mochi_pipeline,
+            "wan": lambda **kw: tiny_wan.tiny_wan_pipeline(two_experts=True, **kw),
+            "hunyuan_video": tiny_hunyuan_video.tiny_hunyuan_video_pipeline,
+            "ltx_video": tiny_ltx_video.tiny_ltx_video_pipeline,
+        }
+        return builders[args.model](max_text_len=TINY_TEXT_LEN).to(device)
+    import diffusers
 
-    cls = {"cogvideox": CogVideoXPipeline, "mochi": MochiPipeline, "wan": WanPipeline}[args.model]
+    cls = getattr(diffusers, FAMILIES[args.model].pipeline)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pipe = cls.from_pretrained(args.model_path, torch_dtype=dtype).to(device)
     pipe.vae.enable_tiling()
@@ -138,9 +212,19 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
 
 def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     """(frames, height, width, 3) float32 in [0, 1]; the seeded generator is the same on every rank."""
-    kwargs = {"max_sequence_length": 32} if args.model_path is None else {}
+    kwargs = {}
+    if args.model_path is None:
+        kwargs["max_sequence_length"] = TINY_TEXT_LEN
+        if args.model == "hunyuan_video":
+            from usp_dit.demo.tiny_hunyuan_video import TINY_PROMPT_TEMPLATE
+
+            # The default template is the real model's chat template, cropped by Llama token counts
+            # that a one-character-a-token tokenizer does not share.
+            kwargs["prompt_template"] = TINY_PROMPT_TEMPLATE
     if args.guidance is not None:
         kwargs["guidance_scale"] = args.guidance
+    if args.true_cfg is not None:
+        kwargs["true_cfg_scale"] = args.true_cfg
     out = pipe(
         args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
         num_frames=args.frames, num_inference_steps=args.steps, output_type="np",
@@ -174,11 +258,13 @@ def save_video(frames: np.ndarray, path: str, fps: int) -> list[str]:
 
 
 def video_tokens(args: argparse.Namespace, pipe) -> int:
-    """Tokens the transformer sees: latent frames x (height / (8 p)) x (width / (8 p))."""
-    _, per_latent = FAMILIES[args.model]
+    """Tokens the transformer sees: latent frames x (height / (l p)) x (width / (l p)), l pixels per
+    latent pixel and p latent pixels per token side."""
+    family = FAMILIES[args.model]
     p = pipe.transformer.config.patch_size
     p = p[-1] if isinstance(p, (tuple, list)) else p  # Wan: (t, h, w); spatial patches are square
-    return ((args.frames - 1) // per_latent + 1) * (args.height // (8 * p)) * (args.width // (8 * p))
+    side = family.latent_pixels * p
+    return ((args.frames - 1) // family.frames_per_latent + 1) * (args.height // side) * (args.width // side)
 
 
 @record  # torchrun's error file for any other exception

@@ -11,8 +11,13 @@ Process tests (few: each pays the imports, ~10 s on two shared cores):
   * Ctrl-C on a running example (one process): exit 130, no traceback, and the one-line notice
     that it runs on one rank.
   * ``scripts/test.sh PATH`` runs just that file; ``scripts/test.sh FLAGS`` still runs tests/.
-In-process tests: the examples' checks of sizes, frame counts and MP4 output, and
-``usp_dit.logs.configure_logging`` (INFO and warnings on rank 0 only).
+  * The model families added after the first examples (issue 15), each once on 2 ranks in one
+    torchrun job (tests/_examples_job.py: the start-up, ~8 s of CPU, paid once, not six times):
+    HunyuanVideo (ring 2, true CFG: two calls a step), LTX-Video (cfg 2: its batched CFG split),
+    Flux.2 (cfg 2: the images split), Qwen-Image (ring 2, true CFG), SD3 (Ulysses 2), Chroma (cfg 2:
+    true CFG's two calls, each one's images split), 2 steps each; every run prints MATCH against one rank.
+In-process tests: the examples' checks of sizes, frame counts, guidance and cfg degrees, MP4 output
+and every family's defaults, and ``usp_dit.logs.configure_logging`` (INFO and warnings on rank 0 only).
 """
 from __future__ import annotations
 
@@ -180,6 +185,133 @@ def test_image_example_rejects_sizes_flux_cannot_take(one_rank):
     with pytest.raises(UsageError, match=re.escape("--height 1000 must be a positive multiple of 16")):
         ex.parse_args(["--height", "1000"])
     assert ex.parse_args(["--height", "1008", "--width", "64"]).degrees == (1, 1, 1)
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """The world size torchrun would give 2 ranks (what the degree checks read), without a process group."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "hunyuan_video", "--cfg", "2"],
+     "--cfg 2 with --model hunyuan_video: HunyuanVideoPipeline calls the transformer once per guidance branch"),
+    (["--model", "hunyuan_video", "--frames", "11"], "--frames 11 must be 4k + 1"),
+    (["--model", "hunyuan_video", "--width", "136"], "--width 136 must be a positive multiple of 16"),
+    (["--model", "ltx_video", "--frames", "13"], "--frames 13 must be 8k + 1"),
+    (["--model", "ltx_video", "--width", "144"], "--width 144 must be a positive multiple of 32 (ltx_video: 32 pixels"),
+    (["--model", "ltx_video", "--cfg", "2", "--guidance", "1"],
+     "--cfg 2 with --guidance 1.0: at a guidance scale <= 1 the pipeline runs no classifier-free guidance"),
+    (["--model", "ltx_video", "--true-cfg", "4"], "--true-cfg with --model ltx_video: only HunyuanVideo"),
+    (["--model", "ltx_video", "--model-path", "/nonexistent"], "--model-path /nonexistent: no such file or folder"),
+], ids=["hunyuan-cfg2", "hunyuan-frames", "hunyuan-size", "ltx-frames", "ltx-size", "ltx-cfg2-unguided",
+        "ltx-true-cfg", "ltx-model-path"])
+def test_video_example_rejects_what_the_new_families_cannot_take(argv, message, two_ranks):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        _example("generate_video").parse_args(argv)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--model", "hunyuan_video"], (9, 96, 144, (2, 1, 1))),
+    (["--model", "hunyuan_video", "--true-cfg", "4", "--ring", "2"], (9, 96, 144, (1, 2, 1))),
+    (["--model", "ltx_video"], (17, 96, 160, (2, 1, 1))),
+    (["--model", "ltx_video", "--cfg", "2", "--frames", "9", "--height", "64"], (9, 64, 160, (1, 1, 2))),
+    (["--model", "cogvideox"], (9, 96, 144, (2, 1, 1))),  # the older families keep their defaults
+    (["--model", "mochi", "--cfg", "2"], (13, 96, 144, (1, 1, 2))),
+])
+def test_video_example_fills_each_familys_defaults(argv, expected, two_ranks):
+    args = _example("generate_video").parse_args(argv)
+    assert (args.frames, args.height, args.width, args.degrees) == expected
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--family", "flux2", "--height", "42"], "--height 42 must be a positive multiple of 4 (tiny Flux.2"),
+    (["--family", "flux2", "--model", "org/flux2", "--height", "1000"],
+     "--height 1000 must be a positive multiple of 16 (Flux.2"),
+    (["--family", "flux2", "--negative-prompt", "dim"], "--negative-prompt with --family flux2: Flux.2 is guidance"),
+    (["--family", "flux2", "--cfg", "2", "--num-images", "3"],
+     "--num-images 3 must be a positive multiple of --cfg 2 (Flux.2 does not batch CFG"),
+    (["--family", "qwen_image", "--width", "72"], "--width 72 must be a positive multiple of 16 (tiny Qwen-Image"),
+    (["--family", "qwen_image", "--cfg", "2", "--num-images", "1"],
+     "--num-images 1 must be a positive multiple of --cfg 2 (Qwen-Image does not batch CFG"),
+    (["--family", "sd3", "--width", "68"], "--width 68: the tiny SD3 transformer's position table covers at most 64"),
+    (["--family", "sd3", "--width", "62"], "--width 62 must be a positive multiple of 4 (tiny SD3"),
+    (["--family", "sd3", "--cfg", "2", "--guidance", "1", "--num-images", "1"],
+     "--num-images 1 must be a positive multiple of --cfg 2 (with --guidance <= 1 SD3 runs no CFG"),
+    (["--family", "sd3", "--num-images", "0"], "--num-images 0 must be at least 1"),
+    (["--family", "flux", "--negative-prompt", "dim"], "--negative-prompt with --family flux: Flux is guidance"),
+    (["--family", "chroma", "--height", "50"], "--height 50 must be a positive multiple of 4 (tiny Chroma"),
+    (["--family", "chroma", "--cfg", "2", "--num-images", "3"],
+     "--num-images 3 must be a positive multiple of --cfg 2 (Chroma does not batch CFG"),
+    (["--family", "sdxl"], "argument --family: invalid choice: 'sdxl'"),
+], ids=["flux2-tiny-size", "flux2-real-size", "flux2-negative", "flux2-images", "qwen-size", "qwen-images",
+        "sd3-tiny-max", "sd3-size", "sd3-unguided-cfg2", "sd3-no-images", "flux-negative", "chroma-size",
+        "chroma-images", "unknown-family"])
+def test_image_example_rejects_what_each_family_cannot_take(argv, message, two_ranks):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        _example("generate_image").parse_args(argv)
+
+
+NEGATIVE = "blurry, low quality"  # the image example's default negative prompt (Qwen-Image, SD3)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    # flux: the main job (scripts/main.sh) as before: 1008 x 1008, guidance 3.5, flux_usp.png.
+    ([], (1008, 1008, 3.5, None, "flux_usp.png", (2, 1, 1), 1)),
+    (["--cfg", "2"], (1008, 1008, 3.5, None, "flux_usp.png", (1, 1, 2), 2)),
+    (["--family", "flux2", "--cfg", "2"], (60, 100, None, None, "flux2_usp.png", (1, 1, 2), 2)),
+    (["--family", "flux2", "--model", "org/flux2"], (1024, 1024, None, None, "flux2_usp.png", (2, 1, 1), 1)),
+    (["--family", "qwen_image", "--cfg", "2"], (144, 240, None, NEGATIVE, "qwen_image_usp.png", (1, 1, 2), 2)),
+    # SD3 batches CFG: the cfg axis splits [uncond, cond] of a single image.
+    (["--family", "sd3", "--cfg", "2", "--guidance", "5"], (44, 60, 5.0, NEGATIVE, "sd3_usp.png", (1, 1, 2), 1)),
+    (["--family", "sd3", "--cfg", "2", "--num-images", "3"], (44, 60, None, NEGATIVE, "sd3_usp.png", (1, 1, 2), 3)),
+    (["--family", "chroma", "--cfg", "2"], (60, 100, None, NEGATIVE, "chroma_usp.png", (1, 1, 2), 2)),
+])
+def test_image_example_fills_each_familys_defaults(argv, expected, two_ranks):
+    a = _example("generate_image").parse_args(argv)
+    assert (a.height, a.width, a.guidance, a.negative_prompt, a.output, a.degrees, a.num_images) == expected
+
+
+def test_new_families_print_match_on_two_ranks(tmp_path):
+    runs = {  # family: (one run of tests/_examples_job.py, the start of its first line on rank 0)
+        "hunyuan_video": ("generate_video --model hunyuan_video --ring 2 --ulysses 1 --true-cfg 4 --steps 2 "
+                          "--output hv.gif", "cfg=1, ring=2, ulysses=1, device_type='cpu') on 2 ranks, cpu; "
+                          "tiny random HunyuanVideoPipeline, 9 frames of 96x144 (162 video tokens)"),
+        "ltx_video": ("generate_video --model ltx_video --cfg 2 --steps 2 --output ltx.gif",
+                      "cfg=2, ring=1, ulysses=1, device_type='cpu') on 2 ranks, cpu; tiny random LTXPipeline, "
+                      "17 frames of 96x160 (45 video tokens)"),
+        "flux2": ("generate_image --family flux2 --cfg 2 --steps 2",
+                  "cfg=2, ring=1, ulysses=1, device_type='cpu') on 2 ranks, cpu; tiny random Flux2Pipeline, "
+                  "60x100 (375 image tokens), 2 steps, 2 image(s)"),
+        "qwen_image": ("generate_image --family qwen_image --ring 2 --ulysses 1 --steps 2",
+                       "cfg=1, ring=2, ulysses=1, device_type='cpu') on 2 ranks, cpu; tiny random QwenImagePipeline, "
+                       "144x240 (135 image tokens), 2 steps, 1 image(s)"),
+        "sd3": ("generate_image --family sd3 --steps 2",
+                "cfg=1, ring=1, ulysses=2, device_type='cpu') on 2 ranks, cpu; tiny random StableDiffusion3Pipeline, "
+                "44x60 (165 image tokens), 2 steps, 1 image(s)"),
+        "chroma": ("generate_image --family chroma --cfg 2 --steps 2",
+                   "cfg=2, ring=1, ulysses=1, device_type='cpu') on 2 ranks, cpu; tiny random ChromaPipeline, "
+                   "60x100 (375 image tokens), 2 steps, 2 image(s)"),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tests" / "_examples_job.py"), *(run for run, _ in runs.values())]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Each run's lines, from its header to the next run's header.
+    blocks = re.split(r"(?m)^usp_dit \S+: USPMesh\(dp=1, ", proc.stdout)[1:]
+    assert len(blocks) == len(runs), proc.stdout
+    for (family, (_, header)), block in zip(runs.items(), blocks):
+        assert block.startswith(header), (family, block)
+        assert re.search(r"max\|diff\|/max\|one rank\| = \S+ \(tolerance 1e-04\): MATCH", block), (family, block)
+    for name in ("hv.gif", "ltx.gif", "flux2_usp.png", "qwen_image_usp.png", "sd3_usp.png", "chroma_usp.png"):
+        assert (tmp_path / name).is_file(), name
+    from PIL import Image
+
+    with Image.open(tmp_path / "flux2_usp.png") as image:
+        assert image.size == (2 * 100, 60)  # two images side by side
+    with Image.open(tmp_path / "ltx.gif") as video:
+        assert (video.size, video.n_frames) == ((160, 96), 17)
 
 
 # ---------------------------------------------------------------------------------------------
