@@ -57,6 +57,7 @@ by rank 0 before anything loads, and every rank exits with code 2; Ctrl-C exits 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import time
 from dataclasses import dataclass
@@ -201,16 +202,13 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
         # is done once, so this stays harmless once it does.)
         from usp_dit.pipelines import chroma  # noqa: F401
     if args.model is None:
-        from usp_dit.demo import tiny_chroma, tiny_flux, tiny_flux2, tiny_qwen_image, tiny_sd3
-
-        builders = {
-            "flux": lambda: tiny_flux.tiny_flux_pipeline(vae_blocks=4, max_text_len=TINY_TEXT_LEN),
-            "flux2": tiny_flux2.tiny_flux2_pipeline,
-            "qwen_image": tiny_qwen_image.tiny_qwen_image_pipeline,
-            "sd3": lambda: tiny_sd3.tiny_sd3_pipeline(clip_len=TINY_TEXT_LEN),
-            "chroma": lambda: tiny_chroma.tiny_chroma_pipeline(max_text_len=TINY_TEXT_LEN),
-        }
-        return builders[args.family]().to(device)
+        # usp_dit.demo.tiny_<family>.tiny_<family>_pipeline, imported alone: the main job (Flux)
+        # loads nothing of the other families.
+        module = importlib.import_module(f"usp_dit.demo.tiny_{args.family}")
+        build = getattr(module, f"tiny_{args.family}_pipeline")
+        kwargs = {"flux": dict(vae_blocks=4, max_text_len=TINY_TEXT_LEN), "sd3": dict(clip_len=TINY_TEXT_LEN),
+                  "chroma": dict(max_text_len=TINY_TEXT_LEN)}.get(args.family, {})
+        return build(**kwargs).to(device)
     import diffusers
 
     cls = getattr(diffusers, FAMILIES[args.family].pipeline)
