@@ -45,7 +45,7 @@ Note [Chroma's mask]
 The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a plan]): double- and
 single-stream attention parallel, both ``FluxAttnProcessor``'s own code with its
 ``dispatch_attention_fn`` call routed to ``chroma_attention`` (``_routing.with_global``), the tokens
-split by ``ChromaSplitForward`` (``flux2.JointSplitForward`` plus the mask's columns).
+split by ``ChromaSplitForward`` (``_joint_split.JointSplitForward`` plus the mask's columns).
 
 Refused (NotImplementedError): processors other than the stock ``FluxAttnProcessor`` (IP-Adapter,
 LoRA-replaced, custom, Diffusers' context parallelism already enabled), attention modules the plan
@@ -69,8 +69,7 @@ from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAt
 from usp_dit.partition import offsets, split_sizes
 from usp_dit.pipelines._routing import ROUTED_NAME, Route, RoutedProcessor, with_global
 from usp_dit.pipelines.base import register_adapter
-from usp_dit.pipelines.flux import FluxSplit
-from usp_dit.pipelines.flux2 import JointSplitForward, JointSplitPlanAdapter
+from usp_dit.pipelines._joint_split import FluxSplit, JointSplitForward, JointSplitPlanAdapter
 from usp_dit.pipelines.plan import ModelPlan, Parallel
 from usp_dit.usp import usp_attention
 
@@ -176,7 +175,7 @@ class USPChromaAttnProcessor(RoutedProcessor):
 
 
 class ChromaSplitForward(JointSplitForward):
-    """``flux2.JointSplitForward`` for Chroma: the mask's columns cut like the tokens; IP-Adapter
+    """``JointSplitForward`` for Chroma: the mask's columns cut like the tokens; IP-Adapter
     and masks other than stock's float 0 / 1 refused (ControlNet residuals: the plan's ``refuse_args``)."""
 
     def check(self, call: dict[str, Any]) -> None:

@@ -26,8 +26,8 @@ no joint tokens; there is no mask to split). Diffusers' own ``_cp_plan`` splits 
 cuts text and image separately, which needs P | T and P | N; ours are cut as one sequence and
 may have any lengths).
 
-Where the tokens are split: at the forward's arguments (``JointSplitForward``, a wrapper of the
-forward installed by the plan, like Diffusers' ``_cp_plan`` entry ``""``): this rank's rows of
+Where the tokens are split: at the forward's arguments (``Flux2SplitForward``, a
+``_joint_split.JointSplitForward`` installed by the plan, like Diffusers' ``_cp_plan`` entry ``""``): this rank's rows of
 ``hidden_states`` / ``img_ids`` and ``encoder_hidden_states`` / ``txt_ids`` (Note [Flux.2 token
 split]). The stock forward then runs unchanged on the pieces: ``x_embedder`` / ``context_embedder``
 per token, ``pos_embed`` on this rank's ids (so the RoPE rows are exactly its tokens'), the
@@ -62,8 +62,8 @@ Note [Flux.2's KV processors]
 The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a plan]): double- and
 single-stream attention parallel (the stock processors' own code with their
 ``dispatch_attention_fn`` call routed, ``_routing`` Note [routing a stock processor's attention
-call]), the tokens split at the forward's arguments and gathered after it (``JointSplitPlanAdapter``
-puts ``JointSplitForward`` in the place of the plan's token hooks, as SD3 does for its split).
+call]), the tokens split at the forward's arguments and gathered after it (``_joint_split``
+Note [joint token split], shared with Flux.1 and Chroma).
 
 Refused (NotImplementedError): processors other than the stock ``Flux2AttnProcessor`` /
 ``Flux2ParallelSelfAttnProcessor`` and their KV variants (LoRA-replaced, custom, Diffusers'
@@ -90,13 +90,10 @@ from diffusers.models.transformers.transformer_flux2 import (
     Flux2ParallelSelfAttnProcessor,
 )
 
-from usp_dit.comm import all_gather_uneven
-from usp_dit.mesh import USPMesh
+from usp_dit.pipelines._joint_split import JointSplitForward, JointSplitPlanAdapter
 from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class
-from usp_dit.pipelines._token_sharding import ShardState, TokenShardHooks
-from usp_dit.pipelines.base import MISSING, MethodWrapper, register_adapter, restore_instance_attr, saved_instance_attr
-from usp_dit.pipelines.flux import FluxSplit, flux_split
-from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter, PlanPatch, check_plan
+from usp_dit.pipelines.base import register_adapter
+from usp_dit.pipelines.plan import ModelPlan, Parallel
 
 # Note [routing a stock processor's attention call] (usp_dit.pipelines._routing): the stock code,
 # its one dispatch_attention_fn call routed. None if this diffusers' processor makes no such call.
@@ -153,15 +150,6 @@ class USPFlux2SelfAttnProcessor(_RoutedFlux2SelfAttn or RoutedProcessor):
         return super().__call__(attn, hidden_states, attention_mask, image_rotary_emb)
 
 
-def _rows(x: torch.Tensor, lo: int, hi: int, dim: int) -> torch.Tensor:
-    return x.narrow(dim, lo, hi - lo)
-
-
-def _ids_rows(ids: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Rows [lo, hi) of position ids (tokens, 4) or (batch, tokens, 4) (the model reads row 0 of the latter)."""
-    return _rows(ids, lo, hi, ids.dim() - 2)
-
-
 def _check_call(call: dict[str, Any]) -> None:
     """NotImplementedError for the KV-cache modes (Note [Flux.2's KV processors])."""
     extra = {k for k, v in call.items() if k in _KV_ARGS and v not in (None, 0)}
@@ -174,79 +162,11 @@ def _check_call(call: dict[str, Any]) -> None:
         )
 
 
-class JointSplitForward(MethodWrapper):
-    """Flux.2's forward on this rank's piece of ``[text; image]`` (Note [Flux.2 token split]),
-    its image output gathered: (B, N, C_out) on every rank of the sequence group.
-
-    Subclasses (Chroma) add their own call checks (``check``) and per-token arguments
-    (``split_more``). An object, not a closure (``usp_dit.pipelines.base`` Note [deep copies]).
-    """
-
-    def __init__(self, inner, state: ShardState) -> None:
-        super().__init__(inner)
-        self.state = state
+class Flux2SplitForward(JointSplitForward):
+    """``JointSplitForward`` for Flux.2: the KV-cache modes refused (Note [Flux.2's KV processors])."""
 
     def check(self, call: dict[str, Any]) -> None:
-        """Refuse a call the split would not run exactly (the model's own checks)."""
         _check_call(call)
-
-    def split_more(self, call: dict[str, Any], split: FluxSplit, num_text: int) -> None:
-        """Cut further per-token arguments of ``call`` in place (none for Flux.2)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        bound = self.__signature__.bind(*args, **kwargs)
-        call = bound.arguments
-        for name in ("hidden_states", "encoder_hidden_states", "img_ids", "txt_ids"):
-            if call.get(name) is None:
-                raise ValueError(f"{type(self).__name__} needs {name}, got None")
-        for ids, tokens in (("txt_ids", "encoder_hidden_states"), ("img_ids", "hidden_states")):
-            if call[ids].shape[-2] != call[tokens].shape[1]:
-                raise ValueError(
-                    f"{ids} has {call[ids].shape[-2]} rows but {tokens} has {call[tokens].shape[1]} tokens: they "
-                    f"must match for the ids to be split like the tokens"
-                )
-        self.check(call)
-        num_text, num_image = call["encoder_hidden_states"].shape[1], call["hidden_states"].shape[1]
-        mesh = self.state.mesh
-        split = flux_split(num_text, num_image, mesh.sequence_degree, mesh.seq_rank)
-        (tlo, thi), (ilo, ihi) = split.text, split.image
-        call["encoder_hidden_states"] = _rows(call["encoder_hidden_states"], tlo, thi, 1)
-        call["txt_ids"] = _ids_rows(call["txt_ids"], tlo, thi)
-        call["hidden_states"] = _rows(call["hidden_states"], ilo, ihi, 1)
-        call["img_ids"] = _ids_rows(call["img_ids"], ilo, ihi)
-        self.split_more(call, split, num_text)
-        self.state.seq_len = num_text + num_image  # what every routed attention call covers
-        self.state.text_len = None  # the text is not replicated (nothing joint)
-        out = self.inner(*bound.args, **bound.kwargs)
-        return _gather_image(out, split, mesh)
-
-
-def _gather_image(out: Any, split: FluxSplit, mesh: USPMesh) -> Any:
-    """(B, N_local, C_out) -> (B, N, C_out) on every rank, in the output's own type (tuple or output)."""
-    sizes = list(split.image_sizes)
-    if isinstance(out, tuple):
-        return (all_gather_uneven(out[0], sizes, 1, mesh.seq_group),) + out[1:]
-    out.sample = all_gather_uneven(out.sample, sizes, 1, mesh.seq_group)
-    return out
-
-
-class JointSplitHooks:
-    """The plan part installing a ``JointSplitForward`` (``wrapper``) as the transformer's ``forward``
-    (and removing it)."""
-
-    def __init__(self, transformer: torch.nn.Module, state: ShardState,
-                 wrapper: type[JointSplitForward] = JointSplitForward) -> None:
-        self.transformer = transformer
-        self.state = state
-        self.wrapper = wrapper
-        self.saved: Any = MISSING
-
-    def install(self) -> None:
-        self.saved = saved_instance_attr(self.transformer, "forward")
-        self.transformer.forward = self.wrapper(self.transformer.forward, self.state)
-
-    def remove(self) -> None:
-        restore_instance_attr(self.transformer, "forward", self.saved)
 
 
 def _routed_call_missing(transformer: Flux2Transformer2DModel) -> str | None:
@@ -279,29 +199,4 @@ PLAN = ModelPlan(
 )
 
 
-class JointSplitPlanPatch(PlanPatch):
-    """``PlanPatch`` with the tokens split at the forward's arguments (``JointSplitHooks`` with
-    ``wrapper``) instead of at ``split_at``'s ``hidden_states`` input."""
-
-    def __init__(self, plan: ModelPlan, transformer: torch.nn.Module, mesh: USPMesh, backend: str,
-                 wrapper: type[JointSplitForward]) -> None:
-        super().__init__(plan, transformer, mesh, backend)
-        tokens = [i for i, part in enumerate(self.parts) if isinstance(part, TokenShardHooks)]
-        assert len(tokens) == 1, "PlanPatch installs one TokenShardHooks"
-        self.parts[tokens[0]] = JointSplitHooks(transformer, self.state, wrapper)
-
-
-class JointSplitPlanAdapter(PlanAdapter):
-    """A Flux-like ``ModelPlan``'s adapter, its ``[text; image]`` tokens split at the forward's
-    arguments by ``wrapper`` (module docstring); Flux.2's, and Chroma's with its own wrapper."""
-
-    def __init__(self, plan: ModelPlan, module: str, wrapper: type[JointSplitForward] = JointSplitForward) -> None:
-        super().__init__(plan, module)
-        self.wrapper = wrapper
-
-    def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> JointSplitPlanPatch:
-        check_plan(self.plan, transformer)
-        return JointSplitPlanPatch(self.plan, transformer, mesh, backend, self.wrapper)
-
-
-ADAPTER = register_adapter(JointSplitPlanAdapter(PLAN, __name__))
+ADAPTER = register_adapter(JointSplitPlanAdapter(PLAN, __name__, Flux2SplitForward))
