@@ -46,7 +46,7 @@ import torch
 from diffusers.models.transformers import transformer_flux
 
 import usp_dit
-from tests.adapter_parity import GRAD_GRID, GRIDS, assert_within, forward, gradient_errors
+from tests.adapter_parity import assert_within, forward, gradient_errors, output_keys, record, run_grid_cases
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_chroma import chroma_inputs, tiny_chroma, tiny_chroma_pipeline
 from usp_dit.pipelines import is_usp_enabled
@@ -59,7 +59,6 @@ from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 TOL = 1e-5
 TOL_IMAGES = 1e-4
 WORLD = 4
-SCHEDULES = ("stream", "gather_merge")
 
 
 @dataclass(frozen=True)
@@ -88,16 +87,6 @@ def _build(shape: Shape, seed: int = 0):
     model = tiny_chroma(seed=seed)
     prompts = list(shape.prompts) if shape.prompts else None
     return model, chroma_inputs(shape.height, shape.width, prompts, shape.text_len)
-
-
-def _grids() -> list[tuple[int, int, int, str | None]]:
-    grids = [(u, r, c, None) for world in (2, 4) for u, r, c in GRIDS[world]]
-    return grids + [(u, r, c, s) for u, r, c, _ in grids if r > 1 for s in SCHEDULES]
-
-
-def _grid_id(grid) -> str:
-    u, r, c, s = grid
-    return f"u{u}r{r}cfg{c}" + (f"-{s}" if s else "")
 
 
 # ---- what each rank runs ---------------------------------------------------------------------------
@@ -251,30 +240,17 @@ def _pipeline_cfg_case() -> dict[str, float]:
     return {"did_not_raise": 1.0}
 
 
-def _record(results: dict, key: str, fn, many: bool = False) -> None:
-    try:
-        results.update(fn()) if many else results.__setitem__(key, fn())
-    except Exception as exc:  # recorded, asserted by the parent
-        results[key] = f"{type(exc).__name__}: {exc}"
-
-
 def _run_all() -> dict[str, dict | str]:
     warnings.filterwarnings("ignore", category=FutureWarning)  # FluxPosEmbed's deprecation, once per forward
     results = {}
-    meshes = {grid: init_usp(*grid[:3], ring_schedule=grid[3] or "auto") for grid in _grids()}
-    for grid in _grids():
-        for shape in SHAPES:
-            _record(results, f"{_grid_id(grid)}-{shape}", lambda: _output_case(shape, meshes[grid]))
-    for world in (2, 4):
-        for shape in SHAPES:
-            mesh = init_usp(*GRAD_GRID[world])
-            _record(results, f"grad-p{world}-{shape}", lambda: gradient_errors(*_build(shape), ADAPTER, mesh))
-    _record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    _record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    _record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
-    _record(results, "ulysses-above-heads", lambda: _ulysses_above_heads_case(init_usp(ulysses_degree=4)))
-    _record(results, "pipeline", _pipeline_cases, many=True)
-    _record(results, "pipeline-cfg2", _pipeline_cfg_case)
+    run_grid_cases(results, SHAPES, _output_case,
+                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
+    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    record(results, "ulysses-above-heads", lambda: _ulysses_above_heads_case(init_usp(ulysses_degree=4)))
+    record(results, "pipeline", _pipeline_cases, many=True)
+    record(results, "pipeline-cfg2", _pipeline_cfg_case)
     return results
 
 
@@ -285,7 +261,7 @@ def grid_results() -> list[dict]:
     return per_rank
 
 
-OUTPUT_KEYS = [f"{_grid_id(g)}-{s}" for g in _grids() for s in SHAPES]
+OUTPUT_KEYS = output_keys(SHAPES)
 
 
 @pytest.mark.parametrize("key", OUTPUT_KEYS)
