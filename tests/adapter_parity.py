@@ -159,3 +159,14 @@ def run_grid_cases(
 def output_keys(shapes: list) -> list[str]:
     """The keys ``run_grid_cases`` records output cases under."""
     return [f"{grid_id(g)}-{s}" for g in schedule_grids() for s in shapes]
+
+
+def ulysses_above_heads_case(model: torch.nn.Module, adapter, mesh) -> dict[str, float]:
+    """``mesh`` with ulysses_degree 4 on a 2-head ``model``: a ValueError at enable naming the head
+    count (asserted with tolerance 0 by the parent)."""
+    try:
+        adapter.enable(model, mesh, "auto")
+    except ValueError as exc:
+        return {"wrong_error": float("exceeds the 2 attention heads" not in str(exc))}
+    adapter.disable(model)
+    return {"did_not_raise": 1.0}

@@ -46,7 +46,9 @@ import torch
 from diffusers.models.transformers import transformer_flux
 
 import usp_dit
-from tests.adapter_parity import assert_within, forward, gradient_errors, output_keys, record, run_grid_cases
+from tests.adapter_parity import (
+    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, ulysses_above_heads_case,
+)
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_chroma import chroma_inputs, tiny_chroma, tiny_chroma_pipeline
 from usp_dit.pipelines import is_usp_enabled
@@ -167,17 +169,6 @@ def _cfg_split_case(mesh) -> dict[str, float]:
     return {"out": rel_err(out, ref)}
 
 
-def _ulysses_above_heads_case(mesh) -> dict[str, float]:
-    """ulysses_degree 4 on a 2-head model: ValueError at enable, naming the head count."""
-    model = tiny_chroma(num_heads=2, head_dim=32)
-    try:
-        ADAPTER.enable(model, mesh, "auto")
-    except ValueError as exc:
-        return {"wrong_error": float("exceeds the 2 attention heads" not in str(exc))}
-    ADAPTER.disable(model)
-    return {"did_not_raise": 1.0}
-
-
 PROMPTS = (["a red fox", "cat"], ["blurry", "dark dim"])  # of different lengths: padded, masked
 
 
@@ -248,7 +239,9 @@ def _run_all() -> dict[str, dict | str]:
     record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
     record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
     record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
-    record(results, "ulysses-above-heads", lambda: _ulysses_above_heads_case(init_usp(ulysses_degree=4)))
+    two_heads = tiny_chroma(num_heads=2, head_dim=32)
+    record(results, "ulysses-above-heads",
+           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
     record(results, "pipeline", _pipeline_cases, many=True)
     record(results, "pipeline-cfg2", _pipeline_cfg_case)
     return results

@@ -45,7 +45,9 @@ from diffusers.models.transformers import transformer_hunyuan_video
 
 import torch.distributed as dist
 
-from tests.adapter_parity import assert_within, forward, output_keys, _param_grads, record, run_grid_cases
+from tests.adapter_parity import (
+    _param_grads, assert_within, forward, output_keys, record, run_grid_cases, ulysses_above_heads_case,
+)
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_hunyuan_video import (
     TINY_PROMPT_TEMPLATE, hunyuan_video_inputs, hunyuan_video_tokens, tiny_hunyuan_video,
@@ -186,17 +188,6 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
     return {"q": rel_err(q, rows(q_ref)), "k": rel_err(k, rows(k_ref))}
 
 
-def _ulysses_above_heads_case(mesh) -> dict[str, float]:
-    """ulysses_degree 4 on a 2-head model: ValueError at enable, naming the head count."""
-    model = tiny_hunyuan_video("t2v", num_heads=2, head_dim=32)
-    try:
-        ADAPTER.enable(model, mesh, "auto")
-    except ValueError as exc:
-        return {"wrong_error": float("exceeds the 2 attention heads" not in str(exc))}
-    ADAPTER.disable(model)
-    return {"did_not_raise": 1.0}
-
-
 def _generate(pipe, true_cfg: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames) of 2 steps at 48 x 80 x 9 frames (3 x 3 x 5 = 45 tokens), seed 0; with
     ``true_cfg`` a negative prompt of another padded length (two transformer calls per step)."""
@@ -260,7 +251,9 @@ def _run_all() -> dict[str, dict | str]:
                    lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh), GRAD_SHAPES)
     record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
     record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "ulysses-above-heads", lambda: _ulysses_above_heads_case(init_usp(ulysses_degree=4)))
+    two_heads = tiny_hunyuan_video("t2v", num_heads=2, head_dim=32)
+    record(results, "ulysses-above-heads",
+           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
     record(results, "pipeline", _pipeline_cases, many=True)
     record(results, "pipeline-cfg2", _pipeline_cfg_case)
     return results

@@ -40,7 +40,9 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_ltx
 
-from tests.adapter_parity import assert_within, forward, gradient_errors, output_keys, record, run_grid_cases
+from tests.adapter_parity import (
+    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, ulysses_above_heads_case,
+)
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ltx_video import ltx_video_inputs, tiny_ltx_video, tiny_ltx_video_pipeline
 from usp_dit.pipelines import _routing, ltx_video
@@ -146,17 +148,6 @@ def _rotated_qk_case(shape: Shape, mesh) -> dict[str, float]:
     return {"q": rel_err(q, shard_sequence(q_ref, mesh)), "k": rel_err(k, shard_sequence(k_ref, mesh))}
 
 
-def _ulysses_above_heads_case(mesh) -> dict[str, float]:
-    """ulysses_degree 4 on a 2-head model: ValueError at enable, naming the head count."""
-    model = tiny_ltx_video(num_heads=2, head_dim=32)
-    try:
-        ADAPTER.enable(model, mesh, "auto")
-    except ValueError as exc:
-        return {"wrong_error": float("exceeds the 2 attention heads" not in str(exc))}
-    ADAPTER.disable(model)
-    return {"did_not_raise": 1.0}
-
-
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames) of 2 steps at 96 x 160 x 17 frames (3 x 3 x 5 = 45 tokens), seed 0,
     guidance batched: [negative; positive] prompts of different padded lengths in one call."""
@@ -205,7 +196,9 @@ def _run_all() -> dict[str, dict | str]:
     record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
     for shape in SHAPES[1:]:
         record(results, f"rotated-qk-{shape.call}", lambda: _rotated_qk_case(shape, init_usp(2, 2)))
-    record(results, "ulysses-above-heads", lambda: _ulysses_above_heads_case(init_usp(ulysses_degree=4)))
+    two_heads = tiny_ltx_video(num_heads=2, head_dim=32)
+    record(results, "ulysses-above-heads",
+           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
     record(results, "pipeline", _pipeline_cases, many=True)
     return results
 

@@ -38,7 +38,9 @@ import pytest
 import torch
 
 import usp_dit
-from tests.adapter_parity import assert_within, forward, gradient_errors, output_keys, record, run_grid_cases
+from tests.adapter_parity import (
+    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, ulysses_above_heads_case,
+)
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_sd3 import sd3_inputs, sd3_tokens, tiny_sd3, tiny_sd3_pipeline
 from usp_dit.pipelines import is_usp_enabled
@@ -134,16 +136,6 @@ def _cfg_split_case(mesh) -> dict[str, float]:
     finally:
         usp_dit.disable_usp(model)
     return {"out": rel_err(out, ref)}
-
-
-def _ulysses_above_heads_case(mesh) -> dict[str, float]:
-    model = tiny_sd3(num_heads=2, head_dim=32)
-    try:
-        ADAPTER.enable(model, mesh, "auto")
-    except ValueError as exc:
-        return {"wrong_error": float("exceeds the 2 attention heads" not in str(exc))}
-    ADAPTER.disable(model)
-    return {"did_not_raise": 1.0}
 
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,7 +235,9 @@ def _run_all() -> dict[str, dict | str]:
     record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
     record(results, "skip-layers", lambda: _skip_layers_case(init_usp(1, 4, 1, "gather_merge")))
     record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
-    record(results, "ulysses-above-heads", lambda: _ulysses_above_heads_case(init_usp(ulysses_degree=4)))
+    two_heads = tiny_sd3(num_heads=2, head_dim=32)
+    record(results, "ulysses-above-heads",
+           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
     record(results, "pipeline", _pipeline_cases, many=True)
     record(results, "slg", _skip_layer_guidance_cases, many=True)
     return results
