@@ -71,7 +71,7 @@ def test_a_table_whose_length_is_not_the_token_count_raises():
     adapter = PlanAdapter(plan, wan.__name__)
     adapter.enable(model, single_rank_mesh(), "auto")
     try:
-        with pytest.raises(ValueError, match="per-token table of this call has 16 rows but the transformer has 45 tokens"):
+        with pytest.raises(ValueError, match="table of this call has 16 rows but the transformer has 45 tokens"):
             _run(model, inputs)
     finally:
         adapter.disable(model)
@@ -82,3 +82,30 @@ def test_fsdp2_block_lists_come_from_the_plan():
 
     assert block_lists(tiny_wan("t2v")) == ("blocks",)  # Wan's plan (before: Wan had no FSDP units)
     assert block_lists(tiny_flux_transformer()) == ("transformer_blocks", "single_transformer_blocks")  # no plan
+
+
+def test_a_deep_copy_of_an_enabled_model_feeds_its_own_state():
+    """An EMA copy of an enabled model (copy.deepcopy) runs its own weights and its own call state:
+    every hook the plan installs deep-copies with the model (base Note [deep copies])."""
+    import copy
+
+    from usp_dit.demo.tiny_wan import tiny_wan as build
+
+    model = build("ti2v-5b")
+    # TI2V: the timestep hook reads the seq_len the RoPE table's hook sets
+    inputs = wan_inputs(model, 3, 6, 14, per_token_timestep=True).kwargs()
+    wan.ADAPTER.enable(model, single_rank_mesh(), "auto")
+    try:
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.mul_(1.01)  # the copy's own weights
+        ref = _run(twin, inputs)
+        state, twin_state = model._usp_dit_patch.state, twin._usp_dit_patch.state
+        assert twin_state is not state
+        state.seq_len = twin_state.seq_len = None
+        out = _run(twin, inputs)
+        assert twin_state.seq_len == 63 and state.seq_len is None  # the copy's tables fed the copy's state
+        assert torch.equal(out, ref)
+    finally:
+        wan.ADAPTER.disable(model)

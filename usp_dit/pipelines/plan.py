@@ -29,6 +29,7 @@ Note [a model is a plan]
 from __future__ import annotations
 
 import fnmatch
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -120,22 +121,21 @@ class TableHooks:
 
     def install(self) -> None:
         for module, table in self.modules:
-            self.handles.append(module.register_forward_hook(self._hook(table)))
+            # A partial of a bound method, not a closure: a deep copy of the enabled model copies it
+            # with its TableHooks, so the copy's tables feed the copy's state (base Note [deep copies]).
+            self.handles.append(module.register_forward_hook(functools.partial(self._cut_output, table)))
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
 
-    def _hook(self, table: Table) -> Callable[..., Any]:
-        def cut(module: torch.nn.Module, args: tuple, out: Any) -> Any:
-            if table.items is None:
-                return self._cut(out, table)
-            if not isinstance(out, (tuple, list)):
-                raise NotImplementedError(f"{table.module} returned {type(out).__name__}, not a tuple of tables")
-            cut_out = [self._cut(t, table) if i in table.items else t for i, t in enumerate(out)]
-            return type(out)(cut_out)
-        return cut
+    def _cut_output(self, table: Table, module: torch.nn.Module, args: tuple, out: Any) -> Any:
+        if table.items is None:
+            return self._cut(out, table)
+        if not isinstance(out, (tuple, list)):
+            raise NotImplementedError(f"{table.module} returned {type(out).__name__}, not a tuple of tables")
+        return type(out)(self._cut(t, table) if i in table.items else t for i, t in enumerate(out))
 
     def _cut(self, t: Any, table: Table) -> torch.Tensor:
         if not torch.is_tensor(t):
@@ -180,7 +180,9 @@ def check_plan(plan: ModelPlan, transformer: torch.nn.Module) -> None:
                 f"{[c.__name__ for c in site.stock]} there (its maths would be lost silently otherwise)"
             )
         if getattr(proc, "_parallel_config", None) is not None:
-            raise NotImplementedError(f"{path} runs diffusers' own context parallelism (enable_parallelism); use one or the other")
+            raise NotImplementedError(
+                f"{path} runs diffusers' own context parallelism (enable_parallelism); use one or the other"
+            )
     for refuse in plan.refuse:
         reason = refuse(transformer)
         if reason:
@@ -201,7 +203,9 @@ class CallChecks:
         once per forward, before any token is split (a loop over the parallel sites: microseconds).
     """
 
-    def __init__(self, plan: ModelPlan, transformer: torch.nn.Module, swaps: list[tuple[str, torch.nn.Module, Any]]) -> None:
+    def __init__(
+        self, plan: ModelPlan, transformer: torch.nn.Module, swaps: list[tuple[str, torch.nn.Module, Any]],
+    ) -> None:
         self.plan, self.transformer, self.swaps = plan, transformer, swaps
         self.signature = inspect.signature(type(transformer).forward)
         self.handle: RemovableHandle | None = None
@@ -250,7 +254,8 @@ class PlanPatch:
         tables = TableHooks(self.state, [(get(t.module), t) for t in plan.tables])
         tokens = TokenShardHooks(self.state, get(plan.split_at), get(plan.gather_at), at=plan.split)
         checks = CallChecks(plan, transformer, [(p, m, new) for p, (m, _, new) in zip(paths, self.swaps)])
-        self.parts: list[Installable] = [checks, tables, tokens] + [make(transformer, self.state) for make in plan.hooks]
+        extra = [make(transformer, self.state) for make in plan.hooks]
+        self.parts: list[Installable] = [checks, tables, tokens, *extra]
 
     def _processor(self, site: Parallel) -> Any:
         if issubclass(site.processor, RoutedProcessor):
