@@ -36,12 +36,10 @@ import torch
 from diffusers import FluxTransformer2DModel
 from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
 
-from usp_dit.pipelines._joint_split import FluxSplit, JointSplitForward, JointSplitPlanAdapter, flux_split, rows
+from usp_dit.pipelines._joint_split import FluxSplit, JointSplitForward, JointSplitPlanAdapter, rows
 from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import ModelPlan, Parallel
-
-__all__ = ["ADAPTER", "PLAN", "FluxSplit", "FluxSplitForward", "USPFluxAttnProcessor", "flux_split"]
 
 # Note [routing a stock processor's attention call] (usp_dit.pipelines._routing): the stock code,
 # its one dispatch_attention_fn call routed. None if this diffusers' processor makes no such call.
