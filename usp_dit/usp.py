@@ -23,7 +23,7 @@ import torch.distributed._functional_collectives as funcol
 from usp_dit.comm import gather_uneven, heads_to_seq, seq_to_heads
 from usp_dit.config import canonical_schedule
 from usp_dit.handshake import agree, calls_verified
-from usp_dit.kernels import KernelAttention, select_backend
+from usp_dit.kernels import attend, select_backend
 from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 from usp_dit.kernels.registry import backends_with_lse
 from usp_dit.mesh import USPMesh, resolve_mesh
@@ -189,22 +189,13 @@ def _share_failure(exc: Exception, q, mesh: USPMesh, seq_len: int | None) -> Non
               what="a usp_attention call")
 
 
-def _local_attention(q, k, v, kernel: AttentionBackend, scale: float):
-    """One kernel call; skips autograd bookkeeping when no gradient is needed (no P = 1 tax)."""
-    if torch.compiler.is_compiling():  # traced as an opaque custom op with a fake implementation
-        return torch.ops.usp_dit.attention(q, k, v, scale, kernel.name)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return KernelAttention.apply(q, k, v, kernel, scale)
-    return kernel.forward(q, k, v, scale)
-
-
 def _single_rank(q, k, v, joint, kernel, scale):
     """P == 1: joint tokens simply join the sequence."""
     if joint is None:
-        return _local_attention(q, k, v, kernel, scale), None
+        return attend(q, k, v, kernel, scale), None
     jq, jk, jv = joint
     n = q.shape[1]
-    out, lse = _local_attention(
+    out, lse = attend(
         torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1), kernel, scale
     )
     return (out[:, :n], _rows(lse, 0, n)), (out[:, n:], _rows(lse, n, None))
@@ -262,9 +253,9 @@ def _sharded(q, k, v, call: _Call, mesh: USPMesh, seq_len):
         spec = RingSpec(mesh.ring_exchanger, sizes, schedule)
         out_ext, lse_ext = RingAttention.apply(q_blk, k_blk, v_blk, jk, jv, spec, kernel, scale)
     elif jk is not None:
-        out_ext, lse_ext = _local_attention(q_blk, torch.cat([k_blk, jk], 1), torch.cat([v_blk, jv], 1), kernel, scale)
+        out_ext, lse_ext = attend(q_blk, torch.cat([k_blk, jk], 1), torch.cat([v_blk, jv], 1), kernel, scale)
     else:
-        out_ext, lse_ext = _local_attention(q_blk, k_blk, v_blk, kernel, scale)
+        out_ext, lse_ext = attend(q_blk, k_blk, v_blk, kernel, scale)
     if not call.want_lse:
         lse_ext = None
     lse = None if lse_ext is None else gather_heads(lse_ext[:, :n_blk], layout.q_plan)

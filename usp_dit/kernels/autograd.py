@@ -3,11 +3,13 @@
 Layout as in ``usp_dit.kernels.protocol``: q (B, Sq, H, D), k/v (B, Sk, Hk, D) -> out (B, Sq, H, D),
 lse (B, Sq, H) (float32; float64 for float64 inputs). The LSE is not differentiable.
 
+``attend`` is the one entry point (``usp_attention`` calls nothing else): it picks the path below.
 Eager calls go through ``KernelAttention`` (an ``autograd.Function``: no dispatcher cost, a few
 microseconds less per call than a custom op). Compiled code goes through the custom ops
 ``usp_dit::attention`` / ``usp_dit::attention_backward``, whose fake implementations give output
 shapes without running anything so that ``torch.compile`` traces through them (``usp_attention``
-checks ``torch.compiler.is_compiling()``). Both paths run ``kernel_backward`` for the gradient.
+is chosen by ``torch.compiler.is_compiling()``). Both paths run ``kernel_backward`` for the gradient, so
+the eager and the compiled gradient are the same code; a call needing no gradient skips autograd.
 """
 from __future__ import annotations
 
@@ -94,3 +96,13 @@ def _backward(ctx, dout, dlse):
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: AttentionBackend, scale: float):
+    """``(out, lse)`` of one kernel call: the custom op under ``torch.compile``, the autograd.Function
+    when a gradient is needed, the bare forward otherwise (no autograd bookkeeping: no P = 1 tax)."""
+    if torch.compiler.is_compiling():  # traced as an opaque custom op with a fake implementation
+        return torch.ops.usp_dit.attention(q, k, v, scale, backend.name)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return KernelAttention.apply(q, k, v, backend, scale)
+    return backend.forward(q, k, v, scale)
