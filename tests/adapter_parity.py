@@ -3,11 +3,13 @@
 Each rank computes the stock model's output itself (the one-process result: same seeded weights and
 inputs on every rank), enables the adapter on a mesh, runs, disables and runs again. Errors are
 max|err| / max|ref| (``usp_dit.testing.rel_err``).
+
+A family's file spawns one group of 4 ranks and calls ``run_grid_cases`` there (the 2-rank grids
+run on it as two data-parallel replicas); the 8-rank grids are in tests/test_pipeline_world8.py.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,42 +20,13 @@ from usp_dit.testing import rel_err
 
 # (ulysses, ring, cfg) grids per world size: the issue's grids plus (1, 4) and a cfg mesh, whose two
 # cfg groups each shard the (whole) batch over their own two ranks.
-# At 8 ranks (one full node, gloo standing in for NCCL): a ring over 4 and a cfg split.
-GRIDS = {2: [(2, 1, 1), (1, 2, 1)], 4: [(2, 2, 1), (4, 1, 1), (1, 4, 1), (1, 2, 2)], 8: [(2, 4, 1), (1, 4, 2)]}
-GRAD_GRID = {2: (1, 2, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
-
-
-@dataclass(frozen=True)
-class Case:
-    world: int
-    grid: tuple[int, int, int]
-    shape: Any  # a model-specific, hashable description with a readable str()
-
-    @property
-    def id(self) -> str:
-        u, r, c = self.grid
-        return f"w{self.world}-u{u}r{r}cfg{c}-{self.shape}"
-
-
-def cases(world: int, shapes: list) -> list[Case]:
-    return [Case(world, grid, shape) for grid in GRIDS[world] for shape in shapes]
+GRIDS = {2: [(2, 1, 1), (1, 2, 1)], 4: [(2, 2, 1), (4, 1, 1), (1, 4, 1), (1, 2, 2)]}
+GRAD_GRID = {2: (1, 2, 1), 4: (2, 2, 1)}  # the gradient cases' grid per sequence-group size
 
 
 def forward(model, inputs) -> torch.Tensor:
     with torch.no_grad():
         return model(**inputs.kwargs(), return_dict=False)[0]
-
-
-def output_errors(model, inputs, adapter, mesh) -> dict[str, float]:
-    """Sharded output vs the stock output, and 1.0 if the output after ``disable`` is not bit-identical."""
-    ref = forward(model, inputs)
-    adapter.enable(model, mesh, "auto")
-    try:
-        out = forward(model, inputs)
-    finally:
-        adapter.disable(model)
-    again = forward(model, inputs)
-    return {"out": rel_err(out, ref), "disable_not_bit_identical": float(not torch.equal(again, ref))}
 
 
 def _param_grads(model, inputs, divisor: int) -> dict[str, torch.Tensor]:
@@ -80,28 +53,6 @@ def gradient_errors(model, inputs, adapter, mesh) -> dict[str, float]:
         dist.all_reduce(g, group=mesh.seq_group)
         worst = max(worst, rel_err(g, ref[name]))
     return {"grad": worst}
-
-
-def _record(results: dict, key: str, fn: Callable[[], dict]) -> None:
-    try:
-        results[key] = fn()
-    except Exception as exc:  # recorded, asserted by the parent
-        results[key] = f"{type(exc).__name__}: {exc}"
-
-
-def run_grid(world: int, shapes: list, build: Callable, adapter, grad_shape) -> dict[str, dict | str]:
-    """Every case of ``world`` on this rank, plus one gradient case under key ``grad-w{world}``.
-
-    ``build(shape) -> (model, inputs)`` must be deterministic (same on every rank).
-    """
-    results, meshes = {}, {}
-    for grid in GRIDS[world]:
-        u, r, c = grid
-        meshes[grid] = init_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-    for case in cases(world, shapes):
-        _record(results, case.id, lambda: output_errors(*build(case.shape), adapter, meshes[case.grid]))
-    _record(results, f"grad-w{world}", lambda: gradient_errors(*build(grad_shape), adapter, meshes[GRAD_GRID[world]]))
-    return results
 
 
 def assert_within(per_rank: list[dict], key: str, tol: float) -> None:
@@ -142,23 +93,26 @@ def record(results: dict, key: str, fn: Callable[[], Any], many: bool = False) -
 def run_grid_cases(
     results: dict, shapes: list, output_case: Callable[[Any, Any], dict],
     gradient_case: Callable[[Any, Any], dict], grad_shapes: dict[int, list] | None = None,
+    fits: Callable[[Any, tuple], bool] | None = None,
 ) -> None:
     """Into ``results``: ``output_case(shape, mesh)`` for every grid of ``schedule_grids`` and every
-    shape (key ``"<grid id>-<shape>"``), and ``gradient_case(shape, mesh)`` on 2 and 4 ranks
+    shape (key ``"<grid id>-<shape>"``; only where ``fits(shape, grid)`` when given, e.g. a batch
+    the grid's cfg degree divides), and ``gradient_case(shape, mesh)`` on 2 and 4 ranks
     (``GRAD_GRID``; key ``"grad-p<P>-<shape>"``) for ``grad_shapes[P]`` (default: every shape)."""
     meshes = {grid: init_usp(*grid[:3], ring_schedule=grid[3] or "auto") for grid in schedule_grids()}
     for grid in schedule_grids():  # meshes that differ only in schedule share their groups
         for shape in shapes:
-            record(results, f"{grid_id(grid)}-{shape}", lambda: output_case(shape, meshes[grid]))
+            if fits is None or fits(shape, grid):
+                record(results, f"{grid_id(grid)}-{shape}", lambda: output_case(shape, meshes[grid]))
     for world in (2, 4):
         mesh = init_usp(*GRAD_GRID[world])
         for shape in (grad_shapes or {}).get(world, shapes):
             record(results, f"grad-p{world}-{shape}", lambda: gradient_case(shape, mesh))
 
 
-def output_keys(shapes: list) -> list[str]:
-    """The keys ``run_grid_cases`` records output cases under."""
-    return [f"{grid_id(g)}-{s}" for g in schedule_grids() for s in shapes]
+def output_keys(shapes: list, fits: Callable[[Any, tuple], bool] | None = None) -> list[str]:
+    """The keys ``run_grid_cases`` records output cases under (the same ``fits``)."""
+    return [f"{grid_id(g)}-{s}" for g in schedule_grids() for s in shapes if fits is None or fits(s, g)]
 
 
 def ulysses_above_heads_case(model: torch.nn.Module, adapter, mesh) -> dict[str, float]:
