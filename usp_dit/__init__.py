@@ -3,8 +3,8 @@
 Layout everywhere: (batch, seq, heads, head_dim).
 
 ``import usp_dit`` loads the attention core alone (it needs only torch). The Diffusers integration,
-``usp_dit.pipelines``, is imported on first use of ``usp_dit.enable_usp`` / ``disable_usp`` (or
-explicitly); importing it gives every ``DiffusionPipeline`` the methods ``enable_usp(...)`` and
+``usp_dit.pipelines``, is imported on first use of ``usp_dit.enable_usp`` / ``disable_usp`` /
+``enable_parallel_vae`` / ``disable_parallel_vae`` (or explicitly); importing it gives every ``DiffusionPipeline`` the methods ``enable_usp(...)`` and
 ``disable_usp()``.
 """
 from __future__ import annotations
@@ -18,7 +18,10 @@ from usp_dit.sharding import gather_sequence, shard_sequence
 from usp_dit.usp import AttentionOutput, usp_attention
 
 # Names that live in the Diffusers integration: resolved (and Diffusers imported) on first access.
-_INTEGRATION = {"enable_usp": "usp_dit.pipelines", "disable_usp": "usp_dit.pipelines"}
+_INTEGRATION = {
+    "enable_usp": "usp_dit.pipelines", "disable_usp": "usp_dit.pipelines",
+    "enable_parallel_vae": "usp_dit.pipelines.vae", "disable_parallel_vae": "usp_dit.pipelines.vae",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -31,7 +34,9 @@ __all__ = [
     "AttentionOutput",
     "USPConfig",
     "USPMesh",
+    "disable_parallel_vae",
     "disable_usp",
+    "enable_parallel_vae",
     "enable_usp",
     "gather_sequence",
     "init_usp",

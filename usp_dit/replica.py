@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from usp_dit.groups import on_release
 from usp_dit.mesh import USPMesh
 
 
@@ -33,6 +34,49 @@ def replica_groups(mesh: USPMesh) -> list[dist.ProcessGroup]:
     Axes of size 1 have no group; a replica of one rank gives ``[]``.
     """
     return [g for g in (mesh.cfg_group, mesh.seq_group) if g is not None]
+
+
+# One group over all ranks of a replica, per layout of the world into replicas (built on first use,
+# by every rank at once: ``dist.new_group`` is collective over the default group).
+_REPLICA_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+@on_release
+def _forget_replica_groups() -> None:
+    _REPLICA_GROUPS.clear()
+
+
+def _default_timeout(mesh: USPMesh):
+    """The default group's timeout (new groups otherwise get the backend's 30 minutes), or None."""
+    default = dist.distributed_c10d._get_default_group()
+    try:
+        return default._get_backend(torch.device(mesh.device_type)).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def replica_group(mesh: USPMesh) -> dist.ProcessGroup | None:
+    """One process group over the cfg x ring x ulysses ranks of this rank's replica, in mesh order
+    (``seq_group`` itself when cfg is 1, ``cfg_group`` when the sequence degree is 1); ``None`` for a
+    replica of one rank. For work that splits over every rank of a replica at once (the VAE).
+
+    The first call for a layout builds one group per replica and must be made by every rank of the
+    world (as ``enable_usp`` / ``enable_parallel_vae`` are).
+    """
+    if mesh.cfg_degree == 1:
+        return mesh.seq_group
+    if mesh.sequence_degree == 1:
+        return mesh.cfg_group
+    per_replica = mesh.device_mesh.mesh.reshape(mesh.dp_degree, -1).tolist()
+    key = (id(dist.distributed_c10d._get_default_group()), tuple(map(tuple, per_replica)))
+    if key not in _REPLICA_GROUPS or _REPLICA_GROUPS[key] not in dist.distributed_c10d._world.pg_map:
+        mine, timeout = None, _default_timeout(mesh)
+        for ranks in per_replica:  # every rank builds every replica's group, in the same order
+            group = dist.new_group(ranks, timeout=timeout)
+            if dist.get_rank() in ranks:
+                mine = group
+        _REPLICA_GROUPS[key] = mine
+    return _REPLICA_GROUPS[key]
 
 
 def comm_device(mesh: USPMesh, like: torch.Tensor | None = None) -> torch.device:

@@ -153,15 +153,16 @@ def _text_encoders(llama_vocab: int, clip_vocab: int, seed: int):
     return llama.eval(), clip.eval()
 
 
-def tiny_hunyuan_video_vae(seed: int = 0):
+def tiny_hunyuan_video_vae(seed: int = 0, attention: bool = False):
     """An ``AutoencoderKLHunyuanVideo`` of ``LATENT_CHANNELS``: 8x spatial, 4x temporal compression
-    (``num_frames`` = 4k + 1 decodes to exactly ``num_frames``)."""
+    (``num_frames`` = 4k + 1 decodes to exactly ``num_frames``); ``attention``: the real model's
+    frame-causal mid-block attention."""
     from diffusers import AutoencoderKLHunyuanVideo
 
     torch.manual_seed(seed)
     return AutoencoderKLHunyuanVideo(
         latent_channels=LATENT_CHANNELS, block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=2,
-        mid_block_add_attention=False,
+        mid_block_add_attention=attention,
     ).eval()
 
 

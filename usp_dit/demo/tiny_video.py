@@ -176,6 +176,29 @@ def tiny_t5(max_length: int, seed: int = 0):
     return tokenizer, encoder.eval()
 
 
+def tiny_cogvideox_vae(seed: int = 0):
+    """An ``AutoencoderKLCogVideoX`` with 4 latent channels: 8x spatial, 4x temporal compression."""
+    from diffusers import AutoencoderKLCogVideoX
+
+    torch.manual_seed(seed)
+    return AutoencoderKLCogVideoX(
+        down_block_types=("CogVideoXDownBlock3D",) * 4, up_block_types=("CogVideoXUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1, norm_num_groups=2,
+        temporal_compression_ratio=4, sample_height=48, sample_width=48,
+    ).eval()
+
+
+def tiny_mochi_vae(seed: int = 0):
+    """An ``AutoencoderKLMochi`` with 12 latent channels: 8x spatial, 6x temporal expansion."""
+    from diffusers import AutoencoderKLMochi
+
+    torch.manual_seed(seed)
+    return AutoencoderKLMochi(
+        latent_channels=12, out_channels=3, encoder_block_out_channels=(32, 32, 32, 32),
+        decoder_block_out_channels=(32, 32, 32, 32), layers_per_block=(1, 1, 1, 1, 1),
+    ).eval()
+
+
 def tiny_cogvideox_pipeline(max_text_len: int = 16, seed: int = 0, image_to_video: bool = False):
     """A ``CogVideoXPipeline`` (5B-like: RoPE passed by the pipeline) of tiny random models, float32;
     with ``image_to_video`` a ``CogVideoXImageToVideoPipeline`` (call it with ``image=``).
@@ -184,15 +207,10 @@ def tiny_cogvideox_pipeline(max_text_len: int = 16, seed: int = 0, image_to_vide
     ``((num_frames - 1) / 4 + 1) * (height / 16) * (width / 16)`` video tokens (patch 2); e.g.
     48 x 48 x 9 frames -> 27 tokens. Call it with ``max_sequence_length <= max_text_len``.
     """
-    from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXImageToVideoPipeline, CogVideoXPipeline
+    from diffusers import CogVideoXDDIMScheduler, CogVideoXImageToVideoPipeline, CogVideoXPipeline
 
     tokenizer, text_encoder = tiny_t5(max_text_len, seed + 10)
-    torch.manual_seed(seed + 20)
-    vae = AutoencoderKLCogVideoX(
-        down_block_types=("CogVideoXDownBlock3D",) * 4, up_block_types=("CogVideoXUpBlock3D",) * 4,
-        block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1, norm_num_groups=2,
-        temporal_compression_ratio=4, sample_height=48, sample_width=48,
-    ).eval()
+    vae = tiny_cogvideox_vae(seed + 20)
     transformer = tiny_cogvideox("5b-i2v" if image_to_video else "5b", text_len=max_text_len, seed=seed + 30)
     cls = CogVideoXImageToVideoPipeline if image_to_video else CogVideoXPipeline
     return cls(
@@ -218,14 +236,10 @@ def tiny_mochi_pipeline(max_text_len: int = 16, seed: int = 0):
     ``((num_frames - 1) / 6 + 1) * (height / 16) * (width / 16)`` video tokens (patch 2); e.g.
     48 x 48 x 13 frames -> 27 tokens. Call it with ``max_sequence_length <= max_text_len``.
     """
-    from diffusers import AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, MochiPipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, MochiPipeline
 
     tokenizer, text_encoder = tiny_t5(max_text_len, seed + 10)
-    torch.manual_seed(seed + 20)
-    vae = AutoencoderKLMochi(
-        latent_channels=12, out_channels=3, encoder_block_out_channels=(32, 32, 32, 32),
-        decoder_block_out_channels=(32, 32, 32, 32), layers_per_block=(1, 1, 1, 1, 1),
-    ).eval()
+    vae = tiny_mochi_vae(seed + 20)
     torch.manual_seed(seed + 30)
     transformer = MochiTransformer3DModel(
         patch_size=2, num_attention_heads=6, attention_head_dim=16, num_layers=2, pooled_projection_dim=48,

@@ -1,0 +1,253 @@
+"""Parallel VAE decode (``usp_dit.enable_parallel_vae``) against the one-process decode.
+
+Unit tests (no processes): the row maths, the mask over gathered keys, and ``classify`` on every
+family's tiny VAE (every module of its decoder is known; an unknown module, a non-2.0 attention
+processor or LTX's noise injection makes the VAE decode whole).
+
+One spawned group of 4 ranks runs every case: the tiny VAEs of AutoencoderKL (Flux.1 / SD3 /
+Chroma, with its mid-block attention), Flux.2, Wan 2.x, Qwen-Image, CogVideoX, Mochi, HunyuanVideo
+(with its frame-causal mid-block attention) and LTX-Video, on latents whose rows and columns are
+odd (7 x 5, 13 x 9: no split is even) and batch 2 where the VAE is cheap, over replicas of 2 ranks
+(mesh (2, 1, 1): two replicas on the group), 4 ranks (2, 2, 1) and 4 ranks across the cfg axis
+(1, 2, 2: the replica's group is built over cfg x sequence). Each case checks:
+- the decoded sample equals the stock decode of the whole latent on one process: max|err| /
+  max|ref| <= 1e-5 (float32: the split changes only the order of GroupNorm's sums and of the
+  attention's softmax sums, measured ~1e-6);
+- each rank's decoder saw at most ceil(rows / P) latent rows (the work is split, not repeated);
+- after ``disable_parallel_vae`` the decode is bit-identical to stock.
+Fallbacks (Note [parallel VAE fallback]), each equal to stock bit for bit: fewer latent rows than
+ranks, a decode needing a gradient, a VAE class without a recipe. A latent differing between the
+ranks raises ValueError on every rank. A VAE with tiling on decodes the exact untiled image.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from usp_dit.pipelines.vae.attention import _gathered_mask
+from usp_dit.pipelines.vae.recipes import classify, recipes
+from usp_dit.pipelines.vae.rows import can_split, row_offsets, row_split, scaled_sizes
+from usp_dit.testing import rel_err, run_spawned
+
+TOL = 1e-5
+WORLD = 4
+GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
+
+
+def _vae(family: str):
+    """(tiny VAE, latent shape) of ``family``: odd rows and columns everywhere."""
+    if family == "kl":
+        from usp_dit.demo.tiny_flux import tiny_vae
+        return tiny_vae(3), (2, 4, 13, 9)
+    if family == "flux2":
+        from usp_dit.demo.tiny_flux2 import tiny_flux2_vae
+        vae = tiny_flux2_vae()
+        return vae, (2, vae.config.latent_channels, 7, 5)
+    if family == "wan":
+        from usp_dit.demo.tiny_wan import tiny_wan_vae
+        return tiny_wan_vae(), (2, 4, 3, 7, 5)
+    if family == "qwen_image":
+        from usp_dit.demo.tiny_qwen_image import tiny_qwen_image_vae
+        vae = tiny_qwen_image_vae()
+        return vae, (2, vae.config.z_dim, 1, 7, 5)
+    if family == "cogvideox":
+        from usp_dit.demo.tiny_video import tiny_cogvideox_vae
+        return tiny_cogvideox_vae(), (2, 4, 3, 7, 5)
+    if family == "mochi":
+        from usp_dit.demo.tiny_video import tiny_mochi_vae
+        return tiny_mochi_vae(), (1, 12, 2, 7, 5)
+    if family == "hunyuan_video":
+        from usp_dit.demo.tiny_hunyuan_video import tiny_hunyuan_video_vae
+        vae = tiny_hunyuan_video_vae(attention=True)
+        return vae, (1, vae.config.latent_channels, 2, 7, 5)
+    if family == "ltx_video":
+        from usp_dit.demo.tiny_ltx_video import tiny_ltx_video_vae
+        vae = tiny_ltx_video_vae()
+        return vae, (1, vae.config.latent_channels, 2, 7, 5)
+    raise ValueError(family)
+
+
+FAMILIES = ["kl", "flux2", "wan", "qwen_image", "cogvideox", "mochi", "hunyuan_video", "ltx_video"]
+
+
+# ---- without processes ------------------------------------------------------------------------------
+
+def test_rows_split_and_scale():
+    sizes = row_split(13, 4)
+    assert sizes == [4, 3, 3, 3] and row_offsets(sizes) == [0, 4, 7, 10]
+    assert scaled_sizes(sizes, 24, 1) == [32, 24, 24, 24]  # 8x upsampled: every piece scales alike
+    with pytest.raises(RuntimeError, match="not a multiple"):
+        scaled_sizes(sizes, 25, 1)
+    assert can_split(4, 4) and not can_split(3, 4) and not can_split(9, 1)
+
+
+def test_gathered_mask_cuts_the_columns_prepare_attention_mask_appends():
+    mask = torch.randn(2, 3, 5, 11)
+    assert torch.equal(_gathered_mask(mask, 11, 5), mask)
+    padded = torch.cat([mask, torch.zeros(2, 3, 5, 5)], -1)  # Attention.prepare_attention_mask's pad
+    assert torch.equal(_gathered_mask(padded, 11, 5), mask)
+    with pytest.raises(NotImplementedError, match="not the 11 keys"):
+        _gathered_mask(torch.randn(2, 3, 5, 5), 11, 5)  # a mask over the local keys only
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_decoder_module_is_known(family):
+    vae, _ = _vae(family)
+    sites, reason = classify(vae.decoder, recipes()[type(vae)])
+    assert reason is None and sites.convs, reason
+    if family in ("kl", "flux2", "hunyuan_video"):
+        assert sites.processors, "the mid-block attention must be split"
+    if family in ("wan", "qwen_image"):
+        assert sites.forwards, "the attention block must be split"
+
+
+def test_unknown_module_or_processor_makes_the_vae_decode_whole():
+    from diffusers.models.attention_processor import AttnProcessor
+
+    class Blur(nn.Module):  # mixes rows: a recipe cannot know it
+        def forward(self, x):
+            return x
+
+    vae, _ = _vae("kl")
+    vae.decoder.mid_block.extra = Blur()
+    _, reason = classify(vae.decoder, recipes()[type(vae)])
+    assert "Blur is not known to act per row" in reason
+    vae, _ = _vae("kl")
+    vae.decoder.mid_block.attentions[0].set_processor(AttnProcessor())
+    _, reason = classify(vae.decoder, recipes()[type(vae)])
+    assert "AttnProcessor2_0 splits" in reason
+
+
+def test_ltx_noise_injection_is_not_split():
+    from diffusers import AutoencoderKLLTXVideo
+
+    vae = AutoencoderKLLTXVideo(
+        latent_channels=8, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
+        decoder_inject_noise=(True, False, False, False, False),
+    )
+    _, reason = classify(vae.decoder, recipes()[type(vae)])
+    assert "random numbers" in reason
+
+
+# ---- on 4 ranks --------------------------------------------------------------------------------------
+
+def _decode(vae, z):
+    with torch.no_grad():
+        return vae.decode(z).sample
+
+
+def _rows_seen(vae, z) -> int:
+    """Latent rows the decoder's first convolution saw in one decode."""
+    seen = []
+    hook = vae.decoder.conv_in.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[-2]))
+    try:
+        _decode(vae, z)
+    finally:
+        hook.remove()
+    return max(seen)
+
+
+def _case(family: str, grid) -> dict[str, float]:
+    from usp_dit import init_usp
+    from usp_dit.pipelines.vae import disable_parallel_vae, enable_parallel_vae
+
+    vae, shape = _vae(family)
+    z = torch.randn(shape, generator=torch.Generator().manual_seed(len(family)))
+    ref = _decode(vae, z)
+    mesh = init_usp(*grid)
+    state = enable_parallel_vae(vae, mesh)
+    try:
+        out = _decode(vae, z)
+        rows = _rows_seen(vae, z)
+    finally:
+        disable_parallel_vae(vae)
+    parts = grid[0] * grid[1] * grid[2]
+    return {
+        "out": rel_err(out, ref),
+        "not_split": float(state.reason is not None),
+        "rows_above_share": float(rows > math.ceil(shape[-2] / parts)),
+        "disable_not_bit_identical": float(not torch.equal(_decode(vae, z), ref)),
+    }
+
+
+def _fallbacks() -> dict[str, float]:
+    """Each fallback decodes the whole latent on every rank: equal to stock bit for bit."""
+    import torch.distributed as dist
+    from diffusers import AutoencoderTiny
+
+    from usp_dit import init_usp
+    from usp_dit.pipelines.vae import disable_parallel_vae, enable_parallel_vae
+
+    mesh = init_usp(2, 2)
+    out = {}
+    vae, _ = _vae("kl")
+    z = torch.randn(1, 4, 9, 7, generator=torch.Generator().manual_seed(2))
+    ref = _decode(vae, z)
+    vae.enable_tiling()
+    vae.tile_latent_min_size = 4  # stock tiles (blends) these latents: the split decode is untiled
+    z_small = torch.randn(1, 4, 3, 9, generator=torch.Generator().manual_seed(1))  # 3 rows, 4 ranks
+    ref_small = _decode(vae, z_small)  # decoded whole, as stock does: tiled
+    enable_parallel_vae(vae, mesh)
+    try:
+        out["few_rows_not_bit_identical"] = float(not torch.equal(_decode(vae, z_small), ref_small))
+        out["tiling_on_untiled_exact"] = rel_err(_decode(vae, z), ref)
+        z_grad = z.clone().requires_grad_()
+        vae.use_tiling = False
+        out["grad_not_bit_identical"] = float(not torch.equal(vae.decode(z_grad).sample.detach(), ref))
+        try:
+            _decode(vae, z + dist.get_rank())
+            out["different_latents_did_not_raise"] = 1.0
+        except ValueError as exc:
+            out["different_latents_wrong_error"] = float("differs between the ranks" not in str(exc))
+    finally:
+        disable_parallel_vae(vae)
+    tiny = AutoencoderTiny(latent_channels=4, encoder_block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+                           num_encoder_blocks=(1, 1), num_decoder_blocks=(1, 1)).eval()
+    z_tiny = torch.randn(1, 4, 9, 7, generator=torch.Generator().manual_seed(3))
+    ref_tiny = _decode(tiny, z_tiny)
+    state = enable_parallel_vae(tiny, mesh)
+    out["no_recipe_reason_missing"] = float("no parallel recipe" not in (state.reason or ""))
+    out["no_recipe_not_bit_identical"] = float(not torch.equal(_decode(tiny, z_tiny), ref_tiny))
+    disable_parallel_vae(tiny)
+    return out
+
+
+def _run_all() -> dict:
+    from tests.adapter_parity import record
+
+    results: dict = {}
+    for grid in GRIDS:
+        for family in FAMILIES:
+            record(results, f"{family}-u{grid[0]}r{grid[1]}cfg{grid[2]}", lambda: _case(family, grid))
+    record(results, "fallbacks", _fallbacks)
+    return results
+
+
+@pytest.fixture(scope="module")
+def per_rank():
+    return run_spawned(_run_all, WORLD)
+
+
+CASES = [f"{f}-u{u}r{r}cfg{c}" for (u, r, c) in GRIDS for f in FAMILIES]
+
+
+@pytest.mark.parametrize("key", CASES)
+def test_parallel_decode_equals_one_process(per_rank, key):
+    for rank, res in enumerate(per_rank):
+        errors = res[key]
+        assert not isinstance(errors, str), f"rank {rank}: {errors}"
+        assert errors["out"] <= TOL, f"rank {rank}: {errors}"
+        assert errors == {**errors, "not_split": 0.0, "rows_above_share": 0.0, "disable_not_bit_identical": 0.0}, (
+            f"rank {rank}: {errors}")
+
+
+def test_fallbacks_decode_whole(per_rank):
+    for rank, res in enumerate(per_rank):
+        checks = res["fallbacks"]
+        assert not isinstance(checks, str), f"rank {rank}: {checks}"
+        assert checks.pop("tiling_on_untiled_exact") <= TOL, f"rank {rank}"
+        assert not any(checks.values()), f"rank {rank}: {checks}"

@@ -1,0 +1,15 @@
+"""The VAE decode split over the ranks of a replica, equal to one process (Note [an exact parallel
+VAE] in ``rows``; Note [parallel VAE fallback] in ``patch``).
+
+    rows.py       which rows each rank decodes (index maths)
+    halo.py       halo rows between neighbours; the convolutions that read them
+    norm.py       GroupNorm with statistics over every rank's rows
+    attention.py  VAE attention: this rank's queries against every rank's keys and values
+    recipes.py    per VAE class: how each module of its decoder takes part
+    patch.py      enable_parallel_vae / disable_parallel_vae
+"""
+from __future__ import annotations
+
+from usp_dit.pipelines.vae.patch import disable_parallel_vae, enable_parallel_vae, is_parallel_vae_enabled
+
+__all__ = ["disable_parallel_vae", "enable_parallel_vae", "is_parallel_vae_enabled"]

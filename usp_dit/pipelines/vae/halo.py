@@ -1,0 +1,168 @@
+"""Halo rows between neighbouring ranks, and the convolutions that read them.
+
+Layout: (batch, channels, [frames,] rows, width); rows are dim -2 (Note [an exact parallel VAE]).
+
+A convolution spanning k > 1 rows gets its padding rows in one of two ways, and both are handled
+at the one place every ``nn.Conv2d`` / ``nn.Conv3d`` computes, its ``_conv_forward`` (replaced on
+the instance while the parallel VAE is enabled; it behaves as stock outside a parallel decode):
+
+    "module"    the convolution pads itself (``conv.padding``): the halo is added here, and the
+                convolution runs without row padding (the image border keeps the stock padding
+                mode on the first and last ranks);
+    "explicit"  the stock code padded the input before the call (``F.pad`` in a causal
+                convolution wrapper, with zeros or by replicating): the pad rows on the sides
+                facing another rank are replaced by that rank's rows.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROWS = -2
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """The ranks decoding one latent together: ``sizes[r]`` latent rows on group rank ``r``."""
+
+    group: dist.ProcessGroup
+    rank: int
+    sizes: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def peer(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+
+class _Active(threading.local):
+    rows: RowGroup | None = None
+
+
+_ACTIVE = _Active()
+
+
+def active() -> RowGroup | None:
+    """The row group of the parallel decode running now in this thread, else ``None``."""
+    return _ACTIVE.rows
+
+
+@contextmanager
+def decoding(rows: RowGroup) -> Iterator[None]:
+    """Within: the replaced convolutions, norms and attention act on row pieces of ``rows``."""
+    previous, _ACTIVE.rows = _ACTIVE.rows, rows
+    try:
+        yield
+    finally:
+        _ACTIVE.rows = previous
+
+
+def neighbour_rows(real: torch.Tensor, top: int, bottom: int, rows: RowGroup):
+    """``(above, below)``: the previous rank's last ``top`` rows and the next rank's first ``bottom``
+    rows of ``real`` (``None`` at the image border). Each rank sends its own first ``bottom`` rows
+    up and last ``top`` rows down, in one batch of point-to-point transfers."""
+    n = real.shape[ROWS]
+    if n < max(top, bottom):
+        raise RuntimeError(f"parallel VAE: a halo of {max(top, bottom)} rows is wider than rank {rows.rank}'s {n} rows")
+    ops, above, below = [], None, None
+    if top and not rows.first:
+        above = real.new_empty(real.shape[:ROWS] + (top, real.shape[-1]))
+        ops.append(dist.P2POp(dist.irecv, above, rows.peer(rows.rank - 1), rows.group))
+    if bottom and not rows.last:
+        below = real.new_empty(real.shape[:ROWS] + (bottom, real.shape[-1]))
+        ops.append(dist.P2POp(dist.irecv, below, rows.peer(rows.rank + 1), rows.group))
+    if bottom and not rows.first:
+        ops.append(dist.P2POp(dist.isend, real.narrow(ROWS, 0, bottom).contiguous(), rows.peer(rows.rank - 1), rows.group))
+    if top and not rows.last:
+        ops.append(dist.P2POp(dist.isend, real.narrow(ROWS, n - top, top).contiguous(), rows.peer(rows.rank + 1), rows.group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return above, below
+
+
+def _border(x: torch.Tensor, count: int, at_top: bool, mode: str) -> torch.Tensor:
+    """``count`` rows padding ``x``'s top or bottom border as ``F.pad`` with ``mode`` would."""
+    if mode in ("zeros", "constant"):
+        return x.new_zeros(x.shape[:ROWS] + (count, x.shape[-1]))
+    pad = [0, 0, count, 0] if at_top else [0, 0, 0, count]
+    padded = F.pad(x, pad + [0, 0] * (x.dim() - 4), mode=mode)  # replicate / reflect want every spatial dim
+    return padded.narrow(ROWS, 0 if at_top else padded.shape[ROWS] - count, count)
+
+
+def add_halo(x: torch.Tensor, top: int, bottom: int, rows: RowGroup, mode: str) -> torch.Tensor:
+    """``x`` with ``top`` rows above and ``bottom`` below: the neighbours' rows, or the image's
+    border padded with ``mode`` on the first / last rank."""
+    above, below = neighbour_rows(x, top, bottom, rows)
+    if top and above is None:
+        above = _border(x, top, True, mode)
+    if bottom and below is None:
+        below = _border(x, bottom, False, mode)
+    return torch.cat([t for t in (above, x, below) if t is not None], dim=ROWS)
+
+
+def replace_pad_rows(x: torch.Tensor, top: int, bottom: int, rows: RowGroup) -> torch.Tensor:
+    """``x`` padded by the stock code with ``top`` / ``bottom`` rows: those facing another rank
+    become that rank's rows (the image border keeps the stock padding)."""
+    n = x.shape[ROWS] - top - bottom
+    above, below = neighbour_rows(x.narrow(ROWS, top, n), top, bottom, rows)
+    parts = [above if above is not None else x.narrow(ROWS, 0, top), x.narrow(ROWS, top, n),
+             below if below is not None else x.narrow(ROWS, top + n, bottom)]
+    return torch.cat([p for p in parts if p.shape[ROWS]], dim=ROWS)
+
+
+# ---- convolutions -----------------------------------------------------------------------------
+
+PadsOf = Callable[[torch.nn.Module], tuple[int, int, str]]
+"""``(top, bottom, where)`` of a convolution at call time; ``where`` is "module" or "explicit"."""
+
+
+def module_pads(conv: torch.nn.Module) -> tuple[int, int, str]:
+    """A convolution that pads its rows itself (``conv.padding``)."""
+    return conv.padding[-2], conv.padding[-2], "module"
+
+
+def check_conv(conv: torch.nn.Module, top: int, bottom: int, where: str) -> None:
+    """Only stride-1, row-preserving convolutions are split (Note [an exact parallel VAE])."""
+    k, d, s = conv.kernel_size[-2], conv.dilation[-2], conv.stride[-2]
+    if isinstance(conv.padding, str) or s != 1 or top + bottom != d * (k - 1) or (where == "explicit" and conv.padding[-2]):
+        raise NotImplementedError(
+            f"parallel VAE: a {type(conv).__name__} with kernel {conv.kernel_size}, stride {conv.stride}, padding "
+            f"{conv.padding} and row padding ({top}, {bottom}) does not keep the rows: it cannot be split"
+        )
+
+
+def halo_conv_forward(conv: torch.nn.Module, pads_of: PadsOf, x: torch.Tensor, weight, bias) -> torch.Tensor:
+    """``conv._conv_forward`` with the halo rows of the parallel decode (stock outside one)."""
+    stock = type(conv)._conv_forward
+    rows = active()
+    if rows is None:
+        return stock(conv, x, weight, bias)
+    top, bottom, where = pads_of(conv)
+    check_conv(conv, top, bottom, where)
+    if where == "explicit":
+        return stock(conv, replace_pad_rows(x, top, bottom, rows), weight, bias)
+    x = add_halo(x, top, bottom, rows, conv.padding_mode)
+    other = list(conv.padding)
+    other[-2] = 0
+    conv_fn = F.conv3d if weight.dim() == 5 else F.conv2d
+    if conv.padding_mode != "zeros":  # the other dims' padding in the module's own mode
+        pairs = [p for pad in reversed(other) for p in (pad, pad)]
+        x, other = F.pad(x, pairs, mode=conv.padding_mode), [0] * len(other)
+    return conv_fn(x, weight, bias, conv.stride, tuple(other), conv.dilation, conv.groups)
