@@ -1,4 +1,4 @@
-"""Parallel VAE decode (``usp_dit.enable_parallel_vae``) against the one-process decode.
+"""Parallel VAE decode and encode (``usp_dit.enable_parallel_vae``) against one process.
 
 Unit tests (no processes): the row maths, the mask over gathered keys, and ``classify`` on every
 family's tiny VAE (every module of its decoder is known; an unknown module, a non-2.0 attention
@@ -15,6 +15,10 @@ odd (7 x 5, 13 x 9: no split is even) and batch 2 where the VAE is cheap, over r
   attention's softmax sums, measured ~1e-6);
 - each rank's decoder saw at most ceil(rows / P) latent rows (the work is split, not repeated);
 - after ``disable_parallel_vae`` the decode is bit-identical to stock.
+Encode (``vae._encode``: the moments) on the two 4-rank grids, images with rows that are not a
+multiple of the encoder's downsampling: equal to one process <= 1e-5, the encoder's first
+convolution saw fewer rows than the image has; Mochi's encoder (its attention processor is not
+split) runs whole, bit for bit.
 Fallbacks (Note [parallel VAE fallback]), each equal to stock bit for bit: fewer latent rows than
 ranks, a decode needing a gradient, a VAE class without a recipe. A latent differing between the
 ranks raises ValueError on every rank. A VAE with tiling on decodes the exact untiled image.
@@ -29,7 +33,7 @@ from torch import nn
 
 from usp_dit.pipelines.vae.attention import _gathered_mask
 from usp_dit.pipelines.vae.recipes import classify, recipes
-from usp_dit.pipelines.vae.rows import can_split, row_offsets, row_split, scaled_sizes
+from usp_dit.pipelines.vae.rows import aligned_split, can_split, row_offsets, row_split
 from usp_dit.testing import rel_err, run_spawned
 
 TOL = 1e-5
@@ -71,6 +75,11 @@ def _vae(family: str):
 
 
 FAMILIES = ["kl", "flux2", "wan", "qwen_image", "cogvideox", "mochi", "hunyuan_video", "ltx_video"]
+# Images / videos to encode: rows not a multiple of the encoder's downsampling (but LTX's patchify
+# needs a multiple of 4), frames as each VAE takes them.
+ENCODE_SHAPES = {"kl": (2, 3, 54, 36), "flux2": (2, 3, 15, 10), "wan": (1, 3, 5, 60, 40), "qwen_image": (2, 3, 1, 60, 40),
+                 "cogvideox": (1, 3, 5, 60, 40), "hunyuan_video": (1, 3, 5, 60, 40), "ltx_video": (1, 3, 9, 136, 32)}
+ENCODE_WHOLE = {"mochi": "MochiVaeAttnProcessor2_0"}  # its encoder's attention processor is not split
 
 
 # ---- without processes ------------------------------------------------------------------------------
@@ -78,9 +87,9 @@ FAMILIES = ["kl", "flux2", "wan", "qwen_image", "cogvideox", "mochi", "hunyuan_v
 def test_rows_split_and_scale():
     sizes = row_split(13, 4)
     assert sizes == [4, 3, 3, 3] and row_offsets(sizes) == [0, 4, 7, 10]
-    assert scaled_sizes(sizes, 24, 1) == [32, 24, 24, 24]  # 8x upsampled: every piece scales alike
-    with pytest.raises(RuntimeError, match="not a multiple"):
-        scaled_sizes(sizes, 25, 1)
+    # encode: whole units of the downsampling, the last piece also takes the rows left over
+    assert aligned_split(52, 4, 8) == [16, 16, 8, 12] and aligned_split(57, 3, 8) == [24, 16, 17]
+    assert aligned_split(64, 4, 8) == [16] * 4 and aligned_split(31, 4, 8) is None
     assert can_split(4, 4) and not can_split(3, 4) and not can_split(9, 1)
 
 
@@ -94,14 +103,19 @@ def test_gathered_mask_cuts_the_columns_prepare_attention_mask_appends():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_decoder_module_is_known(family):
+def test_every_decoder_and_encoder_module_is_known(family):
     vae, _ = _vae(family)
     sites, reason = classify(vae.decoder, recipes()[type(vae)])
-    assert reason is None and sites.convs, reason
+    assert reason is None and sites.convs and sites.row_stride == 1, reason
     if family in ("kl", "flux2", "hunyuan_video"):
         assert sites.processors, "the mid-block attention must be split"
     if family in ("wan", "qwen_image"):
         assert sites.forwards, "the attention block must be split"
+    sites, reason = classify(vae.encoder, recipes()[type(vae)])
+    if family in ENCODE_WHOLE:
+        assert ENCODE_WHOLE[family] in reason
+    else:
+        assert reason is None and sites.row_stride > 1, reason
 
 
 def test_unknown_module_or_processor_makes_the_vae_decode_whole():
@@ -174,6 +188,35 @@ def _case(family: str, grid) -> dict[str, float]:
     }
 
 
+def _encode_case(family: str, grid) -> dict[str, float]:
+    """``vae._encode`` (the moments: mean and log-variance) split vs whole."""
+    from usp_dit import init_usp
+    from usp_dit.pipelines.vae import disable_parallel_vae, enable_parallel_vae
+
+    vae, _ = _vae(family)
+    x = torch.randn(ENCODE_SHAPES.get(family, (1, 3, 7, 60, 40)), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = vae._encode(x)
+        state = enable_parallel_vae(vae, init_usp(*grid))
+        seen = []
+        first_conv = next(m for m in vae.encoder.modules() if isinstance(m, (nn.Conv2d, nn.Conv3d)))
+        hook = first_conv.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[-2]))
+        try:
+            out = vae._encode(x)
+        finally:
+            hook.remove()
+            disable_parallel_vae(vae)
+        again = vae._encode(x)
+    if family in ENCODE_WHOLE:
+        return {"split_anyway": float(state.reasons["encode"] is None), "not_bit_identical": float(not torch.equal(out, ref))}
+    return {
+        "out": rel_err(out, ref),
+        "not_split": float(state.reasons["encode"] is not None),
+        "rows_not_split": float(max(seen) >= x.shape[-2]),
+        "disable_not_bit_identical": float(not torch.equal(again, ref)),
+    }
+
+
 def _fallbacks() -> dict[str, float]:
     """Each fallback decodes the whole latent on every rank: equal to stock bit for bit."""
     import torch.distributed as dist
@@ -223,6 +266,9 @@ def _run_all() -> dict:
     for grid in GRIDS:
         for family in FAMILIES:
             record(results, f"{family}-u{grid[0]}r{grid[1]}cfg{grid[2]}", lambda: _case(family, grid))
+    for grid in GRIDS[1:]:
+        for family in FAMILIES:
+            record(results, f"encode-{family}-u{grid[0]}r{grid[1]}cfg{grid[2]}", lambda: _encode_case(family, grid))
     record(results, "fallbacks", _fallbacks)
     return results
 
@@ -243,6 +289,18 @@ def test_parallel_decode_equals_one_process(per_rank, key):
         assert errors["out"] <= TOL, f"rank {rank}: {errors}"
         assert errors == {**errors, "not_split": 0.0, "rows_above_share": 0.0, "disable_not_bit_identical": 0.0}, (
             f"rank {rank}: {errors}")
+
+
+ENCODE_CASES = [f"encode-{f}-u{u}r{r}cfg{c}" for (u, r, c) in GRIDS[1:] for f in FAMILIES]
+
+
+@pytest.mark.parametrize("key", ENCODE_CASES)
+def test_parallel_encode_equals_one_process(per_rank, key):
+    for rank, res in enumerate(per_rank):
+        errors = res[key]
+        assert not isinstance(errors, str), f"rank {rank}: {errors}"
+        assert errors.pop("out", 0.0) <= TOL, f"rank {rank}: {errors}"
+        assert not any(errors.values()), f"rank {rank}: {errors}"
 
 
 def test_fallbacks_decode_whole(per_rank):

@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional
 
 from usp_dit.comm import gather_uneven
-from usp_dit.pipelines.vae.halo import active
-from usp_dit.pipelines.vae.rows import scaled_sizes
+from usp_dit.pipelines.vae.halo import active, gathered_counts
 
 TOKENS = -2
 
@@ -47,7 +46,7 @@ def hunyuan_causal_mask(num_frames: int, height_width: int, dtype, device, batch
     if rows is None:
         return prepare_causal_attention_mask(num_frames, height_width, dtype, device, batch_size=batch_size)
     frames = torch.arange(num_frames, device=device)
-    per_frame = scaled_sizes(list(rows.sizes), height_width, rows.rank)
+    per_frame = gathered_counts(height_width, rows, device)
     query_frame = frames.repeat_interleave(height_width)
     key_frame = torch.cat([frames.repeat_interleave(n) for n in per_frame])
     mask = torch.zeros(query_frame.numel(), key_frame.numel(), dtype=dtype, device=device)
@@ -66,7 +65,7 @@ class _GatheredFunctional:
                 query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
         if is_causal or dropout_p:
             raise NotImplementedError("parallel VAE: a causal attention or one with dropout is not split")
-        sizes = scaled_sizes(list(rows.sizes), key.shape[TOKENS], rows.rank)
+        sizes = gathered_counts(key.shape[TOKENS], rows, key.device)
         key = gather_uneven(key.contiguous(), sizes, TOKENS, rows.group)
         value = gather_uneven(value.contiguous(), sizes, TOKENS, rows.group)
         if attn_mask is not None:

@@ -97,6 +97,14 @@ def neighbour_rows(real: torch.Tensor, top: int, bottom: int, rows: RowGroup):
     return above, below
 
 
+def gathered_counts(n: int, rows: RowGroup, device: torch.device) -> list[int]:
+    """Every rank's ``n`` (e.g. its token count at one level), in group rank order."""
+    mine = torch.tensor([n], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(rows.size)]
+    dist.all_gather(every, mine, group=rows.group)
+    return [int(t.item()) for t in every]
+
+
 def _border(x: torch.Tensor, count: int, at_top: bool, mode: str) -> torch.Tensor:
     """``count`` rows padding ``x``'s top or bottom border as ``F.pad`` with ``mode`` would."""
     if mode in ("zeros", "constant"):
@@ -138,14 +146,18 @@ def module_pads(conv: torch.nn.Module) -> tuple[int, int, str]:
     return conv.padding[-2], conv.padding[-2], "module"
 
 
-def check_conv(conv: torch.nn.Module, top: int, bottom: int, where: str) -> None:
-    """Only stride-1, row-preserving convolutions are split (Note [an exact parallel VAE])."""
+def conv_reason(conv: torch.nn.Module, top: int, bottom: int, where: str) -> str | None:
+    """Why ``conv`` cannot run on row pieces, or None. Stride 1: it keeps the row count (top +
+    bottom = dilation (k - 1)). Stride s > 1 (an encoder's downsampling): on a piece of a multiple
+    of s rows it gives exactly rows / s rows, i.e. e = top + bottom - dilation (k - 1) is in
+    [1 - s, 0] (the last piece, at the image's border, is padded as the stock code pads it).
+    Depends on the convolution alone, so every rank finds the same answer."""
     k, d, s = conv.kernel_size[-2], conv.dilation[-2], conv.stride[-2]
-    if isinstance(conv.padding, str) or s != 1 or top + bottom != d * (k - 1) or (where == "explicit" and conv.padding[-2]):
-        raise NotImplementedError(
-            f"parallel VAE: a {type(conv).__name__} with kernel {conv.kernel_size}, stride {conv.stride}, padding "
-            f"{conv.padding} and row padding ({top}, {bottom}) does not keep the rows: it cannot be split"
-        )
+    e = top + bottom - d * (k - 1)
+    if isinstance(conv.padding, str) or (where == "explicit" and conv.padding[-2]) or not (1 - s <= e <= 0) or (s == 1 and e):
+        return (f"a {type(conv).__name__} with kernel {conv.kernel_size}, stride {conv.stride}, padding {conv.padding} "
+                f"and row padding ({top}, {bottom}) does not map row pieces to row pieces")
+    return None
 
 
 def halo_conv_forward(conv: torch.nn.Module, pads_of: PadsOf, x: torch.Tensor, weight, bias) -> torch.Tensor:
@@ -155,7 +167,9 @@ def halo_conv_forward(conv: torch.nn.Module, pads_of: PadsOf, x: torch.Tensor, w
     if rows is None:
         return stock(conv, x, weight, bias)
     top, bottom, where = pads_of(conv)
-    check_conv(conv, top, bottom, where)
+    reason = conv_reason(conv, top, bottom, where)  # the pads can change at call time (a pad_mode)
+    if reason:
+        raise NotImplementedError(f"parallel VAE: {reason}")
     if where == "explicit":
         return stock(conv, replace_pad_rows(x, top, bottom, rows), weight, bias)
     x = add_halo(x, top, bottom, rows, conv.padding_mode)

@@ -1,19 +1,22 @@
-"""``enable_parallel_vae`` / ``disable_parallel_vae``: a VAE's decode split over a replica's ranks.
+"""``enable_parallel_vae`` / ``disable_parallel_vae``: a VAE's decode and encode split over a
+replica's ranks.
 
-Layout: latents (batch, channels, [frames,] rows, width); decoded images / videos the same with
-the decoder's channels and sizes. Rows (dim -2) are split (Note [an exact parallel VAE]).
+Layout: latents (batch, channels, [frames,] rows, width); images / videos the same with the
+decoder's channels and sizes. Rows (dim -2) are split (Note [an exact parallel VAE]).
 
 Note [parallel VAE fallback]
-    The split is exact or not used. A VAE is decoded whole on every rank (as without usp_dit;
-    logged once per reason on rank 0) when: its class has no recipe, a module of its decoder is
-    not known to act per row (``recipes.classify``), the latent has fewer rows than ranks, or the
-    call needs a gradient (the halo transfers are not differentiable). Every rank reaches the same
-    decision from the same information (same class, same latent shape: checked equal on every
-    rank), so no rank waits in a collective that another skipped.
+    The split is exact or not used. A decode (encode) runs whole on every rank (as without
+    usp_dit; logged once per reason on rank 0) when: the VAE's class has no recipe, a module of its
+    decoder (encoder) is not known to act per row (``recipes.classify``), the input has fewer rows
+    than ranks (than ranks x the encoder's downsampling), or the call needs a gradient (the halo
+    transfers are not differentiable). Every rank reaches the same decision from the same
+    information (same class, same input: checked equal on every rank), so no rank waits in a
+    collective that another skipped.
 """
 from __future__ import annotations
 
 import functools
+import math
 import types
 import weakref
 from contextlib import contextmanager
@@ -28,10 +31,10 @@ from usp_dit.logs import get_logger
 from usp_dit.mesh import USPMesh, resolve_mesh
 from usp_dit.pipelines._routing import with_global
 from usp_dit.pipelines.vae.attention import GATHERED_F
-from usp_dit.pipelines.vae.halo import ROWS, RowGroup, decoding, halo_conv_forward
+from usp_dit.pipelines.vae.halo import ROWS, RowGroup, decoding, gathered_counts, halo_conv_forward
 from usp_dit.pipelines.vae.norm import group_norm_forward
 from usp_dit.pipelines.vae.recipes import Sites, classify, recipes
-from usp_dit.pipelines.vae.rows import can_split, row_offsets, row_split
+from usp_dit.pipelines.vae.rows import aligned_split, can_split, row_offsets, row_split
 from usp_dit.replica import replica_group, same_on_replica
 
 _log = get_logger("vae")
@@ -39,26 +42,35 @@ _log = get_logger("vae")
 
 @dataclass(eq=False)
 class VAEState:
-    """One VAE's parallel decode: its replica group and what was replaced (to restore)."""
+    """One VAE's parallel decode and encode: its replica group, why a direction is not split, what
+    was replaced (to restore)."""
 
     mesh: USPMesh
     group: dist.ProcessGroup | None
-    reason: str | None  # why this VAE is decoded whole on every rank (None: it is split)
+    reasons: dict[str, str | None]  # "decode" / "encode" -> why it runs whole on every rank (None: split)
+    row_stride: int = 1  # the encoder's downsampling of rows (encode pieces are multiples of it)
     undo: list[tuple[object, str, object]] = field(default_factory=list)  # (object, attribute, saved)
     logged: set[str] = field(default_factory=set)
+
+    @property
+    def reason(self) -> str | None:
+        """Why the decode is not split (None: it is)."""
+        return self.reasons["decode"]
 
     @property
     def size(self) -> int:
         return 1 if self.group is None else dist.get_world_size(self.group)
 
-    def note(self, reason: str) -> None:
-        """Log ``reason`` for whole decodes once (rank 0 prints it: ``usp_dit.logs``)."""
-        if reason not in self.logged:
-            self.logged.add(reason)
-            _log.info("parallel VAE: every rank decodes the whole latent: %s", reason)
+    def note(self, direction: str, reason: str) -> None:
+        """Log ``reason`` for a whole decode / encode once (rank 0 prints it: ``usp_dit.logs``)."""
+        if (direction, reason) not in self.logged:
+            self.logged.add((direction, reason))
+            _log.info("parallel VAE: every rank runs the whole %s: %s", direction, reason)
 
 
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, VAEState] = weakref.WeakKeyDictionary()
+_MISSING = object()
+_REGIONS = {"decode": ("decoder", "_decode"), "encode": ("encoder", "_encode")}
 
 
 def is_parallel_vae_enabled(vae: torch.nn.Module) -> bool:
@@ -70,10 +82,7 @@ def _set(state: VAEState, obj: object, name: str, value: object) -> None:
     setattr(obj, name, value)
 
 
-_MISSING = object()
-
-
-def _install(vae: torch.nn.Module, sites: Sites, state: VAEState) -> None:
+def _install(sites: Sites, state: VAEState) -> None:
     """Replace, on the instances only, what ``sites`` names; ``state.undo`` records it."""
     for conv, pads_of in sites.convs:
         _set(state, conv, "_conv_forward", functools.partial(halo_conv_forward, conv, pads_of))
@@ -88,7 +97,6 @@ def _install(vae: torch.nn.Module, sites: Sites, state: VAEState) -> None:
         for name, value in names.items():
             forward = with_global(forward, name, value) or forward
         _set(state, module, "forward", types.MethodType(forward, module))
-    _set(state, vae, "_decode", functools.partial(_parallel_decode, vae, type(vae)._decode))
 
 
 def _gathered_processor_class() -> type:
@@ -109,32 +117,49 @@ def _GatheredAttnProcessor():  # noqa: N802  (a class made on first use: Diffuse
     return _LazyProcessor.cls()
 
 
-def enable_parallel_vae(vae: torch.nn.Module, mesh: USPMesh | None = None) -> VAEState:
-    """Split ``vae``'s decode over every rank of ``mesh``'s replica (cfg x ring x ulysses ranks).
+def _classified(vae: torch.nn.Module, direction: str) -> tuple[Sites | None, str | None]:
+    recipe = recipes().get(type(vae))
+    region = getattr(vae, _REGIONS[direction][0], None)
+    if recipe is None:
+        return None, f"{type(vae).__name__} has no parallel recipe (supported: {', '.join(c.__name__ for c in recipes())})"
+    if not isinstance(region, torch.nn.Module) or not hasattr(type(vae), _REGIONS[direction][1]):
+        return None, f"{type(vae).__name__} has no {_REGIONS[direction][0]}"
+    return classify(region, recipe)
 
-    The decoded image equals the one-process, untiled decode to float rounding; each rank holds
-    about 1/P of the decoder's activations. A VAE that cannot be split is decoded whole on every
-    rank, said once in the log (Note [parallel VAE fallback]). Call on every rank (the first call
-    for a mesh may build its replica's process group). Idempotent; ``disable_parallel_vae`` undoes.
+
+def _alignment(vae: torch.nn.Module, sites: Sites) -> int:
+    """Rows per encode piece unit: the encoder's downsampling (its strided convolutions and, for
+    a model that also patchifies rows by reshaping, its ``spatial_compression_ratio``)."""
+    ratio = getattr(vae, "spatial_compression_ratio", None)
+    return math.lcm(sites.row_stride, ratio) if isinstance(ratio, int) and ratio > 0 else sites.row_stride
+
+
+def enable_parallel_vae(vae: torch.nn.Module, mesh: USPMesh | None = None) -> VAEState:
+    """Split ``vae``'s decode and encode over every rank of ``mesh``'s replica (cfg x ring x ulysses ranks).
+
+    The decoded image (the encoded latent) equals the one-process, untiled result to float
+    rounding; each rank holds about 1/P of the activations. What cannot be split runs whole on
+    every rank, said once in the log (Note [parallel VAE fallback]). Call on every rank (the first
+    call for a mesh may build its replica's process group). Idempotent; ``disable_parallel_vae``
+    undoes.
     """
     if vae in _STATES:
         return _STATES[vae]
     mesh = resolve_mesh(mesh)
-    group = replica_group(mesh)
-    recipe = recipes().get(type(vae))
-    reason, sites = None, None
-    if recipe is None:
-        reason = f"{type(vae).__name__} has no parallel recipe (supported: {', '.join(c.__name__ for c in recipes())})"
-    else:
-        sites, reason = classify(getattr(vae, recipe.region), recipe)
-    state = VAEState(mesh, group, reason)
+    state = VAEState(mesh, replica_group(mesh), {})
     _STATES[vae] = state
-    if group is None:
-        return state
-    if reason is not None:
-        state.note(reason)
-    else:
-        _install(vae, sites, state)
+    for direction, (_, method) in _REGIONS.items():
+        sites, state.reasons[direction] = _classified(vae, direction)
+        if state.group is None:
+            continue
+        if sites is None:
+            state.note(direction, state.reasons[direction])
+            continue
+        _install(sites, state)
+        if direction == "encode":
+            state.row_stride = _alignment(vae, sites)
+        run = _parallel_decode if direction == "decode" else _parallel_encode
+        _set(state, vae, method, functools.partial(run, vae, getattr(type(vae), method)))
     return state
 
 
@@ -152,7 +177,7 @@ def disable_parallel_vae(vae: torch.nn.Module) -> None:
 
 @contextmanager
 def _untiled(vae: torch.nn.Module):
-    """The stock decode of one row piece must not tile it (tiles are blended approximations)."""
+    """The stock code on one row piece must not tile it (tiles are blended approximations)."""
     tiling = getattr(vae, "use_tiling", False)
     vae.use_tiling = False
     try:
@@ -161,42 +186,61 @@ def _untiled(vae: torch.nn.Module):
         vae.use_tiling = tiling
 
 
-def _whole_reason(vae: torch.nn.Module, state: VAEState, z: torch.Tensor) -> str | None:
-    """Why this call is decoded whole on every rank, or None (Note [parallel VAE fallback])."""
-    if torch.is_grad_enabled() and (z.requires_grad or any(p.requires_grad for p in vae.parameters())):
-        return "the decode needs a gradient (the split decode is for inference: call it under torch.no_grad())"
-    if not can_split(z.shape[ROWS], state.size):
-        return f"the latent's {z.shape[ROWS]} rows are fewer than the {state.size} ranks"
-    return None
+def _needs_grad(vae: torch.nn.Module, x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in vae.parameters()))
+
+
+def _pieces(vae: torch.nn.Module, state: VAEState, x: torch.Tensor, direction: str) -> list[int] | None:
+    """Every rank's rows of ``x``, or None when this call runs whole (noted once)."""
+    if not same_on_replica(x, state.mesh):
+        raise ValueError(f"parallel VAE: the input of {direction} differs between the ranks of a replica; "
+                         f"every rank must {direction} the same tensor")
+    rows, reason = x.shape[ROWS], None
+    if _needs_grad(vae, x):
+        reason = f"the {direction} needs a gradient (the split one is for inference: call it under torch.no_grad())"
+    elif direction == "decode":
+        sizes = row_split(rows, state.size) if can_split(rows, state.size) else None
+    else:
+        sizes = aligned_split(rows, state.size, state.row_stride)
+    if reason is None and sizes is None:
+        reason = f"{rows} rows are too few for {state.size} ranks" + (
+            f" in pieces of {state.row_stride} rows" if direction == "encode" else "")
+    if reason is not None:
+        state.note(direction, reason)
+        return None
+    return sizes
+
+
+def _split_call(vae: torch.nn.Module, stock, x: torch.Tensor, direction: str, args, kwargs):
+    """``stock(vae, x, ...)`` on this rank's rows of ``x``, the result's rows gathered from every rank."""
+    state = _STATES.get(vae)
+    sizes = None if state is None or state.group is None else _pieces(vae, state, x, direction)
+    if sizes is None:
+        return stock(vae, x, *args, **kwargs)
+    rank = dist.get_rank(state.group)
+    piece = x.narrow(ROWS, row_offsets(sizes)[rank], sizes[rank]).contiguous()
+    rows = RowGroup(state.group, rank, tuple(sizes))
+    with decoding(rows), _untiled(vae):
+        result = stock(vae, piece, *args, **kwargs)
+    return _gathered(result, rows)
 
 
 def _parallel_decode(vae: torch.nn.Module, stock, z: torch.Tensor, *args: Any, **kwargs: Any):
-    """``vae._decode`` on this rank's rows of ``z``, the decoded rows gathered from every rank."""
-    state = _STATES.get(vae)
-    if state is None or state.group is None:
-        return stock(vae, z, *args, **kwargs)
-    if not same_on_replica(z, state.mesh):
-        raise ValueError("parallel VAE: the latent passed to decode differs between the ranks of a replica; "
-                         "every rank must decode the same latent")
-    reason = _whole_reason(vae, state, z)
-    if reason is not None:
-        state.note(reason)
-        return stock(vae, z, *args, **kwargs)
-    rank = dist.get_rank(state.group)
-    sizes = row_split(z.shape[ROWS], state.size)
-    piece = z.narrow(ROWS, row_offsets(sizes)[rank], sizes[rank]).contiguous()
-    with decoding(RowGroup(state.group, rank, tuple(sizes))), _untiled(vae):
-        result = stock(vae, piece, *args, **kwargs)
-    return _gathered(result, sizes, rank, state.group)
+    """``vae._decode`` on this rank's latent rows; the decoded rows gathered from every rank."""
+    return _split_call(vae, stock, z, "decode", args, kwargs)
 
 
-def _gathered(result: Any, sizes: list[int], rank: int, group: dist.ProcessGroup) -> Any:
-    """The decoder output with every rank's rows (the row factor is the same on every rank)."""
-    sample = result[0] if isinstance(result, tuple) else result.sample
-    factor, rest = divmod(sample.shape[ROWS], sizes[rank])
-    if rest:
-        raise RuntimeError(f"parallel VAE: {sample.shape[ROWS]} decoded rows from {sizes[rank]} latent rows")
-    full = gather_uneven(sample, [n * factor for n in sizes], ROWS, group)
+def _parallel_encode(vae: torch.nn.Module, stock, x: torch.Tensor, *args: Any, **kwargs: Any):
+    """``vae._encode`` on this rank's image rows; the encoded rows gathered from every rank."""
+    return _split_call(vae, stock, x, "encode", args, kwargs)
+
+
+def _gathered(result: Any, rows: RowGroup) -> Any:
+    """The output (a tensor, a tuple led by one, or an output with ``sample``) with every rank's rows."""
+    sample = result if torch.is_tensor(result) else result[0] if isinstance(result, tuple) else result.sample
+    full = gather_uneven(sample, gathered_counts(sample.shape[ROWS], rows, sample.device), ROWS, rows.group)
+    if torch.is_tensor(result):
+        return full
     if isinstance(result, tuple):
         return (full,) + tuple(result[1:])
     result.sample = full

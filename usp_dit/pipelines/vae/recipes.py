@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from usp_dit.pipelines.vae.halo import PadsOf, module_pads
+from usp_dit.pipelines.vae.halo import PadsOf, conv_reason, module_pads
 
 # Act on each row by itself (or on channels / time only), whatever the VAE.
 GENERIC_LOCAL: tuple[type, ...] = (
@@ -25,21 +25,29 @@ GENERIC_LOCAL: tuple[type, ...] = (
 
 
 @dataclass(frozen=True)
+class Explicit:
+    """A module that pads its convolution's input with ``F.pad`` (or a padding module) before the
+    call: ``conv(module)`` is that convolution (``None``: not in this configuration), ``pads(module)``
+    its ``(top, bottom, "explicit")`` at call time."""
+
+    conv: Callable[[nn.Module], nn.Module | None]
+    pads: Callable[[nn.Module], tuple[int, int, str]]
+
+
+@dataclass(frozen=True)
 class Recipe:
     """How one VAE class is split.
 
-    ``explicit``: class of a module that pads its convolution's input with ``F.pad`` -> a function
-    giving that convolution's ``(top, bottom, where)`` at call time (the convolution is the module
-    itself when it is an ``nn.Conv*``, else its ``conv`` child). ``attention``: module class ->
-    "processor" (a Diffusers ``Attention`` whose processor must be exactly ``AttnProcessor2_0``) or
-    "forward" (a block whose own forward calls ``F.scaled_dot_product_attention``). ``local``: the
-    family's module classes that act per row (their forward was read for this: no sums over rows,
-    no random numbers shaped like the image). ``forward_globals``: module class -> {global name of
-    its forward: replacement} (e.g. a mask builder that must see every rank's rows).
+    ``explicit``: class of a module that pads its convolution's input itself -> how
+    (``Explicit``). ``attention``: module class -> "processor" (a Diffusers ``Attention`` whose
+    processor must be exactly ``AttnProcessor2_0``) or "forward" (a block whose own forward calls
+    ``F.scaled_dot_product_attention``). ``local``: the family's module classes that act per row
+    (their forward was read for this: no sums over rows, no random numbers shaped like the image),
+    encoder's and decoder's. ``forward_globals``: module class -> {global name of its forward:
+    replacement} (e.g. a mask builder that must see every rank's rows).
     """
 
-    region: str = "decoder"
-    explicit: dict[type, PadsOf] = field(default_factory=dict)
+    explicit: dict[type, Explicit] = field(default_factory=dict)
     attention: dict[type, str] = field(default_factory=dict)
     local: tuple[type, ...] = ()
     refuse: Callable[[nn.Module], str | None] = lambda module: None
@@ -48,13 +56,14 @@ class Recipe:
 
 @dataclass
 class Sites:
-    """What ``classify`` found in one VAE's decoder."""
+    """What ``classify`` found in one VAE's decoder or encoder."""
 
     convs: list[tuple[nn.Module, PadsOf]] = field(default_factory=list)
     norms: list[nn.GroupNorm] = field(default_factory=list)
     processors: list[nn.Module] = field(default_factory=list)
     forwards: list[nn.Module] = field(default_factory=list)
     rebound: list[tuple[nn.Module, dict[str, object]]] = field(default_factory=list)
+    row_stride: int = 1  # product of the row strides of the convolutions (an encoder's downsampling)
 
 
 def _from_wrapper(pads: Callable[[nn.Module], tuple[int, int, str]], wrapper: nn.Module, conv: nn.Module):
@@ -62,50 +71,72 @@ def _from_wrapper(pads: Callable[[nn.Module], tuple[int, int, str]], wrapper: nn
     return pads(wrapper)
 
 
-def _conv_of(module: nn.Module) -> nn.Module:
-    return module if isinstance(module, (nn.Conv2d, nn.Conv3d)) else module.conv
+def _explicit_convs(region: nn.Module, recipe: Recipe) -> dict[nn.Module, PadsOf]:
+    found = {}
+    for module in region.modules():
+        how = recipe.explicit.get(type(module))
+        conv = how.conv(module) if how is not None else None
+        if conv is not None:
+            found[conv] = functools.partial(_from_wrapper, how.pads, module)
+    return found
+
+
+def _classify_conv(conv: nn.Module, pads_of: PadsOf, sites: Sites) -> str | None:
+    top, bottom, where = pads_of(conv)
+    if conv.kernel_size[-2] == 1 and conv.stride[-2] == 1 and not (top or bottom):
+        return None  # acts per row
+    reason = conv_reason(conv, top, bottom, where)
+    if reason:
+        return reason
+    sites.convs.append((conv, pads_of))
+    sites.row_stride *= conv.stride[-2]
+    return None
+
+
+def _classify_attention(module: nn.Module, how: str, sites: Sites) -> str | None:
+    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+
+    if how == "forward":
+        sites.forwards.append(module)
+    elif not isinstance(module, Attention) or type(module.processor) is not AttnProcessor2_0:
+        return f"attention processor {type(module.processor).__name__} (AttnProcessor2_0 splits)"
+    else:
+        sites.processors.append(module)
+    return None
 
 
 def classify(region: nn.Module, recipe: Recipe) -> tuple[Sites | None, str | None]:
     """``(sites, None)`` when every module of ``region`` is known, else ``(None, reason)``."""
-    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
-
-    sites, explicit = Sites(), {}
-    for module in region.modules():
-        if type(module) in recipe.explicit:
-            explicit[_conv_of(module)] = functools.partial(_from_wrapper, recipe.explicit[type(module)], module)
+    sites, explicit = Sites(), _explicit_convs(region, recipe)
     for name, module in region.named_modules():
-        cls = type(module)
-        reason = recipe.refuse(module)
-        if reason:
-            return None, f"{name or cls.__name__}: {reason}"
+        cls, reason = type(module), recipe.refuse(module)
         if isinstance(module, (nn.Conv2d, nn.Conv3d)):
-            pads_of = explicit.get(module, module_pads)
-            top, bottom, _ = pads_of(module)
-            if module.kernel_size[-2] > 1 or top or bottom:
-                sites.convs.append((module, pads_of))
-            elif module.stride[-2] != 1:
-                return None, f"{name}: a convolution with row stride {module.stride[-2]}"
+            reason = reason or _classify_conv(module, explicit.get(module, module_pads), sites)
         elif cls is nn.GroupNorm:
             sites.norms.append(module)
         elif cls in recipe.attention:
-            if recipe.attention[cls] == "processor":
-                if not isinstance(module, Attention) or type(module.processor) is not AttnProcessor2_0:
-                    return None, f"{name}: attention processor {type(module.processor).__name__} (AttnProcessor2_0 splits)"
-                sites.processors.append(module)
-            else:
-                sites.forwards.append(module)
+            reason = reason or _classify_attention(module, recipe.attention[cls], sites)
         elif isinstance(module, nn.Upsample):
             if module.mode not in ("nearest", "nearest-exact") or module.size is not None:
-                return None, f"{name}: upsampling mode {module.mode!r} mixes rows"
+                reason = f"upsampling mode {module.mode!r} mixes rows"
         elif not (cls in GENERIC_LOCAL or cls in recipe.local or cls in recipe.forward_globals or cls in recipe.explicit):
-            return None, f"{name or 'the decoder'}: module {cls.__name__} is not known to act per row"
+            reason = reason or f"module {cls.__name__} is not known to act per row"
+        if reason:
+            return None, f"{name or type(region).__name__}: {reason}" if not reason.startswith(name or "\0") else reason
         if cls in recipe.forward_globals:
             sites.rebound.append((module, recipe.forward_globals[cls]))
     return sites, None
 
 
 # ---- the families ---------------------------------------------------------------------------------
+
+def _own_conv(module: nn.Module) -> nn.Module:
+    return module
+
+
+def _child_conv(module: nn.Module) -> nn.Module:
+    return module.conv
+
 
 def _wan_pads(conv) -> tuple[int, int, str]:
     """WanCausalConv3d / QwenImageCausalConv3d: ``F.pad(x, self._padding)`` (zeros) before the call."""
@@ -120,6 +151,26 @@ def _causal_wrapper_pads(wrapper) -> tuple[int, int, str]:
     return module_pads(wrapper.conv)
 
 
+def _bottom_row_pads(module) -> tuple[int, int, str]:
+    """A downsampler that pads one zero row below (``F.pad(x, (0, 1, 0, 1))``) before a stride-2
+    convolution without padding."""
+    return 0, 1, "explicit"
+
+
+def _kl_downsample_conv(module) -> nn.Module | None:
+    """Diffusers' ``Downsample2D`` pads itself only when its convolution has no padding."""
+    return module.conv if module.use_conv and module.padding == 0 else None
+
+
+def _zero_pad_conv(resample) -> nn.Module | None:
+    """Wan / Qwen-Image ``Resample`` downsampling: ``Sequential(ZeroPad2d((0, 1, 0, 1)), Conv2d)``."""
+    seq = getattr(resample, "resample", None)
+    if isinstance(seq, nn.Sequential) and len(seq) == 2 and isinstance(seq[0], nn.ZeroPad2d):
+        left, right, top, bottom = seq[0].padding
+        return seq[1] if (top, bottom) == (0, 1) else None
+    return None
+
+
 def _ltx_refuse(module: nn.Module) -> str | None:
     from diffusers.models.autoencoders.autoencoder_kl_ltx import LTXVideoResnetBlock3d
 
@@ -131,62 +182,72 @@ def _ltx_refuse(module: nn.Module) -> str | None:
 def recipes() -> dict[type, Recipe]:
     """Exact VAE class -> recipe (imports the Diffusers autoencoders on first use)."""
     from diffusers import (
-        AutoencoderKL, AutoencoderKLCogVideoX, AutoencoderKLFlux2, AutoencoderKLHunyuanVideo, AutoencoderKLLTXVideo, AutoencoderKLMochi,
-        AutoencoderKLQwenImage, AutoencoderKLWan,
+        AutoencoderKL, AutoencoderKLCogVideoX, AutoencoderKLFlux2, AutoencoderKLHunyuanVideo, AutoencoderKLLTXVideo,
+        AutoencoderKLMochi, AutoencoderKLQwenImage, AutoencoderKLWan,
     )
+    from diffusers.models import downsampling, normalization, resnet, upsampling
     from diffusers.models.attention_processor import Attention
     from diffusers.models.autoencoders import (
         autoencoder_kl_cogvideox as cog, autoencoder_kl_hunyuan_video as hy, autoencoder_kl_ltx as ltx,
         autoencoder_kl_mochi as mochi, autoencoder_kl_qwenimage as qwen, autoencoder_kl_wan as wan, vae,
     )
-    from diffusers.models import normalization, resnet, upsampling
     from diffusers.models.unets import unet_2d_blocks
 
     from usp_dit.pipelines.vae.attention import hunyuan_causal_mask
 
+    causal = Explicit(_child_conv, _causal_wrapper_pads)
     kl = Recipe(
+        explicit={downsampling.Downsample2D: Explicit(_kl_downsample_conv, _bottom_row_pads)},
         attention={Attention: "processor"},
-        local=(vae.Decoder, unet_2d_blocks.UNetMidBlock2D, unet_2d_blocks.UpDecoderBlock2D, resnet.ResnetBlock2D,
-               upsampling.Upsample2D),
+        local=(vae.Decoder, vae.Encoder, unet_2d_blocks.UNetMidBlock2D, unet_2d_blocks.UpDecoderBlock2D,
+               unet_2d_blocks.DownEncoderBlock2D, resnet.ResnetBlock2D, upsampling.Upsample2D),
     )
-    wan_recipe = Recipe(
-        explicit={wan.WanCausalConv3d: _wan_pads},
-        attention={wan.WanAttentionBlock: "forward"},
-        local=(wan.WanDecoder3d, wan.WanMidBlock, wan.WanResidualBlock, wan.WanUpBlock, wan.WanResample,
-               wan.WanUpsample, wan.WanRMS_norm, getattr(wan, "WanResidualUpBlock", wan.WanUpBlock),
-               getattr(wan, "DupUp3D", wan.WanUpBlock)),
-    )
-    qwen_recipe = Recipe(
-        explicit={qwen.QwenImageCausalConv3d: _wan_pads},
-        attention={qwen.QwenImageAttentionBlock: "forward"},
-        local=(qwen.QwenImageDecoder3d, qwen.QwenImageMidBlock, qwen.QwenImageResidualBlock, qwen.QwenImageUpBlock,
-               qwen.QwenImageResample, qwen.QwenImageUpsample, qwen.QwenImageRMS_norm),
-    )
+    wan_like = {
+        wan: (wan.WanCausalConv3d, wan.WanAttentionBlock, wan.WanResample),
+        qwen: (qwen.QwenImageCausalConv3d, qwen.QwenImageAttentionBlock, qwen.QwenImageResample),
+    }
+
+    def wan_recipe(module, local: tuple[type, ...]) -> Recipe:
+        conv, attention, resample = wan_like[module]
+        return Recipe(
+            explicit={conv: Explicit(_own_conv, _wan_pads), resample: Explicit(_zero_pad_conv, _bottom_row_pads)},
+            attention={attention: "forward"}, local=local + (nn.ZeroPad2d,),
+        )
+
+    wan_local = tuple(getattr(wan, n) for n in (
+        "WanDecoder3d", "WanEncoder3d", "WanMidBlock", "WanResidualBlock", "WanUpBlock", "WanResidualUpBlock",
+        "WanResidualDownBlock", "WanUpsample", "WanRMS_norm", "DupUp3D", "AvgDown3D") if hasattr(wan, n))
+    qwen_local = (qwen.QwenImageDecoder3d, qwen.QwenImageEncoder3d, qwen.QwenImageMidBlock, qwen.QwenImageResidualBlock,
+                  qwen.QwenImageUpBlock, qwen.QwenImageUpsample, qwen.QwenImageRMS_norm)
     cog_recipe = Recipe(
-        explicit={cog.CogVideoXCausalConv3d: _causal_wrapper_pads},
-        local=(cog.CogVideoXDecoder3D, cog.CogVideoXMidBlock3D, cog.CogVideoXUpBlock3D, cog.CogVideoXResnetBlock3D,
-               cog.CogVideoXSpatialNorm3D, cog.CogVideoXSafeConv3d, upsampling.CogVideoXUpsample3D),
+        explicit={cog.CogVideoXCausalConv3d: causal,
+                  downsampling.CogVideoXDownsample3D: Explicit(_child_conv, _bottom_row_pads)},
+        local=(cog.CogVideoXDecoder3D, cog.CogVideoXEncoder3D, cog.CogVideoXMidBlock3D, cog.CogVideoXUpBlock3D,
+               cog.CogVideoXDownBlock3D, cog.CogVideoXResnetBlock3D, cog.CogVideoXSpatialNorm3D,
+               cog.CogVideoXSafeConv3d, upsampling.CogVideoXUpsample3D),
     )
     mochi_recipe = Recipe(
-        explicit={cog.CogVideoXCausalConv3d: _causal_wrapper_pads},
+        explicit={cog.CogVideoXCausalConv3d: causal},
         attention={Attention: "processor"},
-        local=(mochi.MochiDecoder3D, mochi.MochiMidBlock3D, mochi.MochiUpBlock3D, mochi.MochiResnetBlock3D,
-               mochi.MochiChunkedGroupNorm3D, cog.CogVideoXSafeConv3d),
+        local=(mochi.MochiDecoder3D, mochi.MochiEncoder3D, mochi.MochiMidBlock3D, mochi.MochiUpBlock3D,
+               mochi.MochiDownBlock3D, mochi.MochiResnetBlock3D, mochi.MochiChunkedGroupNorm3D,
+               cog.CogVideoXSafeConv3d, mochi.FourierFeatures, normalization.LpNorm),
     )
     hunyuan_recipe = Recipe(
-        explicit={hy.HunyuanVideoCausalConv3d: _causal_wrapper_pads},
+        explicit={hy.HunyuanVideoCausalConv3d: causal},
         attention={Attention: "processor"},
-        local=(hy.HunyuanVideoDecoder3D, hy.HunyuanVideoUpBlock3D, hy.HunyuanVideoResnetBlockCausal3D,
-               hy.HunyuanVideoUpsampleCausal3D),
+        local=(hy.HunyuanVideoDecoder3D, hy.HunyuanVideoEncoder3D, hy.HunyuanVideoUpBlock3D, hy.HunyuanVideoDownBlock3D,
+               hy.HunyuanVideoResnetBlockCausal3D, hy.HunyuanVideoUpsampleCausal3D, hy.HunyuanVideoDownsampleCausal3D),
         forward_globals={hy.HunyuanVideoMidBlock3D: {"prepare_causal_attention_mask": hunyuan_causal_mask}},
     )
     ltx_recipe = Recipe(
-        local=(ltx.LTXVideoDecoder3d, ltx.LTXVideoMidBlock3d, ltx.LTXVideoUpBlock3d, ltx.LTXVideoResnetBlock3d,
-               ltx.LTXVideoUpsampler3d, ltx.LTXVideoCausalConv3d, normalization.RMSNorm),
+        local=(ltx.LTXVideoDecoder3d, ltx.LTXVideoEncoder3d, ltx.LTXVideoMidBlock3d, ltx.LTXVideoUpBlock3d,
+               ltx.LTXVideoDownBlock3D, ltx.LTXVideoResnetBlock3d, ltx.LTXVideoUpsampler3d, ltx.LTXVideoCausalConv3d,
+               normalization.RMSNorm),
         refuse=_ltx_refuse,
     )
     return {
-        AutoencoderKL: kl, AutoencoderKLFlux2: kl, AutoencoderKLWan: wan_recipe, AutoencoderKLQwenImage: qwen_recipe,
-        AutoencoderKLCogVideoX: cog_recipe, AutoencoderKLMochi: mochi_recipe,
-        AutoencoderKLHunyuanVideo: hunyuan_recipe, AutoencoderKLLTXVideo: ltx_recipe,
+        AutoencoderKL: kl, AutoencoderKLFlux2: kl, AutoencoderKLWan: wan_recipe(wan, wan_local),
+        AutoencoderKLQwenImage: wan_recipe(qwen, qwen_local), AutoencoderKLCogVideoX: cog_recipe,
+        AutoencoderKLMochi: mochi_recipe, AutoencoderKLHunyuanVideo: hunyuan_recipe, AutoencoderKLLTXVideo: ltx_recipe,
     }

@@ -7,6 +7,10 @@ Note [an exact parallel VAE]
     The latent's rows are split over the P ranks of a replica in contiguous, balanced pieces
     (``split_sizes``): rank r holds rows [o_r, o_r + n_r). A decoder is made of three kinds of op:
 
+    Decode splits the latent's rows; encode splits the image's rows into pieces of a multiple of
+    the encoder's downsampling (``aligned_split``), so each stride-s convolution maps a piece to
+    exactly rows / s rows.
+
     * per-pixel and per-row ops (1x1 convolutions, activations, RMS norms over channels, nearest
       upsampling by an integer factor, pixel shuffles): computed on the piece, they give exactly
       the rows of the whole result that the piece stands for; an upsampling by f maps the piece to
@@ -43,17 +47,15 @@ def can_split(height: int, parts: int, min_rows: int = 1) -> bool:
     return parts > 1 and height >= parts * min_rows
 
 
-def scaled_sizes(sizes: list[int], local_rows: int, rank: int) -> list[int]:
-    """Every rank's row count at a resolution where this rank holds ``local_rows`` rows: the latent
-    split scaled by this rank's integer factor (the same on every rank: Note [an exact parallel VAE]).
-
-    Raises:
-        RuntimeError: ``local_rows`` is not an integer multiple of this rank's latent rows (an op
-            changed the row count in a way the split does not describe).
-    """
-    factor, rest = divmod(local_rows, sizes[rank])
-    if rest or factor < 1:
-        raise RuntimeError(
-            f"parallel VAE: {local_rows} rows on rank {rank} are not a multiple of its {sizes[rank]} latent rows"
-        )
-    return [n * factor for n in sizes]
+def aligned_split(height: int, parts: int, align: int) -> list[int] | None:
+    """Rows of each rank for an encoder that downsamples rows by ``align`` in all: balanced pieces
+    of whole units of ``align`` rows, the last one also taking the ``height % align`` rows left
+    over, so every stride-s convolution sees pieces of a multiple of s rows except at the image's
+    bottom border, and no piece is shorter than ``align`` (Note [an exact parallel VAE]). ``None``
+    when there are fewer whole units than ranks."""
+    units = height // align
+    if units < parts or parts < 2:
+        return None
+    sizes = [n * align for n in split_sizes(units, parts)]
+    sizes[-1] += height - units * align
+    return sizes
