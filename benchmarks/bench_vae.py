@@ -14,7 +14,7 @@ Columns: the stock decode of the whole latent (ms, peak GiB above the weights an
 side; and for each P, rank P // 2's share: the stock ``_decode`` of that rank's rows with every
 replaced convolution, norm and attention running inside a parallel decode whose communication is
 simulated (``Simulated``): the neighbours' halo rows are copies of the rank's own edge rows, the
-norms' all-reduces return the local sums, the attention's K/V gather repeats the local K/V P times
+norms' all-reduces / gathers return the local statistics, the attention's K/V gather repeats the local K/V P times
 (so the attention does the work of the whole image). So the share's time is its compute without
 communication; the collectives it would make are counted (``halo_exchanges``, ``all_reduces``,
 ``gathers``) for a projection. Goal (issue 16): time <= 1.3 / P and memory <= 1.2 / P of the whole.
@@ -127,6 +127,10 @@ class Simulated:
         self.counts["all_reduces"] += 1
         return t
 
+    def gather_stats(self, t, group):
+        self.counts["all_reduces"] += 1
+        return t.unsqueeze(0).expand(self.parts, -1)
+
     def gather_uneven(self, x, sizes, dim, group):
         self.counts["gathers"] += 1
         return torch.cat([x] * self.parts, dim=dim)
@@ -139,13 +143,13 @@ class Simulated:
 def simulated(sim: Simulated):
     from usp_dit.pipelines.vae import attention, halo, norm
 
-    saved = (halo.neighbour_rows, norm._all_sum, attention.gather_uneven, attention.gathered_counts)
-    halo.neighbour_rows, norm._all_sum = sim.neighbour_rows, sim.all_sum
+    saved = (halo.neighbour_rows, norm._all_sum, norm._gather_stats, attention.gather_uneven, attention.gathered_counts)
+    halo.neighbour_rows, norm._all_sum, norm._gather_stats = sim.neighbour_rows, sim.all_sum, sim.gather_stats
     attention.gather_uneven, attention.gathered_counts = sim.gather_uneven, sim.gathered_counts
     try:
         yield
     finally:
-        halo.neighbour_rows, norm._all_sum, attention.gather_uneven, attention.gathered_counts = saved
+        halo.neighbour_rows, norm._all_sum, norm._gather_stats, attention.gather_uneven, attention.gathered_counts = saved
 
 
 def share(vae: torch.nn.Module, z: torch.Tensor, parts: int, warmup: int, rounds: int) -> tuple[float, float, dict]:

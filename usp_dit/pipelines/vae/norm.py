@@ -5,11 +5,18 @@ Layout: (batch, channels, *spatial), rows among the spatial dims (split over the
 ``nn.GroupNorm`` normalises each (sample, group) over its channels and every spatial position. A
 rank holding some rows sums its part: the sums go through one all-reduce (the mean), then the sums
 of squared deviations from that mean (two passes, as stable as the stock kernel), then one more.
-Statistics are accumulated in float32 (float64 for float64 input), as the stock kernels do, without
-a float32 copy of the whole activation: the sum casts as it reads, the squared deviations are
-taken a slice of groups at a time (``_slices``: each float32 temporary at most an eighth of the
-activation's own size), and the output is one ``addcmul`` (x * scale + shift, computed in float32
-and rounded once, like the stock kernel's).
+Statistics are accumulated in float32 (float64 for float64 input), as the stock kernels do, and
+without a float32 copy of the whole activation:
+
+    on CUDA   torch's own kernels for SyncBatchNorm, with (sample, group) as the channel:
+              ``batch_norm_stats`` (Welford, float32) of this rank's part, every rank's
+              statistics gathered and merged by ``batch_norm_gather_stats_with_counts``, the
+              output in one fused ``batch_norm_elemt`` (float32 inside, rounded once);
+    elsewhere the two passes in float32 a slice of groups at a time (``_slices``: each float32
+              temporary at most an eighth of the activation's own size).
+
+The CPU path runs in the CI's grids; the CUDA path is checked against ``nn.GroupNorm`` by
+tests/gpu/test_vae_gpu.py on the lent GPU.
 """
 from __future__ import annotations
 
@@ -25,6 +32,36 @@ def _all_sum(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return t
 
 
+def _gather_stats(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``t`` (n,) stacked: (ranks, n)."""
+    out = t.new_empty((dist.get_world_size(group),) + tuple(t.shape))
+    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+    return out
+
+
+def local_stats(norm: torch.nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
+    """CUDA: this rank's (mean, invstd) per (sample, group) and its count, in one float32 vector."""
+    b, c, groups = x.shape[0], x.shape[1], norm.num_groups
+    mean, invstd = torch.batch_norm_stats(x.reshape(1, b * groups, -1), norm.eps)
+    count = torch.full((1,), float(x[0, 0].numel() * (c // groups)), dtype=mean.dtype, device=x.device)
+    return torch.cat([mean, invstd, count])
+
+
+def _group_norm_cuda(norm: torch.nn.GroupNorm, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The CUDA path (module docstring): SyncBatchNorm's kernels over (sample, group) channels."""
+    b, c, groups = x.shape[0], x.shape[1], norm.num_groups
+    x = x.contiguous()
+    every = _gather_stats(local_stats(norm, x), group)
+    k = b * groups
+    mean, invstd = torch.batch_norm_gather_stats_with_counts(
+        x, every[:, :k], every[:, k:2 * k], None, None, 0.0, norm.eps, every[:, -1])
+    per_channel = (lambda t: t.view(b, groups, 1).expand(b, groups, c // groups).reshape(b * c))
+    weight = norm.weight.to(mean.dtype).repeat(b) if norm.affine else None  # float32, as the kernel
+    bias = norm.bias.to(mean.dtype).repeat(b) if norm.affine else None  # takes it beside float32 stats
+    out = torch.batch_norm_elemt(x.view(1, b * c, -1), weight, bias, per_channel(mean), per_channel(invstd), norm.eps)
+    return out.view(x.shape)
+
+
 def _slices(groups: int, x: torch.Tensor, acc: torch.dtype) -> list[slice]:
     """Slices of groups whose ``acc`` copy takes at most an eighth of ``x``'s bytes."""
     ratio = torch.empty((), dtype=acc).element_size() / x.element_size()  # acc bytes per x byte
@@ -37,6 +74,8 @@ def group_norm_forward(norm: torch.nn.GroupNorm, x: torch.Tensor) -> torch.Tenso
     rows = active()
     if rows is None:
         return F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps)
+    if x.is_cuda:
+        return _group_norm_cuda(norm, x, rows.group)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     b, c, groups = x.shape[0], x.shape[1], norm.num_groups
     xg = x.reshape(b, groups, c // groups, -1)  # (batch, group, channel in group, position)

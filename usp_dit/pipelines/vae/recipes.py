@@ -243,7 +243,7 @@ def recipes() -> dict[type, Recipe]:
     ltx_recipe = Recipe(
         local=(ltx.LTXVideoDecoder3d, ltx.LTXVideoEncoder3d, ltx.LTXVideoMidBlock3d, ltx.LTXVideoUpBlock3d,
                ltx.LTXVideoDownBlock3D, ltx.LTXVideoResnetBlock3d, ltx.LTXVideoUpsampler3d, ltx.LTXVideoCausalConv3d,
-               normalization.RMSNorm),
+               normalization.RMSNorm, nn.LayerNorm),  # both over channels moved last (per pixel)
         refuse=_ltx_refuse,
     )
     return {
