@@ -31,7 +31,8 @@ def _loop(model, inputs: dict, steps: int) -> torch.Tensor:
     x = inputs["hidden_states"]
     for i in range(steps):
         t = 1.0 - i / steps
-        v = model(**{**inputs, "hidden_states": x, "timestep": torch.full_like(inputs["timestep"], t)})[0]
+        with model.cache_context("cond"):  # as FluxPipeline does (the cache keeps state per context)
+            v = model(**{**inputs, "hidden_states": x, "timestep": torch.full_like(inputs["timestep"], t)})[0]
         x = x - v / steps
     return x
 

@@ -53,8 +53,9 @@ def _group_norm_cuda(norm: torch.nn.GroupNorm, x: torch.Tensor, group: dist.Proc
     x = x.contiguous()
     every = _gather_stats(local_stats(norm, x), group)
     k = b * groups
+    stats = every[:, :k]  # (its first argument gives only the dtype the counts must have: float32)
     mean, invstd = torch.batch_norm_gather_stats_with_counts(
-        x, every[:, :k], every[:, k:2 * k], None, None, 0.0, norm.eps, every[:, -1])
+        stats, stats, every[:, k:2 * k], None, None, 0.0, norm.eps, every[:, -1])
     per_channel = (lambda t: t.view(b, groups, 1).expand(b, groups, c // groups).reshape(b * c))
     weight = norm.weight.to(mean.dtype).repeat(b) if norm.affine else None  # float32, as the kernel
     bias = norm.bias.to(mean.dtype).repeat(b) if norm.affine else None  # takes it beside float32 stats
