@@ -360,12 +360,11 @@ def test_diffusers_context_parallelism_is_refused():
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
-def test_diffusers_cache_is_refused():
-    from diffusers import PyramidAttentionBroadcastConfig  # (FirstBlockCache does not know Chroma's blocks)
+def test_unsupported_diffusers_cache_is_refused():
+    from diffusers import FasterCacheConfig  # (the supported caches: tests/test_caches.py)
 
     model = tiny_chroma()
-    model.enable_cache(PyramidAttentionBroadcastConfig(spatial_attention_block_skip_range=2,
-                                                       current_timestep_callback=lambda: 500))
+    model.enable_cache(FasterCacheConfig(current_timestep_callback=lambda: 500))
     with pytest.raises(NotImplementedError, match="diffusers cache"):
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 

@@ -346,11 +346,11 @@ def test_diffusers_context_parallelism_is_refused():
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
-def test_diffusers_cache_is_refused():
-    from diffusers import FirstBlockCacheConfig
+def test_unsupported_diffusers_cache_is_refused():
+    from diffusers import FasterCacheConfig  # (the supported caches: tests/test_caches.py)
 
     model = tiny_flux2()
-    model.enable_cache(FirstBlockCacheConfig(threshold=0.1))
+    model.enable_cache(FasterCacheConfig(current_timestep_callback=lambda: 500))
     with pytest.raises(NotImplementedError, match="diffusers cache"):
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 

@@ -22,9 +22,10 @@ reads them). Each rank's rotated Q/K (image rows, and the whole text) equal one 
 The tiny ``QwenImagePipeline`` (a Qwen2.5-VL-like text encoder and a character tokenizer; two
 prompts of different lengths, so padded and masked, and true CFG with negative prompts: two
 transformer calls of batch 2 per step) through ``pipe.enable_usp()`` on (U, R, cfg) = (2,1,1),
-(2,2,1) and (1,2,2) (the cfg split halves each call's batch of two prompts, masks included),
-2 steps, equal to one process's; with one prompt, ``cfg_degree=2`` raises (two transformer calls
-of batch 1 per step: nothing to split). The
+(2,2,1) and (1,2,2) (the first step's cfg split halves each call's batch of two prompts, masks
+included; the second runs its two calls on the two cfg groups, ``usp_dit.pipelines.cfg_pair``),
+2 steps, equal to one process's; with one prompt, ``cfg_degree=2`` runs the two transformer calls
+of batch 1 of a step on the two cfg groups, equal to one process's. The
 transformer enabled directly with cfg_degree=2 on a batch of 2 (the cfg split of the mask) equals
 stock; with ``zero_cond_t`` it raises (img_shapes cannot be split).
 
@@ -259,17 +260,17 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 def _pipeline_cfg_case() -> dict[str, float]:
     """cfg_degree=2 on QwenImagePipeline with one prompt: two transformer calls of batch 1 per step
-    (its true CFG), nothing to split: the cfg split's NotImplementedError."""
+    (its true CFG), run on the two cfg groups (usp_dit.pipelines.cfg_pair): equal to one process."""
     pipe = tiny_qwen_image_pipeline()
     pipe.set_progress_bar_config(disable=True)
+    prompts = ("a red fox", "blurry")
+    ref_latents, ref_images = _generate(pipe, prompts)
     pipe.enable_usp(cfg_degree=2)
     try:
-        _generate(pipe, ("a red fox", "blurry"))
-    except NotImplementedError as exc:
-        return {"wrong_error": float("cfg_degree=2" not in str(exc))}
+        latents, images = _generate(pipe, prompts)
     finally:
         pipe.disable_usp()
-    return {"did_not_raise": 1.0}
+    return {"latents": rel_err(latents, ref_latents), "images": rel_err(images, ref_images)}
 
 
 def _run_all() -> dict[str, dict | str]:
@@ -342,8 +343,8 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
     assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
-def test_cfg_parallel_is_refused_for_the_qwen_image_pipeline(grid_results):
-    assert_within(grid_results, "pipeline-cfg2", 0.0)
+def test_cfg_parallel_runs_the_two_guidance_calls_of_the_qwen_image_pipeline(grid_results):
+    assert_within(grid_results, "pipeline-cfg2", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):

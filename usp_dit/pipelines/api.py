@@ -36,6 +36,8 @@ from usp_dit.pipelines.base import (
     restore_instance_attr,
     saved_instance_attr,
 )
+from usp_dit.pipelines.caches import check_no_hook_over_usp
+from usp_dit.pipelines.cfg_pair import cfg_pair_for
 from usp_dit.pipelines.failure import install_failure_handler
 from usp_dit.pipelines.replica_forward import (
     ReplicaForward,
@@ -82,6 +84,8 @@ class USPState:
     progress_config: Any = MISSING  # that pipeline's progress-bar config before enable (ranks > 0)
     latents_attr: Any = MISSING  # its instance attribute ``prepare_latents`` before enable, if any
     latents_wrapped: bool = False
+    vae: Any = None  # the pipeline's VAE when enable_usp split its decode (usp_dit.pipelines.vae)
+    cfg_pair: Any = None  # cfg_pair.CfgPair at cfg_degree=2 on a two-call family (Note [two calls a step])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +202,22 @@ def _patch_pipeline(pipe: Any, state: USPState) -> None:
     _sync_pipeline_latents(pipe, state)
 
 
+def _split_vae(pipe: Any, state: USPState) -> None:
+    """The pipeline's VAE decodes over every rank of the replica (``enable_parallel_vae``)."""
+    from usp_dit.pipelines.vae import enable_parallel_vae
+
+    vae = getattr(pipe, "vae", None)
+    if isinstance(vae, torch.nn.Module):
+        enable_parallel_vae(vae, state.mesh)
+        state.vae = vae
+
+
 def _unpatch_pipeline(state: USPState) -> None:
+    if state.vae is not None:
+        from usp_dit.pipelines.vae import disable_parallel_vae
+
+        disable_parallel_vae(state.vae)
+        state.vae = None
     pipe = state.pipe_ref() if state.pipe_ref is not None else None
     if pipe is None:
         return
@@ -220,15 +239,18 @@ def enable_usp(
     mesh: USPMesh | None = None,
     sync_inputs: bool = True,
     ring_schedule: str = "auto",
+    parallel_vae: bool = True,
 ) -> USPMesh:
     """Run a Diffusers pipeline's transformers (or a bare transformer) on a USP grid, in place.
 
     Call it on every rank (under torchrun) with the same arguments. The transformer then takes and
     returns full tensors, exactly as before; inside, its tokens are split over the
     ``ulysses_degree * ring_degree`` ranks of a sequence group and its batch over ``cfg_degree``
-    groups (Note [cfg parallel]). On a pipeline, only rank 0 of the job keeps the progress bar and
-    ``prepare_latents`` returns the replica's first rank's latents (Note [same inputs everywhere];
-    both Notes in ``usp_dit.pipelines.replica_forward``).
+    groups (Note [cfg parallel]); where the pipeline calls it once per guidance branch (Flux true
+    CFG, Qwen-Image, Wan), the two calls of a step run on the two cfg groups at once (Note [two
+    calls a step] in ``usp_dit.pipelines.cfg_pair``). On a pipeline, only rank 0 of the job keeps
+    the progress bar and ``prepare_latents`` returns the replica's first rank's latents (Note
+    [same inputs everywhere]; it and [cfg parallel] in ``usp_dit.pipelines.replica_forward``).
 
     Args:
         pipe_or_transformer: a ``DiffusionPipeline`` with a ``transformer`` component (and Wan
@@ -244,6 +266,9 @@ def enable_usp(
             memory), "gather_merge" (all blocks at once, the local block computed while they
             travel), "gather_one_call" (all blocks at once, then one kernel call) or "auto" (by
             block length). Ignored when ``mesh`` is given (``init_usp`` takes it).
+        parallel_vae: on a pipeline, split its VAE's decode over every rank of the replica
+            (``usp_dit.enable_parallel_vae``: equal to the one-process, untiled decode; a VAE it
+            cannot split is decoded whole on every rank, said once in the log).
 
     Returns:
         The mesh in use.
@@ -268,6 +293,8 @@ def enable_usp(
             _disable_one(transformer)
         raise
     _patch_pipeline(pipe, states[0])  # once per pipeline: its state sits on the first transformer
+    if pipe is not None and parallel_vae:
+        _split_vae(pipe, states[0])
     if _world_size() > 1:
         install_failure_handler()
     return mesh
@@ -289,6 +316,7 @@ def _enable_one(transformer: torch.nn.Module, adapter: ModelAdapter, mesh: USPMe
     state = USPState(mesh, adapter, backend, sync_inputs)
     if mesh.config.model_degree > 1:  # at one rank there is nothing to sync or split: no wrapper, no tax
         state.forward_attr = saved_instance_attr(transformer, "forward")
+        state.cfg_pair = cfg_pair_for(adapter, mesh, sync_inputs)  # per transformer: Wan 2.2's experts apart
         transformer.forward = ReplicaForward(transformer.forward, state, transformer)
         state.wrapped = True
     setattr(transformer, _STATE_ATTR, state)
@@ -302,6 +330,8 @@ def _disable_one(transformer: torch.nn.Module) -> None:
         return
     if state.wrapped:
         restore_instance_attr(transformer, "forward", state.forward_attr)
+    if state.cfg_pair is not None:
+        state.cfg_pair.clear()  # nothing learned or pending outlives disable_usp
     state.adapter.disable(transformer)
     _unpatch_pipeline(state)
 
@@ -312,6 +342,8 @@ def disable_usp(pipe_or_transformer: Any) -> None:
     it is.
     """
     transformers, _ = _transformers_of(pipe_or_transformer)
+    for transformer in transformers:  # before any is undone (usp_dit.pipelines.caches)
+        check_no_hook_over_usp(transformer)
     for transformer in transformers:
         _disable_one(transformer)
 

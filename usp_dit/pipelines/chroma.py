@@ -49,7 +49,7 @@ split by ``ChromaSplitForward`` (``_joint_split.JointSplitForward`` plus the mas
 
 Refused (NotImplementedError): processors other than the stock ``FluxAttnProcessor`` (IP-Adapter,
 LoRA-replaced, custom, Diffusers' context parallelism already enabled), attention modules the plan
-does not name, a Diffusers cache, a model without blocks (at enable); ControlNet residuals,
+does not name, an unsupported Diffusers cache (``usp_dit.pipelines.caches``), a model without blocks (at enable); ControlNet residuals,
 IP-Adapter embeddings, a bool mask with masked entries, mask values other than 0 / 1, a mask that
 is not (B, T + N), processors swapped after enable (at the call). ``ChromaPipeline`` runs true CFG
 with **two** transformer calls per step (the prompt, then the negative prompt, each with its own

@@ -26,7 +26,8 @@ like the image tokens.
 
 Unsupported (NotImplementedError): IP-Adapter (``ip_adapter_image_embeds``; its processor is not
 the stock one either), an ``attention_mask``, processors other than diffusers' ``FluxAttnProcessor``
-(e.g. IP-Adapter or custom ones), a processor replaced after enable, a Diffusers cache.
+(e.g. IP-Adapter or custom ones), a processor replaced after enable, a Diffusers cache that cannot
+run on a grid (FasterCache: ``usp_dit.pipelines.caches``).
 """
 from __future__ import annotations
 
@@ -104,6 +105,9 @@ PLAN = ModelPlan(
         "hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance",
         "controlnet_block_samples", "controlnet_single_block_samples",
     ),
+    # FluxPipeline's true CFG (true_cfg_scale > 1, a negative prompt) calls the transformer once
+    # per branch; the branches differ in these (usp_dit.pipelines.cfg_pair Note [two calls a step]).
+    cfg_branch_args=("encoder_hidden_states", "pooled_projections", "txt_ids"),
     refuse=(_routed_call_missing,),
 )
 

@@ -47,7 +47,8 @@ table a ``Table``, the per-token timestep a hook.
 
 Refused (NotImplementedError, at enable unless noted): processors other than the stock
 ``LTXVideoAttnProcessor`` (custom ones, or Diffusers' context parallelism already enabled), an
-attention module the plan does not name, a Diffusers cache (``enable_cache``: its skip decisions would be taken per rank on a shard),
+attention module the plan does not name, a Diffusers cache that cannot run on a grid (FasterCache:
+``usp_dit.pipelines.caches``),
 ``num_layers=0``, and at the call an attention mask in self-attention (the model passes none).
 A timestep with neither B nor B * S entries raises ValueError. Dropout: the attention's output
 dropout (``to_out[1]``) is 0 in the released configs; set, it draws each rank's mask over its own

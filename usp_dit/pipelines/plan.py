@@ -41,6 +41,7 @@ from torch.utils.hooks import RemovableHandle
 from usp_dit.mesh import USPMesh
 from usp_dit.pipelines._routing import Route, RoutedProcessor
 from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks
+from usp_dit.pipelines.caches import CacheGuard, check_cache
 from usp_dit.sharding import shard_sequence
 
 
@@ -102,6 +103,10 @@ class ModelPlan:
     block_lists: tuple[str, ...]  # ModuleLists of blocks: FSDP2's units; empty ones have nothing to split
     tables: tuple[Table, ...] = ()
     cfg_batch_args: tuple[str, ...] = ()  # batched on dim 0, split over "cfg" by enable_usp
+    # Two-call families (a pipeline calls the transformer once per guidance branch): the arguments in
+    # which the branches differ (the text conditioning). Non-empty: cfg_degree=2 runs a step's two
+    # calls on the two cfg groups at once (usp_dit.pipelines.cfg_pair Note [two calls a step]).
+    cfg_branch_args: tuple[str, ...] = ()
     hooks: tuple[Callable[[torch.nn.Module, ShardState], Installable], ...] = ()
     refuse: tuple[Callable[[torch.nn.Module], str | None], ...] = ()  # a reason to refuse, or None
     heads: Callable[[torch.nn.Module], int] = lambda model: model.config.num_attention_heads
@@ -159,11 +164,7 @@ def check_plan(plan: ModelPlan, transformer: torch.nn.Module) -> None:
     name = type(transformer).__name__
     if sum(len(getattr(transformer, lst)) for lst in plan.block_lists) == 0:
         raise NotImplementedError(f"{name} has no transformer blocks (num_layers=0): nothing to parallelise")
-    if getattr(transformer, "is_cache_enabled", False):
-        raise NotImplementedError(
-            f"{name} has a diffusers cache enabled (enable_cache): its decisions would be taken per rank on a "
-            f"shard of the tokens; call disable_cache() before enable_usp"
-        )
+    check_cache(transformer, plan)  # Note [step caches under USP] (usp_dit.pipelines.caches)
     for path, module in transformer.named_modules():
         proc = getattr(module, "processor", None)
         if proc is None:
@@ -255,7 +256,8 @@ class PlanPatch:
         tokens = TokenShardHooks(self.state, get(plan.split_at), get(plan.gather_at), at=plan.split)
         checks = CallChecks(plan, transformer, [(p, m, new) for p, (m, _, new) in zip(paths, self.swaps)])
         extra = [make(transformer, self.state) for make in plan.hooks]
-        self.parts: list[Installable] = [checks, tables, tokens, *extra]
+        caches = CacheGuard(plan, transformer, self.state)  # diffusers' step caches: Note [step caches under USP]
+        self.parts: list[Installable] = [checks, caches, tables, tokens, *extra]
 
     def _processor(self, site: Parallel) -> Any:
         if issubclass(site.processor, RoutedProcessor):
@@ -285,6 +287,7 @@ class PlanAdapter(PatchingAdapter):
         self.name = plan.name
         self.model_class = plan.model_class
         self.cfg_batch_args = plan.cfg_batch_args
+        self.cfg_branch_args = plan.cfg_branch_args
 
     def num_heads(self, transformer: torch.nn.Module) -> int:
         return self.plan.heads(transformer)

@@ -55,15 +55,16 @@ this rank's rows, ``[text; image]`` concatenation, mask, output projections) wit
 
 Refused (NotImplementedError): at enable, processors other than the stock
 ``QwenDoubleStreamAttnProcessor2_0`` (LoRA-replaced, custom, or Diffusers' context parallelism
-already enabled), attention modules the plan does not name, a Diffusers cache (``enable_cache``:
-its decisions would be taken per rank on a shard), ``num_layers=0``; at the call
+already enabled), attention modules the plan does not name, a Diffusers cache that cannot run on a
+grid (FasterCache; the others do: ``usp_dit.pipelines.caches``), ``num_layers=0``; at the call
 (the plan's ``CallChecks``), ``controlnet_block_samples`` (Qwen-Image ControlNet: full-sequence residuals)
 and a processor replaced after enable, and a ``modulate_index`` whose batch is not the tokens'
 (with ``cfg_degree=2`` and ``zero_cond_t`` the cfg split halves the tokens but not
 ``img_shapes``, a plain Python list, from which the model builds the index).
-``QwenImagePipeline`` calls the transformer once per guidance branch (true CFG), so with one
-prompt ``cfg_degree=2`` is refused by ``enable_usp``'s cfg split itself (batch 1: nothing to
-split); a batch of prompts is split over the cfg groups like any batch (prompt masks included).
+``QwenImagePipeline`` calls the transformer once per guidance branch (true CFG): with
+``cfg_degree=2`` the two calls of a step run on the two cfg groups at once (``cfg_branch_args``,
+``usp_dit.pipelines.cfg_pair`` Note [two calls a step]); a call not run so (the first step) splits a
+batch of prompts over the cfg groups like any batch (prompt masks included), or runs whole on both.
 Qwen-Image configs have no dropout. ``QwenImage21Transformer2DModel`` is a different class and is not matched.
 """
 from __future__ import annotations
@@ -185,12 +186,13 @@ PLAN = ModelPlan(
     # cut on dim 0, the text table passes whole (Note [Qwen-Image's per-token tables]).
     tables=(Table("pos_embed", dim=0, items=(0,)),),
     # Batched on dim 0, split over the "cfg" axis by enable_usp. img_shapes (a list of per-sample
-    # shapes, all equal as the model's RoPE requires) stays whole. (QwenImagePipeline calls the
-    # transformer once per guidance branch: with one prompt, batch 1, api.py refuses cfg_degree=2.)
+    # shapes, all equal as the model's RoPE requires) stays whole.
     cfg_batch_args=(
         "hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep", "guidance",
         "additional_t_cond",
     ),
+    # QwenImagePipeline's true CFG: one call per branch, differing in these (cfg_pair Note [two calls a step]).
+    cfg_branch_args=("encoder_hidden_states", "encoder_hidden_states_mask"),
     hooks=(ModulateIndexHooks,),
     refuse_args={"controlnet_block_samples": "Qwen-Image ControlNet's residuals, (B, S, C) over the whole sequence"},
     refuse=(_routed_call_missing,),

@@ -63,6 +63,9 @@ Note [cfg parallel]
     batched: the adapter's ``cfg_batch_args`` names when it has them (their tensors, or lists of
     tensors, with dim 0 == B are split; size-1 or 0-dim ones broadcast and stay whole); otherwise
     every top-level tensor argument whose dim 0 equals the batch of the first tensor argument.
+    A family whose pipelines call the transformer once per guidance branch (``cfg_branch_args``)
+    runs a step's two calls on the two cfg groups at once instead, falling back to this split
+    (Note [two calls a step] in ``usp_dit.pipelines.cfg_pair``).
 """
 from __future__ import annotations
 
@@ -311,5 +314,7 @@ class ReplicaForward(MethodWrapper):
         mesh = self.state.mesh
         if mesh.cfg_degree == 1:
             return self.inner(*bound.args, **bound.kwargs)
+        if getattr(self.state, "cfg_pair", None) is not None:  # a two-call family: cfg_pair Note [two calls a step]
+            return self.state.cfg_pair(self.inner, self.module, bound)
         batch = split_cfg_batch(bound.arguments, mesh, getattr(self.state.adapter, "cfg_batch_args", None))
         return gather_cfg_output(self.inner(*bound.args, **bound.kwargs), batch, mesh)

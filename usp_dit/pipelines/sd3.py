@@ -42,7 +42,7 @@ The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a pl
 
 Refused (NotImplementedError): at enable, processors other than the stock ``JointAttnProcessor2_0``
 (fused QKV, IP-Adapter, PAG, LoRA-replaced or custom ones), attention modules the plan does not
-name, a Diffusers cache (``enable_cache``), ``num_layers=0``; at the call (the plan's ``CallChecks``),
+name, an unsupported Diffusers cache (``usp_dit.pipelines.caches``), ``num_layers=0``; at the call (the plan's ``CallChecks``),
 ``block_controlnet_hidden_states`` (SD3 ControlNet: full-sequence residuals) and a processor
 replaced after enable (a PAG pipeline swaps them at call time). (An ``attention_mask`` handed to
 the processor is ignored, as the stock code ignores it: it never reaches its attention call.)

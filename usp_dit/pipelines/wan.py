@@ -46,8 +46,8 @@ rows, output projection) with its one ``dispatch_attention_fn`` call routed to `
 
 Refused (NotImplementedError, at enable unless noted): processors other than the stock
 ``WanAttnProcessor`` (LoRA-replaced, custom, or diffusers' context parallelism already enabled),
-a diffusers cache (``enable_cache``: its skip decisions would be taken per rank on the shard), an
-``attention_mask``, dropout or causal self-attention calls (at the call: the stock
+a Diffusers cache that cannot run on a grid (FasterCache; the others do:
+``usp_dit.pipelines.caches``), an ``attention_mask``, dropout or causal self-attention calls (at the call: the stock
 processor passes none), ``num_layers=0``. Wan configs have no dropout, so no replicated-dropout
 handling is needed (the text stream is never updated per block).
 """
@@ -147,9 +147,11 @@ PLAN = ModelPlan(
     block_lists=("blocks",),
     # rope(latents) -> (cos, sin), each (1, seq, 1, head_dim): Note [Wan's per-token tables].
     tables=(Table("rope", dim=1, items=(0, 1)),),
-    # Batched on dim 0, split over the "cfg" axis by enable_usp. (Wan's pipelines call the
-    # transformer once per guidance branch, so with batch 1 there is nothing to split.)
+    # Batched on dim 0, split over the "cfg" axis by enable_usp (a call cfg_branch_args does not run).
     cfg_batch_args=("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
+    # Wan's pipelines (both Wan 2.2 experts) call it once per guidance branch, differing in the text
+    # embeds (usp_dit.pipelines.cfg_pair Note [two calls a step]).
+    cfg_branch_args=("encoder_hidden_states",),
     hooks=(WanTimestepHook,),
     refuse=(_routed_call_missing,),
 )
