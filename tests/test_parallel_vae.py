@@ -22,6 +22,9 @@ split) runs whole, bit for bit.
 Fallbacks (Note [parallel VAE fallback]), each equal to stock bit for bit: fewer latent rows than
 ranks, a decode needing a gradient, a VAE class without a recipe. A latent differing between the
 ranks raises ValueError on every rank. A VAE with tiling on decodes the exact untiled image.
+The tiny FluxPipeline through ``pipe.enable_usp()`` (2 x 2): its VAE is split (the decoder sees a
+quarter of the rows), the image equals one process's, ``disable_usp`` and ``parallel_vae=False``
+leave the VAE whole.
 """
 from __future__ import annotations
 
@@ -259,6 +262,35 @@ def _fallbacks() -> dict[str, float]:
     return out
 
 
+def _pipeline() -> dict[str, float]:
+    """``pipe.enable_usp()`` splits the pipeline's VAE; ``parallel_vae=False`` and disable do not."""
+    from usp_dit.demo.tiny_flux import tiny_flux_pipeline
+    from usp_dit.pipelines.vae import is_parallel_vae_enabled
+
+    pipe = tiny_flux_pipeline()
+    seen = []
+    pipe.vae.decoder.conv_in.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[-2]))
+
+    def image():
+        seen.clear()
+        return pipe("a fox", height=40, width=40, num_inference_steps=2, max_sequence_length=16,
+                    generator=torch.Generator().manual_seed(0), output_type="pt").images
+
+    ref = image()
+    whole = max(seen)
+    pipe.enable_usp(ulysses_degree=2, ring_degree=2)
+    out = {"enabled_missing": float(not is_parallel_vae_enabled(pipe.vae))}
+    out["image"] = rel_err(image(), ref)
+    out["rows_not_split"] = float(max(seen) > math.ceil(whole / 4))
+    pipe.disable_usp()
+    out["still_enabled"] = float(is_parallel_vae_enabled(pipe.vae))
+    pipe.enable_usp(ulysses_degree=2, ring_degree=2, parallel_vae=False)
+    image()
+    out["opt_out_split"] = float(is_parallel_vae_enabled(pipe.vae) or max(seen) != whole)
+    pipe.disable_usp()
+    return out
+
+
 def _run_all() -> dict:
     from tests.adapter_parity import record
 
@@ -270,6 +302,7 @@ def _run_all() -> dict:
         for family in FAMILIES:
             record(results, f"encode-{family}-u{grid[0]}r{grid[1]}cfg{grid[2]}", lambda: _encode_case(family, grid))
     record(results, "fallbacks", _fallbacks)
+    record(results, "pipeline", _pipeline)
     return results
 
 
@@ -289,6 +322,14 @@ def test_parallel_decode_equals_one_process(per_rank, key):
         assert errors["out"] <= TOL, f"rank {rank}: {errors}"
         assert errors == {**errors, "not_split": 0.0, "rows_above_share": 0.0, "disable_not_bit_identical": 0.0}, (
             f"rank {rank}: {errors}")
+
+
+def test_enable_usp_splits_the_pipelines_vae(per_rank):
+    for rank, res in enumerate(per_rank):
+        checks = res["pipeline"]
+        assert not isinstance(checks, str), f"rank {rank}: {checks}"
+        assert checks.pop("image") <= TOL, f"rank {rank}"
+        assert not any(checks.values()), f"rank {rank}: {checks}"
 
 
 ENCODE_CASES = [f"encode-{f}-u{u}r{r}cfg{c}" for (u, r, c) in GRIDS[1:] for f in FAMILIES]
