@@ -6,6 +6,7 @@ checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family qwen_image --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family flux2 --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family chroma --ulysses 2 --ring 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family chroma --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py \
         --model black-forest-labs/FLUX.1-dev --height 1024 --width 1024 --steps 28 --ulysses 4 --ring 2
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py --family sd3 \
@@ -32,9 +33,9 @@ tokens, so its sides are at most 64. Defaults:
     family      tiny default size -> image tokens   with --model   --cfg 2 splits
     flux        1008 x 1008 -> 63 x 63 = 3969       1008 x 1008     the batch of --num-images images
     flux2       60 x 100 -> 15 x 25 = 375           1024 x 1024     the batch of --num-images images
-    qwen_image  144 x 240 -> 9 x 15 = 135           1024 x 1024     the batch of --num-images images
+    qwen_image  144 x 240 -> 9 x 15 = 135           1024 x 1024     the two calls of a step (true CFG)
     sd3         44 x 60 -> 11 x 15 = 165            1024 x 1024     [uncond, cond] (batched CFG)
-    chroma      60 x 100 -> 15 x 25 = 375           1024 x 1024     the batch of --num-images images
+    chroma      60 x 100 -> 15 x 25 = 375           1024 x 1024     the two calls of a step (true CFG)
 
 (besides the text tokens of the tiny pipelines: 64 for Flux and Chroma, 64 + 64 for SD3 (CLIPs,
 then T5), 256 for Flux.2 (its chat template's system message is ~170), about one per character of
@@ -45,11 +46,13 @@ each step is one transformer call of batch ``--num-images``; Qwen-Image runs tru
 step (prompt, then negative prompt) of that batch each, ``--guidance`` its ``true_cfg_scale``;
 Chroma too (two calls a step when ``--guidance`` > 1); SD3 batches CFG, one call of batch
 2 x ``--num-images`` ([uncond, cond]) when ``--guidance`` > 1. So ``--cfg 2`` splits the images for
-Flux, Flux.2, Qwen-Image and Chroma (``--num-images`` a multiple of the cfg degree, default the cfg
-degree) and the guidance halves for SD3 (``--num-images`` default 1). ``--negative-prompt`` is for
-Qwen-Image, SD3 and Chroma only.
+Flux and Flux.2 (``--num-images`` a multiple of the cfg degree, default the cfg degree), runs the
+two calls of a step on the two cfg groups at once for Qwen-Image and Chroma
+(``usp_dit.pipelines.cfg_pair``; any ``--num-images``, default 1; with ``--guidance`` <= 1 they make
+one call a step and split the images like Flux) and splits the guidance halves for SD3
+(``--num-images`` default 1). ``--negative-prompt`` is for Qwen-Image, SD3 and Chroma only.
 
-A bad value (degrees that do not fit the ranks, a ``--cfg`` that has no batch to split, a missing
+A bad value (degrees that do not fit the ranks, a ``--cfg`` the run cannot use, a missing
 ``--model`` folder, an unknown ``--backend``, a size the model cannot take) is reported on one line
 by rank 0 before anything loads, and every rank exits with code 2; Ctrl-C exits with 130
 (``usp_dit.launch``).
@@ -87,6 +90,9 @@ class ImageFamily:
     guidance_arg: str  # the pipeline argument --guidance sets
     guidance: float | None = None  # default --guidance (None: the pipeline's)
     batched_cfg: bool = False  # [uncond, cond] in one call (the cfg axis splits it), else the images
+    # one transformer call per guidance branch when guided: at cfg degree 2 the two cfg groups run a
+    # step's two calls at once (usp_dit.pipelines.cfg_pair), whatever the number of images
+    two_call_cfg: bool = False
     negative_prompt: bool = False  # takes a negative prompt
     tiny_max_side: int | None = None  # the tiny transformer's position table, in pixels
     real_size: tuple[int, int] = (1024, 1024)  # default --height, --width with --model
@@ -99,10 +105,11 @@ FAMILIES = {
                         real_size=(1008, 1008)),
     "flux2": ImageFamily("Flux2Pipeline", "Flux.2", (60, 100), 4, "guidance_scale"),
     "qwen_image": ImageFamily("QwenImagePipeline", "Qwen-Image", (144, 240), 16, "true_cfg_scale",
-                              negative_prompt=True),
+                              two_call_cfg=True, negative_prompt=True),
     "sd3": ImageFamily("StableDiffusion3Pipeline", "SD3", (44, 60), 4, "guidance_scale", batched_cfg=True,
                        negative_prompt=True, tiny_max_side=64),
-    "chroma": ImageFamily("ChromaPipeline", "Chroma", (60, 100), 4, "guidance_scale", negative_prompt=True),
+    "chroma": ImageFamily("ChromaPipeline", "Chroma", (60, 100), 4, "guidance_scale", two_call_cfg=True,
+                          negative_prompt=True),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -132,10 +139,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ulysses", type=int, default=None, help="Ulysses degree (default: 2 if it fits)")
     p.add_argument("--ring", type=int, default=None, help="ring degree (default: what is left of the world)")
-    p.add_argument("--cfg", type=int, default=1, help="cfg degree: splits SD3's [uncond, cond] batch; Flux, Flux.2, "
-                   "Qwen-Image and Chroma do not batch CFG, so there it splits the batch of --num-images images")
+    p.add_argument("--cfg", type=int, default=1, help="cfg degree: splits SD3's [uncond, cond] batch; runs "
+                   "Qwen-Image's and Chroma's two calls a step (prompt, negative prompt) on two groups at once; "
+                   "Flux and Flux.2 are guidance-distilled, so there it splits the batch of --num-images images")
     p.add_argument("--num-images", type=int, default=None,
-                   help="images per prompt (default: the cfg degree; SD3: 1)")
+                   help="images per prompt (default: the cfg degree for Flux and Flux.2; else 1)")
     p.add_argument("--backend", default="auto", help="attention kernel: auto or a name from usp_dit.kernels")
     p.add_argument("--ring-schedule", default="auto", choices=RING_SCHEDULES,
                    help="how the ring's forward moves K/V blocks (README: ring schedules)")
@@ -180,15 +188,21 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         args.negative_prompt = DEFAULT_NEGATIVE_PROMPT
     args.degrees = launch.check_degrees(world, args.ulysses, args.ring, args.cfg)
     cfg = args.degrees[2]
-    # SD3 skips CFG at a scale of 1 or less: then, like the others, one call of batch --num-images.
-    guided = family.batched_cfg and (args.guidance is None or args.guidance > 1)
+    # SD3, Qwen-Image and Chroma skip CFG at a scale of 1 or less (their defaults guide): then, like
+    # Flux and Flux.2, one call of batch --num-images a step.
+    guided = args.guidance is None or args.guidance > 1
     if args.num_images is not None and args.num_images < 1:
         raise launch.UsageError(f"--num-images {args.num_images} must be at least 1")
-    if guided:
+    if guided and family.batched_cfg:
         args.num_images = args.num_images or 1  # the cfg axis splits [uncond, cond]: any count works
+    elif guided and family.two_call_cfg and cfg in (1, 2):
+        args.num_images = args.num_images or 1  # the cfg groups run the two calls a step: any count works
     elif args.num_images is not None and args.num_images % cfg:
-        what = ("with --guidance <= 1 SD3 runs no CFG" if family.batched_cfg
-                else f"{family.name} does not batch CFG")
+        if family.batched_cfg or family.two_call_cfg:
+            what = f"with --guidance <= 1 {family.name} runs no CFG" if not guided else (
+                f"{family.name}'s two calls a step go to 2 cfg groups, not {cfg}")
+        else:
+            what = f"{family.name} is guidance-distilled, one transformer call a step"
         raise launch.UsageError(f"--num-images {args.num_images} must be a positive multiple of --cfg {cfg} "
                                 f"({what}: the cfg axis splits the batch of images)")
     else:

@@ -5,6 +5,8 @@ grid, checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model mochi --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model wan --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model hunyuan_video --ulysses 2 --ring 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model hunyuan_video --ring 2 --cfg 2 \
+        --true-cfg 4
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model ltx_video --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model cogvideox \
         --model-path THUDM/CogVideoX-5b --height 480 --width 720 --frames 49 --steps 50 --ulysses 2 --ring 2 --cfg 2
@@ -20,7 +22,7 @@ gloo. With ``--model-path`` it loads ``CogVideoXPipeline``, ``MochiPipeline``, `
 ``HunyuanVideoPipeline`` or ``LTXPipeline`` (bf16 on GPUs, VAE tiling on). Every rank runs the
 pipeline's real ``__call__`` (text encoding, denoising with guidance, VAE decode); the
 transformer's tokens are split over the grid (``pipe.enable_usp``) and, with ``--cfg 2``, the
-[uncond, cond] batch over two groups of ranks. Rank 0 alone shows the progress bar and writes the
+guidance's two branches over two groups of ranks. Rank 0 alone shows the progress bar and writes the
 video: an animated WebP or GIF (by the output's extension) with Pillow, and an MP4 beside it when
 imageio-ffmpeg is installed; or, for an ``--output`` ending in ``.mp4``, the MP4 alone (that needs
 imageio-ffmpeg: ``pip install 'usp-dit[video]'``). Then ``pipe.disable_usp()`` and rank 0 runs the same pipeline alone,
@@ -33,8 +35,8 @@ pipelines compress as the real ones do):
     model          pixels/token  --frames  default size, frames -> video tokens   --cfg 2
     cogvideox      16            8k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
     mochi          16            6k + 1    96 x 144, 13 -> 3 x 6 x 9 = 162          yes (batched CFG)
-    wan            16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          no
-    hunyuan_video  16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          no
+    wan            16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
+    hunyuan_video  16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          with --true-cfg (two calls)
     ltx_video      32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45           yes (batched CFG)
 
 Pixels per token: the VAEs have 8 pixels per latent pixel and the transformers 2 x 2 latent pixels
@@ -48,12 +50,15 @@ divided by 4 ranks.
 
 Guidance: CogVideoX, Mochi and LTX-Video batch classifier-free guidance ([uncond, cond] in one
 transformer call of batch 2 when ``--guidance`` > 1), which ``--cfg 2`` splits over two groups of
-ranks. Wan's pipelines, and HunyuanVideoPipeline, call the transformer once per guidance branch
-(batch 1), so ``--cfg 2`` is refused for them. HunyuanVideo T2V is guidance-distilled:
-``--guidance`` is the embedded scale (one call per step), and ``--true-cfg`` > 1 (HunyuanVideo
-only) adds real CFG with the negative prompt, a second call per step.
+ranks. Wan's pipelines (``--guidance`` > 1, the default), and HunyuanVideoPipeline with
+``--true-cfg`` > 1, call the transformer once per guidance branch (batch 1): ``--cfg 2`` runs a
+step's two calls on the two groups at once (from the second step on; ``usp_dit.pipelines.cfg_pair``).
+HunyuanVideo T2V is guidance-distilled: ``--guidance`` is the embedded scale (one call per step),
+and ``--true-cfg`` > 1 (HunyuanVideo only) adds real CFG with the negative prompt, a second call per
+step; without it ``--cfg 2`` is refused (one call a step, nothing for a second group). ``--cfg``
+is 1 or 2: the guidance has two branches.
 
-A bad value (degrees that do not fit the ranks, ``--cfg 2`` for a model that cannot split it, a
+A bad value (degrees that do not fit the ranks, a ``--cfg`` the run's guidance cannot use, a
 missing ``--model-path``, an unknown ``--backend``, a size or frame count the model cannot take, an
 MP4 without imageio-ffmpeg) is reported on one line by rank 0 before anything loads, and every rank
 exits with code 2; Ctrl-C exits with 130 (``usp_dit.launch``).
@@ -93,8 +98,13 @@ class VideoFamily:
     pixels_per_token: int  # latent_pixels x the transformer's spatial patch: --height/--width multiple
     size: tuple[int, int] = (96, 144)  # default --height, --width
     min_steps: tuple[int, str] = (1, "")  # (minimum --steps, why)
-    # None: the pipeline batches [uncond, cond] in one call, --cfg 2 splits it; else why it cannot.
-    cfg_refusal: str | None = None
+    # How the pipeline runs classifier-free guidance, which --cfg 2 spreads over two groups of ranks:
+    # "batched" ([uncond, cond] in one call of batch 2: the cfg axis splits it) or "two calls" (one
+    # call per guidance branch, batch 1 each: the two groups run a step's two calls at once,
+    # usp_dit.pipelines.cfg_pair Note [two calls a step]).
+    cfg: str = "batched"
+    cfg_flag: str = "--guidance"  # the scale that turns that guidance on above 1
+    guided_by_default: bool = True  # the pipeline guides when cfg_flag is not given (its default > 1)
 
 
 FAMILIES = {
@@ -105,14 +115,11 @@ FAMILIES = {
         "MochiPipeline", 13, 6, 6, "Mochi's VAE: 6 frames per latent frame", 8, 16,
         min_steps=(2, "Mochi's linear-quadratic sigma schedule divides by steps // 2")),
     "wan": VideoFamily(
-        "WanPipeline", 9, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16,
-        cfg_refusal="Wan's pipelines call the transformer once per guidance branch (batch 1), so there is no "
-                    "batch to split over cfg groups"),
+        "WanPipeline", 9, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, cfg="two calls"),
+    # Guidance-distilled: the embedded --guidance is one call a step; --true-cfg > 1 adds the negative prompt's.
     "hunyuan_video": VideoFamily(
-        "HunyuanVideoPipeline", 9, 4, 4, "HunyuanVideo's VAE: 4 frames per latent frame", 8, 16,
-        cfg_refusal="HunyuanVideoPipeline calls the transformer once per guidance branch (batch 1: the guidance "
-                    "is embedded, and --true-cfg adds a second call for the negative prompt), so there is no "
-                    "batch to split over cfg groups"),
+        "HunyuanVideoPipeline", 9, 4, 4, "HunyuanVideo's VAE: 4 frames per latent frame", 8, 16, cfg="two calls",
+        cfg_flag="--true-cfg", guided_by_default=False),
     "ltx_video": VideoFamily(
         "LTXPipeline", 17, 8, 8, "LTX-Video's VAE: 8 frames per latent frame", 32, 32, size=(96, 160)),
 }
@@ -141,8 +148,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ulysses", type=int, default=None, help="Ulysses degree (default: 2 if it fits)")
     p.add_argument("--ring", type=int, default=None, help="ring degree (default: what is left of the world)")
     p.add_argument("--cfg", type=int, default=1,
-                   help="cfg degree: 2 puts the uncond and cond halves on two groups (CogVideoX, Mochi, LTX-Video; "
-                        "not Wan or HunyuanVideo: they call them apart)")
+                   help="cfg degree: 2 puts the uncond and cond branches on two groups (CogVideoX, Mochi, LTX-Video: "
+                        "halves of one call; Wan, and HunyuanVideo with --true-cfg: a step's two calls at once)")
     p.add_argument("--backend", default="auto", help="attention kernel: auto or a name from usp_dit.kernels")
     p.add_argument("--ring-schedule", default="auto", choices=RING_SCHEDULES,
                    help="how the ring's forward moves K/V blocks (README: ring schedules)")
@@ -176,17 +183,30 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         raise launch.UsageError(f"--true-cfg with --model {args.model}: only HunyuanVideo (guidance-distilled) has a "
                                 f"separate true CFG scale; use --guidance")
     if args.cfg != 1:
-        if family.cfg_refusal is not None:
-            raise launch.UsageError(f"--cfg {args.cfg} with --model {args.model}: {family.cfg_refusal}; use --cfg 1")
-        if args.guidance is not None and args.guidance <= 1:
-            # The pipelines skip CFG at a scale of 1 or less: one call of batch 1, nothing to split.
-            raise launch.UsageError(f"--cfg {args.cfg} with --guidance {args.guidance}: at a guidance scale <= 1 the "
-                                    f"pipeline runs no classifier-free guidance, so there is no [uncond, cond] batch "
-                                    f"to split; use --cfg 1 or --guidance above 1")
+        check_cfg(args, family)
     if args.output.lower().endswith(".mp4"):
         launch.check_installed("--output", args.output, MP4_MODULES,
                                "pip install imageio imageio-ffmpeg (or 'usp-dit[video]'), or write .webp / .gif")
     args.degrees = launch.check_degrees(world, args.ulysses, args.ring, args.cfg)
+
+
+def check_cfg(args: argparse.Namespace, family: VideoFamily) -> None:
+    """``--cfg`` above 1 needs the pipeline's two guidance branches: a degree of 2, and guidance on."""
+    if args.cfg != 2:
+        raise launch.UsageError(f"--cfg {args.cfg}: the cfg groups run classifier-free guidance's two branches "
+                                f"(unconditional, conditional), so the cfg degree is 1 or 2")
+    flag = family.cfg_flag
+    scale = getattr(args, flag.removeprefix("--").replace("-", "_"))
+    what = ("an [uncond, cond] batch to split" if family.cfg == "batched"
+            else "second call a step for the other cfg group")
+    if scale is None and not family.guided_by_default:
+        raise launch.UsageError(f"--cfg {args.cfg} with --model {args.model} and no {flag}: {family.pipeline} is "
+                                f"guidance-distilled (one transformer call a step), so there is no {what}; use "
+                                f"--cfg 1 or {flag} above 1")
+    if scale is not None and scale <= 1:
+        # The pipelines skip CFG at a scale of 1 or less: one call of batch 1 a step.
+        raise launch.UsageError(f"--cfg {args.cfg} with {flag} {scale}: at a guidance scale <= 1 the pipeline runs "
+                                f"no classifier-free guidance, so there is no {what}; use --cfg 1 or {flag} above 1")
 
 
 def load_pipeline(args: argparse.Namespace, device: torch.device):

@@ -5,29 +5,33 @@ One spawned group of 4 ranks runs every pipeline case on each grid (U, R, cfg) =
 (2,1,2) through ``pipe.enable_usp(...)``: the tiny ``FluxPipeline`` with true CFG (a negative
 prompt, ``true_cfg_scale=4``), the tiny ``QwenImagePipeline`` with a negative prompt (one prompt;
 and two prompts, batch 2, whose first step takes the cfg batch split), the tiny ``WanPipeline``
-with guidance and the tiny two-expert Wan 2.2 ``WanPipeline``. Each: the result equal to the
-one-process run, AND the speculation used: the number of forward computations per rank (a
-pre-hook on block 0, which runs once per computation however the call was answered) is
-``steps + 1`` per transformer (the first step learns: two computations; every later step one),
-where one process computes ``2 * steps``; the pair's own counters agree. Cases where the
-speculation must be refused, on the Wan pipeline: a ``callback_on_step_end`` that changes the
-negative embeds after step 1 (the pending result of step 2 is dropped and the pair learned again:
-6 computations in 4 steps) and one that turns guidance off after step 1 (one call a step from
-then on: each step's guess is dropped at the next call; 5 computations in 4 steps); both equal one
-process. After ``pipe.disable_usp()``: the forward and the state gone, the pair cleared, the run
+with guidance, the tiny two-expert Wan 2.2 ``WanPipeline``, the tiny ``HunyuanVideoPipeline`` with
+true CFG (a negative prompt, ``true_cfg_scale=3``), the tiny ``ChromaPipeline`` with guidance and
+the tiny ``Flux2KleinPipeline`` (base Klein, ``guidance_scale=4``: the empty negative prompt), one
+prompt each. Each: the result equal to the one-process run, AND the speculation used: the number
+of forward computations per rank (a pre-hook on block 0, which runs once per computation however
+the call was answered) is ``steps + 1`` per transformer (the first step learns: two computations;
+every later step one), where one process computes ``2 * steps``; the pair's own counters agree.
+Cases where the speculation must be refused, on the Wan pipeline: a ``callback_on_step_end`` that
+changes the negative embeds after step 1 (the pending result of step 2 is dropped and the pair
+learned again: 6 computations in 4 steps) and one that turns guidance off after step 1 (one call a
+step from then on: each step's guess is dropped at the next call; 5 computations in 4 steps); both
+equal one process. After ``pipe.disable_usp()``: the forward and the state gone, the pair cleared, the run
 bit-identical to the one before enable. And a pipeline with one call a step at ``cfg_degree=2``
 (Flux without true CFG, batch 1: refused before this mode) runs each call whole on both cfg groups,
 equal to one process, ``steps`` computations per rank (no faster, nothing speculated).
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on the final latents and on the images and
-video frames, Wan's included. Measured: latents bit-identical to one process for Flux and Wan (at
-these sizes the "auto" ring schedule makes one kernel call over the whole K/V: the same arithmetic
-per query row as stock) and 6.4e-7 for Qwen-Image (its masked joint text); outputs 1.3e-6 (Flux),
-3.5e-7 (Qwen-Image), 5.2e-7 (Wan frames): the decode's own rounding (enable_usp may split the decode
-over the ranks). Wan's frames need no 1e-4 here: tests/test_pipeline_wan.py allows it for its
-random VAE's gain on latents that differ by ~1e-7, and here the latents do not differ. The
-speculated result is the one the call computes on cfg group 1 (the same inputs, the same grid), so
-speculation adds no error of its own.
+video frames, Wan's and HunyuanVideo's included. Measured: latents bit-identical to one process for
+Flux, Wan, HunyuanVideo and Flux.2 Klein (at these sizes the "auto" ring schedule makes one kernel
+call over the whole K/V: the same arithmetic per query row as stock), 6.4e-7 for Qwen-Image (its
+masked joint text) and 1.1e-6 for Chroma (its mask as an extra Q/K coordinate); outputs 1.3e-6
+(Flux, Chroma), 3.5e-7 (Qwen-Image), 5.2e-7 (Wan frames), 1.2e-6 (HunyuanVideo frames), 5.7e-7
+(Flux.2 Klein): the decode's own rounding (enable_usp may split the decode over the ranks). Wan's
+and HunyuanVideo's frames need no 1e-4 here: their pipeline tests allow it for the random VAEs'
+gain on latents that differ by ~1e-7, and here the latents do not differ. The speculated result
+is the one the call computes on cfg group 1 (the same inputs, the same grid), so speculation adds
+no error of its own.
 """
 from __future__ import annotations
 
@@ -37,7 +41,10 @@ import logging
 import pytest
 import torch
 
+from usp_dit.demo.tiny_chroma import tiny_chroma_pipeline
 from usp_dit.demo.tiny_flux import tiny_flux_pipeline
+from usp_dit.demo.tiny_flux2 import MISTRAL_LAYERS, tiny_flux2_klein_pipeline
+from usp_dit.demo.tiny_hunyuan_video import TINY_PROMPT_TEMPLATE, tiny_hunyuan_video_pipeline
 from usp_dit.demo.tiny_qwen_image import tiny_qwen_image_pipeline
 from usp_dit.demo.tiny_wan import tiny_wan_pipeline
 from usp_dit.pipelines import cfg_pair, is_usp_enabled
@@ -240,9 +247,10 @@ def test_cfg_pair_does_not_speculate_a_call_that_needs_grad(monkeypatch):
 
 
 def test_two_call_families_are_data():
-    from usp_dit.pipelines import cogvideox, flux, qwen_image, sd3, wan
+    from usp_dit.pipelines import chroma, cogvideox, flux, flux2, hunyuan_video, qwen_image, sd3, wan
 
     assert flux.ADAPTER.cfg_branch_args and qwen_image.ADAPTER.cfg_branch_args and wan.ADAPTER.cfg_branch_args
+    assert hunyuan_video.ADAPTER.cfg_branch_args and chroma.ADAPTER.cfg_branch_args and flux2.ADAPTER.cfg_branch_args
     assert not cogvideox.ADAPTER.cfg_branch_args and not sd3.ADAPTER.cfg_branch_args  # batched guidance
     mesh = _FakeMesh()
     assert isinstance(cfg_pair_for(wan.ADAPTER, mesh, True), CfgPair)
@@ -315,6 +323,30 @@ def _wan(steps=3, then=None):
     return run
 
 
+def _hunyuan_video(pipe, callback):
+    return pipe(
+        prompt="a red fox", negative_prompt="blurry", true_cfg_scale=3.0, height=48, width=80, num_frames=9,
+        num_inference_steps=3, max_sequence_length=16, prompt_template=TINY_PROMPT_TEMPLATE,
+        generator=torch.Generator().manual_seed(0), output_type="pt", callback_on_step_end=callback,
+    ).frames
+
+
+def _chroma(pipe, callback):
+    return pipe(
+        prompt="a red fox", negative_prompt="dark dim", guidance_scale=4.0, height=12, width=20,
+        num_inference_steps=3, max_sequence_length=12, generator=torch.Generator().manual_seed(0),
+        output_type="pt", callback_on_step_end=callback,
+    ).images
+
+
+def _flux2_klein(pipe, callback):
+    return pipe(
+        prompt="a red fox", guidance_scale=4.0, height=12, width=20, num_inference_steps=3, max_sequence_length=40,
+        text_encoder_out_layers=MISTRAL_LAYERS, generator=torch.Generator().manual_seed(0), output_type="pt",
+        callback_on_step_end=callback,
+    ).images
+
+
 def _flux_one_call(pipe, callback):
     return pipe(
         "a tiny red fox", guidance_scale=3.5, height=40, width=40, num_inference_steps=3, max_sequence_length=16,
@@ -331,6 +363,9 @@ CASES = {
     "wan22": (lambda: tiny_wan_pipeline(two_experts=True), _wan(steps=6), None),
     "wan-negative-changed": (tiny_wan_pipeline, _wan(steps=4), _halve_negative_after_step_1),
     "wan-guidance-off": (tiny_wan_pipeline, _wan(steps=4), _guidance_off_after_step_1),
+    "hunyuan_video": (tiny_hunyuan_video_pipeline, _hunyuan_video, None),
+    "chroma": (tiny_chroma_pipeline, _chroma, None),
+    "flux2-klein": (tiny_flux2_klein_pipeline, _flux2_klein, None),
     "flux-one-call-a-step": (tiny_flux_pipeline, _flux_one_call, None),
 }
 
@@ -421,7 +456,8 @@ def _steps_per_transformer(res: dict) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("grid", GRID_IDS)
-@pytest.mark.parametrize("name", ["flux", "qwen", "qwen-batch2", "wan", "wan22"])
+@pytest.mark.parametrize("name", ["flux", "qwen", "qwen-batch2", "wan", "wan22", "hunyuan_video", "chroma",
+                                  "flux2-klein"])
 def test_speculation_halves_the_computations_after_the_first_step(pipeline_results, name: str, grid: str):
     for rank, res in enumerate(_case(pipeline_results, name)):
         steps = _steps_per_transformer(res)

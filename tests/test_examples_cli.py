@@ -13,9 +13,10 @@ Process tests (few: each pays the imports, ~10 s on two shared cores):
   * ``scripts/test.sh PATH`` runs just that file; ``scripts/test.sh FLAGS`` still runs tests/.
   * The model families added after the first examples (issue 15), each once on 2 ranks in one
     torchrun job (tests/_examples_job.py: the start-up, ~8 s of CPU, paid once, not six times):
-    HunyuanVideo (ring 2, true CFG: two calls a step), LTX-Video (cfg 2: its batched CFG split),
-    Flux.2 (cfg 2: the images split), Qwen-Image (ring 2, true CFG), SD3 (Ulysses 2), Chroma (cfg 2:
-    true CFG's two calls, each one's images split), 2 steps each; every run prints MATCH against one rank.
+    HunyuanVideo (cfg 2, true CFG: a step's two calls on the two cfg groups at once), LTX-Video (cfg 2:
+    its batched CFG split), Flux.2 (cfg 2: the images split), Qwen-Image (ring 2, true CFG), SD3
+    (Ulysses 2), Chroma (cfg 2, one image: true CFG's two calls on the two cfg groups at once), 2 steps
+    each; every run prints MATCH against one rank.
 In-process tests: the examples' checks of sizes, frame counts, guidance and cfg degrees, MP4 output
 and every family's defaults, and ``usp_dit.logs.configure_logging`` (INFO and warnings on rank 0 only).
 """
@@ -196,7 +197,14 @@ def two_ranks(monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["--model", "hunyuan_video", "--cfg", "2"],
-     "--cfg 2 with --model hunyuan_video: HunyuanVideoPipeline calls the transformer once per guidance branch"),
+     "--cfg 2 with --model hunyuan_video and no --true-cfg: HunyuanVideoPipeline is guidance-distilled (one "
+     "transformer call a step), so there is no second call a step for the other cfg group"),
+    (["--model", "hunyuan_video", "--cfg", "2", "--true-cfg", "1"],
+     "--cfg 2 with --true-cfg 1.0: at a guidance scale <= 1 the pipeline runs no classifier-free guidance"),
+    (["--model", "wan", "--cfg", "2", "--guidance", "1"],
+     "--cfg 2 with --guidance 1.0: at a guidance scale <= 1 the pipeline runs no classifier-free guidance, so there "
+     "is no second call a step"),
+    (["--model", "mochi", "--cfg", "4"], "--cfg 4: the cfg groups run classifier-free guidance's two branches"),
     (["--model", "hunyuan_video", "--frames", "11"], "--frames 11 must be 4k + 1"),
     (["--model", "hunyuan_video", "--width", "136"], "--width 136 must be a positive multiple of 16"),
     (["--model", "ltx_video", "--frames", "13"], "--frames 13 must be 8k + 1"),
@@ -205,8 +213,8 @@ def two_ranks(monkeypatch):
      "--cfg 2 with --guidance 1.0: at a guidance scale <= 1 the pipeline runs no classifier-free guidance"),
     (["--model", "ltx_video", "--true-cfg", "4"], "--true-cfg with --model ltx_video: only HunyuanVideo"),
     (["--model", "ltx_video", "--model-path", "/nonexistent"], "--model-path /nonexistent: no such file or folder"),
-], ids=["hunyuan-cfg2", "hunyuan-frames", "hunyuan-size", "ltx-frames", "ltx-size", "ltx-cfg2-unguided",
-        "ltx-true-cfg", "ltx-model-path"])
+], ids=["hunyuan-cfg2-distilled", "hunyuan-cfg2-true-cfg-1", "wan-cfg2-unguided", "cfg4", "hunyuan-frames",
+        "hunyuan-size", "ltx-frames", "ltx-size", "ltx-cfg2-unguided", "ltx-true-cfg", "ltx-model-path"])
 def test_video_example_rejects_what_the_new_families_cannot_take(argv, message, two_ranks):
     with pytest.raises(UsageError, match=re.escape(message)):
         _example("generate_video").parse_args(argv)
@@ -219,6 +227,9 @@ def test_video_example_rejects_what_the_new_families_cannot_take(argv, message, 
     (["--model", "ltx_video", "--cfg", "2", "--frames", "9", "--height", "64"], (9, 64, 160, (1, 1, 2))),
     (["--model", "cogvideox"], (9, 96, 144, (2, 1, 1))),  # the older families keep their defaults
     (["--model", "mochi", "--cfg", "2"], (13, 96, 144, (1, 1, 2))),
+    # two calls a step (true CFG): the cfg groups run them at once
+    (["--model", "hunyuan_video", "--true-cfg", "4", "--cfg", "2"], (9, 96, 144, (1, 1, 2))),
+    (["--model", "wan", "--cfg", "2"], (9, 96, 144, (1, 1, 2))),
 ])
 def test_video_example_fills_each_familys_defaults(argv, expected, two_ranks):
     args = _example("generate_video").parse_args(argv)
@@ -231,10 +242,10 @@ def test_video_example_fills_each_familys_defaults(argv, expected, two_ranks):
      "--height 1000 must be a positive multiple of 16 (Flux.2"),
     (["--family", "flux2", "--negative-prompt", "dim"], "--negative-prompt with --family flux2: Flux.2 is guidance"),
     (["--family", "flux2", "--cfg", "2", "--num-images", "3"],
-     "--num-images 3 must be a positive multiple of --cfg 2 (Flux.2 does not batch CFG"),
+     "--num-images 3 must be a positive multiple of --cfg 2 (Flux.2 is guidance-distilled, one transformer call"),
     (["--family", "qwen_image", "--width", "72"], "--width 72 must be a positive multiple of 16 (tiny Qwen-Image"),
-    (["--family", "qwen_image", "--cfg", "2", "--num-images", "1"],
-     "--num-images 1 must be a positive multiple of --cfg 2 (Qwen-Image does not batch CFG"),
+    (["--family", "qwen_image", "--cfg", "2", "--guidance", "1", "--num-images", "1"],
+     "--num-images 1 must be a positive multiple of --cfg 2 (with --guidance <= 1 Qwen-Image runs no CFG"),
     (["--family", "sd3", "--width", "68"], "--width 68: the tiny SD3 transformer's position table covers at most 64"),
     (["--family", "sd3", "--width", "62"], "--width 62 must be a positive multiple of 4 (tiny SD3"),
     (["--family", "sd3", "--cfg", "2", "--guidance", "1", "--num-images", "1"],
@@ -242,12 +253,12 @@ def test_video_example_fills_each_familys_defaults(argv, expected, two_ranks):
     (["--family", "sd3", "--num-images", "0"], "--num-images 0 must be at least 1"),
     (["--family", "flux", "--negative-prompt", "dim"], "--negative-prompt with --family flux: Flux is guidance"),
     (["--family", "chroma", "--height", "50"], "--height 50 must be a positive multiple of 4 (tiny Chroma"),
-    (["--family", "chroma", "--cfg", "2", "--num-images", "3"],
-     "--num-images 3 must be a positive multiple of --cfg 2 (Chroma does not batch CFG"),
+    (["--family", "chroma", "--cfg", "2", "--guidance", "1", "--num-images", "3"],
+     "--num-images 3 must be a positive multiple of --cfg 2 (with --guidance <= 1 Chroma runs no CFG"),
     (["--family", "sdxl"], "argument --family: invalid choice: 'sdxl'"),
-], ids=["flux2-tiny-size", "flux2-real-size", "flux2-negative", "flux2-images", "qwen-size", "qwen-images",
-        "sd3-tiny-max", "sd3-size", "sd3-unguided-cfg2", "sd3-no-images", "flux-negative", "chroma-size",
-        "chroma-images", "unknown-family"])
+], ids=["flux2-tiny-size", "flux2-real-size", "flux2-negative", "flux2-images", "qwen-size",
+        "qwen-unguided-images", "sd3-tiny-max", "sd3-size", "sd3-unguided-cfg2", "sd3-no-images", "flux-negative",
+        "chroma-size", "chroma-unguided-images", "unknown-family"])
 def test_image_example_rejects_what_each_family_cannot_take(argv, message, two_ranks):
     with pytest.raises(UsageError, match=re.escape(message)):
         _example("generate_image").parse_args(argv)
@@ -262,11 +273,17 @@ NEGATIVE = "blurry, low quality"  # the image example's default negative prompt 
     (["--cfg", "2"], (1008, 1008, 3.5, None, "flux_usp.png", (1, 1, 2), 2)),
     (["--family", "flux2", "--cfg", "2"], (60, 100, None, None, "flux2_usp.png", (1, 1, 2), 2)),
     (["--family", "flux2", "--model", "org/flux2"], (1024, 1024, None, None, "flux2_usp.png", (2, 1, 1), 1)),
-    (["--family", "qwen_image", "--cfg", "2"], (144, 240, None, NEGATIVE, "qwen_image_usp.png", (1, 1, 2), 2)),
+    # Qwen-Image and Chroma call the transformer once per guidance branch: the cfg groups run a
+    # step's two calls at once, so one image (or any count) uses both.
+    (["--family", "qwen_image", "--cfg", "2"], (144, 240, None, NEGATIVE, "qwen_image_usp.png", (1, 1, 2), 1)),
+    (["--family", "qwen_image", "--cfg", "2", "--num-images", "3"],
+     (144, 240, None, NEGATIVE, "qwen_image_usp.png", (1, 1, 2), 3)),
     # SD3 batches CFG: the cfg axis splits [uncond, cond] of a single image.
     (["--family", "sd3", "--cfg", "2", "--guidance", "5"], (44, 60, 5.0, NEGATIVE, "sd3_usp.png", (1, 1, 2), 1)),
     (["--family", "sd3", "--cfg", "2", "--num-images", "3"], (44, 60, None, NEGATIVE, "sd3_usp.png", (1, 1, 2), 3)),
-    (["--family", "chroma", "--cfg", "2"], (60, 100, None, NEGATIVE, "chroma_usp.png", (1, 1, 2), 2)),
+    (["--family", "chroma", "--cfg", "2"], (60, 100, None, NEGATIVE, "chroma_usp.png", (1, 1, 2), 1)),
+    # unguided (one call a step): the cfg axis splits the images, as for Flux
+    (["--family", "chroma", "--cfg", "2", "--guidance", "1"], (60, 100, 1.0, NEGATIVE, "chroma_usp.png", (1, 1, 2), 2)),
 ])
 def test_image_example_fills_each_familys_defaults(argv, expected, two_ranks):
     a = _example("generate_image").parse_args(argv)
@@ -275,8 +292,8 @@ def test_image_example_fills_each_familys_defaults(argv, expected, two_ranks):
 
 def test_new_families_print_match_on_two_ranks(tmp_path):
     runs = {  # family: (one run of tests/_examples_job.py, the start of its first line on rank 0)
-        "hunyuan_video": ("generate_video --model hunyuan_video --ring 2 --ulysses 1 --true-cfg 4 --steps 2 "
-                          "--output hv.gif", "cfg=1, ring=2, ulysses=1, device_type='cpu') on 2 ranks, cpu; "
+        "hunyuan_video": ("generate_video --model hunyuan_video --cfg 2 --true-cfg 4 --steps 2 "
+                          "--output hv.gif", "cfg=2, ring=1, ulysses=1, device_type='cpu') on 2 ranks, cpu; "
                           "tiny random HunyuanVideoPipeline, 9 frames of 96x144 (162 video tokens)"),
         "ltx_video": ("generate_video --model ltx_video --cfg 2 --steps 2 --output ltx.gif",
                       "cfg=2, ring=1, ulysses=1, device_type='cpu') on 2 ranks, cpu; tiny random LTXPipeline, "
@@ -292,7 +309,7 @@ def test_new_families_print_match_on_two_ranks(tmp_path):
                 "44x60 (165 image tokens), 2 steps, 1 image(s)"),
         "chroma": ("generate_image --family chroma --cfg 2 --steps 2",
                    "cfg=2, ring=1, ulysses=1, device_type='cpu') on 2 ranks, cpu; tiny random ChromaPipeline, "
-                   "60x100 (375 image tokens), 2 steps, 2 image(s)"),
+                   "60x100 (375 image tokens), 2 steps, 1 image(s)"),
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "tests" / "_examples_job.py"), *(run for run, _ in runs.values())]

@@ -22,9 +22,11 @@ without a mask (the mask path is exercised, not skipped).
 Pipeline: the tiny ``ChromaPipeline`` (character T5 tokenizer and a 2-layer T5, all built in
 code) with two prompts of different lengths and negative prompts (true CFG: **two** transformer
 calls of batch 2 per step, each with its own mask), 12 text tokens, through ``pipe.enable_usp()``
-on (U, R, cfg) = (2,1,1), (2,2,1) and (1,2,2) (the cfg split halves each call's batch of two
-prompts, masks included), 2 steps, equal to one process's; with one prompt, ``cfg_degree=2``
-raises the cfg split's error (batch 1: nothing to split).
+on (U, R, cfg) = (2,1,1), (2,2,1) and (1,2,2), 2 steps, equal to one process's. On (1,2,2) the
+first step's two calls each split their batch of two prompts over the cfg groups (masks included)
+and the second step's two calls run on the two cfg groups at once (the family's
+``cfg_branch_args``: ``usp_dit.pipelines.cfg_pair`` Note [two calls a step]). One prompt at
+``cfg_degree=2`` (batch 1, nothing to split; the two calls paired): tests/test_cfg_pair.py.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients, rotated Q/K and the
 pipeline's final latents: sharding only reorders float32 sums (attention blocks merged by
@@ -190,7 +192,7 @@ def _generate(pipe, prompts: tuple = PROMPTS) -> tuple[torch.Tensor, torch.Tenso
     return last["latents"], images
 
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits the batch of 2 prompts over cfg
+PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last: cfg split (step 1), then the calls paired
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
@@ -216,21 +218,6 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
     return results
 
 
-def _pipeline_cfg_case() -> dict[str, float]:
-    """cfg_degree=2 on ChromaPipeline with one prompt: two transformer calls of batch 1 per step
-    (its true CFG), nothing to split: the cfg split's NotImplementedError."""
-    pipe = tiny_chroma_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    pipe.enable_usp(cfg_degree=2)
-    try:
-        _generate(pipe, ("a red fox", "blurry"))
-    except NotImplementedError as exc:
-        return {"wrong_error": float("cfg_degree=2" not in str(exc))}
-    finally:
-        pipe.disable_usp()
-    return {"did_not_raise": 1.0}
-
-
 def _run_all() -> dict[str, dict | str]:
     warnings.filterwarnings("ignore", category=FutureWarning)  # FluxPosEmbed's deprecation, once per forward
     results = {}
@@ -243,7 +230,6 @@ def _run_all() -> dict[str, dict | str]:
     record(results, "ulysses-above-heads",
            lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
     record(results, "pipeline", _pipeline_cases, many=True)
-    record(results, "pipeline-cfg2", _pipeline_cfg_case)
     return results
 
 
@@ -290,10 +276,6 @@ def test_pipeline_matches_one_process(grid_results, key: str):
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
     assert_within(grid_results, "pipeline-after-disable", 0.0)
-
-
-def test_cfg_parallel_is_refused_for_the_chroma_pipeline_with_one_prompt(grid_results):
-    assert_within(grid_results, "pipeline-cfg2", 0.0)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):

@@ -26,8 +26,10 @@ pipeline calls only its ``apply_chat_template``; PixtralProcessor needs torchvis
 of different lengths, padded to 192 text tokens (the system message is ~170: the transformer sees
 192 + 15 = 207 tokens; on 4 ranks three hold text only). Through ``pipe.enable_usp()`` on
 (U, R, cfg) = (2,1,1), (2,2,1) and (1,2,2) (the cfg split halves the batch of two prompts),
-2 steps, equal to one process's; with one prompt, ``cfg_degree=2`` raises the cfg split's error
-(batch 1: nothing to split).
+2 steps, equal to one process's; with one prompt on (1,2,2) each call runs whole on both cfg
+groups (batch 1: nothing to split, and one call a step: nothing to pair), equal to one process's,
+one computation a step and none speculated. ``Flux2KleinPipeline``'s two calls a step at
+``cfg_degree=2`` (``cfg_branch_args``): tests/test_cfg_pair.py.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients, rotated Q/K and the
 pipeline's final latents: sharding only reorders float32 sums (attention blocks merged by
@@ -218,17 +220,24 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 def _pipeline_cfg_case() -> dict[str, float]:
     """cfg_degree=2 on Flux2Pipeline with one prompt: one transformer call of batch 1 per step (the
-    guidance is embedded, not batched), nothing to split: the cfg split's NotImplementedError."""
+    guidance is embedded, not batched), nothing to split and no second guidance call to pair (the
+    family declares cfg_branch_args for Flux2KleinPipeline's two calls: tests/test_cfg_pair.py).
+    Each call runs whole on both cfg groups: equal to one process, 2 computations in 2 steps, none
+    speculated."""
     pipe = tiny_flux2_pipeline()
     pipe.set_progress_bar_config(disable=True)
-    pipe.enable_usp(cfg_degree=2)
+    ref_latents, ref_images = _generate(pipe, ["a red fox"])
+    pipe.enable_usp(ring_degree=2, cfg_degree=2)
+    pair = pipe.transformer._usp_dit_state.cfg_pair
     try:
-        _generate(pipe, ["a red fox"])
-    except NotImplementedError as exc:
-        return {"wrong_error": float("cfg_degree=2" not in str(exc))}
+        latents, images = _generate(pipe, ["a red fox"])
+        stats = dict(pair.stats)
     finally:
         pipe.disable_usp()
-    return {"did_not_raise": 1.0}
+    return {
+        "latents": rel_err(latents, ref_latents), "images": rel_err(images, ref_images),
+        "not_whole_on_both_groups": float(stats != dict(computed=2, speculated=0, served=0, dropped=0)),
+    }
 
 
 def _run_all() -> dict[str, dict | str]:
@@ -291,8 +300,13 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
     assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
-def test_cfg_parallel_with_one_prompt_is_refused(grid_results):
-    assert_within(grid_results, "pipeline-cfg2", 0.0)
+def test_cfg_parallel_with_one_prompt_runs_whole_on_both_cfg_groups(grid_results):
+    for rank, res in enumerate(grid_results):
+        errors = res["pipeline-cfg2"]
+        assert not isinstance(errors, str), f"rank {rank}: {errors}"
+        tols = {"latents": TOL, "images": TOL_IMAGES, "not_whole_on_both_groups": 0.0}
+        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
+        assert not worst, f"rank {rank}: above {tols}: {worst}"
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):

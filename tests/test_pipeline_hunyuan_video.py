@@ -22,8 +22,9 @@ T2V and token_replace on 4 ranks, and token_replace once with gradient checkpoin
 Each rank's rotated Q/K of block 0 equal the same rows of one process's. The tiny
 ``HunyuanVideoPipeline`` (Llama and CLIP text encoders, 2 steps, "true cfg" with a negative prompt:
 two transformer calls of batch 1 per step, prompts of different padded lengths, HunyuanVideo VAE
-decode) through ``pipe.enable_usp()`` on (2,1) and (2,2) equals one process's;
-``cfg_degree=2`` on it is refused (one call per guidance branch, batch 1: nothing to split).
+decode) through ``pipe.enable_usp()`` on (2,1) and (2,2) equals one process's. Its two calls a
+step at ``cfg_degree=2`` (the family's ``cfg_branch_args``, run on the two cfg groups at once):
+tests/test_cfg_pair.py.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32, the issue's bar) on outputs, every parameter's
 gradient, the rotated Q/K and the pipeline's final latents. Sharding only reorders float32 sums
@@ -229,21 +230,6 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
     return results
 
 
-def _pipeline_cfg_case() -> dict[str, float]:
-    """cfg_degree=2 on HunyuanVideoPipeline: one transformer call per guidance branch with batch 1,
-    so there is no batch to split and api.py refuses (NotImplementedError)."""
-    pipe = tiny_hunyuan_video_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    pipe.enable_usp(cfg_degree=2)
-    try:
-        _generate(pipe)
-    except NotImplementedError as exc:
-        return {"wrong_error": float("cfg_degree=2" not in str(exc))}
-    finally:
-        pipe.disable_usp()
-    return {"did_not_raise": 1.0}
-
-
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
@@ -255,7 +241,6 @@ def _run_all() -> dict[str, dict | str]:
     record(results, "ulysses-above-heads",
            lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
     record(results, "pipeline", _pipeline_cases, many=True)
-    record(results, "pipeline-cfg2", _pipeline_cfg_case)
     return results
 
 
@@ -298,10 +283,6 @@ def test_pipeline_matches_one_process(grid_results, key: str):
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
     assert_within(grid_results, "pipeline-after-disable", 0.0)
-
-
-def test_cfg_parallel_is_refused_for_hunyuan_video_pipeline(grid_results):
-    assert_within(grid_results, "pipeline-cfg2", 0.0)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):

@@ -162,6 +162,64 @@ def tiny_mistral3_text_encoder(vocab_size: int, seed: int = 0):
     return encoder.eval()
 
 
+def tiny_qwen3_tokenizer():
+    """A tokenizer over single characters (a unigram vocabulary written here, no file) with Qwen's
+    chat tokens and a Qwen-like chat template for ``Flux2KleinPipeline``'s one user message (its
+    content a string; ``enable_thinking`` ignored): ``<|im_start|>user\n...<|im_end|>\n
+    <|im_start|>assistant\n``, about 30 tokens besides the prompt."""
+    import string
+
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
+    pieces += [(c, -2.0) for c in string.ascii_letters + string.digits + string.punctuation + "\n"]
+    tokenizer = T5TokenizerFast(vocab=pieces, extra_ids=0, additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return tokenizer
+
+
+def tiny_qwen3_text_encoder(vocab_size: int, seed: int = 0):
+    """A 3-layer ``Qwen3ForCausalLM`` of width ``MISTRAL_DIM`` (FLUX.2-klein's text encoder is a
+    Qwen3; the pipeline stacks three of its layers' hidden states as the Mistral's are), float32,
+    eval mode, every weight perturbed."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=MISTRAL_DIM, intermediate_size=32, num_hidden_layers=len(MISTRAL_LAYERS),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=512, pad_token_id=0,
+        bos_token_id=None, eos_token_id=1,
+    )
+    torch.manual_seed(seed)
+    encoder = Qwen3ForCausalLM(config)
+    _perturb(encoder, seed + 1, std=0.02)
+    return encoder.eval()
+
+
+def tiny_flux2_klein_pipeline(seed: int = 0):
+    """A ``Flux2KleinPipeline`` (the base, non-distilled Klein: true CFG, two transformer calls a
+    step at ``guidance_scale > 1``, the negative prompt the empty one) of tiny random models
+    (Qwen3-like text encoder, character tokenizer with a chat template, VAE, the "klein"
+    transformer: no guidance embedding), float32.
+
+    Call it with ``text_encoder_out_layers=MISTRAL_LAYERS`` and a ``max_sequence_length`` of 40 or
+    more (the template takes about 30 tokens; every prompt is padded to that length and the
+    transformer attends to every text token). ``height x width`` gives ``(height / 4) * (width / 4)``
+    image tokens, as ``tiny_flux2_pipeline``.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+    tokenizer = tiny_qwen3_tokenizer()
+    return Flux2KleinPipeline(
+        scheduler=scheduler, vae=tiny_flux2_vae(seed + 20), tokenizer=tokenizer,
+        text_encoder=tiny_qwen3_text_encoder(len(tokenizer), seed + 10),
+        transformer=tiny_flux2("klein", seed=seed + 30), is_distilled=False,
+    )
+
+
 def tiny_flux2_pipeline(seed: int = 0):
     """A ``Flux2Pipeline`` (dev: guidance-distilled) of tiny random models (Mistral-3-like text
     encoder, character tokenizer with a chat template, VAE, transformer), float32.

@@ -247,10 +247,11 @@ def enable_usp(
     returns full tensors, exactly as before; inside, its tokens are split over the
     ``ulysses_degree * ring_degree`` ranks of a sequence group and its batch over ``cfg_degree``
     groups (Note [cfg parallel]); where the pipeline calls it once per guidance branch (Flux true
-    CFG, Qwen-Image, Wan), the two calls of a step run on the two cfg groups at once (Note [two
-    calls a step] in ``usp_dit.pipelines.cfg_pair``). On a pipeline, only rank 0 of the job keeps
-    the progress bar and ``prepare_latents`` returns the replica's first rank's latents (Note
-    [same inputs everywhere]; it and [cfg parallel] in ``usp_dit.pipelines.replica_forward``).
+    CFG, Qwen-Image, Wan, HunyuanVideo true CFG, Chroma, Flux.2 Klein), the two calls of a step
+    run on the two cfg groups at once (Note [two calls a step] in ``usp_dit.pipelines.cfg_pair``).
+    On a pipeline, only rank 0 of the job keeps the progress bar and ``prepare_latents`` returns
+    the replica's first rank's latents (Note [same inputs everywhere]; it and [cfg parallel] in
+    ``usp_dit.pipelines.replica_forward``).
 
     Args:
         pipe_or_transformer: a ``DiffusionPipeline`` with a ``transformer`` component (and Wan

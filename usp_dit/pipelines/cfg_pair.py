@@ -15,8 +15,10 @@ argument; a "branch value" is a call's values of the family's ``cfg_branch_args`
 Note [two calls a step]
     Pipelines with true classifier-free guidance (``FluxPipeline`` with ``true_cfg_scale > 1`` and
     a negative prompt, ``QwenImagePipeline``, ``WanPipeline`` with ``guidance_scale > 1``, both of
-    Wan 2.2's experts) call the transformer twice per step, the conditional branch then the
-    unconditional one, each on the batch of the prompts (1 for one prompt). There is no batch of
+    Wan 2.2's experts, ``HunyuanVideoPipeline`` with ``true_cfg_scale > 1`` and a negative prompt,
+    ``ChromaPipeline`` and ``Flux2KleinPipeline`` with ``guidance_scale > 1``) call the transformer
+    twice per step, the conditional branch then the unconditional one, each on the batch of the
+    prompts (1 for one prompt). There is no batch of
     two for Note [cfg parallel] to split, and no wrapper sees both calls at once. But the second
     call of a step differs from the first only in its text conditioning (the negative prompt's
     embeds, mask, pooled embeds, text ids: the same tensors at every step); hidden states,

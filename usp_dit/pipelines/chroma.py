@@ -53,8 +53,10 @@ does not name, an unsupported Diffusers cache (``usp_dit.pipelines.caches``), a 
 IP-Adapter embeddings, a bool mask with masked entries, mask values other than 0 / 1, a mask that
 is not (B, T + N), processors swapped after enable (at the call). ``ChromaPipeline`` runs true CFG
 with **two** transformer calls per step (the prompt, then the negative prompt, each with its own
-mask): with one prompt ``cfg_degree=2`` raises the cfg split's error (batch 1); a batch of prompts
-is split over the cfg groups. (Diffusers' quirk, kept: with gradient checkpointing the forward
+mask): with ``cfg_degree=2`` the two calls of a step run on the two cfg groups at once
+(``cfg_branch_args``, ``usp_dit.pipelines.cfg_pair`` Note [two calls a step]); a call not run so
+(the first step) splits a batch of prompts over the cfg groups (masks included), or runs whole on
+both. (Diffusers' quirk, kept: with gradient checkpointing the forward
 calls the single-stream blocks without the mask.)
 """
 from __future__ import annotations
@@ -228,8 +230,13 @@ PLAN = ModelPlan(
         Parallel("single_transformer_blocks.*.attn", USPChromaAttnProcessor, stock=(FluxAttnProcessor,)),
     ),
     block_lists=("transformer_blocks", "single_transformer_blocks"),
-    # Batched on dim 0, split over the "cfg" axis by enable_usp (img_ids / txt_ids are per token only).
+    # Batched on dim 0, split over the "cfg" axis by enable_usp (img_ids / txt_ids are per token only;
+    # a call cfg_branch_args does not run).
     cfg_batch_args=("hidden_states", "encoder_hidden_states", "timestep", "attention_mask"),
+    # ChromaPipeline's CFG (guidance_scale > 1; img2img and inpainting alike) calls the transformer
+    # once per branch: the prompt's T5 embeds, text ids and joint mask, then the negative prompt's
+    # (usp_dit.pipelines.cfg_pair Note [two calls a step]).
+    cfg_branch_args=("encoder_hidden_states", "txt_ids", "attention_mask"),
     refuse=(_routed_call_missing,),
     refuse_args={
         "controlnet_block_samples": "ControlNet residuals, (B, N, C) over the whole image",

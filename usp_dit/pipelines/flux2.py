@@ -71,9 +71,11 @@ context parallelism already enabled), attention modules the plan does not name, 
 cache, a model without blocks (at enable); the KV-cache modes, an ``attention_mask`` (Flux.2
 pipelines pass none; the stock blocks never forward one) and processors swapped after enable (at
 the call). ``Flux2Pipeline`` is guidance-distilled: one transformer call per step, batch = the
-prompts, so ``cfg_degree=2`` splits a batch of prompts and raises for one prompt (the cfg
-split's error); ``Flux2KleinPipeline`` (non-distilled) calls the transformer once per guidance
-branch, batch 1 each with one prompt: the same. Flux.2 configs have no dropout.
+prompts, so ``cfg_degree=2`` splits a batch of prompts and runs a batch of one whole on both cfg
+groups (correct, no faster). ``Flux2KleinPipeline`` (the non-distilled base model, ``guidance_scale
+> 1``) calls the transformer once per guidance branch, batch 1 each with one prompt: with
+``cfg_degree=2`` the two calls of a step run on the two cfg groups at once (``cfg_branch_args``,
+``usp_dit.pipelines.cfg_pair`` Note [two calls a step]). Flux.2 configs have no dropout.
 """
 from __future__ import annotations
 
@@ -192,9 +194,15 @@ PLAN = ModelPlan(
                  stock=(Flux2ParallelSelfAttnProcessor, Flux2KVParallelSelfAttnProcessor)),
     ),
     block_lists=("transformer_blocks", "single_transformer_blocks"),
-    # Batched on dim 0, split over the "cfg" axis by enable_usp. img_ids / txt_ids stay whole:
-    # the model reads their row 0 for every batch element.
+    # Batched on dim 0, split over the "cfg" axis by enable_usp (a call cfg_branch_args does not
+    # run). img_ids / txt_ids stay whole: the model reads their row 0 for every batch element.
     cfg_batch_args=("hidden_states", "encoder_hidden_states", "timestep", "guidance"),
+    # Flux2KleinPipeline's CFG (the base, non-distilled Klein at guidance_scale > 1; the inpaint
+    # pipeline alike) calls the transformer once per branch: the prompt's Qwen3 embeds and text
+    # ids, then those of the empty negative prompt (usp_dit.pipelines.cfg_pair Note [two calls a
+    # step]). Flux2Pipeline (FLUX.2-dev, guidance-distilled) and the step-distilled Klein make one
+    # call a step: nothing to pair.
+    cfg_branch_args=("encoder_hidden_states", "txt_ids"),
     refuse=(_routed_call_missing,),
 )
 

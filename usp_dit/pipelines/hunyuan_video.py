@@ -62,6 +62,12 @@ attention module the plan does not name, a Diffusers cache (``enable_cache``: it
 be taken per rank on a shard), ``num_layers=0`` (no dual-stream block to split at; no released
 checkpoint has none), and at the call a mask other than a text
 key-padding mask, dropout or causal attention (the stock processor passes none).
+``HunyuanVideoPipeline`` with true CFG (``true_cfg_scale > 1`` and a negative prompt) calls the
+transformer once per guidance branch, batch 1 each with one prompt: with ``cfg_degree=2`` the two
+calls of a step run on the two cfg groups at once (``cfg_branch_args``, ``usp_dit.pipelines.cfg_pair``
+Note [two calls a step]); a call not run so (the first step) splits a batch of prompts over the cfg
+groups, or runs whole on both. Without true CFG (the distilled guidance alone: one call a step)
+``cfg_degree=2`` runs every call whole on both groups: correct, no faster.
 ``HunyuanVideoFramepackTransformer3DModel`` is a different class (not a subclass) and is not
 handled by this adapter. No dropout is configurable in this model, so no replicated-dropout
 handling is needed for the replicated text stream.
@@ -184,12 +190,16 @@ PLAN = ModelPlan(
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     # rope(latents) -> (cos, sin), each (seq, head_dim): the sequence on dim 0.
     tables=(Table("rope", dim=0, items=(0, 1)),),
-    # Batched on dim 0, split over the "cfg" axis by enable_usp. (HunyuanVideoPipeline calls the
-    # transformer once per guidance branch ("true cfg"), so with batch 1 there is nothing to split.)
+    # Batched on dim 0, split over the "cfg" axis by enable_usp (a call cfg_branch_args does not run).
     cfg_batch_args=(
         "hidden_states", "timestep", "encoder_hidden_states", "encoder_attention_mask", "pooled_projections",
         "guidance",
     ),
+    # HunyuanVideoPipeline's true CFG (true_cfg_scale > 1 and a negative prompt; the I2V and SkyReels
+    # pipelines alike) calls the transformer once per branch: the prompt's Llama embeds, their mask
+    # and the CLIP pooled embeds, then the negative prompt's; latents, timestep and the embedded
+    # guidance are the same (usp_dit.pipelines.cfg_pair Note [two calls a step]).
+    cfg_branch_args=("encoder_hidden_states", "encoder_attention_mask", "pooled_projections"),
     hooks=(FirstFrameHooks,),
     refuse=(_routed_call_missing, _no_dual_stream_blocks),
 )
