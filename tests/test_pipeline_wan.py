@@ -355,8 +355,8 @@ def test_per_token_timestep_of_wrong_length_is_refused():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "wan", "--cfg", "2"], "--cfg 2 with --model wan: Wan's pipelines call the transformer once"),
     (["--model", "wan", "--frames", "11"], "--frames 11 must be 4k + 1"),
+    (["--model", "wan", "--cfg", "3"], "--cfg 3: the cfg groups run classifier-free guidance's two branches"),
 ])
 def test_video_example_refuses_what_wan_cannot_take(argv, message, monkeypatch):
     from tests.test_examples_cli import _example
