@@ -9,6 +9,7 @@ run on it as two data-parallel replicas); the 8-rank grids are in tests/test_pip
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,32 @@ GRAD_GRID = {2: (1, 2, 1), 4: (2, 2, 1)}  # the gradient cases' grid per sequenc
 def forward(model, inputs) -> torch.Tensor:
     with torch.no_grad():
         return model(**inputs.kwargs(), return_dict=False)[0]
+
+
+def sharded_output_case(model, inputs, adapter, mesh, attention: torch.nn.Module, tokens: int) -> dict[str, float]:
+    """Output through ``adapter`` on ``mesh`` vs the stock output; 1.0 if the longest
+    ``hidden_states`` that ``attention`` (block 0's, of ``model``) saw exceeds ceil(tokens / P),
+    i.e. the tokens were not split (or it never ran); 1.0 if the output after ``disable`` is not
+    bit-identical."""
+    ref = forward(model, inputs)
+    lengths = []
+
+    def seen(module, args, kwargs):
+        lengths.append((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[1])
+
+    adapter.enable(model, mesh, "auto")
+    hook = attention.register_forward_pre_hook(seen, with_kwargs=True)
+    try:
+        out = forward(model, inputs)
+    finally:
+        hook.remove()
+        adapter.disable(model)
+    again = forward(model, inputs)
+    return {
+        "out": rel_err(out, ref),
+        "block0_tokens_above_ceil": float(not lengths or max(lengths) > math.ceil(tokens / mesh.sequence_degree)),
+        "disable_not_bit_identical": float(not torch.equal(again, ref)),
+    }
 
 
 def _param_grads(model, inputs, divisor: int) -> dict[str, torch.Tensor]:

@@ -20,19 +20,19 @@ rows), which moves results by a few 1e-7 relative on these sizes.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from tests.adapter_parity import (
-    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, ulysses_above_heads_case,
+    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, sharded_output_case,
+    ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.pipelines.cogvideox import ADAPTER
 from usp_dit.demo.tiny_video import cogvideox_inputs, tiny_cogvideox
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import assert_no_crash, run_spawned
 
 TOL = 1e-5
 WORLD = 4  # one spawned group; the 2-rank grids run on it as two data-parallel replicas
@@ -77,22 +77,7 @@ def _build(shape: Shape):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's video tokens vs ceil(S / P), bit-identity after disable."""
     model, inputs = _build(shape)
-    ref = forward(model, inputs)
-    lengths = []
-    ADAPTER.enable(model, mesh, "auto")
-    hook = model.transformer_blocks[0].attn1.register_forward_pre_hook(
-        lambda m, args, kwargs: lengths.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
-    try:
-        out = forward(model, inputs)
-    finally:
-        hook.remove()
-        ADAPTER.disable(model)
-    again = forward(model, inputs)
-    return {
-        "out": rel_err(out, ref),
-        "block0_tokens_above_ceil": float(not lengths or max(lengths) > math.ceil(shape.tokens / mesh.sequence_degree)),
-        "disable_not_bit_identical": float(not torch.equal(again, ref)),
-    }
+    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
 
 
 def _run_all() -> dict[str, dict | str]:

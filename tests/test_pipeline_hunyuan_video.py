@@ -35,7 +35,6 @@ decoded frames: 1e-4 (an untrained random VAE's gain, as in tests/test_video_pip
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from unittest import mock
@@ -47,7 +46,8 @@ from diffusers.models.transformers import transformer_hunyuan_video
 import torch.distributed as dist
 
 from tests.adapter_parity import (
-    _param_grads, assert_within, forward, output_keys, record, run_grid_cases, ulysses_above_heads_case,
+    _param_grads, assert_within, forward, output_keys, record, run_grid_cases, sharded_output_case,
+    ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_hunyuan_video import (
@@ -99,23 +99,8 @@ def _build(shape: Shape, seed: int = 0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's video token count vs ceil(S / P), bit-identity after disable."""
     model, inputs = _build(shape)
-    ref = forward(model, inputs)
-    lengths = []
-    ADAPTER.enable(model, mesh, "auto")
-    hook = model.transformer_blocks[0].attn.register_forward_pre_hook(
-        lambda m, args, kwargs: lengths.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
-    try:
-        out = forward(model, inputs)
-    finally:
-        hook.remove()
-        ADAPTER.disable(model)
-    again = forward(model, inputs)
-    bound = math.ceil(hunyuan_video_tokens(model, shape.frames, shape.height, shape.width) / mesh.sequence_degree)
-    return {
-        "out": rel_err(out, ref),
-        "block0_tokens_above_ceil": float(not lengths or max(lengths) > bound),
-        "disable_not_bit_identical": float(not torch.equal(again, ref)),
-    }
+    tokens = hunyuan_video_tokens(model, shape.frames, shape.height, shape.width)
+    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, tokens)
 
 
 # Key biases whose gradient is zero by maths: the token refiner's attention has no norm after

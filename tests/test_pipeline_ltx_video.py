@@ -32,7 +32,6 @@ tests/test_video_pipelines.py; measured 1.3e-6).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from unittest import mock
 
@@ -41,7 +40,8 @@ import torch
 from diffusers.models.transformers import transformer_ltx
 
 from tests.adapter_parity import (
-    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, ulysses_above_heads_case,
+    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, sharded_output_case,
+    ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ltx_video import ltx_video_inputs, tiny_ltx_video, tiny_ltx_video_pipeline
@@ -94,22 +94,7 @@ def _build(shape: Shape, seed: int = 0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's self-attention length vs ceil(S / P), bit-identity after disable."""
     model, inputs = _build(shape)
-    ref = forward(model, inputs)
-    lengths = []
-    ADAPTER.enable(model, mesh, "auto")
-    hook = model.transformer_blocks[0].attn1.register_forward_pre_hook(
-        lambda m, args, kwargs: lengths.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
-    try:
-        out = forward(model, inputs)
-    finally:
-        hook.remove()
-        ADAPTER.disable(model)
-    again = forward(model, inputs)
-    return {
-        "out": rel_err(out, ref),
-        "block0_tokens_above_ceil": float(not lengths or max(lengths) > math.ceil(shape.tokens / mesh.sequence_degree)),
-        "disable_not_bit_identical": float(not torch.equal(again, ref)),
-    }
+    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:

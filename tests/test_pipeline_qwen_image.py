@@ -38,7 +38,6 @@ parameter gradient, 8.8e-7 on the pipeline's latents, 0 on the rotated Q/K. Deco
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from unittest import mock
 
@@ -48,7 +47,8 @@ from diffusers.models.transformers import transformer_qwenimage
 
 import usp_dit
 from tests.adapter_parity import (
-    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, ulysses_above_heads_case,
+    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, sharded_output_case,
+    ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_qwen_image import (
@@ -99,23 +99,8 @@ def _build(shape: Shape, seed: int = 0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's attention length vs ceil(S / P), bit-identity after disable."""
     model, inputs = _build(shape)
-    ref = forward(model, inputs)
-    lengths = []
-    ADAPTER.enable(model, mesh, "auto")
-    hook = model.transformer_blocks[0].attn.register_forward_pre_hook(
-        lambda m, args, kwargs: lengths.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
-    try:
-        out = forward(model, inputs)
-    finally:
-        hook.remove()
-        ADAPTER.disable(model)
-    again = forward(model, inputs)
-    bound = math.ceil(qwen_image_tokens(list(shape.images)) / mesh.sequence_degree)
-    return {
-        "out": rel_err(out, ref),
-        "block0_tokens_above_ceil": float(max(lengths) > bound),
-        "disable_not_bit_identical": float(not torch.equal(again, ref)),
-    }
+    tokens = qwen_image_tokens(list(shape.images))
+    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, tokens)
 
 
 def _text_streams(model, inputs) -> list[torch.Tensor]:

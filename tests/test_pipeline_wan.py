@@ -34,7 +34,6 @@ The decoded frames: 1e-4 (an untrained random VAE's gain, as in tests/test_video
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from unittest import mock
@@ -45,7 +44,8 @@ from diffusers.models.transformers import transformer_wan
 
 import usp_dit
 from tests.adapter_parity import (
-    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, ulysses_above_heads_case,
+    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, sharded_output_case,
+    ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.pipelines import _routing, is_usp_enabled
@@ -93,22 +93,8 @@ def _build(shape: Shape, seed: int = 0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's attention length vs ceil(S / P), bit-identity after disable."""
     model, inputs = _build(shape)
-    ref = forward(model, inputs)
-    lengths = []
-    ADAPTER.enable(model, mesh, "auto")
-    hook = model.blocks[0].attn1.register_forward_pre_hook(lambda m, args: lengths.append(args[0].shape[1]))
-    try:
-        out = forward(model, inputs)
-    finally:
-        hook.remove()
-        ADAPTER.disable(model)
-    again = forward(model, inputs)
-    bound = math.ceil(wan_tokens(model, shape.frames, shape.height, shape.width) / mesh.sequence_degree)
-    return {
-        "out": rel_err(out, ref),
-        "block0_tokens_above_ceil": float(max(lengths) > bound),
-        "disable_not_bit_identical": float(not torch.equal(again, ref)),
-    }
+    tokens = wan_tokens(model, shape.frames, shape.height, shape.width)
+    return sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attn1, tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
