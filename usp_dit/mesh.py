@@ -253,16 +253,23 @@ def _build_mesh(config: USPConfig, dp: int, device_type: str) -> USPMesh:
     return USPMesh(config, dp, device_type, register_device_mesh(device_mesh), register_device_mesh(seq_mesh))
 
 
+def default_timeout(device_type: str):
+    """The default process group's timeout on ``device_type``'s backend, or None when it has none."""
+    default = dist.distributed_c10d._get_default_group()
+    try:
+        return default._get_backend(torch.device(device_type)).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def _inherit_timeout(*meshes: tuple[DeviceMesh, tuple[str, ...]]) -> None:
     """Give the mesh's groups the default group's timeout.
 
     New groups otherwise get the backend's default (30 minutes for gloo), so a rank stuck in a
     collective after its peer failed would wait that long even when the job asked for less.
     """
-    default = dist.distributed_c10d._get_default_group()
-    try:
-        timeout = default._get_backend(torch.device(_device_type())).options._timeout
-    except (AttributeError, RuntimeError):  # a backend without options: keep the groups' own default
+    timeout = default_timeout(_device_type())
+    if timeout is None:  # a backend without options: keep the groups' own default
         return
     for device_mesh, axes in meshes:
         for axis in axes:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from usp_dit.groups import on_release
-from usp_dit.mesh import USPMesh
+from usp_dit.mesh import USPMesh, default_timeout
 
 
 def replica_groups(mesh: USPMesh) -> list[dist.ProcessGroup]:
@@ -46,15 +46,6 @@ def _forget_replica_groups() -> None:
     _REPLICA_GROUPS.clear()
 
 
-def _default_timeout(mesh: USPMesh):
-    """The default group's timeout (new groups otherwise get the backend's 30 minutes), or None."""
-    default = dist.distributed_c10d._get_default_group()
-    try:
-        return default._get_backend(torch.device(mesh.device_type)).options._timeout
-    except (AttributeError, RuntimeError):
-        return None
-
-
 def replica_group(mesh: USPMesh) -> dist.ProcessGroup | None:
     """One process group over the cfg x ring x ulysses ranks of this rank's replica, in mesh order
     (``seq_group`` itself when cfg is 1, ``cfg_group`` when the sequence degree is 1); ``None`` for a
@@ -70,7 +61,7 @@ def replica_group(mesh: USPMesh) -> dist.ProcessGroup | None:
     per_replica = mesh.device_mesh.mesh.reshape(mesh.dp_degree, -1).tolist()
     key = (id(dist.distributed_c10d._get_default_group()), tuple(map(tuple, per_replica)))
     if key not in _REPLICA_GROUPS or _REPLICA_GROUPS[key] not in dist.distributed_c10d._world.pg_map:
-        mine, timeout = None, _default_timeout(mesh)
+        mine, timeout = None, default_timeout(mesh.device_type)  # (new groups otherwise wait 30 min)
         for ranks in per_replica:  # every rank builds every replica's group, in the same order
             group = dist.new_group(ranks, timeout=timeout)
             if dist.get_rank() in ranks:

@@ -81,7 +81,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from usp_dit.logs import get_logger
 from usp_dit.mesh import USPMesh
-from usp_dit.pipelines.replica_forward import gather_cfg_output, split_cfg_batch
+from usp_dit.pipelines.replica_forward import batch_size, gather_cfg_output, split_cfg_batch
 
 logger = get_logger("cfg_pair")
 
@@ -344,7 +344,7 @@ class CfgPair:
         """A call as without speculation: the batch split over "cfg" when the batch divides,
         else the whole call on both cfg groups."""
         self.stats["computed"] += 1
-        if _batch_of(bound.arguments) % self.mesh.cfg_degree == 0:
+        if batch_size(bound.arguments, default=1) % self.mesh.cfg_degree == 0:  # (no batch: not split)
             batch = split_cfg_batch(bound.arguments, self.mesh, self.batch_args)
             return gather_cfg_output(inner(*bound.args, **bound.kwargs), batch, self.mesh)
         return inner(*bound.args, **bound.kwargs)
@@ -387,14 +387,6 @@ def _why_dropped(expected: dict[str, Any], arguments: dict[str, Any], mode: tupl
         why = f"it was not the other guidance branch ({', '.join(names)} differ: e.g. a step with guidance off)"
     return (f"a speculated result was dropped and the call computed: {why}. Results stay exact; such calls are "
             f"no faster than on one cfg group (logged once)")
-
-
-def _batch_of(arguments: dict[str, Any]) -> int:
-    """Dim 0 of the first tensor argument with one (1 when none: not split)."""
-    for value in arguments.values():
-        if torch.is_tensor(value) and value.dim() > 0:
-            return value.shape[0]
-    return 1
 
 
 def cfg_pair_for(adapter: Any, mesh: USPMesh, sync_inputs: bool) -> CfgPair | None:

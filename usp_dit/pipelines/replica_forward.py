@@ -130,10 +130,13 @@ class SyncedLatents(MethodWrapper):
 # Note [cfg parallel]
 
 
-def _batch_size(arguments: dict[str, Any]) -> int:
+def batch_size(arguments: dict[str, Any], default: int | None = None) -> int:
+    """Dim 0 of the first tensor argument that has one; ``default`` when none does (ValueError if None)."""
     for value in arguments.values():
         if torch.is_tensor(value) and value.dim() > 0:
             return value.shape[0]
+    if default is not None:
+        return default
     raise ValueError("cfg_degree > 1 needs a tensor argument with a batch dimension; the transformer got none")
 
 
@@ -159,7 +162,7 @@ def split_cfg_batch(arguments: dict[str, Any], mesh: USPMesh, batch_args: tuple[
     Raises:
         NotImplementedError: the batch does not split evenly over the cfg ranks.
     """
-    batch, cfg = _batch_size(arguments), mesh.cfg_degree
+    batch, cfg = batch_size(arguments), mesh.cfg_degree
     if batch % cfg:
         raise NotImplementedError(
             f"cfg_degree={cfg} splits the transformer's batch over {cfg} groups, but the batch is {batch}: "

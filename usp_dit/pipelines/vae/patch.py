@@ -30,6 +30,7 @@ from usp_dit.comm import gather_uneven
 from usp_dit.logs import get_logger
 from usp_dit.mesh import USPMesh, resolve_mesh
 from usp_dit.pipelines._routing import with_global
+from usp_dit.pipelines.base import restore_instance_attr, saved_instance_attr
 from usp_dit.pipelines.vae.attention import GATHERED_F
 from usp_dit.pipelines.vae.halo import ROWS, RowGroup, decoding, gathered_counts, halo_conv_forward
 from usp_dit.pipelines.vae.norm import group_norm_forward
@@ -69,7 +70,6 @@ class VAEState:
 
 
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, VAEState] = weakref.WeakKeyDictionary()
-_MISSING = object()
 _REGIONS = {"decode": ("decoder", "_decode"), "encode": ("encoder", "_encode")}
 
 
@@ -78,7 +78,7 @@ def is_parallel_vae_enabled(vae: torch.nn.Module) -> bool:
 
 
 def _set(state: VAEState, obj: object, name: str, value: object) -> None:
-    state.undo.append((obj, name, obj.__dict__.get(name, _MISSING)))
+    state.undo.append((obj, name, saved_instance_attr(obj, name)))
     setattr(obj, name, value)
 
 
@@ -89,7 +89,7 @@ def _install(sites: Sites, state: VAEState) -> None:
     for norm in sites.norms:
         _set(state, norm, "forward", functools.partial(group_norm_forward, norm))
     for attn in sites.processors:
-        _set(state, attn, "processor", _GatheredAttnProcessor())
+        _set(state, attn, "processor", _gathered_processor_class()())
     for block in sites.forwards:
         _set(state, block, "forward", types.MethodType(with_global(type(block).forward, "F", GATHERED_F), block))
     for module, names in sites.rebound:
@@ -99,22 +99,14 @@ def _install(sites: Sites, state: VAEState) -> None:
         _set(state, module, "forward", types.MethodType(forward, module))
 
 
+@functools.cache
 def _gathered_processor_class() -> type:
+    """``AttnProcessor2_0`` with K/V gathered (made on first use: Diffusers is imported late)."""
     from diffusers.models.attention_processor import AttnProcessor2_0
 
     call = with_global(AttnProcessor2_0.__call__, "F", GATHERED_F)
     return type("GatheredKVAttnProcessor", (AttnProcessor2_0,), {
         "__call__": call, "__doc__": "AttnProcessor2_0's code with K/V gathered over the parallel VAE's ranks."})
-
-
-class _LazyProcessor:
-    cls: type | None = None
-
-
-def _GatheredAttnProcessor():  # noqa: N802  (a class made on first use: Diffusers is imported late)
-    if _LazyProcessor.cls is None:
-        _LazyProcessor.cls = _gathered_processor_class()
-    return _LazyProcessor.cls()
 
 
 def _classified(vae: torch.nn.Module, direction: str) -> tuple[Sites | None, str | None]:
@@ -169,10 +161,7 @@ def disable_parallel_vae(vae: torch.nn.Module) -> None:
     if state is None:
         return
     for obj, name, saved in reversed(state.undo):
-        if saved is _MISSING:
-            obj.__dict__.pop(name, None)
-        else:
-            setattr(obj, name, saved)
+        restore_instance_attr(obj, name, saved)
 
 
 @contextmanager

@@ -179,8 +179,9 @@ def _ltx_refuse(module: nn.Module) -> str | None:
     return None
 
 
+@functools.cache
 def recipes() -> dict[type, Recipe]:
-    """Exact VAE class -> recipe (imports the Diffusers autoencoders on first use)."""
+    """Exact VAE class -> recipe (imports the Diffusers autoencoders on first use; built once)."""
     from diffusers import (
         AutoencoderKL, AutoencoderKLCogVideoX, AutoencoderKLFlux2, AutoencoderKLHunyuanVideo, AutoencoderKLLTXVideo,
         AutoencoderKLMochi, AutoencoderKLQwenImage, AutoencoderKLWan,
