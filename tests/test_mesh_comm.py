@@ -112,27 +112,10 @@ def _seq_len_mismatch():
     return None
 
 
-def _compiled_multi_rank():
-    """A compiled model around usp_attention on a 2x2 grid equals eager (one graph break per call)."""
-    mesh = init_usp(ulysses_degree=2, ring_degree=2)
-    g = torch.Generator().manual_seed(5)
-    w = torch.randn(16, 48, generator=g)
-    x = shard_sequence(torch.randn(1, 11, 16, generator=g), mesh)
-
-    def model(x):
-        q, k, v = (x @ w).view(1, x.shape[1], 3, 4, 4).unbind(2)
-        return usp_attention(q, k, v, mesh=mesh, seq_len=11).out.square().sum()
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager")
-    return abs(compiled(x).item() - model(x).item())
-
-
 def _worker():
     res = {"coords": _coords(), "degree_error": _degree_error(), "a2a": _a2a_round_trip(), "ring": _ring_pass(),
            "sharding": _sharding(), "missing_mesh": _missing_mesh_error()}
     res["seq_len_mismatch"] = _seq_len_mismatch()
-    res["compiled"] = _compiled_multi_rank()
     res["timeouts"] = _group_timeouts()
     res["released"] = _released_mesh()  # last: it releases every mesh built above
     return res
@@ -184,11 +167,6 @@ def test_seq_len_mismatch_raises(results):
     for r in results:
         msg = r["seq_len_mismatch"]
         assert "seq_len=20" in msg and all(f"rank {i} holds 3 (expected 5)" in msg for i in range(4)), msg
-
-
-def test_compiled_model_on_grid_matches_eager(results):
-    for r in results:
-        assert r["compiled"] < 1e-5  # same kernels; float32 sums may be reordered by the tracer
 
 
 def _group_timeouts():

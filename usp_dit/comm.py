@@ -191,10 +191,20 @@ def all_gather_uneven(x: torch.Tensor, sizes: list[int], dim: int, group: dist.P
 class RingExchanger:
     """Passes tensors to the next rank of a ring and receives from the previous one, non-blocking.
 
-    ``start`` posts one send and one receive (``batch_isend_irecv``) and returns at once, so the
+    ``post`` sends one tensor on and returns a function that yields the tensor received, so the
     caller computes on the current block while the next one travels (double buffering: the buffer
-    being sent is never the one being filled). Empty tensors are skipped on both sides, which stay
-    in step because both know every block's size.
+    being sent is never the one being filled). Two ways to move it (Note [traced ring]):
+
+    - eager: one ``batch_isend_irecv`` (point to point); empty tensors are skipped on both sides,
+      which stay in step because both know every block's size;
+    - under ``torch.compile``: one functional ``all_to_all_single`` whose only non-empty splits are
+      "to the next rank" and "from the previous one", which Dynamo traces and inductor schedules
+      (its wait sinks to the first use, so the transfer still overlaps the block's attention).
+
+    Note [traced ring]
+        Point-to-point ops cannot be traced, so a compiled ring rotates its blocks with the
+        collective every rank of the ring joins at every step (the loop is the same on all ranks,
+        so the collectives match even where a rank's block is empty). It moves the same bytes.
     """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
@@ -205,11 +215,9 @@ class RingExchanger:
         self.prev_peer = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
     def start(self, send: torch.Tensor | None, recv: torch.Tensor | None, tag: int = 0) -> list[dist.Work]:
-        """Post ``send`` to the next rank and ``recv`` from the previous; returns the handles.
-
-        Streams that may be in flight together (K/V blocks and their gradients) use different tags.
-        """
-        # The caller keeps both buffers alive until ``wait``: the transfers read and write them in place.
+        """Post ``send`` to the next rank and ``recv`` from the previous (point to point); returns
+        the handles. Streams that may be in flight together (K/V blocks and their gradients) use
+        different tags. The caller keeps both buffers alive until ``wait``."""
         ops = []
         if send is not None and send.numel():
             assert send.is_contiguous(), "ring send buffers must be contiguous"
@@ -223,3 +231,27 @@ class RingExchanger:
         """Block until the transfers of one ``start`` are done."""
         for work in works:
             work.wait()
+
+    def post(self, send: torch.Tensor, recv_shape: tuple[int, ...], dtype: torch.dtype, tag: int = 0):
+        """Send ``send`` (contiguous) to the next rank; returns ``receive()``, which waits for and
+        returns the ``recv_shape`` tensor of ``dtype`` from the previous rank (Note [traced ring])."""
+        if torch.compiler.is_compiling():
+            return self._post_traced(send, recv_shape)
+        recv = send.new_empty(recv_shape, dtype=dtype)
+        works = self.start(send, recv, tag)
+
+        def receive() -> torch.Tensor:
+            self.wait(works)
+            del_after = send  # noqa: F841 -- the send buffer must outlive its transfer
+            return recv
+
+        return receive
+
+    def _post_traced(self, send: torch.Tensor, recv_shape: tuple[int, ...]):
+        """The functional rotation of Note [traced ring] (``send``'s dtype travels)."""
+        nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        in_splits, out_splits = [0] * self.size, [0] * self.size
+        in_splits[nxt] = send.numel()
+        out_splits[prev] = math.prod(recv_shape)
+        pending = funcol.all_to_all_single(send.reshape(-1), out_splits, in_splits, self.group)
+        return lambda: funcol.wait_tensor(pending).view(recv_shape)

@@ -12,7 +12,6 @@ Note [sequence rank order]
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, field
 
@@ -42,6 +41,13 @@ class USPMesh:
     device_mesh: DeviceMesh | None = None
     seq_mesh: DeviceMesh | None = None
     released: bool = field(default=False, init=False, repr=False)
+    _exchanger: RingExchanger | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Built here rather than on first use: a lazy attribute takes a lock on first access, which
+        # torch.compile cannot trace (the first compiled call would break its graph there).
+        if self.ring_group is not None:
+            self._exchanger = RingExchanger(self.ring_group)
 
     @property
     def ulysses_degree(self) -> int:
@@ -117,18 +123,19 @@ class USPMesh:
     def seq_group(self) -> dist.ProcessGroup | None:
         return self._group(self.seq_mesh, "seq", self.sequence_degree)
 
-    @functools.cached_property
+    @property
     def ring_exchanger(self) -> RingExchanger:
-        """The K/V ring of this rank's ring group (built once, reused by every call)."""
-        if self.ring_group is None:
+        """The K/V ring of this rank's ring group (built with the mesh, reused by every call)."""
+        self._check_live()
+        if self._exchanger is None:
             raise ValueError("ring_degree is 1: there is no ring")
-        return RingExchanger(self.ring_group)
+        return self._exchanger
 
     def release(self) -> None:
         """Let go of this mesh's process groups (``usp_dit.groups`` Note [groups at exit]); using it
         afterwards raises ``RuntimeError``."""
         self.device_mesh = self.seq_mesh = None
-        self.__dict__.pop("ring_exchanger", None)  # the cached RingExchanger holds the ring group
+        self._exchanger = None  # it holds the ring group
         self.released = True
 
     def __deepcopy__(self, memo: dict) -> USPMesh:

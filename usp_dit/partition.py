@@ -22,8 +22,10 @@ def split_sizes(n: int, parts: int) -> list[int]:
         raise ValueError(f"parts must be >= 1, got {parts}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    base, extra = divmod(n, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
+    # Piece i holds the items j < n with j = i (mod parts): ceil((n - i) / parts) of them, the same
+    # as base + (i < n % parts) but without a branch on n, so a symbolic n under torch.compile's
+    # dynamic shapes stays symbolic (no guard, no recompile per remainder).
+    return [(n + parts - 1 - i) // parts for i in range(parts)]
 
 
 def offsets(sizes: list[int]) -> list[int]:

@@ -97,10 +97,10 @@ class RingSpec:
         return (self.rank - step) % self.size
 
 
-def _kv_buffer(like: torch.Tensor, length: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An empty (2, B, length, kv_heads, D) buffer for one K/V block (or its gradient)."""
+def _kv_shape(like: torch.Tensor, length: int) -> tuple[int, ...]:
+    """The (2, B, length, kv_heads, D) shape of one K/V block (or its gradient) like ``like``."""
     _, b, _, h, d = like.shape
-    return torch.empty((2, b, length, h, d), dtype=dtype or like.dtype, device=like.device)
+    return (2, b, length, h, d)
 
 
 def _ring_blocks(k: torch.Tensor, v: torch.Tensor, spec: RingSpec):
@@ -111,13 +111,11 @@ def _ring_blocks(k: torch.Tensor, v: torch.Tensor, spec: RingSpec):
     """
     cur = torch.stack([k, v])  # one contiguous buffer, one send per step
     for step in range(spec.size):
-        nxt, works = None, []
+        receive = None
         if step < spec.size - 1:
-            nxt = _kv_buffer(cur, spec.block_sizes[spec.block_at(step + 1)])
-            works = spec.exchanger.start(cur, nxt, _KV_TAG)
+            receive = spec.exchanger.post(cur, _kv_shape(cur, spec.block_sizes[spec.block_at(step + 1)]), cur.dtype, _KV_TAG)
         yield step, cur
-        spec.exchanger.wait(works)
-        cur = nxt if nxt is not None else cur
+        cur = receive() if receive is not None else cur
 
 
 def _with_joint(kv, joint_k: torch.Tensor | None, joint_v: torch.Tensor | None, step: int):
@@ -235,7 +233,9 @@ def _gather_in_place(k, v, joint_k, joint_v, spec: RingSpec):
 
 def _gather_one_call_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
     """The "gather_one_call" forward of Note [ring schedule]: one call against the whole sequence."""
-    if k.shape[0] == 1 and len(set(spec.block_sizes)) == 1:
+    # Under torch.compile the gather into a preallocated buffer (an in-place collective) cannot be
+    # traced; the functional gather below can.
+    if k.shape[0] == 1 and len(set(spec.block_sizes)) == 1 and not torch.compiler.is_compiling():
         k_all, v_all = _gather_in_place(k, v, joint_k, joint_v, spec)
     else:
         pending = _start_block_gather(k, v, spec)
@@ -298,7 +298,7 @@ def ring_backward(dout, q, k, v, joint_k, joint_v, out, lse, spec: RingSpec, bac
     acc = lse_dtype(q.dtype)  # gradients accumulate in the dtype of the merges
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     djk = djv = None
-    dkv_recv, dworks = None, []
+    receive = None
     for step, cur in _ring_blocks(k, v, spec):
         k_t, v_t = _with_joint(cur, joint_k, joint_v, step)
         dq_t, dk_t, dv_t = _block_grads(backend, dout, q, k_t, v_t, out, lse, scale)
@@ -307,17 +307,14 @@ def ring_backward(dout, q, k, v, joint_k, joint_v, out, lse, spec: RingSpec, bac
         if step == 0 and joint_k is not None:
             djk, djv = dk_t[:, n:], dv_t[:, n:]
         dkv = torch.stack([dk_t[:, :n], dv_t[:, :n]]).to(acc)
-        spec.exchanger.wait(dworks)
-        if dkv_recv is not None:
-            dkv += dkv_recv
+        if receive is not None:
+            dkv += receive()
         # The accumulator we receive next belongs to the block we hold at the next step; after the
         # last step that is our own block, coming home.
-        dkv_recv = _kv_buffer(cur, spec.block_sizes[spec.block_at(step + 1)], acc)
-        dworks = spec.exchanger.start(dkv, dkv_recv, _DKV_TAG)
-        keep_alive = dkv  # the send buffer must outlive its transfer
-    spec.exchanger.wait(dworks)
-    del keep_alive
-    return dq.to(q.dtype), dkv_recv[0].to(k.dtype), dkv_recv[1].to(v.dtype), djk, djv
+        shape = _kv_shape(cur, spec.block_sizes[spec.block_at(step + 1)])
+        receive = spec.exchanger.post(dkv, shape, acc, _DKV_TAG)
+    dkv_home = receive()
+    return dq.to(q.dtype), dkv_home[0].to(k.dtype), dkv_home[1].to(v.dtype), djk, djv
 
 
 class RingAttention(torch.autograd.Function):
@@ -333,7 +330,9 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if dlse is not None:
+        # Traced, dlse is always materialised (zeros); usp_attention refuses a compiled call whose
+        # LSE could reach a loss (return_lse with gradients), so only eager checks it here.
+        if dlse is not None and not torch.compiler.is_compiling():
             raise NotImplementedError("backpropagating through the returned log-sum-exp is not supported")
         q, k, v, joint_k, joint_v, out, lse = ctx.saved_tensors
         if dout is None:

@@ -42,6 +42,11 @@ def gather_sequence(
     if mesh.sequence_degree == 1:
         return x_local
     dim = dim % x_local.dim()
+    if seq_len is None and torch.compiler.is_compiling():
+        raise ValueError(
+            "seq_len=None: under torch.compile gather_sequence needs seq_len (the full length along "
+            "dim) since the handshake that gathers the piece lengths cannot be traced"
+        )
     if seq_len is not None and calls_verified(mesh):
         sizes = split_sizes(seq_len, mesh.sequence_degree)
     else:  # Note [call handshake]: the gather of piece lengths checks the rest of the shape too

@@ -7,6 +7,25 @@ Layout: (batch, seq, heads, head_dim) for every input and output; LSE (batch, se
            └─ ring over R ranks (+ joint text K/V at step 0)         (B, S_block [+ joint part], h, D)
       └─ Ulysses all-to-all back                                      (B, S_shard, H, D)
 
+Note [compiled calls]
+    Under ``torch.compile`` the whole sharded call traces into the graph, forward and backward:
+    the Ulysses all-to-alls and the gathers are functional collectives, every ring schedule moves
+    its blocks with functional collectives (the "stream" ring rotates them with an all-to-all of
+    one non-empty split each way, ``usp_dit.comm`` Note [traced ring]), and kernels are the custom
+    op ``usp_dit::attention``. What cannot be traced is left out of the graph, not computed
+    differently:
+    - the per-call handshake (Note [call handshake]) and the model wrapper's agreement on a call:
+      a compiled call trusts that the ranks agree (its guards already pin shapes and dtypes per
+      rank). Run a first step eagerly to check a new setup (``torch.compiler.set_stance("force_eager")``);
+    - so a compiled call needs ``seq_len`` to know every rank's shard (the adapters pass it): a
+      call without it raises ValueError;
+    - a traced backward gets a zero LSE gradient whether or not the loss read the LSE, so
+      ``return_lse=True`` with gradients is refused (NotImplementedError);
+    - a two-call CFG pipeline's pairing (``usp_dit.pipelines.cfg_pair``) runs eagerly only; a
+      compiled call with cfg_degree 2 takes the batch split.
+    Shard sizes are symbolic under dynamic shapes (``partition.split_sizes`` has no branch on the
+    length), so a new resolution recompiles once (static, then dynamic), not per resolution.
+
 Joint (text) queries are split over the ring ranks and ride along with the local queries, so their
 work is shared; their outputs are gathered over ring and Ulysses ranks so that every rank returns
 the same ``joint_out``.
@@ -103,6 +122,12 @@ def _shard_sizes(q, k, call: _Call, mesh: USPMesh, seq_len: int | None) -> list[
             match ``seq_len``.
     """
     p, local_len = mesh.sequence_degree, q.shape[1]
+    if seq_len is None and torch.compiler.is_compiling():
+        raise ValueError(
+            "seq_len=None: under torch.compile usp_attention on a grid needs seq_len (the full "
+            "sequence length) to know every rank's shard, since the handshake that gathers them "
+            "cannot be traced (Note [compiled calls]); the model adapters pass it"
+        )
     if seq_len is not None and calls_verified(mesh):
         sizes = split_sizes(seq_len, p)
         if sizes[mesh.seq_rank] != local_len:
@@ -174,6 +199,13 @@ def _prepare(q, k, v, joint_qkv, mesh: USPMesh, scale, backend: str, return_lse:
         flops = _call_flops(q, k, joint, mesh, needs_grad, schedule)
     kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad, flops)
     _check_lse(kernel, return_lse, mesh)
+    if return_lse and needs_grad and torch.compiler.is_compiling():
+        # Traced backwards get a zero LSE gradient whether or not the loss read it: refuse rather
+        # than silently drop a gradient (eager raises when one reaches the LSE).
+        raise NotImplementedError(
+            "return_lse=True with gradients under torch.compile: the LSE is not differentiable; "
+            "call with return_lse=False, or under torch.no_grad(), or eagerly"
+        )
     return _Call(joint, joint_empty, kernel, scale, needs_grad, schedule, return_lse)
 
 
@@ -227,8 +259,16 @@ def _call_flops(q, k, joint, mesh: USPMesh, needs_grad: bool = False, schedule: 
     return 4.0 * b * (s / r) * k_len * heads * d
 
 
-@torch.compiler.disable  # P2P ring transfers are not traceable: compiled models run this part eagerly
 def _sharded(q, k, v, call: _Call, mesh: USPMesh, seq_len):
+    """P > 1 (Note [compiled calls]): traced into the graph under torch.compile; eagerly, run with
+    Dynamo disabled as before compile support (without that wrapper an eager call's functional
+    collectives kept their process group referenced after the job; seen on gloo, torch 2.13)."""
+    if torch.compiler.is_compiling():
+        return _sharded_call(q, k, v, call, mesh, seq_len)
+    return _sharded_eager(q, k, v, call, mesh, seq_len)
+
+
+def _sharded_call(q, k, v, call: _Call, mesh: USPMesh, seq_len):
     """P > 1: Ulysses all-to-all, ring (or one local call), all-to-all back, joint gathers."""
     u_deg, r_deg, r = mesh.ulysses_degree, mesh.ring_degree, mesh.ring_rank
     joint, kernel, scale = call.joint, call.kernel, call.scale
@@ -271,6 +311,9 @@ def _sharded(q, k, v, call: _Call, mesh: USPMesh, seq_len):
     return (out, lse), (joint_out, joint_lse)
 
 
+_sharded_eager = torch.compiler.disable(_sharded_call)
+
+
 class JointPieces(NamedTuple):
     """Where this rank's joint query rows sit in the gathered joint output: the joint tokens are
     split over the ring ranks (``token_sizes``) and their heads over the Ulysses ranks."""
@@ -304,14 +347,13 @@ class _GatherBack(torch.autograd.Function):
     def forward(ctx, out_ext, n_blk: int, q_plan, pieces: JointPieces, mesh: USPMesh):
         ctx.n_blk, ctx.q_plan, ctx.pieces, ctx.group = n_blk, q_plan, pieces, mesh.seq_group
         main = out_ext[:, :n_blk]
-        out = main.contiguous() if q_plan is None else heads_to_seq(main, q_plan)
+        # One copy either way: outputs of a Function must be new tensors, not views of its input.
+        out = main.clone(memory_format=torch.contiguous_format) if q_plan is None else heads_to_seq(main, q_plan)
         joint = out_ext[:, n_blk:]
         if mesh.ring_group is not None:
             joint = gather_uneven(joint, list(pieces.token_sizes), 1, mesh.ring_group)
         if mesh.ulysses_group is not None:
             joint = gather_uneven(joint, list(pieces.head_sizes), 2, mesh.ulysses_group)
-        if out.data_ptr() == main.data_ptr():  # batch 1, one Ulysses rank: a view; outputs must be new
-            out = out.clone()
         return out, joint
 
     @staticmethod

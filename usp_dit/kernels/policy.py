@@ -85,8 +85,9 @@ def select_backend(
 
 
 def _log_choice(backend: AttentionBackend, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> None:
-    """Say once (per case, on rank 0) which backend "auto" chose."""
-    if dist.is_initialized() and dist.get_rank() != 0:
+    """Say once (per case, on rank 0) which backend "auto" chose (not from a traced call: a log
+    call would break the graph, and on rank 0 only)."""
+    if torch.compiler.is_compiling() or (dist.is_initialized() and dist.get_rank() != 0):
         return
     _log.info(
         "usp_dit: backend='auto' chose %r for device=%s dtype=%s head_dim=%d backward=%s",

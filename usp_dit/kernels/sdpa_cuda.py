@@ -6,7 +6,8 @@ external out/LSE (ring attention). Quirks kept here:
 - cuDNN returns LSE as (B, H, S, 1); mem-efficient pads it along S to a multiple of 32 and its
   backward reads that padded shape;
 - the backward ops take the RNG / varlen bookkeeping tensors the forward returned; with no dropout
-  their values are never read, so the ones of the latest forward on this device are reused;
+  their values are never read, so zeros of the latest forward's shapes and dtypes stand in (no
+  tensor is kept across calls: CUDA graph captures forbid it);
 - cuDNN's backward wants ``out`` and ``dout`` with the same strides.
 """
 from __future__ import annotations
@@ -27,6 +28,17 @@ class _CudaSDPA:
 
     def __init__(self) -> None:
         self._aux: dict[str, tuple] = {}
+
+    def _keep_aux(self, device: torch.device, *tensors: torch.Tensor | None) -> None:
+        """Remember the shapes, dtypes and devices of the forward's RNG / varlen tensors, not the tensors:
+        a tensor kept past the call would outlive a CUDA graph capture (torch.compile's
+        "reduce-overhead" refuses a pool tensor that is not an output)."""
+        self._aux[str(device)] = tuple(None if t is None else (tuple(t.shape), t.dtype, t.device) for t in tensors)
+
+    def _aux_like(self, device: torch.device) -> tuple:
+        """Stand-ins for the kept tensors (zeros, where they were: without dropout their values are
+        never read; flash's RNG state lives on the host outside a capture)."""
+        return tuple(None if m is None else torch.zeros(m[0], dtype=m[1], device=m[2]) for m in self._aux[str(device)])
 
     def available(self) -> bool:
         return torch.cuda.is_available() and hasattr(_aten, self.op_name)
@@ -52,7 +64,7 @@ class SDPACuDNNBackend(_CudaSDPA):
         qt, kt, vt = to_bhsd(q, k, v)
         res = _aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, False, False, scale=scale)
         out, lse, cum_q, cum_k, _, _, seed, offset, _ = res
-        self._aux[str(q.device)] = (seed, offset, cum_q, cum_k)
+        self._keep_aux(q.device, seed, offset, cum_q, cum_k)
         return out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype)
 
     def forward_stack(self, q, k_blocks, v_blocks, scale):
@@ -62,7 +74,7 @@ class SDPACuDNNBackend(_CudaSDPA):
 
     def backward(self, dout, q, k, v, out, lse, scale):
         qt, kt, vt = to_bhsd(q, k, v)
-        seed, offset, cum_q, cum_k = self._aux[str(q.device)]
+        seed, offset, cum_q, cum_k = self._aux_like(q.device)
         lse_bhs = lse_to_bhs(lse, q.dtype).unsqueeze(-1)
         dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
             _bhsd_contiguous(dout), qt, kt, vt, _bhsd_contiguous(out), lse_bhs, seed, offset, None,
@@ -81,12 +93,12 @@ class SDPAFlashBackend(_CudaSDPA):
         out, lse, cum_q, cum_k, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
             qt, kt, vt, 0.0, False, False, scale=scale
         )
-        self._aux[str(q.device)] = (cum_q, cum_k, seed, offset)
+        self._keep_aux(q.device, cum_q, cum_k, seed, offset)
         return out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype)
 
     def backward(self, dout, q, k, v, out, lse, scale):
         qt, kt, vt = to_bhsd(q, k, v)
-        cum_q, cum_k, seed, offset = self._aux[str(q.device)]
+        cum_q, cum_k, seed, offset = self._aux_like(q.device)
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
             _bhsd_contiguous(dout), qt, kt, vt, _bhsd_contiguous(out), lse_to_bhs(lse, q.dtype),
             cum_q, cum_k, q.shape[1], k.shape[1], 0.0, False, seed, offset, scale=scale,
@@ -104,12 +116,12 @@ class SDPAEfficientBackend(_CudaSDPA):
     def forward(self, q, k, v, scale):
         qt, kt, vt = to_bhsd(q, k, v)
         out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, False, scale=scale)
-        self._aux[str(q.device)] = (seed, offset)
+        self._keep_aux(q.device, seed, offset)
         return out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype)
 
     def backward(self, dout, q, k, v, out, lse, scale):
         qt, kt, vt = to_bhsd(q, k, v)
-        seed, offset = self._aux[str(q.device)]
+        seed, offset = self._aux_like(q.device)
         sq = q.shape[1]
         padded = (sq + 31) // 32 * 32  # the kernel reads its LSE with a padded row stride
         lse_bhs = lse.new_zeros((lse.shape[0], lse.shape[2], padded), dtype=torch.float32)

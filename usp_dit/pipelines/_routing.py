@@ -33,7 +33,10 @@ Note [masked text tokens]
 from __future__ import annotations
 
 import inspect
+import itertools
+import sys
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -46,16 +49,32 @@ from usp_dit.usp import usp_attention
 ROUTED_NAME = "dispatch_attention_fn"  # what the stock processors call (diffusers.models.attention_dispatch)
 
 
+_ROUTED_IDS = itertools.count()
+
+
 def with_global(fn: types.FunctionType, name: str, value: Any) -> types.FunctionType | None:
     """``fn`` with the module global ``name`` it reads bound to ``value``: the same code object,
     defaults and closure, a copy of its module's globals. ``None`` when ``fn`` does not read ``name``."""
     if name not in fn.__code__.co_names:
         return None
-    scope = dict(fn.__globals__)
+    # The copy is the namespace of a module of its own, registered under a name of its own:
+    # torch.compile keys the globals a function reads by its module's name (and imports it by
+    # that name), and would otherwise take this copy's ``name`` for the stock module's, or the
+    # reverse, in other code of that module traced into the same graph.
+    module_name = f"{fn.__globals__.get('__name__', 'usp_dit')}._usp_dit_routed_{next(_ROUTED_IDS)}"
+    module = types.ModuleType(module_name)
+    scope = module.__dict__
+    scope.update(fn.__globals__)
+    scope["__name__"] = module_name  # (the update copied the stock module's name)
     scope[name] = value
-    routed = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    sys.modules[module_name] = module
+    # A code object of its own too (same bytecode): torch.compile keeps what it learnt about a
+    # function per code object, and the stock function may run in the same graph (Wan's attn2).
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_usp_routed")
+    routed = types.FunctionType(code, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     routed.__kwdefaults__ = fn.__kwdefaults__
     routed.__qualname__ = f"{fn.__qualname__}[{name} -> usp_attention]"
+    weakref.finalize(routed, sys.modules.pop, module_name, None)  # the module goes with its function
     return routed
 
 

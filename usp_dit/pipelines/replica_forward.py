@@ -100,7 +100,8 @@ def _check_same(t: torch.Tensor, name: str, mesh: USPMesh) -> None:
 def _sync_value(value: Any, name: str, mesh: USPMesh) -> Any:
     if torch.is_tensor(value):
         if value.requires_grad:
-            _check_same(value, name, mesh)
+            if not torch.compiler.is_compiling():  # a data-dependent check: Note [compiled calls]
+                _check_same(value, name, mesh)
             return value
         return broadcast_from_first_rank(value, mesh)
     if isinstance(value, (list, tuple)) and any(torch.is_tensor(v) for v in value):
@@ -306,6 +307,10 @@ class ReplicaForward(MethodWrapper):
     def __call__(self, *args, **kwargs):
         bound = self.__signature__.bind(*args, **kwargs)
         state, mesh = self.state, self.state.mesh
+        if torch.compiler.is_compiling():  # Note [compiled calls] in usp_dit.usp: no handshake traced
+            if state.sync_inputs:
+                sync_arguments(bound.arguments, mesh)
+            return self._split_run_gather(bound)
         agree_on_call(call_fields(bound, self.module, state), mesh)
         if state.sync_inputs:
             sync_arguments(bound.arguments, mesh)
@@ -317,7 +322,9 @@ class ReplicaForward(MethodWrapper):
         mesh = self.state.mesh
         if mesh.cfg_degree == 1:
             return self.inner(*bound.args, **bound.kwargs)
-        if getattr(self.state, "cfg_pair", None) is not None:  # a two-call family: cfg_pair Note [two calls a step]
+        # A two-call family (cfg_pair Note [two calls a step]) pairs calls eagerly; a compiled call
+        # takes the batch split below (Note [compiled calls] in usp_dit.usp).
+        if getattr(self.state, "cfg_pair", None) is not None and not torch.compiler.is_compiling():
             return self.state.cfg_pair(self.inner, self.module, bound)
         batch = split_cfg_batch(bound.arguments, mesh, getattr(self.state.adapter, "cfg_batch_args", None))
         return gather_cfg_output(self.inner(*bound.args, **bound.kwargs), batch, mesh)
