@@ -69,7 +69,7 @@ def choose_schedule(requested: str, block_sizes: tuple[int, ...], heads: int, kv
     requested = canonical_schedule(requested)
     if requested != "auto":
         return SCHEDULES[requested]
-    ring, longest = len(block_sizes), max(block_sizes)
+    ring, longest = len(block_sizes), _longest(block_sizes)
     l0 = _L0_TOKENS * kv_heads / heads
     if longest < l0:
         return SCHEDULES["gather_one_call"]
@@ -184,12 +184,20 @@ def attend_stacks(merger: LSEMerger, q, stacks, backend: AttentionBackend, scale
 
 def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
     """``x`` (B, S, Hk, D) zero-padded along S to ``length`` (all-gather needs equal sizes)."""
+    if torch.compiler.is_compiling():  # no branch on a symbolic length (a guard, a recompile per size)
+        return F.pad(x, (0, 0, 0, 0, 0, length - x.shape[1]))
     return F.pad(x, (0, 0, 0, 0, 0, length - x.shape[1])) if x.shape[1] < length else x
+
+
+def _longest(block_sizes: tuple[int, ...]) -> int:
+    """The longest block. Compiled calls shard by ``split_sizes`` (Note [compiled calls]), whose
+    first piece is the longest: taking it compares no symbolic sizes (no guards)."""
+    return block_sizes[0] if torch.compiler.is_compiling() else max(block_sizes)
 
 
 def _start_block_gather(k, v, spec: RingSpec) -> list[torch.Tensor]:
     """Post the all-gather of every ring rank's K and V block, padded to the longest block."""
-    longest = max(spec.block_sizes)
+    longest = _longest(spec.block_sizes)
     return [start_all_gather(_padded(t, longest), spec.exchanger.group) for t in (k, v)]
 
 
@@ -235,7 +243,7 @@ def _gather_one_call_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend:
     """The "gather_one_call" forward of Note [ring schedule]: one call against the whole sequence."""
     # Under torch.compile the gather into a preallocated buffer (an in-place collective) cannot be
     # traced; the functional gather below can.
-    if k.shape[0] == 1 and len(set(spec.block_sizes)) == 1 and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and k.shape[0] == 1 and len(set(spec.block_sizes)) == 1:
         k_all, v_all = _gather_in_place(k, v, joint_k, joint_v, spec)
     else:
         pending = _start_block_gather(k, v, spec)

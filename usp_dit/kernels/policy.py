@@ -78,7 +78,8 @@ def select_backend(
     if key in _SELECTED and registered(_SELECTED[key].name) is _SELECTED[key]:
         return _SELECTED[key]
     backend = _select(name, device, dtype, head_dim, needs_grad, call_flops)
-    _SELECTED[key] = backend
+    if not torch.compiler.is_compiling():  # a traced write would be a side effect (refused inside
+        _SELECTED[key] = backend  # activation checkpointing); the graph fixes the choice anyway
     if name == "auto":
         _log_choice(backend, device, dtype, head_dim, needs_grad)
     return backend
