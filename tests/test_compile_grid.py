@@ -239,17 +239,20 @@ def _case(results, key: str) -> list[dict]:
     return per_rank
 
 
+def _assert_case(results, key: str, flag: str) -> None:
+    """On every rank: ``flag`` (a failed count or bound) is 0 and the error within TOL."""
+    for res in _case(results, key):
+        assert res[flag] == 0.0, res
+        assert res["err"] <= TOL, res
+
+
 @pytest.mark.parametrize("grid", CORE_GRIDS, ids=lambda g: f"{g[0]}x{g[1]}-{g[2]}")
 def test_usp_attention_compiles_in_one_graph_and_equals_eager(results, grid):
-    for res in _case(results, f"core-{grid[0]}x{grid[1]}-{grid[2]}"):
-        assert res["graphs_not_1"] == 0.0
-        assert res["err"] <= TOL, res
+    _assert_case(results, f"core-{grid[0]}x{grid[1]}-{grid[2]}", "graphs_not_1")
 
 
 def test_new_resolutions_recompile_once_at_most(results):
-    for res in _case(results, "dynamic"):
-        assert res["graphs_above_2"] == 0.0
-        assert res["err"] <= TOL, res
+    _assert_case(results, "dynamic", "graphs_above_2")
 
 
 def test_untraceable_calls_are_refused(results):
@@ -259,24 +262,16 @@ def test_untraceable_calls_are_refused(results):
 
 @pytest.mark.parametrize("case", ADAPTER_CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}")
 def test_adapter_compiles_fullgraph_and_equals_eager(results, case):
-    for res in _case(results, f"{case[0]}-{case[1]}"):
-        assert res["graphs_not_1"] == 0.0
-        assert res["err"] <= TOL, res
+    _assert_case(results, f"{case[0]}-{case[1]}", "graphs_not_1")
 
 
 def test_compiled_flux_parameter_gradients_equal_eager(results):
-    for res in _case(results, "flux-gradients"):
-        assert res["missing"] == 0.0
-        assert res["err"] <= TOL, res
+    _assert_case(results, "flux-gradients", "missing")
 
 
 def test_enabled_flux_recompiles_a_bounded_number_of_times_across_sizes(results):
-    for res in _case(results, "flux-dynamic"):
-        assert res["graphs_above_3"] == 0.0, res
-        assert res["err"] <= TOL, res
+    _assert_case(results, "flux-dynamic", "graphs_above_3")
 
 
 def test_lora_with_gradient_checkpointing_compiles_and_equals_eager(results):
-    for res in _case(results, "lora-checkpointing"):
-        assert res["no_lora"] == 0.0
-        assert res["err"] <= TOL, res
+    _assert_case(results, "lora-checkpointing", "no_lora")

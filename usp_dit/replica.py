@@ -85,28 +85,18 @@ def broadcast_from_first_rank(t: torch.Tensor, mesh: USPMesh) -> torch.Tensor:
     ``t`` must have the same shape and dtype on every rank of the replica (the broadcast sizes
     its buffer from it). Bool goes as uint8: not every backend broadcasts bool.
     """
-    if torch.compiler.is_compiling():  # in-place collectives cannot be traced; the functional one can
-        return _traced_broadcast(t.detach(), mesh)
     buf = t.detach().to(comm_device(mesh, t), copy=True).contiguous()
     as_bool = buf.dtype == torch.bool
     if as_bool:
         buf = buf.to(torch.uint8)
     for group in replica_groups(mesh):  # cfg, then sequence: Note [who is a replica, who is data parallel]
-        dist.broadcast(buf, group=group, group_src=0)
+        if torch.compiler.is_compiling():  # an in-place collective cannot be traced; the functional one can
+            buf = funcol.wait_tensor(funcol.broadcast(buf, 0, group))  # the source is a group rank
+        else:
+            dist.broadcast(buf, group=group, group_src=0)
     if as_bool:
         buf = buf.bool()
     return buf.to(t.device)
-
-
-def _traced_broadcast(t: torch.Tensor, mesh: USPMesh) -> torch.Tensor:
-    """``broadcast_from_first_rank`` through functional collectives (what torch.compile traces)."""
-    buf = t.to(comm_device(mesh, t)).contiguous()
-    as_bool = buf.dtype == torch.bool
-    if as_bool:
-        buf = buf.to(torch.uint8)
-    for group in replica_groups(mesh):
-        buf = funcol.wait_tensor(funcol.broadcast(buf, 0, group))  # the source is a group rank
-    return (buf.bool() if as_bool else buf).to(t.device)
 
 
 def same_on_replica(t: torch.Tensor, mesh: USPMesh) -> bool:

@@ -184,9 +184,10 @@ def attend_stacks(merger: LSEMerger, q, stacks, backend: AttentionBackend, scale
 
 def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
     """``x`` (B, S, Hk, D) zero-padded along S to ``length`` (all-gather needs equal sizes)."""
-    if torch.compiler.is_compiling():  # no branch on a symbolic length (a guard, a recompile per size)
+    # Compiled: always pad (by 0 if need be), no branch on a symbolic length (a guard, a recompile per size).
+    if torch.compiler.is_compiling() or x.shape[1] < length:
         return F.pad(x, (0, 0, 0, 0, 0, length - x.shape[1]))
-    return F.pad(x, (0, 0, 0, 0, 0, length - x.shape[1])) if x.shape[1] < length else x
+    return x
 
 
 def _longest(block_sizes: tuple[int, ...]) -> int:
