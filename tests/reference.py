@@ -20,3 +20,20 @@ def joint_attention_ref(q, k, v, jq, jk, jv, scale):
     n = q.shape[1]
     out, lse = attention_ref(torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1), scale)
     return out[:, :n], out[:, n:], lse[:, :n], lse[:, n:]
+
+
+def frame_causal_mask(seq: int, frame: int) -> torch.Tensor:
+    """(seq, seq) bool: query p sees key s when s // frame <= p // frame (frame 1: causal)."""
+    pos = torch.arange(seq)
+    return (pos[None, :] // frame) <= (pos[:, None] // frame)
+
+
+def masked_attention_ref(q, k, v, scale, mask):
+    """``attention_ref`` with a (Sq, Sk) bool mask (True: visible); float64, autograd-able."""
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    scores = (torch.einsum("bqhd,bkhd->bhqk", q, k) * scale).masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
+    return out, lse.transpose(1, 2)

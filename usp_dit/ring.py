@@ -26,6 +26,12 @@ Note [ring schedule]
     tokens (no copy of the gathered K/V); otherwise they are copied into one sequence first.
     Note [ring schedule choice] says which schedule "auto" takes. The backward always streams.
 
+    Under a causal or block-causal mask (``RingSpec.plans``, Note [staircase masks] in
+    ``usp_dit.masks``) each step runs the plan of its block pair: the kernel's causal mode on the
+    diagonal, dense calls where the whole block is visible, nothing where it is hidden (the blocks
+    still travel: later ranks need them). Only the two schedules that merge can run a plan
+    ("stream", and "gather_merge" over the gathered blocks); "auto" streams.
+
     Backward runs the same schedule. The gradient of block j is accumulated in float32 on the way
     round: rank r adds its contribution to the accumulator it received and passes it on; after the
     last step the accumulator of block r+1 goes to rank r+1, its owner. So each rank sends R - 1
@@ -44,6 +50,8 @@ import torch.nn.functional as F
 from usp_dit.comm import RingExchanger, start_all_gather, start_all_gather_into, wait_gathered
 from usp_dit.config import canonical_schedule
 from usp_dit.kernels.protocol import AttentionBackend, forward_stack, lse_dtype
+from usp_dit.masked import RowMerger, attend_plan, masked_block_grads
+from usp_dit.masks import SubCall
 from usp_dit.merge import LSEMerger
 
 _KV_TAG, _DKV_TAG = 0, 1
@@ -63,10 +71,14 @@ _KV_TAG, _DKV_TAG = 0, 1
 _L0_TOKENS = 1600
 
 
-def choose_schedule(requested: str, block_sizes: tuple[int, ...], heads: int, kv_heads: int) -> RingSchedule:
+def choose_schedule(
+    requested: str, block_sizes: tuple[int, ...], heads: int, kv_heads: int, masked: bool = False
+) -> RingSchedule:
     """The forward schedule for ``requested`` ("auto" or a name of ``SCHEDULES``, old aliases
-    included), Note [ring schedule choice]."""
+    included), Note [ring schedule choice]; ``masked``: the call runs plans (``MASKED_SCHEDULES``)."""
     requested = canonical_schedule(requested)
+    if masked:
+        return masked_schedule(requested)
     if requested != "auto":
         return SCHEDULES[requested]
     ring, longest = len(block_sizes), _longest(block_sizes)
@@ -83,6 +95,8 @@ class RingSpec:
     exchanger: RingExchanger
     block_sizes: tuple[int, ...]
     schedule: RingSchedule  # the forward's (Note [ring schedule]); the backward always streams
+    # Under a mask: this rank's query block against ring block j runs plans[j] (``usp_dit.masks``).
+    plans: tuple[tuple[SubCall, ...], ...] | None = None
 
     @property
     def size(self) -> int:
@@ -295,6 +309,47 @@ SCHEDULES: dict[str, RingSchedule] = {
 }
 
 
+def _masked_stream_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
+    """"stream" under a mask: each arriving block runs its plan (nothing for a hidden block)."""
+    merger = RowMerger(q)
+    for step, cur in _ring_blocks(k, v, spec):
+        attend_plan(merger, q, cur[0], cur[1], spec.plans[spec.block_at(step)], backend, scale)
+    return merger.result(q.dtype)
+
+
+def _masked_gather_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
+    """"gather_merge" under a mask: the local block's plan while the blocks travel, then the
+    gathered blocks' plans (blocks the mask hides are never read)."""
+    pending = _start_block_gather(k, v, spec)
+    merger = RowMerger(q)
+    attend_plan(merger, q, k, v, spec.plans[spec.rank], backend, scale)
+    k_all, v_all = (_gathered_blocks(p, spec, k.shape[0]) for p in pending)
+    for j, n in enumerate(spec.block_sizes):
+        if j != spec.rank and spec.plans[j]:
+            attend_plan(merger, q, k_all[j, :, :n], v_all[j, :, :n], spec.plans[j], backend, scale)
+    return merger.result(q.dtype)
+
+
+MASKED_SCHEDULES: dict[str, RingSchedule] = {
+    s.name: s for s in (
+        _Schedule("stream", _masked_stream_forward, lambda block, ring, joint: block),
+        _Schedule("gather_merge", _masked_gather_forward, lambda block, ring, joint: block),
+    )
+}
+
+
+def masked_schedule(requested: str) -> RingSchedule:
+    """The masked forward for ``requested`` (canonical name or "auto", which streams)."""
+    if requested == "auto":
+        return MASKED_SCHEDULES["stream"]
+    if requested not in MASKED_SCHEDULES:
+        raise NotImplementedError(
+            f"ring_schedule={requested!r} with a causal or block-causal mask: one call over the whole "
+            f"sequence cannot hold a mask between interleaved blocks; use one of {sorted(MASKED_SCHEDULES)} or 'auto'"
+        )
+    return MASKED_SCHEDULES[requested]
+
+
 def _block_grads(backend, dout, q, k_t, v_t, out, lse, scale):
     """(dq, dk, dv) of one step, zeros when the step has no work."""
     if q.shape[1] and k_t.shape[1]:
@@ -310,7 +365,11 @@ def ring_backward(dout, q, k, v, joint_k, joint_v, out, lse, spec: RingSpec, bac
     receive = None
     for step, cur in _ring_blocks(k, v, spec):
         k_t, v_t = _with_joint(cur, joint_k, joint_v, step)
-        dq_t, dk_t, dv_t = _block_grads(backend, dout, q, k_t, v_t, out, lse, scale)
+        if spec.plans is None:
+            dq_t, dk_t, dv_t = _block_grads(backend, dout, q, k_t, v_t, out, lse, scale)
+        else:  # under a mask (no joint tokens): the plan of this block pair
+            plan = spec.plans[spec.block_at(step)]
+            dq_t, dk_t, dv_t = masked_block_grads(backend, dout, q, k_t, v_t, out, lse, scale, plan)
         dq += dq_t
         n = cur.shape[2]
         if step == 0 and joint_k is not None:

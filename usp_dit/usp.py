@@ -1,4 +1,6 @@
-"""``usp_attention``: non-causal attention over a sequence sharded on a Ulysses x Ring grid.
+"""``usp_attention``: attention over a sequence sharded on a Ulysses x Ring grid, dense, causal or
+block-causal (Note [staircase masks] in ``usp_dit.masks``), in any sequence layout (Note [sequence
+layouts] in ``usp_dit.layouts``).
 
 Layout: (batch, seq, heads, head_dim) for every input and output; LSE (batch, seq, heads).
 
@@ -45,9 +47,12 @@ from usp_dit.handshake import agree, calls_verified
 from usp_dit.kernels import attend, select_backend
 from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 from usp_dit.kernels.registry import backends_with_lse
+from usp_dit.layouts import check_layout, shard_sizes
+from usp_dit.masked import masked_attend
+from usp_dit.masks import check_frame, ring_plans
 from usp_dit.mesh import USPMesh, resolve_mesh
 from usp_dit.partition import offsets, ring_block_sizes, split_sizes
-from usp_dit.ring import RingAttention, RingSpec, choose_schedule
+from usp_dit.ring import RingAttention, RingSpec, choose_schedule, masked_schedule
 from usp_dit.ulysses import gather_heads, scatter_heads, ulysses_layout
 
 
@@ -107,8 +112,15 @@ def _call_fields(q, k, call: _Call, mesh: USPMesh, seq_len) -> dict:
         "seq_len": seq_len, "ring_schedule": call.schedule,
         "degrees (ulysses, ring)": (mesh.ulysses_degree, mesh.ring_degree),
         "backend returns LSE": call.kernel.caps.returns_lse, "needs grad": call.needs_grad,
-        "return_lse": call.want_lse,
+        "return_lse": call.want_lse, "layout": call.layout, "mask frame (1: causal)": call.frame,
     }
+
+
+def _layout_sizes(seq_len: int, mesh: USPMesh, layout: str) -> list[int]:
+    """Every rank's shard length in ``layout`` (contiguous: ``split_sizes``, symbolic-safe)."""
+    if layout == "contiguous":
+        return split_sizes(seq_len, mesh.sequence_degree)
+    return shard_sizes(seq_len, mesh.ring_degree, mesh.ulysses_degree, layout)
 
 
 def _shard_sizes(q, k, call: _Call, mesh: USPMesh, seq_len: int | None) -> list[int]:
@@ -129,25 +141,28 @@ def _shard_sizes(q, k, call: _Call, mesh: USPMesh, seq_len: int | None) -> list[
             "cannot be traced (Note [compiled calls]); the model adapters pass it"
         )
     if seq_len is not None and calls_verified(mesh):
-        sizes = split_sizes(seq_len, p)
+        sizes = _layout_sizes(seq_len, mesh, call.layout)
         if sizes[mesh.seq_rank] != local_len:
-            raise ValueError(_seq_len_message(seq_len, sizes, [(mesh.seq_rank, local_len)]))
+            raise ValueError(_seq_len_message(seq_len, sizes, [(mesh.seq_rank, local_len)], call.layout))
         return sizes
     fields = _call_fields(q, k, call, mesh, seq_len)
     sizes = agree(fields, mesh.seq_group, q.device, varying=local_len, what="a usp_attention call")
-    if seq_len is not None:
-        expected = split_sizes(seq_len, p)
+    # Dense attention in the contiguous layout takes any split; a mask or another layout needs
+    # the layout's own (it says where every token sits).
+    if seq_len is not None or call.layout != "contiguous" or call.frame is not None:
+        total = sum(sizes) if seq_len is None else seq_len
+        expected = _layout_sizes(total, mesh, call.layout)
         wrong = [(i, n) for i, (n, e) in enumerate(zip(sizes, expected)) if n != e]
         if wrong:
-            raise ValueError(_seq_len_message(seq_len, expected, wrong))
+            raise ValueError(_seq_len_message(total, expected, wrong, call.layout))
     return sizes
 
 
-def _seq_len_message(seq_len: int, expected: list[int], wrong: list[tuple[int, int]]) -> str:
+def _seq_len_message(seq_len: int, expected: list[int], wrong: list[tuple[int, int]], layout: str = "contiguous") -> str:
     held = ", ".join(f"rank {i} holds {n} (expected {expected[i]})" for i, n in wrong)
     return (
-        f"seq_len={seq_len} over {len(expected)} ranks gives shards of {expected} tokens, but {held}: "
-        f"shard with usp_dit.shard_sequence or omit seq_len"
+        f"seq_len={seq_len} over {len(expected)} ranks in layout={layout!r} gives shards of {expected} tokens, but {held}: "
+        f"shard with usp_dit.shard_sequence (the same layout) or omit seq_len"
     )
 
 
@@ -178,12 +193,24 @@ class _Call(NamedTuple):
     needs_grad: bool
     schedule: str  # the ring schedule asked for ("auto" or a name of usp_dit.config.RING_SCHEDULES)
     want_lse: bool  # return_lse: the LSE is gathered back (one more small all-to-all) only then
+    layout: str = "contiguous"  # where tokens sit (Note [sequence layouts] in usp_dit.layouts)
+    frame: int | None = None  # the mask's frame length (1: causal), None: dense
 
 
-def _prepare(q, k, v, joint_qkv, mesh: USPMesh, scale, backend: str, return_lse: bool, schedule: str | None) -> _Call:
-    """Validate the inputs and pick the kernel (this rank alone; no communication)."""
+def _prepare(
+    q, k, v, joint_qkv, mesh: USPMesh, scale, backend: str, return_lse: bool, schedule: str | None,
+    mask: tuple[bool, int | None, str] = (False, None, "contiguous"),
+) -> _Call:
+    """Validate the inputs and pick the kernel (this rank alone; no communication). ``mask``:
+    ``(causal, block_causal, layout)`` as given to ``usp_attention``."""
     joint = _joint_tuple(*joint_qkv)
     _check_inputs(q, k, v, joint)
+    frame, layout = check_frame(mask[0], mask[1]), check_layout(mask[2])
+    if frame is not None and joint is not None:
+        raise NotImplementedError(
+            "causal or block_causal with joint tokens (joint_q/k/v): a mask has no place for "
+            "replicated text tokens; concatenate them into the sequence instead"
+        )
     joint_empty = None
     if joint is not None and joint[0].shape[1] == 0:
         jq = joint[0]
@@ -197,8 +224,10 @@ def _prepare(q, k, v, joint_qkv, mesh: USPMesh, scale, backend: str, return_lse:
     flops = None
     if backend == "auto" and not torch.compiler.is_compiling():
         flops = _call_flops(q, k, joint, mesh, needs_grad, schedule)
-    kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad, flops)
+    kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad, flops, causal=frame is not None)
     _check_lse(kernel, return_lse, mesh)
+    if frame is not None and mesh.ring_degree > 1:
+        masked_schedule(schedule)  # refuse a schedule that cannot run a mask before any transfer
     if return_lse and needs_grad and torch.compiler.is_compiling():
         # Traced backwards get a zero LSE gradient whether or not the loss read it: refuse rather
         # than silently drop a gradient (eager raises when one reaches the LSE).
@@ -206,7 +235,7 @@ def _prepare(q, k, v, joint_qkv, mesh: USPMesh, scale, backend: str, return_lse:
             "return_lse=True with gradients under torch.compile: the LSE is not differentiable; "
             "call with return_lse=False, or under torch.no_grad(), or eagerly"
         )
-    return _Call(joint, joint_empty, kernel, scale, needs_grad, schedule, return_lse)
+    return _Call(joint, joint_empty, kernel, scale, needs_grad, schedule, return_lse, layout, frame)
 
 
 def _share_failure(exc: Exception, q, mesh: USPMesh, seq_len: int | None) -> None:
@@ -221,8 +250,11 @@ def _share_failure(exc: Exception, q, mesh: USPMesh, seq_len: int | None) -> Non
               what="a usp_attention call")
 
 
-def _single_rank(q, k, v, joint, kernel, scale):
-    """P == 1: joint tokens simply join the sequence."""
+def _single_rank(q, k, v, joint, kernel, scale, frame: int | None = None):
+    """P == 1: joint tokens simply join the sequence; a mask runs its plan (for causal attention
+    one call in the kernel's causal mode)."""
+    if frame is not None:
+        return masked_attend(q, k, v, ring_plans(q.shape[1], 1, 1, "contiguous", frame, 0)[0], kernel, scale), None
     if joint is None:
         return attend(q, k, v, kernel, scale), None
     jq, jk, jv = joint
@@ -287,7 +319,9 @@ def _sharded_call(q, k, v, call: _Call, mesh: USPMesh, seq_len):
         start = offsets(joint_sizes)[r]
         q_blk = torch.cat([q_blk, jq[:, start:start + joint_sizes[r], qlo:qhi]], dim=1)
         jk, jv = layout.local_kv(jk[:, :, kvlo:kvhi]), layout.local_kv(jv[:, :, kvlo:kvhi])
-    if r_deg > 1:
+    if call.frame is not None:  # no joint tokens (refused in _prepare)
+        out_ext, lse_ext = _masked_blocks(q_blk, k_blk, v_blk, call, mesh, shards)
+    elif r_deg > 1:
         sizes = tuple(ring_block_sizes(shards, u_deg))
         schedule = choose_schedule(call.schedule, sizes, q_blk.shape[2], k_blk.shape[2])
         spec = RingSpec(mesh.ring_exchanger, sizes, schedule)
@@ -312,6 +346,19 @@ def _sharded_call(q, k, v, call: _Call, mesh: USPMesh, seq_len):
 
 
 _sharded_eager = torch.compiler.disable(_sharded_call)
+
+
+def _masked_blocks(q_blk, k_blk, v_blk, call: _Call, mesh: USPMesh, shards: list[int]):
+    """``(out, lse)`` of this rank's ring block under the call's mask: the ring with one plan per
+    block pair, or (ring degree 1) the plan of the whole sequence (Note [staircase masks])."""
+    u_deg, r_deg, r = mesh.ulysses_degree, mesh.ring_degree, mesh.ring_rank
+    plans = ring_plans(sum(shards), r_deg, u_deg, call.layout, call.frame, r)
+    if r_deg == 1:
+        return masked_attend(q_blk, k_blk, v_blk, plans[0], call.kernel, call.scale)
+    sizes = tuple(ring_block_sizes(shards, u_deg))
+    schedule = choose_schedule(call.schedule, sizes, q_blk.shape[2], k_blk.shape[2], masked=True)
+    spec = RingSpec(mesh.ring_exchanger, sizes, schedule, plans)
+    return RingAttention.apply(q_blk, k_blk, v_blk, None, None, spec, call.kernel, call.scale)
 
 
 class JointPieces(NamedTuple):
@@ -377,12 +424,16 @@ def usp_attention(
     return_lse: bool = False,
     seq_len: int | None = None,
     ring_schedule: str | None = None,
+    causal: bool = False,
+    block_causal: int | None = None,
+    layout: str = "contiguous",
 ) -> AttentionOutput:
-    """Non-causal attention of this rank's sequence shard against the whole sequence.
+    """Attention of this rank's sequence shard against the whole sequence: dense, causal or
+    block-causal.
 
     Args:
         q: (batch, seq_local, heads, head_dim), this rank's shard of the sequence, laid out as
-            ``shard_sequence`` places it (uneven lengths allowed).
+            ``shard_sequence(x, mesh, layout=layout)`` places it (uneven lengths allowed).
         k, v: (batch, seq_local, kv_heads, head_dim); ``heads % kv_heads == 0`` (GQA / MQA).
         mesh: the grid from ``init_usp``; ``None`` uses the last one built (single rank if none).
         joint_q, joint_k, joint_v: (batch, seq_joint, heads | kv_heads, head_dim) text tokens
@@ -401,6 +452,14 @@ def usp_attention(
             tokens, seq_len, ring schedule, gradient: Note [call handshake] in
             ``usp_dit.handshake``) in the all-gather that brings the shard lengths; a model wrapper
             inside ``verified_calls(mesh)`` that passes ``seq_len`` skips it.
+        causal: query at position p attends to keys at positions <= p (positions in the full
+            sequence, whatever the layout). The ring skips the blocks the mask hides and runs the
+            kernel's causal mode on the diagonal; no joint tokens.
+        block_causal: a frame length F instead of ``causal``: a token attends to every token of
+            its own frame (positions F*f .. F*f + F - 1) and of earlier frames.
+        layout: "contiguous", "zigzag" or "stripe" (Note [sequence layouts] in
+            ``usp_dit.layouts``): where the tokens of each rank sit; "zigzag" and "stripe" give
+            every ring rank the same causal work. Shard and gather with the same layout.
 
     Returns:
         An ``AttentionOutput``: ``.out`` (like q), ``.joint_out`` (with joint tokens), ``.lse`` and
@@ -422,13 +481,14 @@ def usp_attention(
     """
     mesh = resolve_mesh(mesh)
     try:
-        call = _prepare(q, k, v, (joint_q, joint_k, joint_v), mesh, scale, backend, return_lse, ring_schedule)
+        call = _prepare(q, k, v, (joint_q, joint_k, joint_v), mesh, scale, backend, return_lse, ring_schedule,
+                        (causal, block_causal, layout))
     except (ValueError, NotImplementedError, RuntimeError) as exc:
         _share_failure(exc, q, mesh, seq_len)
         raise
     joint, joint_empty, kernel, scale = call.joint, call.joint_empty, call.kernel, call.scale
     if mesh.sequence_degree == 1:
-        main, joint_res = _single_rank(q, k, v, joint, kernel, scale)
+        main, joint_res = _single_rank(q, k, v, joint, kernel, scale, call.frame)
     else:
         main, joint_res = _sharded(q, k, v, call, mesh, seq_len)
     joint_out, joint_lse = joint_res or joint_empty or (None, None)

@@ -19,10 +19,18 @@ from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 from usp_dit.kernels.registry import get_backend
 
 
-def kernel_backward(backend: AttentionBackend, dout, q, k, v, out, lse, scale: float):
+def kernel_forward(backend: AttentionBackend, q, k, v, scale: float, causal: bool = False):
+    """``(out, lse)`` of one call; ``causal`` is passed only when true (protocol: a backend without
+    a causal mode keeps the four-argument signature)."""
+    return backend.forward(q, k, v, scale, causal=True) if causal else backend.forward(q, k, v, scale)
+
+
+def kernel_backward(backend: AttentionBackend, dout, q, k, v, out, lse, scale: float, causal: bool = False):
     """``(dq, dk, dv)`` of one call through ``backend``; NotImplementedError for a forward-only one."""
     if not backend.caps.supports_backward:
         raise NotImplementedError(f"backend {backend.name!r} has no backward")
+    if causal:
+        return backend.backward(dout, q, k, v, out, lse, scale, causal=True)
     return backend.backward(dout, q, k, v, out, lse, scale)
 
 
@@ -33,10 +41,10 @@ class KernelAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, backend: AttentionBackend, scale: float):
-        out, lse = backend.forward(q, k, v, scale)
+    def forward(ctx, q, k, v, backend: AttentionBackend, scale: float, causal: bool = False):
+        out, lse = kernel_forward(backend, q, k, v, scale, causal)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.backend, ctx.scale = backend, scale
+        ctx.backend, ctx.scale, ctx.causal = backend, scale, causal
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -46,43 +54,45 @@ class KernelAttention(torch.autograd.Function):
             raise NotImplementedError("backpropagating through the returned log-sum-exp is not supported")
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
-            return None, None, None, None, None
-        dq, dk, dv = kernel_backward(ctx.backend, dout, q, k, v, out, lse, ctx.scale)
-        return dq, dk, dv, None, None
+            return None, None, None, None, None, None
+        dq, dk, dv = kernel_backward(ctx.backend, dout, q, k, v, out, lse, ctx.scale, ctx.causal)
+        return dq, dk, dv, None, None, None
 
 
 @torch.library.custom_op("usp_dit::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = get_backend(backend).forward(q, k, v, scale)
+def attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str, causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = kernel_forward(get_backend(backend), q, k, v, scale, causal)
     if lse is None:  # a backend without LSE: a placeholder keeps the op's signature fixed
         lse = q.new_zeros(q.shape[:3], dtype=lse_dtype(q.dtype))
     return out.contiguous(), lse.contiguous()
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, scale, backend):
+def _attention_fake(q, k, v, scale, backend, causal=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("usp_dit::attention_backward", mutates_args=())
 def attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    scale: float, backend: str,
+    scale: float, backend: str, causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = kernel_backward(get_backend(backend), dout, q, k, v, out, lse, scale)
+    dq, dk, dv = kernel_backward(get_backend(backend), dout, q, k, v, out, lse, scale, causal)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(dout, q, k, v, out, lse, scale, backend):
+def _attention_backward_fake(dout, q, k, v, out, lse, scale, backend, causal=False):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, backend = inputs
+    q, k, v, scale, backend, causal = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.scale, ctx.backend = scale, backend
+    ctx.scale, ctx.backend, ctx.causal = scale, backend, causal
 
 
 def _backward(ctx, dout, dlse):
@@ -91,18 +101,20 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     if not get_backend(ctx.backend).caps.supports_backward:  # raise before tracing the backward op
         raise NotImplementedError(f"backend {ctx.backend!r} has no backward")
-    dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, ctx.scale, ctx.backend)
-    return dq, dk, dv, None, None
+    dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, ctx.scale, ctx.backend, ctx.causal)
+    return dq, dk, dv, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: AttentionBackend, scale: float):
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: AttentionBackend, scale: float,
+           causal: bool = False):
     """``(out, lse)`` of one kernel call: the custom op under ``torch.compile``, the autograd.Function
-    when a gradient is needed, the bare forward otherwise (no autograd bookkeeping: no P = 1 tax)."""
+    when a gradient is needed, the bare forward otherwise (no autograd bookkeeping: no P = 1 tax).
+    ``causal``: the square diagonal block of causal attention (``usp_dit.kernels.protocol``)."""
     if torch.compiler.is_compiling():  # traced as an opaque custom op with a fake implementation
-        return torch.ops.usp_dit.attention(q, k, v, scale, backend.name)
+        return torch.ops.usp_dit.attention(q, k, v, scale, backend.name, causal)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return KernelAttention.apply(q, k, v, backend, scale)
-    return backend.forward(q, k, v, scale)
+        return KernelAttention.apply(q, k, v, backend, scale, causal)
+    return kernel_forward(backend, q, k, v, scale, causal)

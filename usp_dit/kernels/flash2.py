@@ -51,7 +51,7 @@ class FlashAttn2Backend:
     name = "flash_attn_2"
     caps = BackendCaps(
         frozenset({"cuda"}), frozenset({torch.float16, torch.bfloat16}), max_head_dim=256,
-        supports_backward=True, head_dim_multiple=8,
+        supports_backward=True, head_dim_multiple=8, causal=True,
     )
 
     def available(self) -> bool:
@@ -61,9 +61,9 @@ class FlashAttn2Backend:
         if not self.available():
             raise RuntimeError(f"backend 'flash_attn_2' needs flash-attn 2.7 or newer and an Ampere or newer GPU: {INSTALL}")
 
-    def forward(self, q, k, v, scale):
+    def forward(self, q, k, v, scale, causal=False):
         out, lse, _, _ = _interface()._flash_attn_forward(
-            q, k, v, 0.0, scale, False, -1, -1, 0.0, None, False
+            q, k, v, 0.0, scale, causal, -1, -1, 0.0, None, False
         )
         return out, lse_to_bsh(lse, q.shape[1], q.dtype)
 
@@ -71,11 +71,11 @@ class FlashAttn2Backend:
         """G blocks in one call, folded into the batch (the repeated ``q`` is a stride-0 view)."""
         return folded_forward_stack(self, q, k_blocks, v_blocks, scale)
 
-    def backward(self, dout, q, k, v, out, lse, scale):
+    def backward(self, dout, q, k, v, out, lse, scale, causal=False):
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))  # contiguous
         _interface()._flash_attn_backward(
             dout, q, k, v, out, lse_to_bhs(lse, q.dtype), dq, dk, dv,
-            0.0, scale, False, -1, -1, 0.0, None, False,
+            0.0, scale, causal, -1, -1, 0.0, None, False,
         )
         return dq, dk, dv
 

@@ -43,10 +43,10 @@ def _ops():
     return None
 
 
-def fa3_forward(q, k, v, scale: float, num_splits: int = 0):
+def fa3_forward(q, k, v, scale: float, num_splits: int = 0, causal: bool = False):
     """``(out, lse)`` of one FA3 forward; ``num_splits`` 0 is the kernel's own split-KV heuristic
     (what the backend uses), a positive count forces it (``bench_attention.py --suite splits``)."""
-    out, lse, *_ = _ops().fwd(q, k, v, softmax_scale=scale, is_causal=False, num_splits=num_splits)
+    out, lse, *_ = _ops().fwd(q, k, v, softmax_scale=scale, is_causal=causal, num_splits=num_splits)
     return out, lse_to_bsh(lse, q.shape[1], q.dtype)
 
 
@@ -54,7 +54,7 @@ class FlashAttn3Backend:
     name = "flash_attn_3"
     caps = BackendCaps(
         frozenset({"cuda"}), frozenset({torch.float16, torch.bfloat16}), max_head_dim=256,
-        supports_backward=True, head_dim_multiple=8,
+        supports_backward=True, head_dim_multiple=8, causal=True,
     )
     def available(self) -> bool:
         return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and _ops() is not None
@@ -63,17 +63,17 @@ class FlashAttn3Backend:
         if not self.available():
             raise RuntimeError(f"backend 'flash_attn_3' needs the FlashAttention 3 kernels and a Hopper (SM90) GPU: {INSTALL}")
 
-    def forward(self, q, k, v, scale):
-        return fa3_forward(q, k, v, scale)
+    def forward(self, q, k, v, scale, causal=False):
+        return fa3_forward(q, k, v, scale, causal=causal)
 
     def forward_stack(self, q, k_blocks, v_blocks, scale):
         """G blocks in one call, folded into the batch. The repeated ``q`` is copied: a zero batch
         stride is no layout FA3 documents (its loads are TMA descriptors built from the strides)."""
         return folded_forward_stack(self, q, k_blocks, v_blocks, scale, copy_q=True)
 
-    def backward(self, dout, q, k, v, out, lse, scale):
+    def backward(self, dout, q, k, v, out, lse, scale, causal=False):
         dq, dk, dv, *_ = _ops().bwd(
-            dout.contiguous(), q, k, v, out.contiguous(), lse_to_bhs(lse, q.dtype), softmax_scale=scale, is_causal=False
+            dout.contiguous(), q, k, v, out.contiguous(), lse_to_bhs(lse, q.dtype), softmax_scale=scale, is_causal=causal
         )
         return dq, dk, dv
 

@@ -43,7 +43,7 @@ class FlashAttn4Backend:
     name = "flash_attn_4"
     caps = BackendCaps(
         frozenset({"cuda"}), _HALF, max_head_dim=256, supports_backward=True, head_dim_multiple=8,
-        min_call_flops=_MIN_CALL_FLOPS,
+        min_call_flops=_MIN_CALL_FLOPS, causal=True,
     )
 
     def available(self) -> bool:
@@ -55,17 +55,18 @@ class FlashAttn4Backend:
                 f"backend 'flash_attn_4' needs the flash-attn-4 package and a Hopper or newer GPU: {INSTALL}"
             )
 
-    def forward(self, q, k, v, scale):
-        out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, return_lse=True)
+    def forward(self, q, k, v, scale, causal=False):
+        out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
         return out, lse_to_bsh(lse, q.shape[1], q.dtype)
 
     def forward_stack(self, q, k_blocks, v_blocks, scale):
         """G blocks in one call (folded into the batch; the kernel copies the repeated ``q``)."""
         return folded_forward_stack(self, q, k_blocks, v_blocks, scale)
 
-    def backward(self, dout, q, k, v, out, lse, scale):
+    def backward(self, dout, q, k, v, out, lse, scale, causal=False):
         dq, dk, dv = _interface()._flash_attn_bwd(
-            q, k, v, out.contiguous(), dout.contiguous(), lse_to_bhs(lse, q.dtype), softmax_scale=scale
+            q, k, v, out.contiguous(), dout.contiguous(), lse_to_bhs(lse, q.dtype), softmax_scale=scale,
+            causal=causal,
         )[:3]
         return dq, dk, dv
 

@@ -53,7 +53,7 @@ class FlashInferBackend:
     name = "flashinfer"
     caps = BackendCaps(
         frozenset({"cuda"}), frozenset({torch.float16, torch.bfloat16}), max_head_dim=256,
-        supports_backward=False, head_dims=frozenset({64, 128, 256}),
+        supports_backward=False, head_dims=frozenset({64, 128, 256}), causal=True,
     )
 
     def available(self) -> bool:
@@ -67,11 +67,11 @@ class FlashInferBackend:
             raise RuntimeError(f"backend 'flashinfer' compiles its kernels on first use and finds no nvcc: {BUILD}")
         raise RuntimeError(f"backend 'flashinfer' needs the flashinfer-python package and an Ampere or newer GPU: {INSTALL}")
 
-    def forward(self, q, k, v, scale):
+    def forward(self, q, k, v, scale, causal=False):
         prefill = _module().single_prefill_with_kv_cache
         parts = [  # .contiguous(): a no-op for the usual layouts, a copy for exotic strides
             prefill(q[b].contiguous(), k[b].contiguous(), v[b].contiguous(),
-                    causal=False, kv_layout="NHD", sm_scale=scale, return_lse=True)
+                    causal=causal, kv_layout="NHD", sm_scale=scale, return_lse=True)
             for b in range(q.shape[0])
         ]
         if len(parts) == 1:

@@ -60,12 +60,14 @@ _SELECTED: dict[tuple, AttentionBackend] = {}
 
 
 def select_backend(
-    name: str, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, call_flops: float | None = None
+    name: str, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, call_flops: float | None = None,
+    causal: bool = False,
 ) -> AttentionBackend:
     """Resolve ``name`` ("auto" or a registered name) to a backend that can run this case.
 
     ``call_flops``, the estimated work of one kernel call, lets "auto" skip backends whose
     ``caps.min_call_flops`` it does not reach (decided once per power-of-two size class).
+    ``causal``: the calls include causal diagonal blocks (``caps.causal`` needed).
 
     Raises:
         ValueError: unknown name.
@@ -74,10 +76,10 @@ def select_backend(
             backward while gradients are needed (the message names backends that have one).
     """
     size_class = None if call_flops is None or name != "auto" else int(math.log2(max(call_flops, 1.0)))
-    key = (name, device, dtype, head_dim, needs_grad, size_class, generation())
+    key = (name, device, dtype, head_dim, needs_grad, size_class, causal, generation())
     if key in _SELECTED and registered(_SELECTED[key].name) is _SELECTED[key]:
         return _SELECTED[key]
-    backend = _select(name, device, dtype, head_dim, needs_grad, call_flops)
+    backend = _select(name, device, dtype, head_dim, needs_grad, call_flops, causal)
     if not torch.compiler.is_compiling():  # a traced write would be a side effect (refused inside
         _SELECTED[key] = backend  # activation checkpointing); the graph fixes the choice anyway
     if name == "auto":
@@ -96,22 +98,24 @@ def _log_choice(backend: AttentionBackend, device: str, dtype: torch.dtype, head
     )
 
 
-def _fits_auto(backend: AttentionBackend | None, device, dtype, head_dim, needs_grad, call_flops) -> bool:
+def _fits_auto(backend: AttentionBackend | None, device, dtype, head_dim, needs_grad, call_flops, causal=False) -> bool:
     """``backend`` is installed, can run the case, and the call is big enough for its per-call cost."""
-    if backend is None or not backend.available() or backend.caps.why_not(device, dtype, head_dim, needs_grad):
+    if backend is None or not backend.available() or backend.caps.why_not(device, dtype, head_dim, needs_grad, causal):
         return False
     return call_flops is None or call_flops >= backend.caps.min_call_flops
 
 
-def _select(name: str, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, call_flops=None) -> AttentionBackend:
+def _select(
+    name: str, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, call_flops=None, causal=False
+) -> AttentionBackend:
     if name == "auto":
         for rule in AUTO_TABLE.get(device, (AutoRule("reference"),)):
             backend = registered(rule.backend)
-            if rule.applies(head_dim, needs_grad) and _fits_auto(backend, device, dtype, head_dim, needs_grad, call_flops):
+            if rule.applies(head_dim, needs_grad) and _fits_auto(backend, device, dtype, head_dim, needs_grad, call_flops, causal):
                 return backend
         raise NotImplementedError(f"no registered backend runs device={device!r}, dtype={dtype}, head_dim={head_dim}")
     backend = get_backend(name)
-    reason = backend.caps.why_not(device, dtype, head_dim, needs_grad)
+    reason = backend.caps.why_not(device, dtype, head_dim, needs_grad, causal)
     if reason is not None:
         hint = f"; backends with a backward here: {with_backward(device, dtype, head_dim)}" if needs_grad else ""
         raise NotImplementedError(f"backend={name!r} cannot run this case: {reason}{hint}")

@@ -4,6 +4,10 @@ Layout (every backend, both directions):
     q, out, dq: (batch, seq_q, heads, head_dim)
     k, v, dk, dv: (batch, seq_k, kv_heads, head_dim), heads % kv_heads == 0; query head i reads
         K/V head i // (heads // kv_heads) (grouped-query attention)
+    causal: an optional keyword of forward and backward (``causal=True``, only where
+        ``caps.causal``): the diagonal block of causal attention, seq_q == seq_k, query i attending
+        to keys j <= i (top-left and bottom-right alignments agree on a square). Callers pass it only
+        when true, so a backend without causal support keeps the four-argument signature.
     lse: (batch, seq_q, heads), float32 (float64 for float64 inputs, so that a float64 run is a
         float64 reference end to end), natural log, softmax scale applied:
         lse[b, i, h] = log(sum_j exp(scale * q[b, i, h] . k[b, j, h // group]))
@@ -41,9 +45,14 @@ class BackendCaps:
     # "auto" passes this backend over for kernel calls of fewer flops: its per-call CPU cost would
     # then exceed the GPU work (explicitly naming the backend still uses it).
     min_call_flops: float = 0.0
+    causal: bool = False  # takes ``causal=True`` (the square diagonal block of causal attention)
 
-    def why_not(self, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool) -> str | None:
+    def why_not(
+        self, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, causal: bool = False
+    ) -> str | None:
         """The reason this backend cannot run the case, or ``None`` when it can."""
+        if causal and not self.causal:
+            return "it has no causal mode (causal=True)"
         if device not in self.devices:
             return f"device {device!r} not in {sorted(self.devices)}"
         if dtype not in self.dtypes:
@@ -71,9 +80,12 @@ class AttentionBackend(Protocol):
         """Raise ``RuntimeError`` naming the install line when ``available()`` is false."""
         ...
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(out, lse)``: out like ``q``; lse ``(batch, seq_q, heads)`` float32, or
-        ``None`` for a backend whose caps say ``returns_lse=False``."""
+        ``None`` for a backend whose caps say ``returns_lse=False``. ``causal``: see the module
+        docstring (passed only when true)."""
         ...
 
     def backward(
@@ -85,6 +97,7 @@ class AttentionBackend(Protocol):
         out: torch.Tensor,
         lse: torch.Tensor,
         scale: float,
+        causal: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients ``(dq, dk, dv)`` given the final ``out`` and ``lse`` of these queries.
 

@@ -25,12 +25,16 @@ def _ungrouped(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 3, 1, 2, 4).reshape(b, s, hk * g, d)
 
 
-def _probs(q, k, scale, lse=None):
-    """Scores and probabilities in the accumulation dtype: (B, Hk, G, Sq, Sk)."""
+def _probs(q, k, scale, lse=None, causal=False):
+    """Scores and probabilities in the accumulation dtype: (B, Hk, G, Sq, Sk); ``causal`` masks
+    keys after the query (top-left aligned: key j visible to query i when j <= i)."""
     acc = lse_dtype(q.dtype)
     qg = _grouped(q.to(acc), k.shape[2])
     kt = k.to(acc).permute(0, 2, 3, 1).unsqueeze(2)  # (B, Hk, 1, D, Sk)
     scores = torch.matmul(qg, kt) * scale
+    if causal:
+        hidden = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
     else:
@@ -47,6 +51,7 @@ class ReferenceBackend:
         dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
         max_head_dim=1 << 16,
         supports_backward=True,
+        causal=True,
     )
 
     def available(self) -> bool:
@@ -55,18 +60,18 @@ class ReferenceBackend:
     def require(self) -> None:
         return None
 
-    def forward(self, q, k, v, scale):
-        p, lse = _probs(q, k, scale)
+    def forward(self, q, k, v, scale, causal=False):
+        p, lse = _probs(q, k, scale, causal=causal)
         vg = v.to(p.dtype).permute(0, 2, 1, 3).unsqueeze(2)  # (B, Hk, 1, Sk, D)
         out = _ungrouped(torch.matmul(p, vg)).to(q.dtype)
         b, hk, g, sq = lse.shape
         lse = lse.permute(0, 3, 1, 2).reshape(b, sq, hk * g).to(lse_dtype(q.dtype))
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, scale):
+    def backward(self, dout, q, k, v, out, lse, scale, causal=False):
         acc = lse_dtype(q.dtype)
         hk = k.shape[2]
-        p, _ = _probs(q, k, scale, lse)
+        p, _ = _probs(q, k, scale, lse, causal)
         dog = _grouped(dout.to(acc), hk)  # (B, Hk, G, Sq, D)
         og = _grouped(out.to(acc), hk)
         kg = k.to(acc).permute(0, 2, 1, 3).unsqueeze(2)  # (B, Hk, 1, Sk, D)

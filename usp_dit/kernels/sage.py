@@ -57,6 +57,7 @@ class SageBackend:
         supports_backward=False,
         head_dims=frozenset({64, 96, 128}),
         returns_lse=False,
+        causal=True,
     )
 
     def available(self) -> bool:
@@ -66,14 +67,14 @@ class SageBackend:
         if not self.available():
             raise RuntimeError(f"backend 'sage' needs the sageattention package and a CUDA GPU: {INSTALL}")
 
-    def forward(self, q, k, v, scale):
+    def forward(self, q, k, v, scale, causal=False):
         h = q.shape[2]
         k_smooth = k - k.mean(dim=1, keepdim=True)  # a new tensor: the caller's K stays as it was
         s = fp16_safe_scale(v).to(v.dtype)  # powers of two: exact in fp16 and bf16
         v_safe = v / s
         out = _module().sageattn(
             q.contiguous(), expand_kv(k_smooth, h).contiguous(), expand_kv(v_safe, h).contiguous(),
-            tensor_layout="NHD", is_causal=False, sm_scale=scale, smooth_k=False,
+            tensor_layout="NHD", is_causal=causal, sm_scale=scale, smooth_k=False,
         )
         return out * expand_kv(s, h), None
 

@@ -21,6 +21,7 @@ class SDPACPUBackend:
         dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16}),
         max_head_dim=1 << 16,
         supports_backward=True,
+        causal=True,
     )
 
     def available(self) -> bool:
@@ -30,15 +31,15 @@ class SDPACPUBackend:
         if not self.available():
             raise RuntimeError("sdpa_cpu needs PyTorch >= 2.3: pip install -U 'torch>=2.3'")
 
-    def forward(self, q, k, v, scale):
+    def forward(self, q, k, v, scale, causal=False):
         qt, kt, vt = to_bhsd(q, k, v)
-        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, scale=scale)
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, causal, scale=scale)
         return out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype)
 
-    def backward(self, dout, q, k, v, out, lse, scale):
+    def backward(self, dout, q, k, v, out, lse, scale, causal=False):
         qt, kt, vt = to_bhsd(q, k, v)
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.transpose(1, 2), qt, kt, vt, out.transpose(1, 2), lse_to_bhs(lse, q.dtype), 0.0, False, scale=scale
+            dout.transpose(1, 2), qt, kt, vt, out.transpose(1, 2), lse_to_bhs(lse, q.dtype), 0.0, causal, scale=scale
         )
         return grads_to_bshd(dq, dk, dv, k.shape[2])
 

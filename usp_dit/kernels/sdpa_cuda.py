@@ -58,11 +58,13 @@ def _bhsd_contiguous(x: torch.Tensor) -> torch.Tensor:
 class SDPACuDNNBackend(_CudaSDPA):
     name = "sdpa_cudnn"
     op_name = "_scaled_dot_product_cudnn_attention"
-    caps = BackendCaps(frozenset({"cuda"}), _HALF, max_head_dim=128, supports_backward=True, head_dim_multiple=8)
+    caps = BackendCaps(
+        frozenset({"cuda"}), _HALF, max_head_dim=128, supports_backward=True, head_dim_multiple=8, causal=True
+    )
 
-    def forward(self, q, k, v, scale):
+    def forward(self, q, k, v, scale, causal=False):
         qt, kt, vt = to_bhsd(q, k, v)
-        res = _aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, False, False, scale=scale)
+        res = _aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal, False, scale=scale)
         out, lse, cum_q, cum_k, _, _, seed, offset, _ = res
         self._keep_aux(q.device, seed, offset, cum_q, cum_k)
         return out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype)
@@ -72,13 +74,13 @@ class SDPACuDNNBackend(_CudaSDPA):
         1), checked on the H200 on 2026-12-02."""
         return folded_forward_stack(self, q, k_blocks, v_blocks, scale)
 
-    def backward(self, dout, q, k, v, out, lse, scale):
+    def backward(self, dout, q, k, v, out, lse, scale, causal=False):
         qt, kt, vt = to_bhsd(q, k, v)
         seed, offset, cum_q, cum_k = self._aux_like(q.device)
         lse_bhs = lse_to_bhs(lse, q.dtype).unsqueeze(-1)
         dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
             _bhsd_contiguous(dout), qt, kt, vt, _bhsd_contiguous(out), lse_bhs, seed, offset, None,
-            cum_q, cum_k, q.shape[1], k.shape[1], 0.0, False, scale=scale,
+            cum_q, cum_k, q.shape[1], k.shape[1], 0.0, causal, scale=scale,
         )
         return grads_to_bshd(dq, dk, dv, k.shape[2])
 
@@ -86,22 +88,24 @@ class SDPACuDNNBackend(_CudaSDPA):
 class SDPAFlashBackend(_CudaSDPA):
     name = "sdpa_flash"
     op_name = "_scaled_dot_product_flash_attention"
-    caps = BackendCaps(frozenset({"cuda"}), _HALF, max_head_dim=256, supports_backward=True, head_dim_multiple=8)
+    caps = BackendCaps(
+        frozenset({"cuda"}), _HALF, max_head_dim=256, supports_backward=True, head_dim_multiple=8, causal=True
+    )
 
-    def forward(self, q, k, v, scale):
+    def forward(self, q, k, v, scale, causal=False):
         qt, kt, vt = to_bhsd(q, k, v)
         out, lse, cum_q, cum_k, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
-            qt, kt, vt, 0.0, False, False, scale=scale
+            qt, kt, vt, 0.0, causal, False, scale=scale
         )
         self._keep_aux(q.device, cum_q, cum_k, seed, offset)
         return out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype)
 
-    def backward(self, dout, q, k, v, out, lse, scale):
+    def backward(self, dout, q, k, v, out, lse, scale, causal=False):
         qt, kt, vt = to_bhsd(q, k, v)
         cum_q, cum_k, seed, offset = self._aux_like(q.device)
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
             _bhsd_contiguous(dout), qt, kt, vt, _bhsd_contiguous(out), lse_to_bhs(lse, q.dtype),
-            cum_q, cum_k, q.shape[1], k.shape[1], 0.0, False, seed, offset, scale=scale,
+            cum_q, cum_k, q.shape[1], k.shape[1], 0.0, causal, seed, offset, scale=scale,
         )
         return grads_to_bshd(dq, dk, dv, k.shape[2])
 
@@ -110,16 +114,17 @@ class SDPAEfficientBackend(_CudaSDPA):
     name = "sdpa_efficient"
     op_name = "_scaled_dot_product_efficient_attention"
     caps = BackendCaps(
-        frozenset({"cuda"}), _HALF | {torch.float32}, max_head_dim=512, supports_backward=True, head_dim_multiple=8
+        frozenset({"cuda"}), _HALF | {torch.float32}, max_head_dim=512, supports_backward=True, head_dim_multiple=8,
+        causal=True,
     )
 
-    def forward(self, q, k, v, scale):
+    def forward(self, q, k, v, scale, causal=False):
         qt, kt, vt = to_bhsd(q, k, v)
-        out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, False, scale=scale)
+        out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, causal, scale=scale)
         self._keep_aux(q.device, seed, offset)
         return out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype)
 
-    def backward(self, dout, q, k, v, out, lse, scale):
+    def backward(self, dout, q, k, v, out, lse, scale, causal=False):
         qt, kt, vt = to_bhsd(q, k, v)
         seed, offset = self._aux_like(q.device)
         sq = q.shape[1]
@@ -128,7 +133,7 @@ class SDPAEfficientBackend(_CudaSDPA):
         lse_bhs[:, :, :sq] = lse.transpose(1, 2)
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
             _bhsd_contiguous(dout), qt, kt, vt, None, _bhsd_contiguous(out), lse_bhs, seed, offset,
-            0.0, [True, True, True, False], False, scale=scale,
+            0.0, [True, True, True, False], causal, scale=scale,
         )
         return grads_to_bshd(dq, dk, dv, k.shape[2])
 
