@@ -5,7 +5,8 @@ Layout everywhere: (batch, seq, heads, head_dim).
 ``import usp_dit`` loads the attention core alone (it needs only torch). The Diffusers integration,
 ``usp_dit.pipelines``, is imported on first use of ``usp_dit.enable_usp`` / ``disable_usp`` /
 ``enable_parallel_vae`` / ``disable_parallel_vae`` (or explicitly); importing it gives every ``DiffusionPipeline`` the methods ``enable_usp(...)`` and
-``disable_usp()``.
+``disable_usp()``. ``usp_dit.register_transformers`` (``attn_implementation="usp"`` for Hugging Face
+transformers models, ``usp_dit.llm``) imports transformers only when called.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import importlib
 from typing import Any
 
 from usp_dit.config import USPConfig
+from usp_dit.llm.attention import USPAttention
 from usp_dit.mesh import USPMesh, init_usp, set_default_mesh, single_rank_mesh
 from usp_dit.sharding import gather_sequence, shard_sequence
 from usp_dit.usp import AttentionOutput, usp_attention
@@ -21,6 +23,7 @@ from usp_dit.usp import AttentionOutput, usp_attention
 _INTEGRATION = {
     "enable_usp": "usp_dit.pipelines", "disable_usp": "usp_dit.pipelines",
     "enable_parallel_vae": "usp_dit.pipelines.vae", "disable_parallel_vae": "usp_dit.pipelines.vae",
+    "register_transformers": "usp_dit.llm.hf",  # transformers itself is imported only when it is called
 }
 
 
@@ -32,6 +35,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AttentionOutput",
+    "USPAttention",
     "USPConfig",
     "USPMesh",
     "disable_parallel_vae",
@@ -40,6 +44,7 @@ __all__ = [
     "enable_usp",
     "gather_sequence",
     "init_usp",
+    "register_transformers",
     "set_default_mesh",
     "shard_sequence",
     "single_rank_mesh",
