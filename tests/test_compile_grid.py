@@ -9,6 +9,8 @@ would see them, without spending minutes compiling C++ on two cores, and counts 
   ("stream" on (1,2)); batch 2, 13 tokens
   (odd: uneven shards), GQA 4:2, 5 joint tokens; output, joint output and the gradients of q, k,
   v and the joint inputs, compiled vs eager. One graph per case.
+- Causal and block-causal usp_attention (zigzag, stripe, contiguous; stream and gather_merge):
+  one graph each, output and q/k/v gradients equal to eager.
 - Dynamic shapes: four sequence lengths through one compiled function: two graphs in all (the
   first static, the second dynamic, then no recompile), outputs equal to eager.
 - Adapters (``enable_usp`` then ``torch.compile(model, fullgraph=True)``): tiny Flux (2 x 2 and
@@ -79,6 +81,34 @@ def _core_case(u: int, r: int, schedule: str | None) -> dict[str, float]:
     got = _run_and_grads(compiled, inputs, 13)
     ref = _run_and_grads(_attention_loss, inputs, 13)
     return {"err": max(rel_err(a, b) for a, b in zip(got, ref)), "graphs_not_1": float(counter.frame_count != 1)}
+
+
+CAUSAL_CASES = [  # (ulysses, ring, schedule, layout, frame): frame 1 is causal, 3 block-causal
+    (2, 2, "stream", "zigzag", 1), (1, 4, "gather_merge", "stripe", 1), (4, 1, "auto", "contiguous", 3),
+    (1, 4, "stream", "zigzag", 3),
+]
+
+
+def _causal_loss(q, k, v, seq_len: int, layout: str, frame: int):
+    kw = {"causal": True} if frame == 1 else {"block_causal": frame}
+    return usp_attention(q, k, v, seq_len=seq_len, backend="sdpa_cpu", layout=layout, **kw).out
+
+
+def _causal_case(u: int, r: int, schedule: str, layout: str, frame: int) -> dict[str, float]:
+    """Causal / block-causal calls: the plans are constants of the graph (masks.ring_plans)."""
+    mesh = init_usp(ulysses_degree=u, ring_degree=r, ring_schedule=schedule)
+    g = torch.Generator().manual_seed(u * 10 + r)
+    full = [torch.randn(2, 13, h, 16, generator=g) for h in (4, 2, 2)]
+    local = [shard_sequence(t, mesh, layout=layout).detach().requires_grad_() for t in full]
+    counter = _counter()
+    compiled = torch.compile(_causal_loss, backend=counter, fullgraph=True)
+    results = []
+    for fn in (compiled, _causal_loss):
+        out = fn(*local, 13, layout, frame)
+        w = torch.linspace(-1, 1, out.numel()).view_as(out)
+        results.append([out, *torch.autograd.grad((out * w).sum(), local)])
+    err = max(rel_err(a, b) for a, b in zip(*results))
+    return {"err": err, "graphs_not_1": float(counter.frame_count != 1)}
 
 
 def _dynamic_case() -> dict[str, float]:
@@ -207,6 +237,8 @@ def _run_all() -> dict[str, dict | str]:
     record("flux-dynamic", _flux_dynamic_case)
     for u, r, s in CORE_GRIDS:
         record(f"core-{u}x{r}-{s}", lambda: _core_case(u, r, s))
+    for case in CAUSAL_CASES:
+        record(f"causal-{case}", lambda: _causal_case(*case))
     record("dynamic", _dynamic_case)
     record("refusals", _refusals)
     for family, grid in ADAPTER_CASES:
@@ -249,6 +281,11 @@ def _assert_case(results, key: str, flag: str) -> None:
 @pytest.mark.parametrize("grid", CORE_GRIDS, ids=lambda g: f"{g[0]}x{g[1]}-{g[2]}")
 def test_usp_attention_compiles_in_one_graph_and_equals_eager(results, grid):
     _assert_case(results, f"core-{grid[0]}x{grid[1]}-{grid[2]}", "graphs_not_1")
+
+
+@pytest.mark.parametrize("case", CAUSAL_CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[3]}-f{c[4]}")
+def test_causal_usp_attention_compiles_in_one_graph_and_equals_eager(results, case):
+    _assert_case(results, f"causal-{case}", "graphs_not_1")
 
 
 def test_new_resolutions_recompile_once_at_most(results):

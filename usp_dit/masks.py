@@ -110,10 +110,18 @@ def plan_calls(c: torch.Tensor) -> tuple[SubCall, ...]:
     return tuple(calls)
 
 
-@functools.lru_cache(maxsize=1024)
+# Host-side index maths: under torch.compile the result is a constant of the graph (it depends on
+# integers only), not something to trace (tensor ops on positions would be data-dependent). Dynamo
+# honours that mark on a plain function, not on an lru_cache wrapper: hence two functions.
+@torch.compiler.assume_constant_result
 def ring_plans(seq_len: int, ring: int, ulysses: int, layout: str, frame: int, rank: int) -> tuple[tuple[SubCall, ...], ...]:
     """For ring rank ``rank``: the calls of its query block against every ring block ``j`` (index
     ``j``); an empty tuple where the mask hides the whole block."""
+    return _ring_plans(seq_len, ring, ulysses, layout, frame, rank)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ring_plans(seq_len: int, ring: int, ulysses: int, layout: str, frame: int, rank: int):
     blocks = block_positions(seq_len, ring, ulysses, layout)
     return tuple(plan_calls(visible_counts(blocks[rank], kb, frame)) for kb in blocks)
 
