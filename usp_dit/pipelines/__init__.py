@@ -3,7 +3,7 @@
 Layout: each adapter module documents its own (tokens, RoPE tables, text handling).
 
 Importing this package registers the adapters (Flux, Flux.2, Chroma, CogVideoX, Mochi, Wan, HunyuanVideo,
-LTX-Video, Qwen-Image, SD3: each module calls ``register_adapter`` on import; docs/COVERAGE.md
+LTX-Video, Qwen-Image, SD3, SkyReels-V2: each module calls ``register_adapter`` on import; docs/COVERAGE.md
 lists every Diffusers transformer class) and gives every ``DiffusionPipeline`` the methods
 ``enable_usp(...)`` and ``disable_usp()``.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from usp_dit.pipelines import cogvideox, flux, mochi  # noqa: F401  (registration on import)
 from usp_dit.pipelines import chroma, flux2, hunyuan_video, ltx_video, qwen_image, sd3, wan  # noqa: F401  (registration on import)
+from usp_dit.pipelines import skyreels_v2  # noqa: F401  (registration on import)
 from usp_dit.pipelines.api import attach_pipeline_methods, disable_usp, enable_usp, is_usp_enabled
 from usp_dit.pipelines.base import find_adapter, register_adapter
 from usp_dit.pipelines.failure import install_failure_handler

@@ -89,6 +89,9 @@ class Route:
 
     state: ShardState
     text: Literal["none", "first", "last"] = "none"
+    # A frame length: the call is block-causal (``usp_attention(block_causal=...)``), set per call by
+    # a processor that recognised the model's frame-causal mask (``usp_dit.pipelines.skyreels_v2``).
+    block_causal: int | None = None
 
     def shard_len(self) -> int:
         mesh = self.state.mesh
@@ -131,7 +134,7 @@ def _valid_text_keys(attn_mask: torch.Tensor | None, batch: int, text: slice, vi
 def joint_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     text_q: torch.Tensor | None, text_k: torch.Tensor | None, text_v: torch.Tensor | None,
-    valid: torch.Tensor | None, state: ShardState, scale: float | None = None,
+    valid: torch.Tensor | None, state: ShardState, scale: float | None = None, block_causal: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's video shard and the replicated text tokens, attended over the whole sequence.
 
@@ -141,6 +144,7 @@ def joint_attention(
         valid: (B, T) bool, the text keys each element attends to, or ``None`` for all
             (Note [masked text tokens]: one ``usp_attention`` per element then, each with its own
             joint length).
+        block_causal: a frame length for block-causal attention (no text tokens), or ``None``.
 
     Returns:
         ``(out (B, S_local, H, D), text_out (B, T, H, D) or None)``; with ``valid``, row b of
@@ -149,7 +153,8 @@ def joint_attention(
     def call(b: slice, idx: Any = slice(None)):
         joint = (None,) * 3 if text_q is None else (text_q[b, idx], text_k[b, idx], text_v[b, idx])
         return usp_attention(q[b], k[b], v[b], joint_q=joint[0], joint_k=joint[1], joint_v=joint[2],
-                             scale=scale, mesh=state.mesh, backend=state.backend, seq_len=state.seq_len)
+                             scale=scale, mesh=state.mesh, backend=state.backend, seq_len=state.seq_len,
+                             block_causal=block_causal)
 
     if valid is None:
         res = call(slice(None))
@@ -223,12 +228,13 @@ def route_attention(
         # One rank: attention over [text; shard] is plain attention over the sequence the stock
         # code concatenated; taking it apart and joining it again would copy q, k, v and the output.
         state = route.state
-        return usp_attention(query, key, value, scale=scale, mesh=state.mesh, backend=state.backend).out
+        return usp_attention(query, key, value, scale=scale, mesh=state.mesh, backend=state.backend,
+                             block_causal=route.block_causal).out
     split = (lambda x: (x[:, text_len:], x[:, :text_len])) if route.text == "first" else (
         lambda x: (x[:, :shard], x[:, shard:]))
     (q, tq), (k, tk), (v, tv) = split(query), split(key), split(value)
     joint = (tq, tk, tv) if text_len else (None, None, None)
-    out, text_out = joint_attention(q, k, v, *joint, valid, route.state, scale)
+    out, text_out = joint_attention(q, k, v, *joint, valid, route.state, scale, route.block_causal)
     if text_out is None:
         return out
     return torch.cat([text_out, out] if route.text == "first" else [out, text_out], dim=1)
