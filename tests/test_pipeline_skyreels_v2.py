@@ -12,12 +12,15 @@ No token count divides 4, and the frame blocks straddle the shards.
 
 Grids: every (U, R, cfg) of tests/adapter_parity.GRIDS with each ring schedule forced (cfg grids
 only for batch 2); per case output vs stock, block 0's attention sees at most ceil(S / P) tokens,
-bit-identical after disable. Parameter gradients on 2 and 4 ranks (loss / P per rank, summed).
+bit-identical after disable, and every routed attention call runs in the zigzag layout with
+``block_causal`` = the mask's frame length (``None`` for "t2v"). Parameter gradients on 2 and 4 ranks (loss / P per rank, summed).
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32): sharding only reorders float32 sums (the
 block-causal plans' merges by log-sum-exp).
 """
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ from tests.adapter_parity import (
 )
 from usp_dit import single_rank_mesh
 from usp_dit.demo.tiny_skyreels_v2 import skyreels_inputs, skyreels_tokens, tiny_skyreels_v2
+from usp_dit.pipelines import _routing
 from usp_dit.pipelines._frame_mask import FrameMaskReader
 from usp_dit.pipelines.skyreels_v2 import ADAPTER
 from usp_dit.testing import assert_no_crash, run_spawned
@@ -49,9 +53,24 @@ def _build(name: str):
 
 
 def _output_case(name: str, mesh) -> dict[str, float]:
+    """Output vs stock (tests/adapter_parity.sharded_output_case), and what the routed attention
+    calls were asked: the zigzag layout, and block_causal = the mask's frame (frames per causal
+    block x tokens per frame) exactly where the model masks."""
     model, inputs = _build(name)
-    _, frames, h, w, *_ = SHAPES[name]
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attn1, skyreels_tokens(model, frames, h, w))
+    block, frames, h, w, *_ = SHAPES[name]
+    calls = []
+    inner = _routing.usp_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("layout"), kwargs.get("block_causal")))
+        return inner(*args, **kwargs)
+
+    with mock.patch.object(_routing, "usp_attention", spy):
+        res = sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attn1,
+                                  skyreels_tokens(model, frames, h, w))
+    frame = block * (h // 2) * (w // 2) if block > 1 else None
+    res["calls_not_zigzag_with_frame"] = float(not calls or set(calls) != {("zigzag", frame)})
+    return res
 
 
 def _fits(name: str, grid: tuple) -> bool:

@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 import torch
 
+from usp_dit.layouts import shard_sizes
 from usp_dit.partition import split_sizes
 from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.usp import usp_attention
@@ -94,8 +95,10 @@ class Route:
     block_causal: int | None = None
 
     def shard_len(self) -> int:
-        mesh = self.state.mesh
-        return split_sizes(self.state.seq_len, mesh.sequence_degree)[mesh.seq_rank]
+        mesh, layout = self.state.mesh, self.state.layout
+        if layout == "contiguous":
+            return split_sizes(self.state.seq_len, mesh.sequence_degree)[mesh.seq_rank]
+        return shard_sizes(self.state.seq_len, mesh.ring_degree, mesh.ulysses_degree, layout)[mesh.seq_rank]
 
 
 def _valid_text_keys(attn_mask: torch.Tensor | None, batch: int, text: slice, video: slice) -> torch.Tensor | None:
@@ -154,7 +157,7 @@ def joint_attention(
         joint = (None,) * 3 if text_q is None else (text_q[b, idx], text_k[b, idx], text_v[b, idx])
         return usp_attention(q[b], k[b], v[b], joint_q=joint[0], joint_k=joint[1], joint_v=joint[2],
                              scale=scale, mesh=state.mesh, backend=state.backend, seq_len=state.seq_len,
-                             block_causal=block_causal)
+                             block_causal=block_causal, layout=state.layout)
 
     if valid is None:
         res = call(slice(None))

@@ -53,6 +53,9 @@ class ShardState:
     mesh: USPMesh
     backend: str
     seq_len: int | None = None
+    # Where each rank's tokens sit (Note [sequence layouts] in usp_dit.layouts): every cut of this
+    # transformer's tokens and tables, its attention calls and the gather use it.
+    layout: str = "contiguous"
     text_len: int | None = None
     table_len: int | None = None
 
@@ -151,11 +154,12 @@ class TokenShardHooks:
                 f"they must match for the table to be cut like the tokens"
             )
         self.state.seq_len = x.shape[1]
-        return shard_sequence(x, self.state.mesh, dim=1)
+        return shard_sequence(x, self.state.mesh, dim=1, layout=self.state.layout)
 
     def _gather_output(self, module, args: tuple, out_local: torch.Tensor) -> torch.Tensor:
         """(B, S_local, C_out) -> (B, S, C_out), identical on every rank of the sequence group."""
-        return gather_sequence(out_local, self.state.mesh, dim=1, seq_len=self.state.seq_len)
+        return gather_sequence(out_local, self.state.mesh, dim=1, seq_len=self.state.seq_len,
+                               layout=self.state.layout)
 
 
 class PatchingAdapter:

@@ -114,6 +114,10 @@ class ModelPlan:
     # Arguments of the transformer's forward the plan does not shard (e.g. ControlNet residuals,
     # (B, S, C) over the whole sequence): a call that passes one is refused (Note [checks at the call]).
     refuse_args: dict[str, str] = field(default_factory=dict)  # name -> what it is, for the message
+    # Where the tokens sit on the ranks (Note [sequence layouts] in usp_dit.layouts): "zigzag" for a
+    # family whose attention can be causal (its ring ranks then do equal work); the tables and
+    # every routed call follow it. Only plans whose processors are routed (``_routing``) take one.
+    layout: str = "contiguous"
 
 
 @dataclass(eq=False)
@@ -148,7 +152,7 @@ class TableHooks:
         # The table is made before block 0 shards the tokens: it fixes this call's token count,
         # which block 0's hook then checks against the tokens (TokenShardHooks).
         self.state.seq_len = self.state.table_len = t.shape[table.dim]
-        return shard_sequence(t, self.state.mesh, dim=table.dim)
+        return shard_sequence(t, self.state.mesh, dim=table.dim, layout=self.state.layout)
 
 
 def _matches(path: str, pattern: str) -> bool:
@@ -240,7 +244,7 @@ class PlanPatch:
     """Everything ``enable`` changed on one transformer, and how to undo it."""
 
     def __init__(self, plan: ModelPlan, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> None:
-        self.state = ShardState(mesh, backend)
+        self.state = ShardState(mesh, backend, layout=plan.layout)
         get = transformer.get_submodule
         self.swaps: list[tuple[torch.nn.Module, Any, Any]] = []  # (module, original, replacement)
         paths: list[str] = []

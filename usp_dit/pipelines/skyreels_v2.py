@@ -16,12 +16,13 @@ with two differences:
   ``USPSkyReelsV2AttnProcessor`` reads the frame length F off it (checked in full once per
   forward: ``usp_dit.pipelines._frame_mask``, Note [dense frame-causal masks]) and runs the stock
   code with ``usp_attention(block_causal=F)``: the ring skips the blocks a rank's frames cannot
-  see. The tokens stay in the contiguous layout, so ranks holding later frames attend to more
-  keys (at P ranks and many frames the last rank does about 2x the mean of the attention work;
-  the zigzag layout of ``usp_dit.layouts`` would balance it but is not wired into the model
-  sharding yet).
+  see. The tokens are sharded in the "zigzag" layout (``usp_dit.layouts``): each ring rank holds
+  an early and a late chunk of the video, so every rank attends to the same number of keys (in
+  the contiguous layout the rank holding the last frames would do about twice the mean work).
+  The RoPE table and the per-token modulation are cut in the same layout, and the gather puts
+  the tokens back in order.
 - **Per-token modulation** (DF: a timestep per frame, expanded by the forward to every token):
-  ``SkyReelsTembHook`` hands every block this rank's rows of its 4-D ``temb`` (a view, cut like
+  ``SkyReelsTembHook`` hands every block this rank's rows of its 4-D ``temb`` (cut like
   the tokens), and the tokens are gathered at ``norm_out``'s output instead of ``proj_out``'s, so
   the final per-token shift and scale meet the whole sequence (``proj_out`` then runs on every
   token on every rank: one linear layer).
@@ -112,7 +113,8 @@ class SkyReelsTembHook:
             raise ValueError(
                 f"the per-token modulation has {temb.shape[2]} tokens but the latent has {self.state.seq_len}"
             )
-        return (*args[:2], shard_sequence(temb, self.state.mesh, dim=2), *args[3:]), kwargs
+        local = shard_sequence(temb, self.state.mesh, dim=2, layout=self.state.layout)
+        return (*args[:2], local, *args[3:]), kwargs
 
 
 def _routed_call_missing(transformer: SkyReelsV2Transformer3DModel) -> str | None:
@@ -137,6 +139,7 @@ PLAN = ModelPlan(
     cfg_branch_args=("encoder_hidden_states",),
     hooks=(SkyReelsTembHook,),
     refuse=(_routed_call_missing,),
+    layout="zigzag",  # block-causal attention: equal work on every ring rank (module docstring)
 )
 
 ADAPTER = register_adapter(PlanAdapter(PLAN, __name__))
