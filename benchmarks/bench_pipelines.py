@@ -156,6 +156,7 @@ CASES: dict[str, Callable] = {
     "wan": _later(pipeline_cases.wan_case), "hunyuan_video": _later(pipeline_cases.hunyuan_video_case),
     "qwen_image": _later(pipeline_cases.qwen_image_case), "sd35": _later(pipeline_cases.sd35_case),
     "ltx_video": _later(pipeline_cases.ltx_video_case), "flux2": _later(pipeline_cases.flux2_case),
+    "skyreels_df": _later(pipeline_cases.skyreels_df_case),
 }
 
 

@@ -17,6 +17,14 @@ WAN_14B = dict(
     text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
 )
+# SkyReels-V2 DF 1.3B 540P (Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers, transformer/config.json);
+# num_frame_per_block 5 is what its pipeline's asynchronous mode sets (causal_block_size=5).
+SKYREELS_DF_1_3B = dict(
+    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+    text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, inject_sample_info=True,
+    num_frame_per_block=5,
+)
 # SD3.5 Large (stabilityai/stable-diffusion-3.5-large, transformer/config.json).
 SD35_LARGE = dict(
     sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64, num_attention_heads=38,
@@ -50,6 +58,25 @@ def wan_case(build, device: torch.device, frames: int = 81, height: int = 720, w
     )
     tokens = lat[0] * (lat[1] // 2) * (lat[2] // 2)
     return model, inputs, f"{frames}x{height}x{width} ({tokens} + 512 tokens)"
+
+
+def skyreels_df_case(build, device: torch.device, frames: int = 97, height: int = 544, width: int = 960):
+    """SkyReels-V2 DF 1.3B, diffusion forcing: latents (1, 16, (f-1)/4+1, h/8, w/8), one timestep
+    per latent frame, 512 text tokens; blocks of 5 latent frames attend causally (stock builds the
+    dense (S, S) frame-causal mask and hands it to SDPA; usp_dit runs it as block_causal)."""
+    from diffusers import SkyReelsV2Transformer3DModel
+
+    model = build(SkyReelsV2Transformer3DModel, SKYREELS_DF_1_3B, device)
+    lat = ((frames - 1) // 4 + 1, height // 8, width // 8)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, *lat, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 512, 4096, generator=g, **_bf(device)),
+        timestep=torch.randint(0, 1000, (1, lat[0]), generator=g, device=device),
+        enable_diffusion_forcing=True, fps=[0], return_dict=False,
+    )
+    tokens = lat[0] * (lat[1] // 2) * (lat[2] // 2)
+    return model, inputs, f"{frames}x{height}x{width} DF, 5-frame blocks ({tokens} + 512 tokens)"
 
 
 def hunyuan_video_case(build, device: torch.device, frames: int = 129, height: int = 720, width: int = 1280):

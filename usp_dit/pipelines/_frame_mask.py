@@ -16,6 +16,8 @@ Note [dense frame-causal masks]
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 _CHUNK_ROWS = 1024  # rows compared at a time: S x 1024 booleans, never a second S x S tensor
@@ -38,7 +40,10 @@ class FrameMaskReader:
     checked once per mask tensor."""
 
     def __init__(self) -> None:
-        self._seen: tuple | None = None  # (data_ptr, shape, version) -> F of the last mask checked
+        # (weak reference to the last mask checked, its version, its F): the same tensor object
+        # again (every block of one forward) is not checked again; a new forward's new mask is,
+        # even where the allocator reuses the old one's memory.
+        self._seen: tuple | None = None
 
     def frame(self, mask: torch.Tensor, seq_len: int) -> int:
         """Raises NotImplementedError for any mask that is not frame-causal over ``seq_len`` tokens."""
@@ -47,14 +52,22 @@ class FrameMaskReader:
                 f"usp_dit routes a dense attention mask only when it is a ({seq_len}, {seq_len}) bool "
                 f"frame-causal mask over the whole sequence; got {tuple(mask.shape)} {mask.dtype}"
             )
-        key = (mask.data_ptr(), tuple(mask.shape), mask._version)
-        if self._seen is not None and self._seen[0] == key:
-            return self._seen[1]
+        version = _version(mask)
+        if self._seen is not None and self._seen[0]() is mask and self._seen[1] == version:
+            return self._seen[2]
         frame = int(mask[0, 0, 0].sum())
         if frame < 1 or not _matches(mask, frame):
             raise NotImplementedError(
                 "usp_dit routes a dense attention mask only when it is frame-causal (a token sees its "
                 "own block of frames and the earlier ones); this mask is not"
             )
-        self._seen = (key, frame)
+        self._seen = (weakref.ref(mask), version, frame)
         return frame
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter; -1 for an inference-mode tensor, which keeps none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
