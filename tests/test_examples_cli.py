@@ -8,6 +8,7 @@ Process tests (few: each pays the imports, ~10 s on two shared cores):
     launcher's and no worker can change it, so the test checks that every traceback frame in the
     output is torchrun's. torchrun stops the other workers once the first has exited: a rank still
     importing then ends by its SIGTERM (-15) instead of reaching its own exit 2.
+  * examples/finetune_llm.py on 2 ranks (ring 2, tiny Qwen2): both loss curves and MATCH (issue 18).
   * Ctrl-C on a running example (one process): exit 130, no traceback, and the one-line notice
     that it runs on one rank.
   * ``scripts/test.sh PATH`` runs just that file; ``scripts/test.sh FLAGS`` still runs tests/.
@@ -18,7 +19,8 @@ Process tests (few: each pays the imports, ~10 s on two shared cores):
     (Ulysses 2), Chroma (cfg 2, one image: true CFG's two calls on the two cfg groups at once), 2 steps
     each; every run prints MATCH against one rank.
 In-process tests: the examples' checks of sizes, frame counts, guidance and cfg degrees, MP4 output
-and every family's defaults, and ``usp_dit.logs.configure_logging`` (INFO and warnings on rank 0 only).
+and every family's defaults, the LLM example's checks and its MISMATCH verdict, and
+``usp_dit.logs.configure_logging`` (INFO and warnings on rank 0 only).
 """
 from __future__ import annotations
 
@@ -367,3 +369,50 @@ def test_other_ranks_print_errors_only(restore_logging, capsys):
         warnings.warn("a deprecation", DeprecationWarning)
     assert seen == []
     assert capsys.readouterr().err.splitlines() == ["[rank 1] error: this rank failed"]
+
+
+# ---------------------------------------------------------------------------------------------
+# examples/finetune_llm.py (issue 18): a causal LM on the grid against one process
+
+
+def test_llm_example_prints_match_on_two_ranks(tmp_path):
+    """Ring 2 on a tiny Qwen2, two AdamW steps: both loss curves, MATCH, exit 0 (~10 s, mostly imports)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(EXAMPLES / "finetune_llm.py"), "--model", "qwen2", "--ring", "2", "--steps", "2"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "USPMesh(dp=1, cfg=1, ring=2, ulysses=1, device_type='cpu') on 2 rank(s), cpu; tiny random Qwen2ForCausalLM" in out
+    rows = re.findall(r"(?m)^\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\S+)$", out)
+    assert [int(r[0]) for r in rows] == [0, 1], out
+    assert re.search(r"max \|diff\|/\|one process\| = \S+ \(tolerance 1e-05\): MATCH", out), out
+    assert out.count("MATCH") == 1, "rank 0 alone prints"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq-len", "1"], "--seq-len 1 must be at least 2 (a causal LM needs a next token to predict)"),
+    (["--layout", "spiral"], "argument --layout: invalid choice: 'spiral'"),
+    (["--model", "gpt2"], "argument --model: invalid choice: 'gpt2'"),
+    (["--ulysses", "3"], "--ulysses 3 on 2 rank(s): world_size=2 is not a multiple of"),
+    (["--backend", "nope"], "--backend 'nope' is not a kernel"),
+])
+def test_llm_example_rejects(argv, message, two_ranks):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        _example("finetune_llm").parse_args(argv)
+
+
+def test_llm_example_needs_a_token_per_rank(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(UsageError, match=re.escape("--seq-len 3 must be at least ulysses x ring = 4 (every rank")):
+        _example("finetune_llm").parse_args(["--ring", "4", "--seq-len", "3"])
+
+
+def test_llm_example_fills_the_grid_and_fails_on_a_mismatch(two_ranks, capsys):
+    ex = _example("finetune_llm")
+    assert ex.parse_args([]).degrees == (2, 1, 1)
+    assert ex.parse_args(["--ring", "2"]).degrees == (1, 2, 1)
+    args = ex.parse_args(["--dtype", "float64"])
+    assert ex.report(args, [1.0, 0.5], [1.0, 0.5 + 1e-16]) is True
+    assert ex.report(args, [1.0, 0.5], [1.0, 0.5 + 1e-9]) is False
+    assert capsys.readouterr().out.rstrip().endswith("(tolerance 1e-10): MISMATCH")
