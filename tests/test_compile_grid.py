@@ -10,7 +10,8 @@ would see them, without spending minutes compiling C++ on two cores, and counts 
   (odd: uneven shards), GQA 4:2, 5 joint tokens; output, joint output and the gradients of q, k,
   v and the joint inputs, compiled vs eager. One graph per case.
 - Causal and block-causal usp_attention (zigzag, stripe, contiguous; stream and gather_merge):
-  one graph each, output and q/k/v gradients equal to eager.
+  one graph each, output and q/k/v gradients equal to eager; three lengths through one compiled
+  causal function: one graph per length (the plan specialises it), outputs equal to eager.
 - Dynamic shapes: four sequence lengths through one compiled function: two graphs in all (the
   first static, the second dynamic, then no recompile), outputs equal to eager.
 - Adapters (``enable_usp`` then ``torch.compile(model, fullgraph=True)``): tiny Flux (2 x 2 and
@@ -109,6 +110,20 @@ def _causal_case(u: int, r: int, schedule: str, layout: str, frame: int) -> dict
         results.append([out, *torch.autograd.grad((out * w).sum(), local)])
     err = max(rel_err(a, b) for a, b in zip(*results))
     return {"err": err, "graphs_not_1": float(counter.frame_count != 1)}
+
+
+def _causal_lengths_case() -> dict[str, float]:
+    """Causal calls at three lengths through one compiled function: a graph per length (the plan
+    specialises the length), no error once torch's automatic dynamic shapes make it symbolic."""
+    mesh = init_usp(ulysses_degree=2, ring_degree=2)
+    counter = _counter()
+    compiled = torch.compile(_causal_loss, backend=counter, fullgraph=True)
+    err = 0.0
+    for seq in (13, 17, 23):
+        g = torch.Generator().manual_seed(seq)
+        local = [shard_sequence(torch.randn(1, seq, h, 16, generator=g), mesh, layout="zigzag") for h in (4, 2, 2)]
+        err = max(err, rel_err(compiled(*local, seq, "zigzag", 1), _causal_loss(*local, seq, "zigzag", 1)))
+    return {"err": err, "graphs_not_3": float(counter.frame_count != 3)}
 
 
 def _dynamic_case() -> dict[str, float]:
@@ -239,6 +254,7 @@ def _run_all() -> dict[str, dict | str]:
         record(f"core-{u}x{r}-{s}", lambda: _core_case(u, r, s))
     for case in CAUSAL_CASES:
         record(f"causal-{case}", lambda: _causal_case(*case))
+    record("causal-lengths", _causal_lengths_case)
     record("dynamic", _dynamic_case)
     record("refusals", _refusals)
     for family, grid in ADAPTER_CASES:
@@ -286,6 +302,10 @@ def test_usp_attention_compiles_in_one_graph_and_equals_eager(results, grid):
 @pytest.mark.parametrize("case", CAUSAL_CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[3]}-f{c[4]}")
 def test_causal_usp_attention_compiles_in_one_graph_and_equals_eager(results, case):
     _assert_case(results, f"causal-{case}", "graphs_not_1")
+
+
+def test_causal_calls_compile_one_graph_per_length(results):
+    _assert_case(results, "causal-lengths", "graphs_not_3")
 
 
 def test_new_resolutions_recompile_once_at_most(results):

@@ -35,6 +35,7 @@ the same ``joint_out``.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import NamedTuple
 
 import torch
@@ -254,7 +255,8 @@ def _single_rank(q, k, v, joint, kernel, scale, frame: int | None = None):
     """P == 1: joint tokens simply join the sequence; a mask runs its plan (for causal attention
     one call in the kernel's causal mode)."""
     if frame is not None:
-        return masked_attend(q, k, v, ring_plans(q.shape[1], 1, 1, "contiguous", frame, 0)[0], kernel, scale), None
+        plan = ring_plans(_concrete(q.shape[1]), 1, 1, "contiguous", frame, 0)[0]
+        return masked_attend(q, k, v, plan, kernel, scale), None
     if joint is None:
         return attend(q, k, v, kernel, scale), None
     jq, jk, jv = joint
@@ -263,6 +265,14 @@ def _single_rank(q, k, v, joint, kernel, scale, frame: int | None = None):
         torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1), kernel, scale
     )
     return (out[:, :n], _rows(lse, 0, n)), (out[:, n:], _rows(lse, n, None))
+
+
+def _concrete(n) -> int:
+    """``n`` as a plain int. Under torch.compile's dynamic shapes a length is symbolic; a mask's
+    plan (host index maths, a graph constant) needs its value, so the graph specialises on it
+    (a guard: a new length compiles a new graph, as with static shapes). ``operator.index`` is
+    what specialises under Dynamo (``int()`` of a symbolic length stays symbolic)."""
+    return operator.index(n)
 
 
 def _rows(lse: torch.Tensor | None, start: int, stop: int | None) -> torch.Tensor | None:
@@ -352,7 +362,7 @@ def _masked_blocks(q_blk, k_blk, v_blk, call: _Call, mesh: USPMesh, shards: list
     """``(out, lse)`` of this rank's ring block under the call's mask: the ring with one plan per
     block pair, or (ring degree 1) the plan of the whole sequence (Note [staircase masks])."""
     u_deg, r_deg, r = mesh.ulysses_degree, mesh.ring_degree, mesh.ring_rank
-    plans = ring_plans(sum(shards), r_deg, u_deg, call.layout, call.frame, r)
+    plans = ring_plans(_concrete(sum(shards)), r_deg, u_deg, call.layout, call.frame, r)
     if r_deg == 1:
         return masked_attend(q_blk, k_blk, v_blk, plans[0], call.kernel, call.scale)
     sizes = tuple(ring_block_sizes(shards, u_deg))
