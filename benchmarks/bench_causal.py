@@ -17,44 +17,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable
 
 import torch
 
-from usp_dit import single_rank_mesh, usp_attention
-from usp_dit.kernels import select_backend
-from usp_dit.kernels.autograd import kernel_backward, kernel_forward
-from usp_dit.layouts import block_positions
-from usp_dit.masked import RowMerger, attend_plan, masked_block_grads
-from usp_dit.masks import rank_work, ring_plans
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_attention import side_by_side  # noqa: E402  (interleaved rounds, median)
+
+from usp_dit import single_rank_mesh, usp_attention  # noqa: E402
+from usp_dit.kernels import select_backend  # noqa: E402
+from usp_dit.kernels.autograd import kernel_backward, kernel_forward  # noqa: E402
+from usp_dit.layouts import block_positions  # noqa: E402
+from usp_dit.masked import RowMerger, attend_plan, masked_block_grads  # noqa: E402
+from usp_dit.masks import rank_work, ring_plans  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-
-
-def time_ms(fn: Callable[[], object], iters: int) -> float:
-    """Mean ms of ``iters`` back-to-back calls between two CUDA events (after one warm-up call)."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def side_by_side(fns: dict[str, Callable[[], object]], iters: int, repeats: int) -> dict[str, float]:
-    """Median over ``repeats`` rounds, each round timing every function once (interleaved)."""
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            samples[name].append(time_ms(fn, iters))
-    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def _qkv(seq: int, grad: bool, kv_heads: int = KV_HEADS):

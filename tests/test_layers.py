@@ -5,7 +5,7 @@ import`` statement, at any depth, is checked against its layer's rules:
   * kernels (``usp_dit.kernels.*``) import nothing of usp_dit outside ``usp_dit.kernels``: no
     ring, no mesh, no communication;
   * the attention core (config, groups, mesh, replica, partition, layouts, masks, masked, comm,
-    handshake, ulysses, ring, merge, usp, sharding) imports only torch, the standard library, itself and the kernels: no
+    handshake, ulysses, ring, merge, usp, sharding, traffic) imports only torch, the standard library, itself and the kernels: no
     Diffusers, transformers or PEFT, and no integration (``usp_dit.pipelines``, ``usp_dit.training``).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "usp_dit"
 CORE = ("config", "groups", "mesh", "replica", "partition", "layouts", "masks", "masked", "comm", "handshake",
-        "ulysses", "ring", "merge", "usp", "sharding")
+        "ulysses", "ring", "merge", "usp", "sharding", "traffic")
 THIRD_PARTY_INTEGRATIONS = ("diffusers", "transformers", "peft", "accelerate")
 
 

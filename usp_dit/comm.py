@@ -19,15 +19,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from usp_dit import traffic
+
 # torch >= 2.12 renamed all_gather_tensor to all_gather_single (same semantics).
 _all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
 
 
-def exchange(chunks: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], group: dist.ProcessGroup) -> list[torch.Tensor]:
+def exchange(
+    chunks: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], group: dist.ProcessGroup, kind: str = "ulysses_a2a"
+) -> list[torch.Tensor]:
     """All-to-all of arbitrarily shaped pieces: ``chunks[v]`` goes to rank ``v`` of ``group``.
 
     Returns the pieces received from each rank, ``recv_shapes[u]`` being the shape of the piece from
     rank ``u``. Pieces travel flattened in one ``all_to_all_single`` with uneven split sizes.
+    ``kind``: what is counted (``usp_dit.traffic``; the pieces of other ranks only).
     """
     in_splits = [c.numel() for c in chunks]
     # One copy per chunk straight into its slot of the send buffer (a reshape + cat would copy twice).
@@ -35,6 +40,9 @@ def exchange(chunks: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], gro
     for piece, chunk in zip(send.split(in_splits), chunks):
         piece.view(chunk.shape).copy_(chunk)
     out_splits = [math.prod(s) for s in recv_shapes]
+    if traffic.counting():
+        me, size = dist.get_rank(group), send.element_size()
+        traffic.record(kind, size * (sum(in_splits) - in_splits[me]), size * (sum(out_splits) - out_splits[me]))
     recv = funcol.wait_tensor(funcol.all_to_all_single(send, out_splits, in_splits, group))
     return [piece.view(shape) for piece, shape in zip(recv.split(out_splits), recv_shapes)]
 
@@ -121,17 +129,21 @@ def all_to_all_heads_to_seq(y: torch.Tensor, plan: A2APlan) -> torch.Tensor:
     return _HeadsToSeq.apply(y, plan)
 
 
-def gather_uneven(x: torch.Tensor, sizes: list[int], dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+def gather_uneven(
+    x: torch.Tensor, sizes: list[int], dim: int, group: dist.ProcessGroup, kind: str = "seq_gather"
+) -> torch.Tensor:
     """All-gather pieces of different lengths along ``dim`` (no autograd).
 
     Pieces are padded to the longest, gathered in one collective and trimmed; the result is
-    contiguous.
+    contiguous. ``kind``: what is counted (``usp_dit.traffic``: the padded pieces).
     """
     longest = max(sizes)
     x0 = x.movedim(dim, 0)
     if x0.shape[0] < longest:
         pad = x0.new_zeros((longest - x0.shape[0], *x0.shape[1:]))
         x0 = torch.cat([x0, pad])
+    if traffic.counting():
+        traffic.record_all_gather(kind, traffic.nbytes(x0), len(sizes))
     full = funcol.wait_tensor(_all_gather(x0.contiguous(), 0, group))
     # Each piece moved back before the one copy into the result, which is so laid out like x
     # (contiguous: a gathered model output reshapes like the stock one).
@@ -147,21 +159,26 @@ class _GatherUneven(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, sizes, dim, group):
-        ctx.sizes, ctx.dim, ctx.group = sizes, dim, group
-        return gather_uneven(x, sizes, dim, group)
+    def forward(ctx, x, sizes, dim, group, kind):
+        ctx.sizes, ctx.dim, ctx.group, ctx.kind = sizes, dim, group, kind
+        return gather_uneven(x, sizes, dim, group, kind)
 
     @staticmethod
     def backward(ctx, grad):
+        if traffic.counting():
+            traffic.record_all_reduce(ctx.kind, traffic.nbytes(grad), len(ctx.sizes))
         total = funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group))
         rank = dist.get_rank(ctx.group)
         start = sum(ctx.sizes[:rank])
-        return total.narrow(ctx.dim, start, ctx.sizes[rank]), None, None, None
+        return total.narrow(ctx.dim, start, ctx.sizes[rank]), None, None, None, None
 
 
-def start_all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def start_all_gather(x: torch.Tensor, group: dist.ProcessGroup, kind: str = "ring_gather") -> torch.Tensor:
     """Post an all-gather of ``x`` (B, ...) along dim 0 and return at once; the result,
-    (group size * B, ...) in rank order, is ready after ``wait_gathered``."""
+    (group size * B, ...) in rank order, is ready after ``wait_gathered``. ``kind``: what is
+    counted (``usp_dit.traffic``)."""
+    if traffic.counting():
+        traffic.record_all_gather(kind, traffic.nbytes(x), dist.get_world_size(group))
     return _all_gather(x.contiguous(), 0, group)
 
 
@@ -169,10 +186,13 @@ def start_all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def start_all_gather_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup):
+def start_all_gather_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup, kind: str = "ring_gather"):
     """Post an all-gather of ``x`` (n, ...) into ``out`` (group size * n, ...), a contiguous tensor
     that may be a slice of a larger buffer, and return the work handle (``out`` is ready after its
-    ``wait()``). Not differentiable: for forward-only gathers into buffers the caller lays out."""
+    ``wait()``). Not differentiable: for forward-only gathers into buffers the caller lays out.
+    ``kind``: what is counted (``usp_dit.traffic``)."""
+    if traffic.counting():
+        traffic.record_all_gather(kind, traffic.nbytes(x), dist.get_world_size(group))
     return _all_gather_into(out, x.contiguous(), group=group, async_op=True)
 
 
@@ -181,11 +201,14 @@ def wait_gathered(pending: torch.Tensor) -> torch.Tensor:
     return funcol.wait_tensor(pending)
 
 
-def all_gather_uneven(x: torch.Tensor, sizes: list[int], dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Differentiable all-gather of pieces of lengths ``sizes`` along ``dim`` (identity without a group)."""
+def all_gather_uneven(
+    x: torch.Tensor, sizes: list[int], dim: int, group: dist.ProcessGroup | None, kind: str = "seq_gather"
+) -> torch.Tensor:
+    """Differentiable all-gather of pieces of lengths ``sizes`` along ``dim`` (identity without a
+    group); ``kind``: what its traffic is counted as (``usp_dit.traffic``), backward included."""
     if group is None:
         return x
-    return _GatherUneven.apply(x, list(sizes), dim, group)
+    return _GatherUneven.apply(x, list(sizes), dim, group, kind)
 
 
 class RingExchanger:
@@ -214,10 +237,16 @@ class RingExchanger:
         self.next_peer = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev_peer = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def start(self, send: torch.Tensor | None, recv: torch.Tensor | None, tag: int = 0) -> list[dist.Work]:
+    def start(
+        self, send: torch.Tensor | None, recv: torch.Tensor | None, tag: int = 0, kind: str = "ring_kv"
+    ) -> list[dist.Work]:
         """Post ``send`` to the next rank and ``recv`` from the previous (point to point); returns
         the handles. Streams that may be in flight together (K/V blocks and their gradients) use
-        different tags. The caller keeps both buffers alive until ``wait``."""
+        different tags. The caller keeps both buffers alive until ``wait``. ``kind``: what is
+        counted (``usp_dit.traffic``)."""
+        if traffic.counting():
+            sent, received = (0 if t is None else traffic.nbytes(t) for t in (send, recv))
+            traffic.record(kind, sent, received)
         ops = []
         if send is not None and send.numel():
             assert send.is_contiguous(), "ring send buffers must be contiguous"
@@ -232,13 +261,15 @@ class RingExchanger:
         for work in works:
             work.wait()
 
-    def post(self, send: torch.Tensor, recv_shape: tuple[int, ...], dtype: torch.dtype, tag: int = 0):
+    def post(self, send: torch.Tensor, recv_shape: tuple[int, ...], dtype: torch.dtype, tag: int = 0,
+             kind: str = "ring_kv"):
         """Send ``send`` (contiguous) to the next rank; returns ``receive()``, which waits for and
-        returns the ``recv_shape`` tensor of ``dtype`` from the previous rank (Note [traced ring])."""
+        returns the ``recv_shape`` tensor of ``dtype`` from the previous rank (Note [traced ring]).
+        ``kind``: what is counted (``usp_dit.traffic``)."""
         if torch.compiler.is_compiling():
-            return self._post_traced(send, recv_shape)
+            return self._post_traced(send, recv_shape, kind)
         recv = send.new_empty(recv_shape, dtype=dtype)
-        works = self.start(send, recv, tag)
+        works = self.start(send, recv, tag, kind)
 
         def receive() -> torch.Tensor:
             self.wait(works)
@@ -247,11 +278,13 @@ class RingExchanger:
 
         return receive
 
-    def _post_traced(self, send: torch.Tensor, recv_shape: tuple[int, ...]):
+    def _post_traced(self, send: torch.Tensor, recv_shape: tuple[int, ...], kind: str = "ring_kv"):
         """The functional rotation of Note [traced ring] (``send``'s dtype travels)."""
         nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         in_splits, out_splits = [0] * self.size, [0] * self.size
         in_splits[nxt] = send.numel()
         out_splits[prev] = math.prod(recv_shape)
+        if traffic.counting():  # only when run eagerly (Note [counting traffic])
+            traffic.record(kind, traffic.nbytes(send), out_splits[prev] * send.element_size())
         pending = funcol.all_to_all_single(send.reshape(-1), out_splits, in_splits, self.group)
         return lambda: funcol.wait_tensor(pending).view(recv_shape)

@@ -36,12 +36,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import pickle
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from usp_dit import traffic
 from usp_dit.comm import start_all_gather_into
 
 _VERIFIED: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("usp_dit_verified_meshes", default=())
@@ -81,6 +83,10 @@ def _disagreement(shown: dict[str, str], group: dist.ProcessGroup, what: str) ->
     """The error every rank raises, built from every rank's readable fields (one slow gather)."""
     per_rank: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(per_rank, shown, group=group)
+    if traffic.counting():  # the pickled payloads (the slow path only)
+        sizes = [len(pickle.dumps(fields)) for fields in per_rank]
+        me = dist.get_rank(group)
+        traffic.record("handshake", (len(sizes) - 1) * sizes[me], sum(sizes) - sizes[me])
     names = list(dict.fromkeys(name for fields in per_rank for name in fields))
     everywhere = [name for name in names if all(name in fields for fields in per_rank)]
     lines = _differences(per_rank, everywhere, group) or _differences(per_rank, names, group)
@@ -119,7 +125,7 @@ def agree(
     # A plain blocking collective: the result is read at once, and on gloo the functional
     # collective's wrapping cost about three times this one (1.0 against 0.36 ms per call).
     table = mine.new_empty(dist.get_world_size(group) * 3)
-    start_all_gather_into(table, mine, group).wait()
+    start_all_gather_into(table, mine, group, kind="handshake").wait()
     table = table.view(-1, 3).tolist()
     if any(row[:2] != table[0][:2] for row in table):
         raise _disagreement(shown, group, what)

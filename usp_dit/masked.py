@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from usp_dit.kernels.autograd import attend, kernel_backward, kernel_forward
+from usp_dit.kernels.autograd import attend, kernel_backward, kernel_forward, refuse_lse_gradient
 from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 from usp_dit.masks import SubCall
 from usp_dit.merge import merge_into
@@ -105,8 +105,7 @@ class MaskedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if dlse is not None and not torch.compiler.is_compiling():
-            raise NotImplementedError("backpropagating through the returned log-sum-exp is not supported")
+        refuse_lse_gradient(dlse)
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             return None, None, None, None, None, None

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from usp_dit import traffic
 from usp_dit.groups import on_release
 from usp_dit.mesh import USPMesh, default_timeout
 
@@ -90,6 +91,10 @@ def broadcast_from_first_rank(t: torch.Tensor, mesh: USPMesh) -> torch.Tensor:
     if as_bool:
         buf = buf.to(torch.uint8)
     for group in replica_groups(mesh):  # cfg, then sequence: Note [who is a replica, who is data parallel]
+        if traffic.counting():  # the source sends to every other rank (Note [counting traffic])
+            n = traffic.nbytes(buf)
+            sent, received = ((group.size() - 1) * n, 0) if group.rank() == 0 else (0, n)
+            traffic.record("broadcast", sent, received)
         if torch.compiler.is_compiling():  # an in-place collective cannot be traced; the functional one can
             buf = funcol.wait_tensor(funcol.broadcast(buf, 0, group))  # the source is a group rank
         else:

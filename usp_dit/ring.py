@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from usp_dit.comm import RingExchanger, start_all_gather, start_all_gather_into, wait_gathered
 from usp_dit.config import canonical_schedule
+from usp_dit.kernels.autograd import refuse_lse_gradient
 from usp_dit.kernels.protocol import AttentionBackend, forward_stack, lse_dtype
 from usp_dit.masked import RowMerger, attend_plan, masked_block_grads
 from usp_dit.masks import SubCall
@@ -127,7 +128,8 @@ def _ring_blocks(k: torch.Tensor, v: torch.Tensor, spec: RingSpec):
     for step in range(spec.size):
         receive = None
         if step < spec.size - 1:
-            receive = spec.exchanger.post(cur, _kv_shape(cur, spec.block_sizes[spec.block_at(step + 1)]), cur.dtype, _KV_TAG)
+            shape = _kv_shape(cur, spec.block_sizes[spec.block_at(step + 1)])
+            receive = spec.exchanger.post(cur, shape, cur.dtype, _KV_TAG, kind="ring_kv")
         yield step, cur
         cur = receive() if receive is not None else cur
 
@@ -205,15 +207,19 @@ def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def _longest(block_sizes: tuple[int, ...]) -> int:
-    """The longest block. Compiled calls shard by ``split_sizes`` (Note [compiled calls]), whose
-    first piece is the longest: taking it compares no symbolic sizes (no guards)."""
-    return block_sizes[0] if torch.compiler.is_compiling() else max(block_sizes)
+    """The longest block. Symbolic sizes (a compiled call under dynamic shapes) come from the
+    contiguous layout's ``split_sizes`` (Note [compiled calls]; other layouts and masks specialise
+    the length), whose first piece is the longest: taking it compares no symbolic sizes (no
+    guards). Concrete sizes take the maximum: a zigzag ring's longest block need not be the first."""
+    if any(isinstance(n, torch.SymInt) for n in block_sizes):
+        return block_sizes[0]
+    return max(block_sizes)
 
 
 def _start_block_gather(k, v, spec: RingSpec) -> list[torch.Tensor]:
     """Post the all-gather of every ring rank's K and V block, padded to the longest block."""
     longest = _longest(spec.block_sizes)
-    return [start_all_gather(_padded(t, longest), spec.exchanger.group) for t in (k, v)]
+    return [start_all_gather(_padded(t, longest), spec.exchanger.group, kind="ring_gather") for t in (k, v)]
 
 
 def _gathered_blocks(pending: torch.Tensor, spec: RingSpec, batch: int) -> torch.Tensor:
@@ -245,7 +251,7 @@ def _gather_in_place(k, v, joint_k, joint_v, spec: RingSpec):
     bufs, works = [], []
     for t, jt in ((k, joint_k), (v, joint_v)):
         buf = t.new_empty((1, spec.size * length + joint, hk, d))
-        works.append(start_all_gather_into(buf[0, :spec.size * length], t[0], spec.exchanger.group))
+        works.append(start_all_gather_into(buf[0, :spec.size * length], t[0], spec.exchanger.group, kind="ring_gather"))
         if joint:
             buf[:, spec.size * length:] = jt
         bufs.append(buf)
@@ -380,7 +386,7 @@ def ring_backward(dout, q, k, v, joint_k, joint_v, out, lse, spec: RingSpec, bac
         # The accumulator we receive next belongs to the block we hold at the next step; after the
         # last step that is our own block, coming home.
         shape = _kv_shape(cur, spec.block_sizes[spec.block_at(step + 1)])
-        receive = spec.exchanger.post(dkv, shape, acc, _DKV_TAG)
+        receive = spec.exchanger.post(dkv, shape, acc, _DKV_TAG, kind="ring_grad")
     dkv_home = receive()
     return dq.to(q.dtype), dkv_home[0].to(k.dtype), dkv_home[1].to(v.dtype), djk, djv
 
@@ -398,10 +404,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        # Traced, dlse is always materialised (zeros); usp_attention refuses a compiled call whose
-        # LSE could reach a loss (return_lse with gradients), so only eager checks it here.
-        if dlse is not None and not torch.compiler.is_compiling():
-            raise NotImplementedError("backpropagating through the returned log-sum-exp is not supported")
+        refuse_lse_gradient(dlse)
         q, k, v, joint_k, joint_v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)  # every rank must still run the ring to serve its peers

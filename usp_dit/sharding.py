@@ -98,7 +98,7 @@ def gather_sequence(
             f"seq_len={seq_len} gives rank {mesh.seq_rank} {sizes[mesh.seq_rank]} tokens, "
             f"but x_local has {x_local.shape[dim]} along dim={dim}"
         )
-    full = all_gather_uneven(x_local, sizes, dim, mesh.seq_group)
+    full = all_gather_uneven(x_local, sizes, dim, mesh.seq_group, kind="seq_gather")
     if layout == "contiguous":
         return full
     index = gather_index(sum(sizes), mesh.ring_degree, mesh.ulysses_degree, layout)

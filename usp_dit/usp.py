@@ -42,6 +42,7 @@ import torch
 
 import torch.distributed._functional_collectives as funcol
 
+from usp_dit import traffic
 from usp_dit.comm import gather_uneven, heads_to_seq, seq_to_heads
 from usp_dit.config import canonical_schedule
 from usp_dit.handshake import agree, calls_verified
@@ -121,7 +122,8 @@ def _layout_sizes(seq_len: int, mesh: USPMesh, layout: str) -> list[int]:
     """Every rank's shard length in ``layout`` (contiguous: ``split_sizes``, symbolic-safe)."""
     if layout == "contiguous":
         return split_sizes(seq_len, mesh.sequence_degree)
-    return shard_sizes(seq_len, mesh.ring_degree, mesh.ulysses_degree, layout)
+    # Other layouts are index maths on the value (cached per length): a compiled call specialises it.
+    return shard_sizes(_concrete(seq_len), mesh.ring_degree, mesh.ulysses_degree, layout)
 
 
 def _shard_sizes(q, k, call: _Call, mesh: USPMesh, seq_len: int | None) -> list[int]:
@@ -349,9 +351,11 @@ def _sharded_call(q, k, v, call: _Call, mesh: USPMesh, seq_len):
     out, joint_out = _GatherBack.apply(out_ext, n_blk, layout.q_plan, pieces, mesh)
     joint_lse = None
     if lse_ext is not None:  # not differentiable: a plain gather
-        joint_lse = gather_uneven(lse_ext[:, n_blk:], list(joint_sizes), 1, mesh.ring_group) if r_deg > 1 else lse_ext[:, n_blk:]
+        joint_lse = lse_ext[:, n_blk:]
+        if r_deg > 1:
+            joint_lse = gather_uneven(joint_lse, list(joint_sizes), 1, mesh.ring_group, kind="joint_gather")
         if u_deg > 1:
-            joint_lse = gather_uneven(joint_lse, list(pieces.head_sizes), 2, mesh.ulysses_group)
+            joint_lse = gather_uneven(joint_lse, list(pieces.head_sizes), 2, mesh.ulysses_group, kind="joint_gather")
     return (out, lse), (joint_out, joint_lse)
 
 
@@ -408,13 +412,15 @@ class _GatherBack(torch.autograd.Function):
         out = main.clone(memory_format=torch.contiguous_format) if q_plan is None else heads_to_seq(main, q_plan)
         joint = out_ext[:, n_blk:]
         if mesh.ring_group is not None:
-            joint = gather_uneven(joint, list(pieces.token_sizes), 1, mesh.ring_group)
+            joint = gather_uneven(joint, list(pieces.token_sizes), 1, mesh.ring_group, kind="joint_gather")
         if mesh.ulysses_group is not None:
-            joint = gather_uneven(joint, list(pieces.head_sizes), 2, mesh.ulysses_group)
+            joint = gather_uneven(joint, list(pieces.head_sizes), 2, mesh.ulysses_group, kind="joint_gather")
         return out, joint
 
     @staticmethod
     def backward(ctx, grad_out, grad_joint):
+        if traffic.counting():
+            traffic.record_all_reduce("joint_grad", traffic.nbytes(grad_joint), ctx.group.size())
         total = funcol.wait_tensor(funcol.all_reduce(grad_joint.contiguous(), "sum", ctx.group))
         grad_main = grad_out if ctx.q_plan is None else seq_to_heads(grad_out.contiguous(), ctx.q_plan)
         return torch.cat([grad_main, ctx.pieces.of(total)], dim=1), None, None, None, None

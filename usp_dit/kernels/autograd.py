@@ -34,6 +34,14 @@ def kernel_backward(backend: AttentionBackend, dout, q, k, v, out, lse, scale: f
     return backend.backward(dout, q, k, v, out, lse, scale)
 
 
+def refuse_lse_gradient(dlse) -> None:
+    """NotImplementedError when a gradient reached a returned log-sum-exp (eager only: traced, it is
+    always materialised as zeros, and ``usp_attention`` refuses a compiled call whose LSE could
+    reach a loss)."""
+    if dlse is not None and not torch.compiler.is_compiling():
+        raise NotImplementedError("backpropagating through the returned log-sum-exp is not supported")
+
+
 class KernelAttention(torch.autograd.Function):
     """Attention of one block through a backend, with the backend's own backward.
 

@@ -1,0 +1,11 @@
+"""Choosing the grid for the user: exact traffic, a cost model, and the plan (``usp_dit.plan``).
+
+Layout: no tensors; shapes are integers (batch, tokens, heads, head_dim) and figures are bytes and
+milliseconds per rank.
+
+    volumes.py    exact bytes each rank sends and receives per collective of one usp_attention call
+    hardware.py   links (NVLink, PCIe, InfiniBand) and GPUs: datasheet defaults until measured
+    kernels.py    attention kernel rates measured on the H200, kept as data with their source run
+    models.py     what the planner knows of a model family: tokens, heads, layers, parameters
+    cost.py       one denoising step's predicted time, traffic and memory on a grid
+"""
