@@ -9,7 +9,8 @@ Every rank builds the same seeded random-weight transformer and the same inputs.
 stock model alone (t1: each rank its own copy, concurrently, no communication), then the same model
 under ``enable_usp`` on each (U, R) grid with U * R = world size (all ranks together, cfg 1). Timing:
 median over ``--rounds`` rounds of ``--iters`` forwards (CUDA events on GPUs, wall clock on CPU),
-the slowest rank's figure. Parallel efficiency = t1 / (P * tP). Parity: max|out - out_1| / max|out_1|
+the slowest rank's figure, beside the planner's prediction for the real models (usp_dit.planner:
+datasheet links until this run calibrates them). Parallel efficiency = t1 / (P * tP). Parity: max|out - out_1| / max|out_1|
 of the grid's output against the stock output on the same rank, worst rank; the run exits 1 when it
 is above ``--tolerance`` (default: 5e-2 in bf16, the rounding of different kernel splits; 1e-4 in
 float32). Models: Flux.1-dev 1024² and 2048², CogVideoX-5B 49 x 480 x 720, Mochi-1 163 x 480 x 848
@@ -138,7 +139,9 @@ def bench_model(name: str, build: Callable, args, device: torch.device, world: i
             finally:
                 usp_dit.disable_usp(model)
             rows.append(dict(model=name, shape=shape, world=world, ulysses=u, ring=r, schedule=args.ring_schedule,
-                             t1_ms=t1, tp_ms=tp, speedup=t1 / tp, efficiency=t1 / (world * tp),
+                             t1_ms=t1, tp_ms=tp,
+                             predicted_ms=None if args.tiny else predicted_ms(name, u, r, args.ring_schedule),
+                             speedup=t1 / tp, efficiency=t1 / (world * tp),
                              max_rel_diff=worst(rel_diff(out, ref))))
     del model, kwargs, ref
     if device.type == "cuda":
@@ -146,9 +149,31 @@ def bench_model(name: str, build: Callable, args, device: torch.device, world: i
     return rows
 
 
+PLANNER_SPECS = {"flux": ("flux", {}), "flux2048": ("flux", {"height": 2048, "width": 2048}),
+                 "cogvideox": ("cogvideox", {}), "mochi": ("mochi", {})}
+
+
+def predicted_ms(name: str, ulysses: int, ring: int, schedule: str, interconnect: str = "nvlink") -> float | None:
+    """The cost model's time for one forward of a real model on this grid (usp_dit.planner.cost,
+    batch 1, no CFG: what this script times), so that the first several-GPU run calibrates it;
+    "auto" takes the schedule the model finds cheapest. ``None`` for the tiny models."""
+    if name not in PLANNER_SPECS:
+        return None
+    from usp_dit.planner.cost import SCHEDULES, Grid, predict
+    from usp_dit.planner.hardware import check_gpu
+    from usp_dit.planner.models import spec_for
+
+    model, size = PLANNER_SPECS[name]
+    spec = spec_for(model, **size)
+    schedules = (schedule,) if schedule != "auto" else SCHEDULES
+    return min(predict(spec, Grid(ulysses, ring), s, gpu=check_gpu("h200"), interconnect=interconnect).step_ms
+               for s in (schedules if ring > 1 else ("none",)))
+
+
 def markdown(row: dict) -> str:
+    pred = "—" if row.get("predicted_ms") is None else f"{row['predicted_ms']:.1f}"
     return (f"| {row['model']} | {row['shape']} | {row['world']} | {row['ulysses']}x{row['ring']} | {row['schedule']} | "
-            f"{row['t1_ms']:.1f} | {row['tp_ms']:.1f} | {row['speedup']:.2f} | {row['efficiency']:.2f} | "
+            f"{row['t1_ms']:.1f} | {row['tp_ms']:.1f} | {pred} | {row['speedup']:.2f} | {row['efficiency']:.2f} | "
             f"{row['max_rel_diff']:.1e} |")
 
 
@@ -178,8 +203,8 @@ def main() -> int:
     if rank == 0:
         print(f"# {world} x {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}; "
               f"ms per transformer forward, slowest rank; efficiency = t1 / (P * tP)", flush=True)
-        print("| model | shape | P | UxR | schedule | t1 ms | tP ms | speedup | efficiency | max rel diff |")
-        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+        print("| model | shape | P | UxR | schedule | t1 ms | tP ms | predicted tP ms | speedup | efficiency | max rel diff |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for name in names:
         for row in bench_model(name, cases[name], args, device, world):

@@ -99,6 +99,7 @@ class ImageFamily:
 
 
 REAL_PIXELS_PER_TOKEN = 16  # every real family: 8 pixels per latent pixel (VAE), 2 x 2 latent pixels per token
+PLANNER_MODELS = {"flux": "flux", "sd3": "sd35", "qwen_image": "qwen_image"}  # usp_dit.planner.models names
 FAMILIES = {
     # 1008 for the real model too, as before the other families came: 63 x 63 tokens.
     "flux": ImageFamily("FluxPipeline", "Flux", (1008, 1008), 16, "guidance_scale", guidance=3.5,
@@ -147,6 +148,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", help="attention kernel: auto or a name from usp_dit.kernels")
     p.add_argument("--ring-schedule", default="auto", choices=RING_SCHEDULES,
                    help="how the ring's forward moves K/V blocks (README: ring schedules)")
+    p.add_argument("--degrees", default="manual", choices=["manual", "auto"],
+                   help="auto: usp_dit.plan chooses --ulysses, --ring, --cfg and the ring schedule for the world size")
     p.add_argument("--output", default=None, help="default: <family>_usp.png")
     p.add_argument("--no-check", action="store_true", help="skip the one-rank comparison")
     args = p.parse_args(argv)
@@ -186,11 +189,15 @@ def check_args(args: argparse.Namespace, world: int) -> None:
                                 f"(the guidance scale is embedded), it takes no negative prompt")
     if family.negative_prompt and args.negative_prompt is None:
         args.negative_prompt = DEFAULT_NEGATIVE_PROMPT
-    args.degrees = launch.check_degrees(world, args.ulysses, args.ring, args.cfg)
-    cfg = args.degrees[2]
     # SD3, Qwen-Image and Chroma skip CFG at a scale of 1 or less (their defaults guide): then, like
     # Flux and Flux.2, one call of batch --num-images a step.
     guided = args.guidance is None or args.guidance > 1
+    if args.degrees == "auto":
+        args.degrees = launch.planned_degrees(args, world, PLANNER_MODELS.get(args.family),
+                                              guided and (family.batched_cfg or family.two_call_cfg))
+    else:
+        args.degrees = launch.check_degrees(world, args.ulysses, args.ring, args.cfg)
+    cfg = args.degrees[2]
     if args.num_images is not None and args.num_images < 1:
         raise launch.UsageError(f"--num-images {args.num_images} must be at least 1")
     if guided and family.batched_cfg:

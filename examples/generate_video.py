@@ -153,6 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", help="attention kernel: auto or a name from usp_dit.kernels")
     p.add_argument("--ring-schedule", default="auto", choices=RING_SCHEDULES,
                    help="how the ring's forward moves K/V blocks (README: ring schedules)")
+    p.add_argument("--degrees", default="manual", choices=["manual", "auto"],
+                   help="auto: usp_dit.plan chooses --ulysses, --ring, --cfg and the ring schedule for the world size")
     p.add_argument("--fps", type=int, default=8)
     p.add_argument("--output", default="video_usp.webp",
                    help="animated .webp or .gif (an .mp4 is added beside it if imageio-ffmpeg is installed), or .mp4")
@@ -187,7 +189,11 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     if args.output.lower().endswith(".mp4"):
         launch.check_installed("--output", args.output, MP4_MODULES,
                                "pip install imageio imageio-ffmpeg (or 'usp-dit[video]'), or write .webp / .gif")
-    args.degrees = launch.check_degrees(world, args.ulysses, args.ring, args.cfg)
+    if args.degrees == "auto":
+        guided = args.model != "hunyuan_video" or args.true_cfg is not None  # HunyuanVideo: guidance-distilled
+        args.degrees = launch.planned_degrees(args, world, args.model, guided, args.frames)
+    else:
+        args.degrees = launch.check_degrees(world, args.ulysses, args.ring, args.cfg)
 
 
 def check_cfg(args: argparse.Namespace, family: VideoFamily) -> None:

@@ -207,6 +207,23 @@ def check_degrees(world: int, ulysses: int | None, ring: int | None, cfg: int = 
         raise UsageError(f"{' '.join(given) or 'the degrees'} on {world} rank(s): {err}") from None
 
 
+def planned_degrees(args, world: int, model: str | None, guided: bool, num_frames: int | None = None) -> tuple[int, int, int]:
+    """``--degrees auto``: (ulysses, ring, cfg) from ``usp_dit.plan`` for ``model`` (a planner
+    model name, ``None`` when it knows none for this family) at ``args.height`` x ``args.width``;
+    sets ``args.ring_schedule`` to the plan's. UsageError when degrees were also given by hand or
+    the planner does not know the family."""
+    given = [f"--{n} {v}" for n, v in (("ulysses", args.ulysses), ("ring", args.ring), ("cfg", args.cfg)) if v not in (None, 1)]
+    if given:
+        raise UsageError(f"--degrees auto with {' '.join(given)}: the planner chooses the degrees; give one or the other")
+    if model is None:
+        raise UsageError("--degrees auto: the planner has no cost model for this family yet; give --ulysses/--ring")
+    from usp_dit.plan import plan
+
+    chosen = plan(model, world_size=world, height=args.height, width=args.width, num_frames=num_frames, cfg=guided)
+    args.ring_schedule = chosen.ring_schedule
+    return chosen.degrees
+
+
 # ---------------------------------------------------------------------------------------------
 # Start-up and the one-rank check
 

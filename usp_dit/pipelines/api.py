@@ -17,6 +17,7 @@ The replica wrapper's and the failure handler's names stay importable from here.
 """
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from dataclasses import dataclass
@@ -240,6 +241,7 @@ def enable_usp(
     sync_inputs: bool = True,
     ring_schedule: str = "auto",
     parallel_vae: bool = True,
+    degrees: Any = None,
 ) -> USPMesh:
     """Run a Diffusers pipeline's transformers (or a bare transformer) on a USP grid, in place.
 
@@ -270,6 +272,11 @@ def enable_usp(
         parallel_vae: on a pipeline, split its VAE's decode over every rank of the replica
             (``usp_dit.enable_parallel_vae``: equal to the one-process, untiled decode; a VAE it
             cannot split is decoded whole on every rank, said once in the log).
+        degrees: ``"auto"``: the planner chooses the degrees and the ring schedule for this
+            job's world size at the model's usual output size (``usp_dit.plan``, whose
+            ``explain()`` rank 0 logs); or a ``usp_dit.plan.Plan`` made for the size you
+            generate. Replaces ``ulysses_degree``, ``ring_degree``, ``cfg_degree`` and
+            ``ring_schedule``.
 
     Returns:
         The mesh in use.
@@ -283,6 +290,8 @@ def enable_usp(
     """
     transformers, pipe = _transformers_of(pipe_or_transformer)
     _check_backend(backend)
+    if degrees is not None and mesh is None:
+        ulysses_degree, ring_degree, cfg_degree, ring_schedule = _planned(pipe_or_transformer, degrees)
     adapters = [_checked_adapter(t) for t in transformers]  # every check before anything is patched
     mesh = _resolve_mesh(mesh, ulysses_degree, ring_degree, cfg_degree, ring_schedule)
     states: list[USPState] = []
@@ -299,6 +308,21 @@ def enable_usp(
     if _world_size() > 1:
         install_failure_handler()
     return mesh
+
+
+def _planned(pipe_or_transformer: Any, degrees: Any) -> tuple[int, int, int, str]:
+    """``(ulysses, ring, cfg, ring_schedule)`` from ``degrees="auto"`` or a ``Plan``."""
+    from usp_dit.plan import Plan, plan
+
+    if isinstance(degrees, str) and degrees == "auto":
+        degrees = plan(pipe_or_transformer, world_size=_world_size())
+        if _global_rank() == 0:
+            logging.getLogger("usp_dit").info("usp_dit: degrees='auto' chose\n%s", degrees.explain())
+    if not isinstance(degrees, Plan):
+        raise ValueError(f"degrees={degrees!r}: pass 'auto' or a usp_dit.plan.Plan (or leave it None)")
+    if degrees.world_size != _world_size():
+        raise ValueError(f"degrees: the plan is for world_size={degrees.world_size}, this job has {_world_size()} ranks")
+    return degrees.ulysses_degree, degrees.ring_degree, degrees.cfg_degree, degrees.ring_schedule
 
 
 def _checked_adapter(transformer: torch.nn.Module) -> ModelAdapter:

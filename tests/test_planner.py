@@ -1,0 +1,199 @@
+"""The planner (usp_dit.plan, usp_dit.planner): valid, stable and explained choices; refusals.
+
+No processes except one small spawned check of ``enable_usp(degrees="auto")``. The exactness of
+the bytes the cost model uses is tests/test_traffic.py (predicted == counted on CPU grids).
+
+What is checked:
+- every choice is a grid the job can run: degrees multiply to the world size, at most as many
+  Ulysses ranks as heads, cfg 2 only where guidance has two branches (or the batch splits);
+- stable: the same question gives the same answer, and every candidate is priced (a table with
+  one row per grid and schedule);
+- the model's parts add up, scale as they should (more GPUs never predict a slower best step on
+  NVLink for the long-video models; the rest of the model divides over the sequence ranks), and
+  over InfiniBand the groups that leave a node pay for it;
+- explain() names the grid, the predicted time, the next best and why it is slower;
+- bad input: world_size 0, an unknown model, interconnect or GPU, a transformer of a family the
+  planner has no cost model for.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import usp_dit.pipelines  # noqa: F401  (registers every adapter)
+from usp_dit.plan import main, plan
+from usp_dit.planner.cost import Grid, predict
+from usp_dit.planner.hardware import check_gpu
+from usp_dit.planner.models import SPECS, spec_for
+
+WORLDS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@pytest.mark.parametrize("model", sorted(SPECS))
+def test_choices_are_valid_grids(model):
+    spec = spec_for(model)
+    for world in WORLDS:
+        for interconnect in ("nvlink", "infiniband"):
+            p = plan(model, world_size=world, interconnect=interconnect)
+            assert p.ulysses_degree * p.ring_degree * p.cfg_degree == world
+            assert p.ulysses_degree <= spec.heads
+            if p.cfg_degree == 2:
+                assert spec.guidance != "distilled", "cfg 2 on a guidance-distilled model at batch 1"
+            assert p.predicted_step_ms > 0 and p.memory_per_rank_gib > 0
+            assert p.candidates[0].step_ms == p.predicted_step_ms
+            assert all(c.grid.world == world for c in p.candidates)
+
+
+def test_same_question_same_answer_and_every_candidate_priced():
+    a, b = plan("wan", world_size=8), plan("wan", world_size=8)
+    assert (a.degrees, a.ring_schedule, a.predicted_step_ms) == (b.degrees, b.ring_schedule, b.predicted_step_ms)
+    grids = {(c.grid.ulysses, c.grid.ring, c.grid.cfg, c.schedule) for c in a.candidates}
+    # 8 GPUs, Wan (40 heads, two-call CFG): U in 1,2,4,8 with cfg 1; U in 1,2,4 with cfg 2; 3 schedules
+    # where there is a ring.
+    assert len(grids) == len(a.candidates) == 4 * 3 - 2 + 3 * 3 - 2  # (8,1,1) and (4,1,2) have no ring
+    assert [c.step_ms for c in a.candidates] == sorted(c.step_ms for c in a.candidates)
+
+
+def test_one_gpu_is_the_whole_model_and_more_gpus_are_faster_for_long_video():
+    for model in ("wan", "hunyuan_video", "mochi", "cogvideox"):
+        times = [plan(model, world_size=w).predicted_step_ms for w in (1, 2, 4, 8)]
+        assert times == sorted(times, reverse=True), (model, times)
+        one = plan(model, world_size=1)
+        assert one.degrees == (1, 1, 1) and one.comm_bytes_per_rank == 0
+
+
+def test_parts_add_up_and_the_rest_divides_over_sequence_ranks():
+    spec, gpu = spec_for("wan"), check_gpu("h200")
+    one = predict(spec, Grid(1, 1), "none", gpu=gpu)
+    eight = predict(spec, Grid(4, 2), "stream", gpu=gpu)
+    for p in (one, eight):
+        assert abs(sum(p.parts.values()) - p.step_ms) < 1e-9
+    assert abs(eight.parts["rest_of_model"] * 8 - one.parts["rest_of_model"]) / one.parts["rest_of_model"] < 1e-3
+
+
+def test_groups_that_leave_a_node_pay_infiniband():
+    spec, gpu = spec_for("flux"), check_gpu("h200")
+    inside = predict(spec, Grid(8, 2), "gather_one_call", interconnect="infiniband", gpu=gpu)
+    nvlink = predict(spec, Grid(8, 2), "gather_one_call", interconnect="nvlink", gpu=gpu)
+    # Ulysses (8 ranks) stays in a node either way; the ring spans two nodes over InfiniBand.
+    assert inside.parts["ulysses_all_to_all"] == pytest.approx(nvlink.parts["ulysses_all_to_all"])
+    assert inside.parts["ring_exposed"] > 3 * nvlink.parts["ring_exposed"]
+
+
+def test_cfg_two_only_where_guidance_splits():
+    flux = {(c.grid.cfg) for c in plan("flux", world_size=4).candidates}  # guidance-distilled, batch 1
+    assert flux == {1}
+    assert {c.grid.cfg for c in plan("flux", world_size=4, batch=2).candidates} == {1, 2}  # a batch of 2 splits
+    assert {c.grid.cfg for c in plan("cogvideox", world_size=4).candidates} == {1, 2}  # batched CFG
+    assert {c.grid.cfg for c in plan("cogvideox", world_size=4, cfg=False).candidates} == {1}
+
+
+def test_explain_names_the_choice_and_the_next_best():
+    p = plan("cogvideox", world_size=8)
+    text = p.explain()
+    assert f"ulysses {p.ulysses_degree} x ring {p.ring_degree} x cfg {p.cfg_degree}" in text
+    assert f"{p.predicted_step_ms:.1f} ms" in text
+    assert "Next best:" in text and "projection" in text
+    assert len(text.splitlines()) <= 6
+
+
+def test_cli_prints_every_grid(capsys):
+    assert main(["--model", "flux", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n| ") >= len(plan("flux", world_size=8).candidates)
+    assert main(["--model", "flux", "--world-size", "0"]) == 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=0), "world_size=0 must be an int >= 1"),
+    (dict(world_size=4, interconnect="ethernet"), "interconnect='ethernet'"),
+    (dict(world_size=4, gpu="a100"), "gpu='a100'"),
+    (dict(world_size=4, batch=0), "batch=0"),
+])
+def test_bad_input_is_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan("flux", **kwargs)
+
+
+def test_unknown_models_are_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match="model='dalle' is not one the planner knows"):
+        plan("dalle", world_size=2)
+    from usp_dit.demo.tiny_chroma import tiny_chroma
+
+    with pytest.raises(ValueError, match="cannot plan a ChromaTransformer2DModel"):
+        plan(tiny_chroma(), world_size=2)
+
+
+def test_a_transformer_object_is_planned_from_its_own_config():
+    from usp_dit.demo.tiny_flux import tiny_flux_transformer
+
+    model = tiny_flux_transformer()
+    p = plan(model, world_size=4, height=256, width=256)
+    spec = p.candidates[0]
+    assert p.ulysses_degree <= model.config.num_attention_heads
+    assert spec.grid.world == 4
+
+
+def test_bench_scaling_prints_the_prediction_beside_each_measurement():
+    from benchmarks.bench_scaling import markdown, predicted_ms
+
+    assert predicted_ms("flux-klein", 2, 1, "auto") is None
+    flux4 = predicted_ms("flux", 2, 2, "auto")
+    assert 0 < flux4 < predicted_ms("flux", 1, 1, "auto")
+    row = dict(model="flux", shape="1024x1024", world=4, ulysses=2, ring=2, schedule="auto", t1_ms=170.0,
+               tp_ms=50.0, predicted_ms=flux4, speedup=3.4, efficiency=0.85, max_rel_diff=1e-3)
+    assert f"| {flux4:.1f} |" in markdown(row)
+
+
+def test_examples_take_degrees_auto(monkeypatch):
+    from tests.test_examples_cli import _example
+    from usp_dit.launch import UsageError
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    args = _example("generate_image").parse_args(["--degrees", "auto"])
+    assert args.degrees == (1, 1, 1)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = _example("generate_video").parse_args(["--model", "wan", "--degrees", "auto"])
+    u, r, c = args.degrees
+    assert u * r * c == 4 and args.ring_schedule in ("auto", "stream", "gather_merge", "gather_one_call")
+    with pytest.raises(UsageError, match="--degrees auto with --ulysses 2"):
+        _example("generate_video").parse_args(["--model", "wan", "--degrees", "auto", "--ulysses", "2"])
+    with pytest.raises(UsageError, match="no cost model for this family"):
+        _example("generate_image").parse_args(["--family", "chroma", "--degrees", "auto"])
+
+
+def _auto_degrees_job() -> dict:
+    """On 2 ranks: enable_usp(degrees="auto") picks a grid of the world size and computes the stock output."""
+    from tests.adapter_parity import forward
+    from tests.test_pipeline_flux import SHAPES, _call_args
+    from usp_dit import disable_usp, enable_usp
+    from usp_dit.demo.tiny_flux import tiny_flux_transformer
+    from usp_dit.testing import rel_err
+
+    model, inputs = tiny_flux_transformer(), _call_args(SHAPES[1])
+    ref = forward(model, inputs)
+    mesh = enable_usp(model, degrees="auto")
+    try:
+        out = forward(model, inputs)
+    finally:
+        disable_usp(model)
+    return {"degrees": (mesh.ulysses_degree, mesh.ring_degree, mesh.cfg_degree), "err": rel_err(out, ref)}
+
+
+def test_enable_usp_degrees_auto_on_two_ranks():
+    from usp_dit.testing import run_spawned
+
+    for res in run_spawned(_auto_degrees_job, 2):
+        u, r, c = res["degrees"]
+        assert u * r * c == 2 and res["err"] <= 1e-5, res
+
+
+def test_enable_usp_refuses_a_plan_for_another_world():
+    from usp_dit import enable_usp
+    from usp_dit.demo.tiny_flux import tiny_flux_transformer
+
+    with pytest.raises(ValueError, match="the plan is for world_size=4"):
+        enable_usp(tiny_flux_transformer(), degrees=plan("flux", world_size=4))
+    with pytest.raises(ValueError, match="degrees='manual'"):
+        enable_usp(tiny_flux_transformer(), degrees="manual")

@@ -1,0 +1,181 @@
+"""One denoising step's predicted time, traffic and memory per rank on a (U, R, cfg) grid.
+
+Layout: a ``ModelSpec`` (tokens, heads, layers, parameters; ``usp_dit.planner.models``), a grid
+``(ulysses, ring, cfg)``, a ring schedule; every figure is per rank, the most loaded rank's
+(shards differ by at most one token: the longest is taken).
+
+Note [the cost model]
+    A step is ``calls`` transformer calls (two per step for a "two_call" guided family on cfg
+    degree 1, one otherwise) of batch ``b`` each; one call is ``layers`` attention layers plus the
+    rest of the model, then the output gather. Per attention layer and rank:
+
+        Ulysses all-to-alls     q, k, v, out: exact bytes (``volumes.attention_traffic``) over the
+                                Ulysses group's link; not overlapped (the kernel waits for them)
+        attention kernels       by schedule, each call priced by ``kernels.call_seconds`` at its size:
+          R = 1                 one call, all S + J keys, h = ceil(H / U) heads
+          "stream"              R calls of one K/V block each (+ J joint keys at step 0), R - 1 merges;
+                                each step exposes max(0, transfer of the next block - its own call)
+          "gather_merge"        the local block (+ J) while every block is gathered, then one call on
+                                the R - 1 remote blocks, one merge pass; exposes max(0, gather - local)
+          "gather_one_call"     the whole gather exposed, then one call on all S + J keys
+        joint outputs           gathered over ring and Ulysses ranks (exact bytes), exposed
+        cross-attention         ("cross" text) a local call of the rank's queries on T text keys
+
+    The rest of the model runs on the rank's S / P tokens (plus the replicated text of "joint"
+    families) at the family's measured ``other_rate``; the output (S x out_channels) is gathered
+    once per call. Merges are memory-bound passes over the running result (3 x fp32 reads and
+    writes of rows x h x D at the GPU's memory bandwidth). Memory: the weights (bf16, every rank
+    holds them all in inference), activations of the rank's tokens (about 12 x hidden bf16 values
+    per token: residual, norms, q/k/v/out, the 4x MLP's intermediate) and the K/V the schedule
+    holds (two blocks streaming, every block gathered). Links: ``hardware`` Note [link defaults].
+    What is estimated rather than measured is said there and in ``kernels`` Note [kernel tables].
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from usp_dit.planner import kernels
+from usp_dit.planner.hardware import GPU, Link, group_link
+from usp_dit.planner.models import ModelSpec
+from usp_dit.planner.volumes import CallShape, gather_traffic, max_traffic
+
+SCHEDULES = ("stream", "gather_merge", "gather_one_call")
+BF16 = 2
+ACTIVATION_VALUES_PER_TOKEN = 12  # x hidden, bf16 (Note [the cost model])
+
+
+@dataclass(frozen=True)
+class Grid:
+    ulysses: int
+    ring: int
+    cfg: int = 1
+
+    @property
+    def sequence(self) -> int:
+        return self.ulysses * self.ring
+
+    @property
+    def world(self) -> int:
+        return self.sequence * self.cfg
+
+
+@dataclass
+class Prediction:
+    """Predicted figures of one step on one grid (per rank); ``parts`` in ms per step."""
+
+    grid: Grid
+    schedule: str
+    step_ms: float
+    comm_bytes_per_rank: float  # sent + received, one step
+    memory_per_rank_gib: float
+    parts: dict[str, float] = field(default_factory=dict)
+    calls_per_step: int = 1
+    call_batch: int = 1
+
+
+def call_batch(spec: ModelSpec, grid: Grid, batch: int, cfg: bool) -> tuple[int, int]:
+    """``(calls per step, batch of each call)`` on one cfg group (Note [the cost model]).
+
+    Raises:
+        ValueError: a cfg degree the guidance cannot use (nothing to split, or an odd batch).
+    """
+    branches = 2 if cfg and spec.guidance != "distilled" else 1
+    if grid.cfg not in (1, 2):
+        raise ValueError(f"cfg_degree={grid.cfg}: only 1 or 2 (the two branches of classifier-free guidance)")
+    if spec.guidance == "two_call" and branches == 2:
+        return (2, batch) if grid.cfg == 1 else (1, batch)
+    total = batch * branches
+    if total % grid.cfg:
+        raise ValueError(f"cfg_degree={grid.cfg} cannot split a batch of {total} (batch {batch} x {branches} branches)")
+    return 1, total // grid.cfg
+
+
+def _links(grid: Grid, interconnect: str) -> tuple[Link, Link, Link]:
+    """The links of the Ulysses, ring and sequence groups (the mesh's inner axes first)."""
+    return (group_link(interconnect, grid.ulysses), group_link(interconnect, grid.sequence),
+            group_link(interconnect, grid.sequence))
+
+
+def _merge_seconds(rows: int, heads: int, head_dim: int, blocks: int, gpu: GPU) -> float:
+    return blocks * 3 * rows * heads * head_dim * 4 / gpu.memory_bandwidth
+
+
+def _attention_seconds(spec: ModelSpec, grid: Grid, schedule: str, b: int, gpu: GPU, backend: str,
+                       traffic: dict, ring_link: Link) -> tuple[float, float]:
+    """``(kernel + merge seconds, exposed ring transfer seconds)`` of one attention layer."""
+    u, r = grid.ulysses, grid.ring
+    seq = spec.tokens + (spec.text if spec.text_mode == "split" else 0)
+    joint = spec.text if spec.text_mode == "joint" else 0
+    h, d = math.ceil(spec.heads / u), spec.head_dim
+    block = math.ceil(seq / r)
+    rows = block + math.ceil(joint / r)
+
+    def call(keys: int, queries: int = rows) -> float:
+        return kernels.call_seconds(kernels.attention_flops(b, queries, keys, h, d), d, backend=backend)
+
+    if r == 1:
+        return call(seq + joint, seq + joint), 0.0
+    if schedule == "stream":
+        kv_step = ring_link.seconds(max(traffic.get("ring_kv", (0, 0))) / (r - 1))
+        first, rest = call(block + joint), call(block)
+        exposed = max(0.0, kv_step - first) + (r - 2) * max(0.0, kv_step - rest)
+        return first + (r - 1) * rest + _merge_seconds(rows, h, d, r - 1, gpu), exposed
+    gather = ring_link.seconds(max(traffic.get("ring_gather", (0, 0))))
+    if schedule == "gather_merge":
+        local = call(block + joint)
+        remote = call((r - 1) * block)
+        return local + remote + _merge_seconds(rows, h, d, 1, gpu), max(0.0, gather - local)
+    if schedule == "gather_one_call":
+        return call(seq + joint), gather
+    raise ValueError(f"ring_schedule={schedule!r}; choose one of {list(SCHEDULES)}")
+
+
+def _memory_gib(spec: ModelSpec, grid: Grid, schedule: str, b: int) -> float:
+    seq = spec.tokens + (spec.text if spec.text_mode == "split" else 0)
+    joint = spec.text if spec.text_mode == "joint" else 0
+    local = math.ceil(seq / grid.sequence) + joint
+    act = b * local * spec.hidden * ACTIVATION_VALUES_PER_TOKEN * BF16
+    hk = math.ceil(spec.kv_heads / grid.ulysses)
+    blocks = 2 if grid.ring > 1 and schedule == "stream" else grid.ring
+    kv = 2 * b * blocks * math.ceil(seq / grid.ring) * hk * spec.head_dim * BF16
+    return (spec.params * BF16 + act + kv) / 2**30
+
+
+def predict(spec: ModelSpec, grid: Grid, schedule: str, *, batch: int = 1, cfg: bool = False,
+            interconnect: str = "nvlink", gpu: GPU, backend: str = kernels.DEFAULT_BACKEND) -> Prediction:
+    """One step of ``spec`` on ``grid`` (Note [the cost model]).
+
+    Raises:
+        ValueError: a grid the model cannot run (more Ulysses ranks than heads, a cfg degree the
+            guidance cannot use) or an unknown schedule.
+    """
+    if grid.ulysses > spec.heads:
+        raise ValueError(f"ulysses_degree={grid.ulysses} exceeds {spec.name}'s {spec.heads} heads")
+    calls, b = call_batch(spec, grid, batch, cfg)
+    schedule = schedule if grid.ring > 1 else "none"
+    u_link, r_link, s_link = _links(grid, interconnect)
+    seq = spec.tokens + (spec.text if spec.text_mode == "split" else 0)
+    joint = spec.text if spec.text_mode == "joint" else 0
+    shape = CallShape(b, seq, spec.heads, spec.kv_heads, spec.head_dim, joint, BF16)
+    traffic = max_traffic(shape, grid.ulysses, grid.ring, schedule if grid.ring > 1 else "stream") if grid.sequence > 1 else {}
+    attn, ring_exposed = _attention_seconds(spec, grid, schedule, b, gpu, backend, traffic, r_link)
+    a2a = u_link.seconds(max(traffic.get("ulysses_a2a", (0, 0))), calls=4) if grid.ulysses > 1 else 0.0
+    joint_comm = s_link.seconds(max(traffic.get("joint_gather", (0, 0))), calls=2) if joint and grid.sequence > 1 else 0.0
+    cross = 0.0
+    if spec.text_mode == "cross":
+        cross = kernels.call_seconds(kernels.attention_flops(b, math.ceil(seq / grid.sequence), spec.text, spec.heads,
+                                                             spec.head_dim), spec.head_dim, backend=backend)
+    tokens_here = math.ceil(seq / grid.sequence) + joint
+    other = 2 * spec.params * b * tokens_here / spec.other_rate
+    out = gather_traffic(seq, b * spec.out_channels * BF16, grid.ulysses, grid.ring).get("seq_gather", (0, 0))
+    gather = s_link.seconds(max(out)) if grid.sequence > 1 else 0.0
+    per_call = {
+        "attention": spec.layers * (attn + cross), "ulysses_all_to_all": spec.layers * a2a,
+        "ring_exposed": spec.layers * ring_exposed, "joint_gathers": spec.layers * joint_comm,
+        "rest_of_model": other, "output_gather": gather,
+    }
+    parts = {k: 1e3 * calls * v for k, v in per_call.items()}
+    nbytes = calls * (spec.layers * sum(s + r for s, r in traffic.values()) + sum(out))
+    return Prediction(grid, schedule, sum(parts.values()), nbytes, _memory_gib(spec, grid, schedule, b), parts,
+                      calls, b)
