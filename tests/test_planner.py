@@ -197,3 +197,12 @@ def test_enable_usp_refuses_a_plan_for_another_world():
         enable_usp(tiny_flux_transformer(), degrees=plan("flux", world_size=4))
     with pytest.raises(ValueError, match="degrees='manual'"):
         enable_usp(tiny_flux_transformer(), degrees="manual")
+
+
+def test_usp_dit_plan_is_callable_and_a_module():
+    import usp_dit
+
+    assert usp_dit.plan("flux", world_size=2).degrees == plan("flux", world_size=2).degrees
+    from usp_dit.plan import Plan
+
+    assert isinstance(usp_dit.plan("wan", world_size=4), Plan)

@@ -28,6 +28,8 @@ _INTEGRATION = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "plan":  # the planner: a callable module (usp_dit.plan(...) or python -m usp_dit.plan)
+        return importlib.import_module("usp_dit.plan")
     if name in _INTEGRATION:
         return getattr(importlib.import_module(_INTEGRATION[name]), name)
     raise AttributeError(f"module 'usp_dit' has no attribute {name!r}")
@@ -44,6 +46,7 @@ __all__ = [
     "enable_usp",
     "gather_sequence",
     "init_usp",
+    "plan",
     "register_transformers",
     "set_default_mesh",
     "shard_sequence",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,3 +254,16 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+class _CallableModule(types.ModuleType):
+    """``usp_dit.plan(...)`` calls ``plan``: importing this module binds the name ``plan`` of the
+    package to the module itself, so the module is made callable (``python -m usp_dit.plan`` and
+    ``from usp_dit.plan import Plan`` keep working)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Plan:
+        return plan(*args, **kwargs)
+
+
+if __name__ != "__main__":
+    sys.modules[__name__].__class__ = _CallableModule
