@@ -206,9 +206,8 @@ class Case:
 
 def cases(world: int) -> list[Case]:
     """Every grid x layout x mask x masked schedule x (dtype, backend) x shape; 8 ranks share two
-    cores, so there float64 only, and the 8-head MQA shape (the only one U = 8 fits) with the
-    short one (fewer tokens than ranks)."""
-    runs = RUNS if world < 8 else RUNS[:1]
+    cores, so there the 8-head MQA shape (the only one U = 8 fits) and the short one (fewer
+    tokens than ranks)."""
     shapes = SHAPES if world < 8 else [SHAPES[1], SHAPES[2]]
     return [
         Case(world, u, r, layout, frame, schedule, dtype, backend, shape)
@@ -216,7 +215,7 @@ def cases(world: int) -> list[Case]:
         for layout in LAYOUTS
         for frame in FRAMES
         for schedule in (("stream", "gather_merge") if r > 1 else ("auto",))
-        for dtype, backend in runs
+        for dtype, backend in RUNS
         for shape in shapes
         if u <= shape.heads
     ]
