@@ -22,6 +22,10 @@ would see them, without spending minutes compiling C++ on two cores, and counts 
 - Flux enabled and compiled, four image sizes: at most three graphs on a rank (two on ranks
   that hold text). PEFT LoRA with gradient
   checkpointing on (2,2): the LoRA gradients through the compiled model equal eager's.
+- Composition without ``fullgraph`` (Diffusers' cache hooks and FSDP2's hooks break graphs in
+  stock models too): First Block Cache on the tiny Flux pipeline at (2,2), latents equal to the
+  one-process cached run; FSDP2 over (2,2), output and every parameter's full gradient equal
+  the eager sharded run's.
 - Refusals: a call without ``seq_len`` (its shards cannot be known without the handshake) and
   ``return_lse=True`` with gradients (a traced LSE gradient would be dropped) raise.
 
@@ -237,6 +241,69 @@ def _lora_checkpointing_case() -> dict[str, float]:
     return {"err": max(rel_err(a, b) for a, b in zip(got, ref)), "no_lora": float(len(ref) == 0)}
 
 
+def _fbc_pipeline_case() -> dict[str, float]:
+    """Diffusers' First Block Cache on a grid under torch.compile (not fullgraph: the cache's
+    hooks decide on values, a graph break in stock Diffusers too): the tiny Flux pipeline, 6 steps,
+    (2, 2), its latents equal the one-process cached run's, and the cache moved them."""
+    import usp_dit.pipelines  # noqa: F401  (pipelines gain enable_usp)
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    from usp_dit.demo.tiny_flux import tiny_flux_pipeline
+
+    def latents(pipe):
+        last = {}
+
+        def keep(p, step, t, tensors):
+            last["latents"] = tensors["latents"]
+            return {}
+
+        pipe("a tiny red fox", height=32, width=32, num_inference_steps=6, guidance_scale=3.5, max_sequence_length=16,
+             num_images_per_prompt=2, generator=torch.Generator().manual_seed(0), output_type="pt",
+             callback_on_step_end=keep)
+        return last["latents"]
+
+    pipe = tiny_flux_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    plain = latents(pipe)
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.8))
+    ref = latents(pipe)
+    pipe.enable_usp(ulysses_degree=2, ring_degree=2)
+    torch._dynamo.reset()
+    pipe.transformer.compile(backend="aot_eager")
+    try:
+        got = latents(pipe)
+    finally:
+        pipe.disable_usp()
+    return {"err": rel_err(got, ref), "cache_did_nothing": float(rel_err(ref, plain) < 1e-3)}
+
+
+def _fsdp_case() -> dict[str, float]:
+    """FSDP2 (every block its own unit) over (2, 2) with the model compiled (not fullgraph: FSDP2's
+    hooks break the graph): output and every parameter's full gradient equal the eager sharded run's."""
+    from usp_dit.training.fsdp import full_grads, shard_transformer
+
+    mesh = init_usp(ulysses_degree=2, ring_degree=2)
+    model, inputs = _model("flux")
+    model.train()
+    enable_usp(model, mesh=mesh)
+    shard_transformer(model, mesh)
+
+    def run(m):
+        out = m(**inputs.kwargs(), return_dict=False)[0]
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads = full_grads(model)
+        for p in model.parameters():
+            p.grad = None
+        return out.detach(), grads
+
+    ref_out, ref = run(model)
+    torch._dynamo.reset()
+    model.compile(backend="aot_eager")
+    out, got = run(model)
+    errs = [rel_err(got[n], ref[n]) for n in ref if ref[n] is not None]
+    return {"err": max([rel_err(out, ref_out), *errs]), "no_grads": float(not errs)}
+
+
 def _run_all() -> dict[str, dict | str]:
     results: dict[str, dict | str] = {}
 
@@ -261,6 +328,8 @@ def _run_all() -> dict[str, dict | str]:
         record(f"{family}-{grid}", lambda: _adapter_case(family, grid))
     record("flux-gradients", _flux_gradient_case)
     record("lora-checkpointing", _lora_checkpointing_case)
+    record("fbc-pipeline", _fbc_pipeline_case)
+    record("fsdp", _fsdp_case)
     torch._dynamo.reset()  # compiled graphs hold the process groups; the harness checks none outlives the job
     return results
 
@@ -332,3 +401,11 @@ def test_enabled_flux_recompiles_a_bounded_number_of_times_across_sizes(results)
 
 def test_lora_with_gradient_checkpointing_compiles_and_equals_eager(results):
     _assert_case(results, "lora-checkpointing", "no_lora")
+
+
+def test_first_block_cache_under_compile_equals_one_process(results):
+    _assert_case(results, "fbc-pipeline", "cache_did_nothing")
+
+
+def test_fsdp2_under_compile_equals_eager(results):
+    _assert_case(results, "fsdp", "no_grads")
