@@ -10,6 +10,8 @@ and ``gather_sequence``.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from usp_dit.comm import all_gather_uneven
@@ -50,11 +52,16 @@ def shard_sequence(x: torch.Tensor, mesh: USPMesh | None = None, dim: int = 1, l
     return torch.cat(parts, dim) if parts else x.narrow(dim, 0, 0)
 
 
-def _expected_sizes(seq_len: int, mesh: USPMesh, layout: str) -> list[int]:
-    """Every rank's shard length for ``seq_len`` tokens in ``layout``, in sequence-rank order."""
+def layout_sizes(seq_len: int, mesh: USPMesh, layout: str) -> list[int]:
+    """Every rank's shard length for ``seq_len`` tokens in ``layout``, in sequence-rank order.
+
+    Contiguous shards are ``split_sizes``, which keeps a symbolic length symbolic under
+    torch.compile. The other layouts are index maths on the value (cached per length), so a
+    compiled call specialises the length (``operator.index``: ``int()`` of a symbolic length
+    stays symbolic under Dynamo)."""
     if layout == "contiguous":
         return split_sizes(seq_len, mesh.sequence_degree)
-    return shard_sizes(seq_len, mesh.ring_degree, mesh.ulysses_degree, layout)
+    return shard_sizes(operator.index(seq_len), mesh.ring_degree, mesh.ulysses_degree, layout)
 
 
 def gather_sequence(
@@ -81,12 +88,12 @@ def gather_sequence(
             "dim) since the handshake that gathers the piece lengths cannot be traced"
         )
     if seq_len is not None and calls_verified(mesh):
-        sizes = _expected_sizes(seq_len, mesh, layout)
+        sizes = layout_sizes(seq_len, mesh, layout)
     else:  # Note [call handshake]: the gather of piece lengths checks the rest of the shape too
         others = tuple(n for i, n in enumerate(x_local.shape) if i != dim)
         fields = {"dtype": x_local.dtype, "dim": dim, "other dims": others, "seq_len": seq_len, "layout": layout}
         sizes = agree(fields, mesh.seq_group, x_local.device, varying=x_local.shape[dim], what="a gather_sequence call")
-        expected = _expected_sizes(sum(sizes) if seq_len is None else seq_len, mesh, layout)
+        expected = layout_sizes(sum(sizes) if seq_len is None else seq_len, mesh, layout)
         # Any split gathers in the contiguous layout; the others put rows back by their positions.
         if (seq_len is not None or layout != "contiguous") and sizes != expected:
             raise ValueError(

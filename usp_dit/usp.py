@@ -49,12 +49,13 @@ from usp_dit.handshake import agree, calls_verified
 from usp_dit.kernels import attend, select_backend
 from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 from usp_dit.kernels.registry import backends_with_lse
-from usp_dit.layouts import check_layout, shard_sizes
+from usp_dit.layouts import check_layout
 from usp_dit.masked import masked_attend
 from usp_dit.masks import check_frame, ring_plans
 from usp_dit.mesh import USPMesh, resolve_mesh
 from usp_dit.partition import offsets, ring_block_sizes, split_sizes
 from usp_dit.ring import RingAttention, RingSpec, choose_schedule, masked_schedule
+from usp_dit.sharding import layout_sizes
 from usp_dit.ulysses import gather_heads, scatter_heads, ulysses_layout
 
 
@@ -118,14 +119,6 @@ def _call_fields(q, k, call: _Call, mesh: USPMesh, seq_len) -> dict:
     }
 
 
-def _layout_sizes(seq_len: int, mesh: USPMesh, layout: str) -> list[int]:
-    """Every rank's shard length in ``layout`` (contiguous: ``split_sizes``, symbolic-safe)."""
-    if layout == "contiguous":
-        return split_sizes(seq_len, mesh.sequence_degree)
-    # Other layouts are index maths on the value (cached per length): a compiled call specialises it.
-    return shard_sizes(_concrete(seq_len), mesh.ring_degree, mesh.ulysses_degree, layout)
-
-
 def _shard_sizes(q, k, call: _Call, mesh: USPMesh, seq_len: int | None) -> list[int]:
     """Shard length of every rank of the sequence group, in sequence-rank order, after the ranks
     agreed on the call (Note [call handshake] in ``usp_dit.handshake``: the handshake is the
@@ -136,7 +129,7 @@ def _shard_sizes(q, k, call: _Call, mesh: USPMesh, seq_len: int | None) -> list[
         ValueError: on every rank alike, when ranks disagree on a field or a shard length does not
             match ``seq_len``.
     """
-    p, local_len = mesh.sequence_degree, q.shape[1]
+    local_len = q.shape[1]
     if seq_len is None and torch.compiler.is_compiling():
         raise ValueError(
             "seq_len=None: under torch.compile usp_attention on a grid needs seq_len (the full "
@@ -144,7 +137,7 @@ def _shard_sizes(q, k, call: _Call, mesh: USPMesh, seq_len: int | None) -> list[
             "cannot be traced (Note [compiled calls]); the model adapters pass it"
         )
     if seq_len is not None and calls_verified(mesh):
-        sizes = _layout_sizes(seq_len, mesh, call.layout)
+        sizes = layout_sizes(seq_len, mesh, call.layout)
         if sizes[mesh.seq_rank] != local_len:
             raise ValueError(_seq_len_message(seq_len, sizes, [(mesh.seq_rank, local_len)], call.layout))
         return sizes
@@ -154,7 +147,7 @@ def _shard_sizes(q, k, call: _Call, mesh: USPMesh, seq_len: int | None) -> list[
     # the layout's own (it says where every token sits).
     if seq_len is not None or call.layout != "contiguous" or call.frame is not None:
         total = sum(sizes) if seq_len is None else seq_len
-        expected = _layout_sizes(total, mesh, call.layout)
+        expected = layout_sizes(total, mesh, call.layout)
         wrong = [(i, n) for i, (n, e) in enumerate(zip(sizes, expected)) if n != e]
         if wrong:
             raise ValueError(_seq_len_message(total, expected, wrong, call.layout))

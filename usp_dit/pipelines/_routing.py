@@ -42,8 +42,7 @@ from typing import Any, Literal
 
 import torch
 
-from usp_dit.layouts import shard_sizes
-from usp_dit.partition import split_sizes
+from usp_dit.sharding import layout_sizes
 from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.usp import usp_attention
 
@@ -85,7 +84,7 @@ class Route:
 
     ``text``: "none" (self-attention over the video shard alone), "first" (``[text; shard]``) or
     "last" (``[shard; text]``). The text length of a call is what is left of the sequence once
-    this rank's shard (``split_sizes(state.seq_len, P)[seq_rank]``) is taken out.
+    this rank's shard (``sharding.layout_sizes(state.seq_len, mesh, layout)[seq_rank]``) is taken out.
     """
 
     state: ShardState
@@ -95,10 +94,8 @@ class Route:
     block_causal: int | None = None
 
     def shard_len(self) -> int:
-        mesh, layout = self.state.mesh, self.state.layout
-        if layout == "contiguous":
-            return split_sizes(self.state.seq_len, mesh.sequence_degree)[mesh.seq_rank]
-        return shard_sizes(self.state.seq_len, mesh.ring_degree, mesh.ulysses_degree, layout)[mesh.seq_rank]
+        mesh = self.state.mesh
+        return layout_sizes(self.state.seq_len, mesh, self.state.layout)[mesh.seq_rank]
 
 
 def _valid_text_keys(attn_mask: torch.Tensor | None, batch: int, text: slice, video: slice) -> torch.Tensor | None:

@@ -105,8 +105,7 @@ def _attention_seconds(spec: ModelSpec, grid: Grid, schedule: str, b: int, gpu: 
                        traffic: dict, ring_link: Link) -> tuple[float, float]:
     """``(kernel + merge seconds, exposed ring transfer seconds)`` of one attention layer."""
     u, r = grid.ulysses, grid.ring
-    seq = spec.tokens + (spec.text if spec.text_mode == "split" else 0)
-    joint = spec.text if spec.text_mode == "joint" else 0
+    seq, joint = spec.sequence, spec.joint
     h, d = math.ceil(spec.heads / u), spec.head_dim
     block = math.ceil(seq / r)
     rows = block + math.ceil(joint / r)
@@ -132,8 +131,7 @@ def _attention_seconds(spec: ModelSpec, grid: Grid, schedule: str, b: int, gpu: 
 
 
 def _memory_gib(spec: ModelSpec, grid: Grid, schedule: str, b: int) -> float:
-    seq = spec.tokens + (spec.text if spec.text_mode == "split" else 0)
-    joint = spec.text if spec.text_mode == "joint" else 0
+    seq, joint = spec.sequence, spec.joint
     local = math.ceil(seq / grid.sequence) + joint
     act = b * local * spec.hidden * ACTIVATION_VALUES_PER_TOKEN * BF16
     hk = math.ceil(spec.kv_heads / grid.ulysses)
@@ -155,8 +153,7 @@ def predict(spec: ModelSpec, grid: Grid, schedule: str, *, batch: int = 1, cfg: 
     calls, b = call_batch(spec, grid, batch, cfg)
     schedule = schedule if grid.ring > 1 else "none"
     u_link, r_link, s_link = _links(grid, interconnect)
-    seq = spec.tokens + (spec.text if spec.text_mode == "split" else 0)
-    joint = spec.text if spec.text_mode == "joint" else 0
+    seq, joint = spec.sequence, spec.joint
     shape = CallShape(b, seq, spec.heads, spec.kv_heads, spec.head_dim, joint, BF16)
     traffic = max_traffic(shape, grid.ulysses, grid.ring, schedule if grid.ring > 1 else "stream") if grid.sequence > 1 else {}
     attn, ring_exposed = _attention_seconds(spec, grid, schedule, b, gpu, backend, traffic, r_link)

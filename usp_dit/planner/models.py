@@ -44,6 +44,16 @@ class ModelSpec:
     def hidden(self) -> int:
         return self.heads * self.head_dim
 
+    @property
+    def sequence(self) -> int:
+        """Tokens the grid splits: the image / video tokens, with the text where it is split too."""
+        return self.tokens + (self.text if self.text_mode == "split" else 0)
+
+    @property
+    def joint(self) -> int:
+        """Replicated text tokens every attention call attends jointly (0 unless "joint")."""
+        return self.text if self.text_mode == "joint" else 0
+
 
 def _patches(height: int, width: int, scale: int) -> int:
     return math.ceil(height / scale) * math.ceil(width / scale)
