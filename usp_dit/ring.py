@@ -1,7 +1,8 @@
 """Ring attention over the ring axis, as an autograd Function with a full backward.
 
 Layout: q (batch, seq_q, heads, head_dim); k, v (batch, seq_k, kv_heads, head_dim);
-joint_k, joint_v (batch, seq_joint, kv_heads, head_dim) or None; out like q; lse (batch, seq_q, heads).
+joint_k, joint_v (batch, seq_joint, kv_heads, head_dim) or None, joint_mask (batch, seq_joint) bool
+or None (Note [masked joint tokens] in ``usp_dit.masked_joint``); out like q; lse (batch, seq_q, heads).
 
 Note [ring schedule]
     Ring rank r owns K/V block r. At step t it computes its queries against block j = (r - t) mod R
@@ -9,7 +10,8 @@ Note [ring schedule]
 
         step:      0        1        2      ...   R-1
         block:     r       r-1      r-2     ...   r+1
-        + joint K/V at step 0 only, so every query sees the joint tokens exactly once.
+        + joint K/V at step 0 only, so every query sees the joint tokens exactly once (in the
+          step's call; masked joint tokens in a call of their own, merged at step 0).
 
     That is the "stream" schedule: two K/V blocks in memory, every transfer hidden behind one
     block's attention when a block computes longer than it travels. Its cost is many small kernel
@@ -52,6 +54,7 @@ from usp_dit.config import canonical_schedule
 from usp_dit.kernels.autograd import refuse_lse_gradient
 from usp_dit.kernels.protocol import AttentionBackend, forward_stack, lse_dtype
 from usp_dit.masked import RowMerger, attend_plan, masked_block_grads
+from usp_dit.masked_joint import JointKV, add_masked_joint, joint_grads
 from usp_dit.masks import SubCall
 from usp_dit.merge import LSEMerger
 
@@ -134,12 +137,18 @@ def _ring_blocks(k: torch.Tensor, v: torch.Tensor, spec: RingSpec):
         cur = receive() if receive is not None else cur
 
 
-def _with_joint(kv, joint_k: torch.Tensor | None, joint_v: torch.Tensor | None, step: int):
+def _in_call(joint: JointKV | None) -> JointKV | None:
+    """The joint tokens that join a step's kernel call: unmasked ones (masked ones have their own)."""
+    return joint if joint is not None and joint.mask is None else None
+
+
+def _with_joint(kv, joint: JointKV | None, step: int):
     """K and V of one step: the block ``kv`` (a stacked (2, ...) tensor or a (k, v) pair), plus the
-    joint tokens at step 0."""
+    unmasked joint tokens at step 0."""
     k, v = kv[0], kv[1]
-    if step == 0 and joint_k is not None:
-        k, v = torch.cat([k, joint_k], dim=1), torch.cat([v, joint_v], dim=1)
+    joint = _in_call(joint)
+    if step == 0 and joint is not None:
+        k, v = torch.cat([k, joint.k], dim=1), torch.cat([v, joint.v], dim=1)
     return k, v
 
 
@@ -148,18 +157,20 @@ def _empty_result(q: torch.Tensor):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
 
 
-def ring_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
+def ring_forward(q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float):
     """Forward of Note [ring schedule] in ``spec``'s schedule; returns ``(out, lse)``."""
-    return spec.schedule.forward(q, k, v, joint_k, joint_v, spec, backend, scale)
+    return spec.schedule.forward(q, k, v, joint, spec, backend, scale)
 
 
-def _stream_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
+def _stream_forward(q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float):
     """The "stream" forward of Note [ring schedule]: block by block, merged as they come."""
     merger = LSEMerger()
     for step, cur in _ring_blocks(k, v, spec):
-        k_t, v_t = _with_joint(cur, joint_k, joint_v, step)
+        k_t, v_t = _with_joint(cur, joint, step)
         if q.shape[1] and k_t.shape[1]:
             merger.add(*backend.forward(q, k_t, v_t, scale))
+        if step == 0:
+            add_masked_joint(merger, q, joint, backend, scale)
     return _empty_result(q) if merger.out is None else merger.result(q.dtype)
 
 
@@ -227,10 +238,11 @@ def _gathered_blocks(pending: torch.Tensor, spec: RingSpec, batch: int) -> torch
     return wait_gathered(pending).unflatten(0, (spec.size, batch))
 
 
-def _gather_merge_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
+def _gather_merge_forward(q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float):
     """The "gather_merge" forward of Note [ring schedule]; returns ``(out, lse)``."""
     pending = _start_block_gather(k, v, spec)  # travels during the local block
-    merger = attend_local(q, *_with_joint((k, v), joint_k, joint_v, 0), backend, scale)
+    merger = attend_local(q, *_with_joint((k, v), joint, 0), backend, scale)
+    add_masked_joint(merger, q, joint, backend, scale)
     k_all, v_all = (_gathered_blocks(p, spec, k.shape[0]) for p in pending)
     stacks = [(k_all[a:b, :, :n], v_all[a:b, :, :n]) for a, b, n in remote_runs(spec.block_sizes, spec.rank)]
     return attend_stacks(merger, q, stacks, backend, scale)
@@ -243,13 +255,14 @@ def gathered_sequence(blocks: torch.Tensor, block_sizes: tuple[int, ...], joint:
     return torch.cat(parts + ([joint] if joint is not None else []), dim=1)
 
 
-def _gather_in_place(k, v, joint_k, joint_v, spec: RingSpec):
+def _gather_in_place(k, v, joint: JointKV | None, spec: RingSpec):
     """Batch 1, equal blocks: all-gather straight into (1, R L + J, Hk, D) buffers whose tail holds
-    the joint tokens, so the whole sequence is one tensor with no copy of the gathered K/V."""
+    the (unmasked) joint tokens, so the whole sequence is one tensor with no copy of the gathered K/V."""
     _, length, hk, d = k.shape
-    joint = joint_k.shape[1] if joint_k is not None else 0
+    joint_kv = (None, None) if joint is None else (joint.k, joint.v)
+    joint = joint.k.shape[1] if joint is not None else 0
     bufs, works = [], []
-    for t, jt in ((k, joint_k), (v, joint_v)):
+    for t, jt in zip((k, v), joint_kv):
         buf = t.new_empty((1, spec.size * length + joint, hk, d))
         works.append(start_all_gather_into(buf[0, :spec.size * length], t[0], spec.exchanger.group, kind="ring_gather"))
         if joint:
@@ -260,21 +273,25 @@ def _gather_in_place(k, v, joint_k, joint_v, spec: RingSpec):
     return bufs
 
 
-def _gather_one_call_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
-    """The "gather_one_call" forward of Note [ring schedule]: one call against the whole sequence."""
+def _gather_one_call_forward(q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float):
+    """The "gather_one_call" forward of Note [ring schedule]: one call against the whole sequence
+    (masked joint tokens: one more call, merged)."""
+    in_call = _in_call(joint)
     # Under torch.compile the gather into a preallocated buffer (an in-place collective) cannot be
     # traced; the functional gather below can.
     if not torch.compiler.is_compiling() and k.shape[0] == 1 and len(set(spec.block_sizes)) == 1:
-        k_all, v_all = _gather_in_place(k, v, joint_k, joint_v, spec)
+        k_all, v_all = _gather_in_place(k, v, in_call, spec)
     else:
         pending = _start_block_gather(k, v, spec)
         k_all, v_all = (
             gathered_sequence(_gathered_blocks(p, spec, k.shape[0]), spec.block_sizes, j)
-            for p, j in zip(pending, (joint_k, joint_v))
+            for p, j in zip(pending, (None, None) if in_call is None else (in_call.k, in_call.v))
         )
-    if not (q.shape[1] and k_all.shape[1]):
-        return _empty_result(q)
-    return backend.forward(q, k_all, v_all, scale)
+    merger = LSEMerger()
+    if q.shape[1] and k_all.shape[1]:
+        merger.add(*backend.forward(q, k_all, v_all, scale))
+    add_masked_joint(merger, q, joint, backend, scale)
+    return _empty_result(q) if merger.out is None else merger.result(q.dtype)
 
 
 class RingSchedule(Protocol):
@@ -286,7 +303,7 @@ class RingSchedule(Protocol):
 
     name: str
 
-    def forward(self, q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float): ...
+    def forward(self, q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float): ...
 
     def keys_per_call(self, block: int, ring: int, joint: int) -> int: ...
 
@@ -299,8 +316,8 @@ class _Schedule:
     forward_fn: Callable
     keys_fn: Callable[[int, int, int], int]
 
-    def forward(self, q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
-        return self.forward_fn(q, k, v, joint_k, joint_v, spec, backend, scale)
+    def forward(self, q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float):
+        return self.forward_fn(q, k, v, joint, spec, backend, scale)
 
     def keys_per_call(self, block: int, ring: int, joint: int) -> int:
         return self.keys_fn(block, ring, joint)
@@ -315,7 +332,7 @@ SCHEDULES: dict[str, RingSchedule] = {
 }
 
 
-def _masked_stream_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
+def _masked_stream_forward(q, k, v, joint, spec: RingSpec, backend: AttentionBackend, scale: float):
     """"stream" under a mask: each arriving block runs its plan (nothing for a hidden block)."""
     merger = RowMerger(q)
     for step, cur in _ring_blocks(k, v, spec):
@@ -323,7 +340,7 @@ def _masked_stream_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: A
     return merger.result(q.dtype)
 
 
-def _masked_gather_forward(q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
+def _masked_gather_forward(q, k, v, joint, spec: RingSpec, backend: AttentionBackend, scale: float):
     """"gather_merge" under a mask: the local block's plan while the blocks travel, then the
     gathered blocks' plans (blocks the mask hides are never read)."""
     pending = _start_block_gather(k, v, spec)
@@ -363,14 +380,19 @@ def _block_grads(backend, dout, q, k_t, v_t, out, lse, scale):
     return torch.zeros_like(q), torch.zeros_like(k_t), torch.zeros_like(v_t)
 
 
-def ring_backward(dout, q, k, v, joint_k, joint_v, out, lse, spec: RingSpec, backend, scale):
+def ring_backward(dout, q, k, v, joint: JointKV | None, out, lse, spec: RingSpec, backend, scale):
     """Backward of Note [ring schedule]; returns ``(dq, dk, dv, djoint_k, djoint_v)``."""
     acc = lse_dtype(q.dtype)  # gradients accumulate in the dtype of the merges
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     djk = djv = None
+    if joint is not None and joint.mask is not None:  # their own call (Note [masked joint tokens])
+        djk, djv = torch.zeros_like(joint.k), torch.zeros_like(joint.v)
+        if q.shape[1]:
+            dq_j, djk, djv = joint_grads(dout, q, joint, out, lse, backend, scale)
+            dq += dq_j
     receive = None
     for step, cur in _ring_blocks(k, v, spec):
-        k_t, v_t = _with_joint(cur, joint_k, joint_v, step)
+        k_t, v_t = _with_joint(cur, joint, step)
         if spec.plans is None:
             dq_t, dk_t, dv_t = _block_grads(backend, dout, q, k_t, v_t, out, lse, scale)
         else:  # under a mask (no joint tokens): the plan of this block pair
@@ -378,7 +400,7 @@ def ring_backward(dout, q, k, v, joint_k, joint_v, out, lse, spec: RingSpec, bac
             dq_t, dk_t, dv_t = masked_block_grads(backend, dout, q, k_t, v_t, out, lse, scale, plan)
         dq += dq_t
         n = cur.shape[2]
-        if step == 0 and joint_k is not None:
+        if step == 0 and _in_call(joint) is not None:
             djk, djv = dk_t[:, n:], dv_t[:, n:]
         dkv = torch.stack([dk_t[:, :n], dv_t[:, :n]]).to(acc)
         if receive is not None:
@@ -395,9 +417,10 @@ class RingAttention(torch.autograd.Function):
     """Differentiable ring attention; ``lse`` is returned but not differentiable (a gradient raises)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, joint_k, joint_v, spec: RingSpec, backend: AttentionBackend, scale: float):
-        out, lse = ring_forward(q, k, v, joint_k, joint_v, spec, backend, scale)
-        ctx.save_for_backward(q, k, v, joint_k, joint_v, out, lse)
+    def forward(ctx, q, k, v, joint_k, joint_v, joint_mask, spec: RingSpec, backend: AttentionBackend, scale: float):
+        joint = None if joint_k is None else JointKV(joint_k, joint_v, joint_mask)
+        out, lse = ring_forward(q, k, v, joint, spec, backend, scale)
+        ctx.save_for_backward(q, k, v, joint_k, joint_v, joint_mask, out, lse)
         ctx.spec, ctx.backend, ctx.scale = spec, backend, scale
         ctx.set_materialize_grads(False)
         return out, lse
@@ -405,8 +428,9 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         refuse_lse_gradient(dlse)
-        q, k, v, joint_k, joint_v, out, lse = ctx.saved_tensors
+        q, k, v, joint_k, joint_v, joint_mask, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)  # every rank must still run the ring to serve its peers
-        grads = ring_backward(dout.contiguous(), q, k, v, joint_k, joint_v, out, lse, ctx.spec, ctx.backend, ctx.scale)
-        return (*grads, None, None, None)
+        joint = None if joint_k is None else JointKV(joint_k, joint_v, joint_mask)
+        grads = ring_backward(dout.contiguous(), q, k, v, joint, out, lse, ctx.spec, ctx.backend, ctx.scale)
+        return (*grads, None, None, None, None)

@@ -54,6 +54,7 @@ from usp_dit.masked import masked_attend
 from usp_dit.masks import check_frame, ring_plans
 from usp_dit.mesh import USPMesh, resolve_mesh
 from usp_dit.partition import offsets, ring_block_sizes, split_sizes
+from usp_dit.masked_joint import JointMaskedAttention
 from usp_dit.ring import RingAttention, RingSpec, choose_schedule, masked_schedule
 from usp_dit.sharding import layout_sizes
 from usp_dit.ulysses import gather_heads, scatter_heads, ulysses_layout
@@ -84,6 +85,21 @@ def _check_inputs(q, k, v, joint) -> None:
             )
     if not (jq.shape[1] == jk.shape[1] == jv.shape[1]):
         raise ValueError(f"joint_q/k/v must share seq_joint, got {jq.shape[1]}, {jk.shape[1]}, {jv.shape[1]}")
+
+
+def _check_joint_mask(joint_mask, joint) -> torch.Tensor | None:
+    """``joint_mask`` as (B, T) bool (nonzero = a key); ValueError naming it when it does not fit."""
+    if joint_mask is None:
+        return None
+    if joint is None:
+        raise ValueError("joint_mask was given without joint_q/k/v: it masks joint tokens")
+    jq = joint[0]
+    if not torch.is_tensor(joint_mask) or tuple(joint_mask.shape) != tuple(jq.shape[:2]):
+        got = tuple(joint_mask.shape) if torch.is_tensor(joint_mask) else type(joint_mask).__name__
+        raise ValueError(f"joint_mask must be (batch, seq_joint) = {tuple(jq.shape[:2])}, got {got}")
+    if joint_mask.device != jq.device:
+        raise ValueError(f"joint_mask must be on {jq.device} like joint_q, got {joint_mask.device}")
+    return joint_mask if joint_mask.dtype == torch.bool else joint_mask != 0
 
 
 def _joint_tuple(joint_q, joint_k, joint_v):
@@ -191,16 +207,18 @@ class _Call(NamedTuple):
     want_lse: bool  # return_lse: the LSE is gathered back (one more small all-to-all) only then
     layout: str = "contiguous"  # where tokens sit (Note [sequence layouts] in usp_dit.layouts)
     frame: int | None = None  # the mask's frame length (1: causal), None: dense
+    joint_mask: torch.Tensor | None = None  # (B, T) bool, the joint tokens that are keys (None: all)
 
 
 def _prepare(
     q, k, v, joint_qkv, mesh: USPMesh, scale, backend: str, return_lse: bool, schedule: str | None,
-    mask: tuple[bool, int | None, str] = (False, None, "contiguous"),
+    mask: tuple[bool, int | None, str] = (False, None, "contiguous"), joint_mask: torch.Tensor | None = None,
 ) -> _Call:
     """Validate the inputs and pick the kernel (this rank alone; no communication). ``mask``:
     ``(causal, block_causal, layout)`` as given to ``usp_attention``."""
     joint = _joint_tuple(*joint_qkv)
     _check_inputs(q, k, v, joint)
+    joint_mask = _check_joint_mask(joint_mask, joint)
     frame, layout = check_frame(mask[0], mask[1]), check_layout(mask[2])
     if frame is not None and joint is not None:
         raise NotImplementedError(
@@ -231,7 +249,9 @@ def _prepare(
             "return_lse=True with gradients under torch.compile: the LSE is not differentiable; "
             "call with return_lse=False, or under torch.no_grad(), or eagerly"
         )
-    return _Call(joint, joint_empty, kernel, scale, needs_grad, schedule, return_lse, layout, frame)
+    if joint is None:
+        joint_mask = None
+    return _Call(joint, joint_empty, kernel, scale, needs_grad, schedule, return_lse, layout, frame, joint_mask)
 
 
 def _share_failure(exc: Exception, q, mesh: USPMesh, seq_len: int | None) -> None:
@@ -246,9 +266,9 @@ def _share_failure(exc: Exception, q, mesh: USPMesh, seq_len: int | None) -> Non
               what="a usp_attention call")
 
 
-def _single_rank(q, k, v, joint, kernel, scale, frame: int | None = None):
-    """P == 1: joint tokens simply join the sequence; a mask runs its plan (for causal attention
-    one call in the kernel's causal mode)."""
+def _single_rank(q, k, v, joint, kernel, scale, frame: int | None = None, joint_mask=None):
+    """P == 1: joint tokens simply join the sequence (masked ones: Note [masked joint tokens]); a
+    mask runs its plan (for causal attention one call in the kernel's causal mode)."""
     if frame is not None:
         plan = ring_plans(_concrete(q.shape[1]), 1, 1, "contiguous", frame, 0)[0]
         return masked_attend(q, k, v, plan, kernel, scale), None
@@ -256,9 +276,10 @@ def _single_rank(q, k, v, joint, kernel, scale, frame: int | None = None):
         return attend(q, k, v, kernel, scale), None
     jq, jk, jv = joint
     n = q.shape[1]
-    out, lse = attend(
-        torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1), kernel, scale
-    )
+    if joint_mask is not None:
+        out, lse = JointMaskedAttention.apply(torch.cat([q, jq], 1), k, v, jk, jv, joint_mask, kernel, scale)
+    else:
+        out, lse = attend(torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1), kernel, scale)
     return (out[:, :n], _rows(lse, 0, n)), (out[:, n:], _rows(lse, n, None))
 
 
@@ -330,7 +351,9 @@ def _sharded_call(q, k, v, call: _Call, mesh: USPMesh, seq_len):
         sizes = tuple(ring_block_sizes(shards, u_deg))
         schedule = choose_schedule(call.schedule, sizes, q_blk.shape[2], k_blk.shape[2])
         spec = RingSpec(mesh.ring_exchanger, sizes, schedule)
-        out_ext, lse_ext = RingAttention.apply(q_blk, k_blk, v_blk, jk, jv, spec, kernel, scale)
+        out_ext, lse_ext = RingAttention.apply(q_blk, k_blk, v_blk, jk, jv, call.joint_mask, spec, kernel, scale)
+    elif jk is not None and call.joint_mask is not None:  # Note [masked joint tokens]
+        out_ext, lse_ext = JointMaskedAttention.apply(q_blk, k_blk, v_blk, jk, jv, call.joint_mask, kernel, scale)
     elif jk is not None:
         out_ext, lse_ext = attend(q_blk, torch.cat([k_blk, jk], 1), torch.cat([v_blk, jv], 1), kernel, scale)
     else:
@@ -365,7 +388,7 @@ def _masked_blocks(q_blk, k_blk, v_blk, call: _Call, mesh: USPMesh, shards: list
     sizes = tuple(ring_block_sizes(shards, u_deg))
     schedule = choose_schedule(call.schedule, sizes, q_blk.shape[2], k_blk.shape[2], masked=True)
     spec = RingSpec(mesh.ring_exchanger, sizes, schedule, plans)
-    return RingAttention.apply(q_blk, k_blk, v_blk, None, None, spec, call.kernel, call.scale)
+    return RingAttention.apply(q_blk, k_blk, v_blk, None, None, None, spec, call.kernel, call.scale)
 
 
 class JointPieces(NamedTuple):
@@ -436,6 +459,7 @@ def usp_attention(
     causal: bool = False,
     block_causal: int | None = None,
     layout: str = "contiguous",
+    joint_mask: torch.Tensor | None = None,
 ) -> AttentionOutput:
     """Attention of this rank's sequence shard against the whole sequence: dense, causal or
     block-causal.
@@ -448,6 +472,10 @@ def usp_attention(
         joint_q, joint_k, joint_v: (batch, seq_joint, heads | kv_heads, head_dim) text tokens
             replicated on every rank; every query attends to them exactly once and ``joint_out``
             is their own attention over the whole sequence plus themselves.
+        joint_mask: (batch, seq_joint), True (or nonzero) where a joint token is a key, e.g. a
+            prompt's padding mask: a masked joint token is a key of no query, with static shapes
+            (one graph under torch.compile; Note [masked joint tokens] in ``usp_dit.masked_joint``).
+            Its own row of ``joint_out`` is still computed, over the keys that are: drop it.
         scale: softmax scale, default ``head_dim ** -0.5``.
         backend: "auto" or a name from ``usp_dit.kernels.list_backends()``.
         return_lse: also return the log-sum-exps (``lse``, ``joint_lse``; they cost one more small
@@ -491,13 +519,13 @@ def usp_attention(
     mesh = resolve_mesh(mesh)
     try:
         call = _prepare(q, k, v, (joint_q, joint_k, joint_v), mesh, scale, backend, return_lse, ring_schedule,
-                        (causal, block_causal, layout))
+                        (causal, block_causal, layout), joint_mask)
     except (ValueError, NotImplementedError, RuntimeError) as exc:
         _share_failure(exc, q, mesh, seq_len)
         raise
     joint, joint_empty, kernel, scale = call.joint, call.joint_empty, call.kernel, call.scale
     if mesh.sequence_degree == 1:
-        main, joint_res = _single_rank(q, k, v, joint, kernel, scale, call.frame)
+        main, joint_res = _single_rank(q, k, v, joint, kernel, scale, call.frame, call.joint_mask)
     else:
         main, joint_res = _sharded(q, k, v, call, mesh, seq_len)
     joint_out, joint_lse = joint_res or joint_empty or (None, None)

@@ -37,3 +37,12 @@ def lse_to_bsh(lse: torch.Tensor, seq_q: int, dtype: torch.dtype) -> torch.Tenso
 def lse_to_bhs(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Our (B, S, H) LSE -> the contiguous (B, H, S) tensor the SDPA backward kernels read."""
     return lse.transpose(1, 2).to(lse_dtype(dtype)).contiguous()
+
+
+def additive_key_mask(key_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A (B, Sk) bool key mask (True = attend) -> the additive (B, 1, 1, Sk) mask of ``dtype`` the
+    SDPA ops read (0 where attended, -inf where masked); ``None`` stays ``None``."""
+    if key_mask is None:
+        return None
+    bias = torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device)
+    return bias.masked_fill(~key_mask, float("-inf"))[:, None, None, :]

@@ -19,19 +19,28 @@ from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 from usp_dit.kernels.registry import get_backend
 
 
-def kernel_forward(backend: AttentionBackend, q, k, v, scale: float, causal: bool = False):
-    """``(out, lse)`` of one call; ``causal`` is passed only when true (protocol: a backend without
-    a causal mode keeps the four-argument signature)."""
-    return backend.forward(q, k, v, scale, causal=True) if causal else backend.forward(q, k, v, scale)
+def _options(causal: bool, key_mask) -> dict:
+    """The optional keywords of one call, only those given (protocol: a backend without a causal
+    mode or key masks keeps the four-argument signature)."""
+    opts = {}
+    if causal:
+        opts["causal"] = True
+    if key_mask is not None:
+        opts["key_mask"] = key_mask
+    return opts
 
 
-def kernel_backward(backend: AttentionBackend, dout, q, k, v, out, lse, scale: float, causal: bool = False):
+def kernel_forward(backend: AttentionBackend, q, k, v, scale: float, causal: bool = False, key_mask=None):
+    """``(out, lse)`` of one call; ``causal`` / ``key_mask`` as in ``usp_dit.kernels.protocol``."""
+    return backend.forward(q, k, v, scale, **_options(causal, key_mask))
+
+
+def kernel_backward(backend: AttentionBackend, dout, q, k, v, out, lse, scale: float, causal: bool = False,
+                    key_mask=None):
     """``(dq, dk, dv)`` of one call through ``backend``; NotImplementedError for a forward-only one."""
     if not backend.caps.supports_backward:
         raise NotImplementedError(f"backend {backend.name!r} has no backward")
-    if causal:
-        return backend.backward(dout, q, k, v, out, lse, scale, causal=True)
-    return backend.backward(dout, q, k, v, out, lse, scale)
+    return backend.backward(dout, q, k, v, out, lse, scale, **_options(causal, key_mask))
 
 
 def refuse_lse_gradient(dlse) -> None:

@@ -8,6 +8,10 @@ Layout (every backend, both directions):
         ``caps.causal``): the diagonal block of causal attention, seq_q == seq_k, query i attending
         to keys j <= i (top-left and bottom-right alignments agree on a square). Callers pass it only
         when true, so a backend without causal support keeps the four-argument signature.
+    key_mask: an optional keyword of forward and backward (``key_mask=...``, only where
+        ``caps.key_mask``): (batch, seq_k) bool, True where the key is attended, the same for every
+        query and head (a key padding mask: the masked joint tokens of ``usp_dit.masked_joint``). A
+        query whose keys are all masked gets out 0 and lse -inf. Passed only when given.
     lse: (batch, seq_q, heads), float32 (float64 for float64 inputs, so that a float64 run is a
         float64 reference end to end), natural log, softmax scale applied:
         lse[b, i, h] = log(sum_j exp(scale * q[b, i, h] . k[b, j, h // group]))
@@ -46,6 +50,7 @@ class BackendCaps:
     # then exceed the GPU work (explicitly naming the backend still uses it).
     min_call_flops: float = 0.0
     causal: bool = False  # takes ``causal=True`` (the square diagonal block of causal attention)
+    key_mask: bool = False  # takes ``key_mask=`` (a (batch, seq_k) key padding mask)
 
     def why_not(
         self, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, causal: bool = False

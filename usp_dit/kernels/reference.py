@@ -25,9 +25,10 @@ def _ungrouped(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 3, 1, 2, 4).reshape(b, s, hk * g, d)
 
 
-def _probs(q, k, scale, lse=None, causal=False):
+def _probs(q, k, scale, lse=None, causal=False, key_mask=None):
     """Scores and probabilities in the accumulation dtype: (B, Hk, G, Sq, Sk); ``causal`` masks
-    keys after the query (top-left aligned: key j visible to query i when j <= i)."""
+    keys after the query (top-left aligned: key j visible to query i when j <= i); ``key_mask``
+    (B, Sk) bool masks the keys that are False (a row with no key left: p 0, lse -inf)."""
     acc = lse_dtype(q.dtype)
     qg = _grouped(q.to(acc), k.shape[2])
     kt = k.to(acc).permute(0, 2, 3, 1).unsqueeze(2)  # (B, Hk, 1, D, Sk)
@@ -35,11 +36,14 @@ def _probs(q, k, scale, lse=None, causal=False):
     if causal:
         hidden = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(hidden, float("-inf"))
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask[:, None, None, None, :], float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
     else:
         lse = lse.to(acc).permute(0, 2, 1).reshape(scores.shape[:-1])
-    return torch.exp(scores - lse.unsqueeze(-1)), lse
+    finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)  # a row with no key: p 0, not nan
+    return torch.exp(scores - finite.unsqueeze(-1)), lse
 
 
 class ReferenceBackend:
@@ -52,6 +56,7 @@ class ReferenceBackend:
         max_head_dim=1 << 16,
         supports_backward=True,
         causal=True,
+        key_mask=True,
     )
 
     def available(self) -> bool:
@@ -60,18 +65,18 @@ class ReferenceBackend:
     def require(self) -> None:
         return None
 
-    def forward(self, q, k, v, scale, causal=False):
-        p, lse = _probs(q, k, scale, causal=causal)
+    def forward(self, q, k, v, scale, causal=False, key_mask=None):
+        p, lse = _probs(q, k, scale, causal=causal, key_mask=key_mask)
         vg = v.to(p.dtype).permute(0, 2, 1, 3).unsqueeze(2)  # (B, Hk, 1, Sk, D)
         out = _ungrouped(torch.matmul(p, vg)).to(q.dtype)
         b, hk, g, sq = lse.shape
         lse = lse.permute(0, 3, 1, 2).reshape(b, sq, hk * g).to(lse_dtype(q.dtype))
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, scale, causal=False):
+    def backward(self, dout, q, k, v, out, lse, scale, causal=False, key_mask=None):
         acc = lse_dtype(q.dtype)
         hk = k.shape[2]
-        p, _ = _probs(q, k, scale, lse, causal)
+        p, _ = _probs(q, k, scale, lse, causal, key_mask)
         dog = _grouped(dout.to(acc), hk)  # (B, Hk, G, Sq, D)
         og = _grouped(out.to(acc), hk)
         kg = k.to(acc).permute(0, 2, 1, 3).unsqueeze(2)  # (B, Hk, 1, Sk, D)

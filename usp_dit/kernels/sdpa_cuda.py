@@ -8,7 +8,9 @@ external out/LSE (ring attention). Quirks kept here:
 - the backward ops take the RNG / varlen bookkeeping tensors the forward returned; with no dropout
   their values are never read, so zeros of the latest forward's shapes and dtypes stand in (no
   tensor is kept across calls: CUDA graph captures forbid it);
-- cuDNN's backward wants ``out`` and ``dout`` with the same strides.
+- cuDNN's backward wants ``out`` and ``dout`` with the same strides;
+- key masks (``key_mask``, mem-efficient only) go in as an additive bias of stride-0 views, and a
+  batch element with every key masked is set to out 0, lse -inf.
 """
 from __future__ import annotations
 
@@ -110,21 +112,40 @@ class SDPAFlashBackend(_CudaSDPA):
         return grads_to_bshd(dq, dk, dv, k.shape[2])
 
 
+def _bias(key_mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """The mem-efficient kernel's attention bias for a (B, Sk) key mask: additive, of the query
+    dtype, broadcast over heads and queries by stride-0 views (no (B, H, Sq, Sk) tensor). The
+    kernel wants the batch stride a multiple of 8 elements: rows padded to that, then cut."""
+    if key_mask is None:
+        return None
+    batch, keys = key_mask.shape
+    bias = torch.zeros(batch, (keys + 7) // 8 * 8, dtype=q.dtype, device=q.device)[:, :keys]
+    bias.masked_fill_(~key_mask, float("-inf"))  # in place: keeps the padded row stride
+    return bias[:, None, None, :].expand(batch, q.shape[2], q.shape[1], keys)
+
+
 class SDPAEfficientBackend(_CudaSDPA):
     name = "sdpa_efficient"
     op_name = "_scaled_dot_product_efficient_attention"
     caps = BackendCaps(
         frozenset({"cuda"}), _HALF | {torch.float32}, max_head_dim=512, supports_backward=True, head_dim_multiple=8,
-        causal=True,
+        causal=True, key_mask=True,
     )
 
-    def forward(self, q, k, v, scale, causal=False):
+    def forward(self, q, k, v, scale, causal=False, key_mask=None):
         qt, kt, vt = to_bhsd(q, k, v)
-        out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, causal, scale=scale)
+        out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(
+            qt, kt, vt, _bias(key_mask, q), True, 0.0, causal, scale=scale
+        )
         self._keep_aux(q.device, seed, offset)
-        return out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype)
+        out, lse = out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype)
+        if key_mask is not None:  # a batch element with no key: out 0, lse -inf (the protocol)
+            some = key_mask.any(dim=1)
+            out = torch.where(some[:, None, None, None], out, torch.zeros_like(out))
+            lse = lse.masked_fill(~some[:, None, None], float("-inf"))
+        return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, scale, causal=False):
+    def backward(self, dout, q, k, v, out, lse, scale, causal=False, key_mask=None):
         qt, kt, vt = to_bhsd(q, k, v)
         seed, offset = self._aux_like(q.device)
         sq = q.shape[1]
@@ -132,7 +153,7 @@ class SDPAEfficientBackend(_CudaSDPA):
         lse_bhs = lse.new_zeros((lse.shape[0], lse.shape[2], padded), dtype=torch.float32)
         lse_bhs[:, :, :sq] = lse.transpose(1, 2)
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            _bhsd_contiguous(dout), qt, kt, vt, None, _bhsd_contiguous(out), lse_bhs, seed, offset,
+            _bhsd_contiguous(dout), qt, kt, vt, _bias(key_mask, q), _bhsd_contiguous(out), lse_bhs, seed, offset,
             0.0, [True, True, True, False], causal, scale=scale,
         )
         return grads_to_bshd(dq, dk, dv, k.shape[2])
