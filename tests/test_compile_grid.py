@@ -5,17 +5,21 @@ Each case compiles with ``fullgraph=True``, so a single graph break fails it, th
 ``CompileCounterWithBackend("aot_eager")``: it traces forward and backward exactly as inductor
 would see them, without spending minutes compiling C++ on two cores, and counts the graphs.
 
-- usp_attention: every grid of 2 and 4 ranks, every ring schedule forced on (2,2) and (1,4)
-  ("stream" on (1,2)); batch 2, 13 tokens
+- usp_attention: every grid of 2 and 4 ranks, every ring schedule forced on (2,2) ("stream" on
+  (1,2), "gather_merge" on (1,4)); batch 2, 13 tokens
   (odd: uneven shards), GQA 4:2, 5 joint tokens; output, joint output and the gradients of q, k,
-  v and the joint inputs, compiled vs eager. One graph per case.
+  v and the joint inputs, compiled vs eager. One graph per case. The same with the joint tokens
+  masked (``joint_mask``: holes in one element, no key in the other) on one rank, Ulysses only,
+  and each ring schedule.
 - Causal and block-causal usp_attention (zigzag, stripe, contiguous; stream and gather_merge):
   one graph each, output and q/k/v gradients equal to eager; three lengths through one compiled
   causal function: one graph per length (the plan specialises it), outputs equal to eager.
 - Dynamic shapes: four sequence lengths through one compiled function: two graphs in all (the
   first static, the second dynamic, then no recompile), outputs equal to eager.
 - Adapters (``enable_usp`` then ``torch.compile(model, fullgraph=True)``): tiny Flux (2 x 2 and
-  the cfg grid (1,2,2), and its parameter gradients), CogVideoX, Flux.2, Wan, LTX-Video and SD3
+  the cfg grid (1,2,2)), CogVideoX, Flux.2, Wan, LTX-Video, SD3, and the prompt-masked families
+  Mochi, HunyuanVideo, Qwen-Image and Chroma with padded prompts (Mochi's parameter gradients
+  too, summed over the group), SkyReels-V2 diffusion forcing (block-causal)
   (Wan's and LTX's attn2 run the stock processor beside the routed attn1: the two must not be
   mixed up by the tracer), output vs the eager enabled model. (docs/COMPILE.md lists the
   families that do not trace yet, and why.)
@@ -35,8 +39,11 @@ Tolerance (max |err| / max |ref|): 1e-5, float32 rounding; the traced graph runs
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.adapter_parity import forward
 from usp_dit import enable_usp, init_usp, shard_sequence, usp_attention
@@ -44,9 +51,11 @@ from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5
 WORLD = 4
-CORE_GRIDS = [(2, 1, None), (4, 1, None), (1, 2, "stream")] + [
-    (u, r, s) for u, r in ((2, 2), (1, 4)) for s in ("stream", "gather_merge", "gather_one_call")
+CORE_GRIDS = [(2, 1, None), (4, 1, None), (1, 2, "stream"), (1, 4, "gather_merge")] + [
+    (2, 2, s) for s in ("stream", "gather_merge", "gather_one_call")
 ]
+# Masked joint tokens (Note [masked joint tokens]): one rank, Ulysses only, and each ring schedule.
+MASKED_GRIDS = [(1, 1, None), (2, 1, None), (1, 4, "gather_one_call"), (2, 2, "stream"), (2, 2, "gather_merge")]
 
 
 def _counter():
@@ -56,9 +65,18 @@ def _counter():
     return CompileCounterWithBackend("aot_eager")
 
 
-def _attention_loss(q, k, v, jq, jk, jv, seq_len: int):
-    res = usp_attention(q, k, v, joint_q=jq, joint_k=jk, joint_v=jv, seq_len=seq_len, backend="sdpa_cpu")
+def _attention_loss(q, k, v, jq, jk, jv, seq_len: int, joint_mask=None):
+    res = usp_attention(q, k, v, joint_q=jq, joint_k=jk, joint_v=jv, seq_len=seq_len, backend="sdpa_cpu",
+                        joint_mask=joint_mask)
     return res.out, res.joint_out
+
+
+# Batch 2: element 0's prompt has holes, element 1's has no key at all.
+_JOINT_MASK = torch.tensor([[1, 0, 1, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+
+
+def _masked_attention_loss(q, k, v, jq, jk, jv, seq_len: int):
+    return _attention_loss(q, k, v, jq, jk, jv, seq_len, _JOINT_MASK)
 
 
 def _core_inputs(mesh, seq: int, seed: int):
@@ -78,13 +96,13 @@ def _run_and_grads(fn, inputs, seq: int):
     return [out, jout, *grads]
 
 
-def _core_case(u: int, r: int, schedule: str | None) -> dict[str, float]:
+def _core_case(u: int, r: int, schedule: str | None, fn=_attention_loss) -> dict[str, float]:
     mesh = init_usp(ulysses_degree=u, ring_degree=r, ring_schedule=schedule or "auto")
     inputs = _core_inputs(mesh, 13, seed=u * 10 + r)
     counter = _counter()
-    compiled = torch.compile(_attention_loss, backend=counter, fullgraph=True)
+    compiled = torch.compile(fn, backend=counter, fullgraph=True)
     got = _run_and_grads(compiled, inputs, 13)
-    ref = _run_and_grads(_attention_loss, inputs, 13)
+    ref = _run_and_grads(fn, inputs, 13)
     return {"err": max(rel_err(a, b) for a, b in zip(got, ref)), "graphs_not_1": float(counter.frame_count != 1)}
 
 
@@ -164,20 +182,20 @@ def _refusals() -> dict[str, float]:
     return out
 
 
-def _model(family: str):
+def _model(family: str, shape: int = 0):
     if family == "flux":
         from tests.test_pipeline_flux import SHAPES, _call_args
         from usp_dit.demo.tiny_flux import tiny_flux_transformer
 
         return tiny_flux_transformer(), _call_args(SHAPES[1])
     module = __import__(f"tests.test_pipeline_{family}", fromlist=["_build", "SHAPES"])
-    return module._build(module.SHAPES[0])
+    return module._build(module.SHAPES[shape])
 
 
-def _adapter_case(family: str, grid: tuple[int, int, int]) -> dict[str, float]:
+def _adapter_case(family: str, grid: tuple[int, int, int], shape: int = 0) -> dict[str, float]:
     u, r, c = grid
     mesh = init_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-    model, inputs = _model(family)
+    model, inputs = _model(family, shape)
     enable_usp(model, mesh=mesh)
     ref = forward(model, inputs)
     counter = _counter()
@@ -192,12 +210,27 @@ def _param_grads(model, inputs) -> list[torch.Tensor]:
     return list(torch.autograd.grad((out * w).sum(), params, allow_unused=True))
 
 
-def _flux_gradient_case() -> dict[str, float]:
+def _summed(grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Each rank's partial parameter gradients summed over the (2,2) sequence group (all 4 ranks):
+    the full gradient. Per rank they need not agree: with masked prompts eager calls split the
+    valid text tokens' queries over the ring, compiled calls every text token (usp_attention's
+    gradient convention promises the sum)."""
+    out = []
+    for g in grads:
+        if g is not None:
+            g = g.contiguous()
+            dist.all_reduce(g)
+        out.append(g)
+    return out
+
+
+def _gradient_case(family: str, shape: int = 0) -> dict[str, float]:
+    """Every parameter gradient through the compiled enabled model on (2,2) equals eager's."""
     mesh = init_usp(ulysses_degree=2, ring_degree=2)
-    model, inputs = _model("flux")
+    model, inputs = _model(family, shape)
     enable_usp(model, mesh=mesh)
-    ref = _param_grads(model, inputs)
-    got = _param_grads(torch.compile(model, backend="aot_eager", fullgraph=True), inputs)
+    ref = _summed(_param_grads(model, inputs))
+    got = _summed(_param_grads(torch.compile(model, backend="aot_eager", fullgraph=True), inputs))
     pairs = [(a, b) for a, b in zip(got, ref) if b is not None]
     return {"err": max(rel_err(a, b) for a, b in pairs), "missing": float(len(pairs) < len(ref) // 2)}
 
@@ -304,14 +337,25 @@ def _fsdp_case() -> dict[str, float]:
     return {"err": max([rel_err(out, ref_out), *errs]), "no_grads": float(not errs)}
 
 
+def _skyreels_case() -> dict[str, float]:
+    """SkyReels-V2 diffusion forcing (block-causal, zigzag) on (2,2): its frame length comes from
+    the config under compile (``SkyReelsFrameHook``), one graph, output equal to eager."""
+    from tests.test_pipeline_skyreels_v2 import compile_case
+
+    return compile_case(init_usp(ulysses_degree=2, ring_degree=2))
+
+
 def _run_all() -> dict[str, dict | str]:
     results: dict[str, dict | str] = {}
+    seconds: dict[str, float] = {}  # per case, for whoever trims this file's CI time
 
     def record(key, fn):
+        start = time.perf_counter()
         try:
             results[key] = fn()
         except Exception as exc:  # noqa: BLE001 -- a failed case is reported by its own test
             results[key] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+        seconds[key] = round(time.perf_counter() - start, 1)
 
     # First, as in a job that compiles one model: what earlier compiles in the process recorded
     # (other grids, other families through the same wrapper code) can keep torch's automatic
@@ -319,24 +363,31 @@ def _run_all() -> dict[str, dict | str]:
     record("flux-dynamic", _flux_dynamic_case)
     for u, r, s in CORE_GRIDS:
         record(f"core-{u}x{r}-{s}", lambda: _core_case(u, r, s))
+    for u, r, s in MASKED_GRIDS:
+        record(f"masked-{u}x{r}-{s}", lambda: _core_case(u, r, s, _masked_attention_loss))
     for case in CAUSAL_CASES:
         record(f"causal-{case}", lambda: _causal_case(*case))
     record("causal-lengths", _causal_lengths_case)
     record("dynamic", _dynamic_case)
     record("refusals", _refusals)
-    for family, grid in ADAPTER_CASES:
-        record(f"{family}-{grid}", lambda: _adapter_case(family, grid))
-    record("flux-gradients", _flux_gradient_case)
+    for family, grid, shape in ADAPTER_CASES:
+        record(f"{family}-{grid}-{shape}", lambda: _adapter_case(family, grid, shape))
+    record("mochi-gradients", lambda: _gradient_case("mochi", 1))  # padded prompts, different per element
+    record("skyreels-df", _skyreels_case)
     record("lora-checkpointing", _lora_checkpointing_case)
     record("fbc-pipeline", _fbc_pipeline_case)
     record("fsdp", _fsdp_case)
     torch._dynamo.reset()  # compiled graphs hold the process groups; the harness checks none outlives the job
+    results["__seconds__"] = seconds
     return results
 
 
-ADAPTER_CASES = [
-    ("flux", (2, 2, 1)), ("flux", (1, 2, 2)), ("cogvideox", (2, 2, 1)), ("flux2", (1, 4, 1)), ("wan", (4, 1, 1)),
-    ("ltx_video", (2, 2, 1)), ("sd3", (1, 4, 1)),
+ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's SHAPES)
+    ("flux", (2, 2, 1), 0), ("flux", (1, 2, 2), 0), ("cogvideox", (2, 2, 1), 0), ("flux2", (1, 4, 1), 0),
+    ("wan", (4, 1, 1), 0), ("ltx_video", (2, 2, 1), 0), ("sd3", (1, 4, 1), 0),
+    # The prompt-masked families (Note [masked joint tokens]): padded prompts that differ per element.
+    ("mochi", (2, 2, 1), 2),  # padding in front for one element, no real prompt token in the other
+    ("hunyuan_video", (1, 4, 1), 0), ("qwen_image", (2, 2, 1), 0), ("chroma", (4, 1, 1), 0),
 ]
 
 
@@ -386,13 +437,24 @@ def test_untraceable_calls_are_refused(results):
         assert all(v == 0.0 for v in res.values()), res
 
 
-@pytest.mark.parametrize("case", ADAPTER_CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}")
+@pytest.mark.parametrize("case", ADAPTER_CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-shape{c[2]}")
 def test_adapter_compiles_fullgraph_and_equals_eager(results, case):
-    _assert_case(results, f"{case[0]}-{case[1]}", "graphs_not_1")
+    _assert_case(results, f"{case[0]}-{case[1]}-{case[2]}", "graphs_not_1")
 
 
-def test_compiled_flux_parameter_gradients_equal_eager(results):
-    _assert_case(results, "flux-gradients", "missing")
+@pytest.mark.parametrize("grid", MASKED_GRIDS, ids=lambda g: f"{g[0]}x{g[1]}-{g[2]}")
+def test_masked_joint_usp_attention_compiles_in_one_graph_and_equals_eager(results, grid):
+    _assert_case(results, f"masked-{grid[0]}x{grid[1]}-{grid[2]}", "graphs_not_1")
+
+
+def test_compiled_parameter_gradients_equal_eager(results):
+    # Mochi with padded prompts: its joint text stream, the masked joint tokens and the video
+    # tokens all carry gradients (Flux's path is the same without the mask; dropped for CI time).
+    _assert_case(results, "mochi-gradients", "missing")
+
+
+def test_block_causal_skyreels_compiles_fullgraph_and_equals_eager(results):
+    _assert_case(results, "skyreels-df", "graphs_not_1")
 
 
 def test_enabled_flux_recompiles_a_bounded_number_of_times_across_sizes(results):

@@ -28,12 +28,12 @@ import torch
 from tests.adapter_parity import (
     assert_within, forward, gradient_errors, output_keys, run_grid_cases, sharded_output_case,
 )
-from usp_dit import single_rank_mesh
+from usp_dit import enable_usp, single_rank_mesh
 from usp_dit.demo.tiny_skyreels_v2 import skyreels_inputs, skyreels_tokens, tiny_skyreels_v2
 from usp_dit.pipelines import _routing
 from usp_dit.pipelines._frame_mask import FrameMaskReader
 from usp_dit.pipelines.skyreels_v2 import ADAPTER
-from usp_dit.testing import assert_no_crash, run_spawned
+from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5
 WORLD = 4
@@ -101,6 +101,22 @@ def test_parameter_gradients_match_one_process(grid_results, key: str):
     assert_within(grid_results, key, TOL)
 
 
+def compile_case(mesh) -> dict[str, float]:
+    """The "df" model (block-causal, batch 2) enabled on ``mesh``, compiled with ``fullgraph=True``
+    (``CompileCounterWithBackend("aot_eager")``) vs the eager enabled model: the compiled processor
+    takes the frame length from the config, not the mask. Called on spawned ranks
+    (tests/test_compile_grid.py)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model, inputs = _build("df")
+    enable_usp(model, mesh=mesh)
+    ref = forward(model, inputs)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    got = forward(torch.compile(model, backend=counter, fullgraph=True), inputs)
+    return {"err": rel_err(got, ref), "graphs_not_1": float(counter.frame_count != 1)}
+
+
 # ---- one process ---------------------------------------------------------------------------------
 
 def test_one_rank_block_causal_equals_stock():
@@ -136,3 +152,22 @@ def test_temb_of_wrong_length_is_refused():
     args = (torch.zeros(1, 90, 64), None, torch.zeros(1, 6, 7, 64))
     with pytest.raises(ValueError, match="per-token modulation has 7 tokens but the latent has 90"):
         hook._cut(model.blocks[0], model.blocks[0], args, {})
+
+
+def test_mask_frame_checked_against_config_frame():
+    from usp_dit.pipelines._routing import Route
+    from usp_dit.pipelines._token_sharding import ShardState
+    from usp_dit.pipelines.skyreels_v2 import SkyReelsFrameHook, USPSkyReelsV2AttnProcessor
+
+    model, inputs = _build("df")
+    state = ShardState(single_rank_mesh(), "auto", seq_len=12)
+    assert SkyReelsFrameHook(model, state).frame(inputs.hidden_states) == 45  # 3 frames x (6 // 2) x (10 // 2)
+    assert SkyReelsFrameHook(_build("t2v")[0], state).frame(inputs.hidden_states) is None
+    pos = torch.arange(12)
+    mask = ((pos[None, :] // 4) <= (pos[:, None] // 4))[None, None]
+    processor = USPSkyReelsV2AttnProcessor(Route(state))
+    processor.config_frame = 4
+    assert processor._mask_frame(mask, 12) == 4
+    processor.config_frame = 6
+    with pytest.raises(NotImplementedError, match="frame length is 4 tokens, but the config gives 6"):
+        processor._mask_frame(mask, 12)

@@ -42,8 +42,9 @@ from typing import Any, Literal
 
 import torch
 
-from usp_dit.sharding import layout_sizes
+from usp_dit.pipelines._checks import require
 from usp_dit.pipelines._token_sharding import ShardState
+from usp_dit.sharding import layout_sizes
 from usp_dit.usp import usp_attention
 
 ROUTED_NAME = "dispatch_attention_fn"  # what the stock processors call (diffusers.models.attention_dispatch)
@@ -122,12 +123,13 @@ def _valid_text_keys(attn_mask: torch.Tensor | None, batch: int, text: slice, vi
     if mask.dim() != 2:
         raise NotImplementedError(f"usp_dit cannot route an attn_mask of shape {tuple(attn_mask.shape)}")
     if mask.dtype != torch.bool:
-        if not bool(((mask == 0) | (mask == float("-inf"))).all()):
-            raise NotImplementedError("usp_dit routes additive masks of 0 and -inf only (a key padding mask)")
+        require(((mask == 0) | (mask == float("-inf"))).all(),
+                "usp_dit routes additive masks of 0 and -inf only (a key padding mask)")
         mask = mask == 0
-    if not bool(mask[:, video].all()):
-        raise NotImplementedError("usp_dit routes text key masks only: this attn_mask masks video tokens")
+    require(mask[:, video].all(), "usp_dit routes text key masks only: this attn_mask masks video tokens")
     valid = mask[:, text].expand(batch, -1)
+    if torch.compiler.is_compiling():  # no branch on a value: an all-true mask is a mask too
+        return valid
     return None if bool(valid.all()) else valid
 
 
@@ -143,22 +145,26 @@ def joint_attention(
         text_q, text_k, text_v: (B, T, H | H_kv, D) every text token (replicated), or ``None``.
         valid: (B, T) bool, the text keys each element attends to, or ``None`` for all
             (Note [masked text tokens]: one ``usp_attention`` per element then, each with its own
-            joint length).
+            joint length; under torch.compile one call with ``joint_mask``, Note [masked joint
+            tokens] in ``usp_dit.masked_joint``: the same result with static shapes).
         block_causal: a frame length for block-causal attention (no text tokens), or ``None``.
 
     Returns:
         ``(out (B, S_local, H, D), text_out (B, T, H, D) or None)``; with ``valid``, row b of
         ``text_out`` holds element b's valid tokens' outputs at their positions, zeros elsewhere.
     """
-    def call(b: slice, idx: Any = slice(None)):
+    def call(b: slice, idx: Any = slice(None), joint_mask: torch.Tensor | None = None):
         joint = (None,) * 3 if text_q is None else (text_q[b, idx], text_k[b, idx], text_v[b, idx])
         return usp_attention(q[b], k[b], v[b], joint_q=joint[0], joint_k=joint[1], joint_v=joint[2],
                              scale=scale, mesh=state.mesh, backend=state.backend, seq_len=state.seq_len,
-                             block_causal=block_causal, layout=state.layout)
+                             block_causal=block_causal, layout=state.layout, joint_mask=joint_mask)
 
     if valid is None:
         res = call(slice(None))
         return res.out, res.joint_out
+    if torch.compiler.is_compiling():
+        res = call(slice(None), joint_mask=valid)
+        return res.out, res.joint_out.masked_fill(~valid[:, :, None, None], 0)
     outs, text_outs = [], []
     for b in range(q.shape[0]):
         idx = torch.nonzero(valid[b], as_tuple=False).flatten()

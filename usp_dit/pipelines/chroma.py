@@ -69,6 +69,7 @@ from diffusers import ChromaTransformer2DModel
 from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
 
 from usp_dit.partition import offsets, split_sizes
+from usp_dit.pipelines._checks import require
 from usp_dit.pipelines._routing import ROUTED_NAME, Route, RoutedProcessor, with_global
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines._joint_split import FluxSplit, JointSplitForward, JointSplitPlanAdapter
@@ -193,14 +194,12 @@ class ChromaSplitForward(JointSplitForward):
                 f"attention_mask must be (batch, text + image tokens) = ({batch}, {joint}), got {tuple(mask.shape)}"
             )
         if mask.dtype == torch.bool:
-            if not bool(mask.all()):
-                raise NotImplementedError(
+            require(mask.all(),
                     "usp_dit's Chroma adapter does not run a bool attention_mask with masked tokens (stock attention "
-                    "leaves padded query rows no key: NaN); pass ChromaPipeline's float 0 / 1 mask"
-                )
-        elif not bool(((mask == 0) | (mask == 1)).all()):
-            raise NotImplementedError(
-                "usp_dit's Chroma adapter runs attention_mask values 0 and 1 only (Note [Chroma's mask])")
+                    "leaves padded query rows no key: NaN); pass ChromaPipeline's float 0 / 1 mask")
+        else:
+            require(((mask == 0) | (mask == 1)).all(),
+                    "usp_dit's Chroma adapter runs attention_mask values 0 and 1 only (Note [Chroma's mask])")
 
     def split_more(self, call: dict[str, Any], split: FluxSplit, num_text: int) -> None:
         """The mask's columns [lo, hi) of the joint sequence: this rank's text then image tokens."""

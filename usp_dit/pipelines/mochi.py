@@ -26,6 +26,9 @@ Note [Mochi's prompt mask, exactly as stock]
     (For the usual prefix masks that is position for position; for a mask with holes the outputs
     are compacted to the front: we do the same.) We loop the same way, one ``usp_attention`` per
     batch element with its own joint length. With cfg parallel each rank's batch is 1 anyway.
+    Under torch.compile the number of valid tokens cannot set a shape: there every prompt token
+    stays, the padded ones masked as keys (``joint_mask``), and the outputs are compacted by a
+    scatter (``_masked_keys_attention``): the same result in one graph.
 
 Dropout: Mochi's config has none, but its text stream is replicated, so should a dropout be set
 on it (``ff_context``'s dropout modules, e.g. for fine-tuning) it draws one mask on every rank of
@@ -84,6 +87,8 @@ def masked_joint_attention(q, k, v, text_q, text_k, text_v, mask: torch.Tensor, 
         ``(out (B, S_local, H, D), text_out (B, T, H, D))``; row b of ``text_out`` holds the
         outputs of element b's valid tokens first, then zeros.
     """
+    if torch.compiler.is_compiling():
+        return _masked_keys_attention(q, k, v, text_q, text_k, text_v, mask, state)
     outs, text_outs = [], []
     for b in range(q.shape[0]):
         valid = torch.nonzero(mask[b].flatten(), as_tuple=False).flatten()
@@ -97,6 +102,22 @@ def masked_joint_attention(q, k, v, text_q, text_k, text_v, mask: torch.Tensor, 
         padding = text_q.shape[1] - text_b.shape[1]
         text_outs.append(torch.cat([text_b, text_b.new_zeros(1, padding, *text_b.shape[2:])], dim=1))
     return torch.cat(outs), torch.cat(text_outs)
+
+
+def _masked_keys_attention(q, k, v, text_q, text_k, text_v, mask: torch.Tensor, state: ShardState):
+    """``masked_joint_attention`` with static shapes (under torch.compile): every prompt token
+    stays, the padded ones masked as keys (Note [masked joint tokens] in ``usp_dit.masked_joint``),
+    one call for the whole batch; the valid tokens' outputs are then moved to the front of their
+    row and the rest zeroed, as stock leaves them (a scatter to positions cumsum(mask) - 1, the
+    padded rows to a spare slot that is cut off)."""
+    valid = (mask != 0).reshape(q.shape[0], -1)
+    res = usp_attention(q, k, v, joint_q=text_q, joint_k=text_k, joint_v=text_v, joint_mask=valid,
+                        mesh=state.mesh, backend=state.backend, seq_len=state.seq_len)
+    b, t = valid.shape
+    slot = torch.where(valid, valid.long().cumsum(dim=1) - 1, t)  # (B, T): target row of each output
+    index = slot[:, :, None, None].expand_as(res.joint_out)
+    packed = res.joint_out.new_zeros(b, t + 1, *res.joint_out.shape[2:]).scatter(1, index, res.joint_out)
+    return res.out, packed[:, :t]
 
 
 class USPMochiAttnProcessor:

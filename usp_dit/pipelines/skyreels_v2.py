@@ -13,11 +13,17 @@ with two differences:
 
 - **Block-causal attention** (``num_frame_per_block`` > 1, the DF checkpoints): the model builds
   a dense (S, S) frame-causal mask over its tokens and passes it to every ``attn1``.
-  ``USPSkyReelsV2AttnProcessor`` reads the frame length F off it (checked in full once per
-  forward: ``usp_dit.pipelines._frame_mask``, Note [dense frame-causal masks]) and runs the stock
-  code with ``usp_attention(block_causal=F)``: the ring skips the blocks a rank's frames cannot
-  see. The tokens are sharded in the "zigzag" layout (``usp_dit.layouts``): each ring rank holds
-  an early and a late chunk of the video, so every rank attends to the same number of keys (in
+  ``USPSkyReelsV2AttnProcessor`` runs the stock code with ``usp_attention(block_causal=F)``: the
+  ring skips the blocks a rank's frames cannot see. Eagerly it reads the frame length F off the
+  mask (checked in full once per forward: ``usp_dit.pipelines._frame_mask``, Note [dense
+  frame-causal masks]) and checks it against the F that ``SkyReelsFrameHook`` derives from the
+  latent's shape and the config (``num_frame_per_block`` x tokens per latent frame). Under
+  torch.compile it takes the config's F and does not read the mask (reading it is a
+  data-dependent value, a graph break); this is exact, not a guess: the stock forward takes no
+  mask argument and builds this one itself from those same config values and shapes, so the
+  config's F is the mask's F (the eager check confirms it on every forward). The tokens are
+  sharded in the "zigzag" layout (``usp_dit.layouts``): each ring rank holds an early and a late
+  chunk of the video, so every rank attends to the same number of keys (in
   the contiguous layout the rank holding the last frames would do about twice the mean work).
   The RoPE table and the per-token modulation are cut in the same layout, and the gather puts
   the tokens back in order.
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import torch
 from diffusers import SkyReelsV2Transformer3DModel
@@ -62,6 +69,9 @@ class USPSkyReelsV2AttnProcessor(_RoutedSkyReelsProcessor or RoutedProcessor):
     def __init__(self, route: Route, stock=None) -> None:
         super().__init__(route, stock)
         self._frames = FrameMaskReader()
+        # The frame length the model's mask has in the current forward, from the latent's shape and
+        # the config (``SkyReelsFrameHook``, set before every forward); None: no mask expected.
+        self.config_frame: int | None = None
 
     def __call__(
         self,
@@ -76,7 +86,7 @@ class USPSkyReelsV2AttnProcessor(_RoutedSkyReelsProcessor or RoutedProcessor):
         if attention_mask is None:
             return super().__call__(attn, hidden_states, None, None, rotary_emb)
         route = self._parallel_config
-        frame = self._frames.frame(attention_mask, route.state.seq_len)
+        frame = self._mask_frame(attention_mask, route.state.seq_len)
         # The stock code passes self._parallel_config to its attention call: this call's Route says
         # block-causal (restored after, so the processor holds no per-call state between calls).
         self._parallel_config = dataclasses.replace(route, block_causal=frame)
@@ -84,6 +94,81 @@ class USPSkyReelsV2AttnProcessor(_RoutedSkyReelsProcessor or RoutedProcessor):
             return super().__call__(attn, hidden_states, None, None, rotary_emb)
         finally:
             self._parallel_config = route
+
+    def _mask_frame(self, mask: torch.Tensor, seq_len: int) -> int:
+        """The frame length of the model's frame-causal ``mask`` (module docstring).
+
+        Raises:
+            NotImplementedError: compiled, a mask with no config frame length (the mask's values
+                cannot be read in a graph); eagerly, a mask that is not frame-causal, or whose
+                frame length is not the config's.
+        """
+        known = self.config_frame
+        if torch.compiler.is_compiling():
+            if known is None:
+                raise NotImplementedError(
+                    "usp_dit: SkyReels-V2 attn1 got an attention mask under torch.compile, but the model's config "
+                    "gives no frame length (num_frame_per_block <= 1, or the transformer's forward did not run "
+                    "through usp_dit's hooks); its frame length cannot be read off the mask in a graph"
+                )
+            return known
+        frame = self._frames.frame(mask, seq_len)
+        if known is not None and frame != known:
+            raise NotImplementedError(
+                f"usp_dit: the attention mask's frame length is {frame} tokens, but the config gives {known} "
+                f"(num_frame_per_block x tokens per latent frame); torch.compile would use the config's"
+            )
+        return frame
+
+
+class SkyReelsFrameHook:
+    """The frame length F of the model's own block-causal mask, from the latent and the config.
+
+    The stock forward builds its (S, S) mask from ``config.num_frame_per_block`` and the latent's
+    shape (no mask argument): F = num_frame_per_block x (height // p_h) x (width // p_w), ``None``
+    when ``num_frame_per_block`` <= 1 (no mask). A forward pre-hook on the transformer hands it to
+    every ``USPSkyReelsV2AttnProcessor`` of ``blocks.*.attn1`` as a plain int (each dimension
+    ``operator.index``-ed: under dynamic shapes F specialises rather than staying symbolic, as a
+    block-causal call's plan does anyway), so that compiled calls need not read the mask.
+    """
+
+    def __init__(self, transformer: SkyReelsV2Transformer3DModel, state: ShardState) -> None:
+        self.transformer = transformer
+        self.blocks = list(transformer.blocks)
+        self.handle: RemovableHandle | None = None
+
+    def install(self) -> None:
+        self.handle = self.transformer.register_forward_pre_hook(self._set, with_kwargs=True)
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+    def _processors(self) -> list[USPSkyReelsV2AttnProcessor]:
+        # Looked up at each call: the processors are swapped in after this hook is installed.
+        found = []
+        for block in self.blocks:
+            processor = getattr(block.attn1, "processor", None)
+            if isinstance(processor, USPSkyReelsV2AttnProcessor) and not any(p is processor for p in found):
+                found.append(processor)
+        return found
+
+    def frame(self, hidden_states: torch.Tensor) -> int | None:
+        """F for a latent (B, C, frames, height, width); ``None`` without block-causal attention."""
+        config = self.transformer.config
+        if config.num_frame_per_block <= 1 or hidden_states.dim() != 5:
+            return None
+        _, p_h, p_w = config.patch_size
+        height, width = operator.index(hidden_states.shape[3]), operator.index(hidden_states.shape[4])
+        return int(config.num_frame_per_block) * (height // p_h) * (width // p_w)
+
+    def _set(self, module, args: tuple, kwargs: dict):
+        latent = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
+        frame = self.frame(latent) if torch.is_tensor(latent) else None
+        for processor in self._processors():
+            processor.config_frame = frame
+        return None
 
 
 class SkyReelsTembHook:
@@ -137,7 +222,7 @@ PLAN = ModelPlan(
     cfg_batch_args=("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
     # The SkyReels-V2 pipelines call the transformer once per guidance branch (as Wan's do).
     cfg_branch_args=("encoder_hidden_states",),
-    hooks=(SkyReelsTembHook,),
+    hooks=(SkyReelsTembHook, SkyReelsFrameHook),
     refuse=(_routed_call_missing,),
     layout="zigzag",  # block-causal attention: equal work on every ring rank (module docstring)
 )
