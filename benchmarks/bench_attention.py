@@ -13,6 +13,8 @@ interleaved, in one run):
   (N virtual ranks, N x N blocks merged by LSE) against one whole-sequence call of the same
   backend: t_whole / t_blocks.
 - ring_graphs: the same, every variant replayed from a CUDA graph (GPU-side cost only).
+- ring_compiled: the same, every variant (and the whole call) under
+  ``torch.compile(mode="reduce-overhead")``: traced, fused, and replayed from CUDA graphs.
 - calls: forward of one rank's queries (S/N, N = 1, 2, 4, 8) against all keys for each candidate
   of ``backend="auto"``, side by side: the fastest kernel per call size (inference).
 - sage: the SageAttention adapter against ``sageattn`` called directly (what its fixes cost).
@@ -209,6 +211,24 @@ def suite_ring_graphs(shapes: list[str], backend_name: str = "sdpa_cudnn") -> li
     return _ring_rows("ring_graphs", shapes, backend_name, cuda_graphed)
 
 
+def torch_compiled(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` under ``torch.compile(mode="reduce-overhead")``: the library's own code traced by
+    Dynamo, fused by inductor and replayed from CUDA graphs (issue 17); warmed before timing."""
+    # Every variant is one lambda's code with other closure values: a recompile each, past
+    # Dynamo's default limit of 8 (after which it would silently run the rest eagerly).
+    torch._dynamo.config.recompile_limit = 64
+    compiled = torch.compile(fn, mode="reduce-overhead")
+    for _ in range(3):
+        compiled()
+    return compiled
+
+
+def suite_ring_compiled(shapes: list[str], backend_name: str = "sdpa_cudnn") -> list[dict]:
+    """Every variant compiled with CUDA graphs (``torch.compile(mode="reduce-overhead")``), the
+    whole call too: what a compiled step pays for a ring's blocks and merges."""
+    return _ring_rows("ring_compiled", shapes, backend_name, torch_compiled)
+
+
 def suite_splits(shapes: list[str]) -> list[dict]:
     """FA3 forward with 1-4 key splits forced and with the kernel's own choice, per call shape."""
     backend = get_backend("flash_attn_3")
@@ -302,7 +322,7 @@ def _sage_large_values(backend, sageattn) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", default="all",
-                   choices=["all", "world1", "backends", "ring", "ring_graphs", "splits", "calls", "sage"])
+                   choices=["all", "world1", "backends", "ring", "ring_graphs", "ring_compiled", "splits", "calls", "sage"])
     p.add_argument("--shapes", default="flux,cogvideox,mochi,wan")
     p.add_argument("--out", default=None, help="write all rows as JSON here")
     p.add_argument("--backend", default="sdpa_cudnn", help="kernel of the ring suites")
@@ -326,6 +346,9 @@ def main() -> int:
     if args.suite in ("all", "ring_graphs"):
         print(RING_HEADER)
         rows += suite_ring_graphs([s for s in shapes if s != "wan"], args.backend)
+    if args.suite == "ring_compiled":  # not in "all": each variant compiles (minutes)
+        print(RING_HEADER)
+        rows += suite_ring_compiled([s for s in shapes if s != "wan"], args.backend)
     if args.suite in ("all", "splits"):
         print("\n| shape | N | seq_q | s=1 ms | s=2 ms | s=3 ms | s=4 ms | kernel's choice ms |"
               "\n|---|---|---|---|---|---|---|---|")

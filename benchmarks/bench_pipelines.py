@@ -127,9 +127,10 @@ def cogvideox_case(device: torch.device, frames: int = 49, height: int = 480, wi
     return model, inputs, f"{frames}x{height}x{width} ({tokens} + 226 tokens)"
 
 
-def mochi_case(device: torch.device, frames: int = 163, height: int = 480, width: int = 848):
+def mochi_case(device: torch.device, frames: int = 163, height: int = 480, width: int = 848, valid: int = 256):
     """Mochi-1 transformer (diffusers' defaults are the released config) and one step's inputs:
-    latents (1, 12, (frames-1)/6+1, h/8, w/8), 2x2 patches, 256 prompt tokens all valid."""
+    latents (1, 12, (frames-1)/6+1, h/8, w/8), 2x2 patches, 256 prompt tokens, the first
+    ``valid`` of them real (all by default)."""
     from diffusers import MochiTransformer3DModel
 
     model = build(MochiTransformer3DModel, {}, device)
@@ -140,10 +141,10 @@ def mochi_case(device: torch.device, frames: int = 163, height: int = 480, width
         hidden_states=torch.randn(1, 12, lat_f, lat_h, lat_w, generator=g, **bf),
         encoder_hidden_states=torch.randn(1, 256, 4096, generator=g, **bf),
         timestep=torch.full((1,), 500, device=device, dtype=torch.long),
-        encoder_attention_mask=torch.ones(1, 256, device=device, dtype=torch.bool), return_dict=False,
+        encoder_attention_mask=torch.arange(256, device=device)[None] < valid, return_dict=False,
     )
     tokens = lat_f * (lat_h // 2) * (lat_w // 2)
-    return model, inputs, f"{frames}x{height}x{width} ({tokens} + 256 tokens)"
+    return model, inputs, f"{frames}x{height}x{width} ({tokens} + 256 tokens, {valid} real)"
 
 
 def _later(case: Callable) -> Callable:
@@ -153,6 +154,8 @@ def _later(case: Callable) -> Callable:
 
 CASES: dict[str, Callable] = {
     "flux": flux_case, "cogvideox": cogvideox_case, "mochi": mochi_case,
+    # A typical prompt: 60 real tokens of 256 (stock drops the padding, usp_dit compiled masks it).
+    "mochi_padded": lambda device: mochi_case(device, valid=60),
     "wan": _later(pipeline_cases.wan_case), "hunyuan_video": _later(pipeline_cases.hunyuan_video_case),
     "qwen_image": _later(pipeline_cases.qwen_image_case), "sd35": _later(pipeline_cases.sd35_case),
     "ltx_video": _later(pipeline_cases.ltx_video_case), "flux2": _later(pipeline_cases.flux2_case),
