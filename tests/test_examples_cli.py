@@ -98,7 +98,7 @@ def test_user_error_is_one_line_and_exit_2_under_torchrun(script, args, message,
 
 
 def test_ctrl_c_exits_130_quietly(tmp_path):
-    cmd = [sys.executable, str(EXAMPLES / "generate_image.py"), "--height", "64", "--width", "64", "--steps", "1000",
+    cmd = [sys.executable, str(EXAMPLES / "generate_image.py"), "--height", "64", "--width", "64", "--steps", "100000",
            "--no-check", "--output", str(tmp_path / "x.png")]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "usp_dit"
-CORE = ("config", "groups", "mesh", "replica", "partition", "layouts", "masks", "masked", "comm", "handshake",
-        "ulysses", "ring", "merge", "usp", "sharding", "traffic")
+CORE = ("config", "groups", "mesh", "replica", "partition", "layouts", "masks", "masked", "masked_joint", "comm",
+        "handshake", "ulysses", "ring", "merge", "usp", "sharding", "traffic")
 THIRD_PARTY_INTEGRATIONS = ("diffusers", "transformers", "peft", "accelerate")
 
 
