@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from usp_dit import init_usp
+from usp_dit import enable_usp, init_usp
 from usp_dit.testing import rel_err
 
 # (ulysses, ring, cfg) grids per world size: the issue's grids plus (1, 4) and a cfg mesh, whose two
@@ -28,6 +28,20 @@ GRAD_GRID = {2: (1, 2, 1), 4: (2, 2, 1)}  # the gradient cases' grid per sequenc
 def forward(model, inputs) -> torch.Tensor:
     with torch.no_grad():
         return model(**inputs.kwargs(), return_dict=False)[0]
+
+
+def compiled_case(model, inputs, mesh) -> dict[str, float]:
+    """``model`` enabled on ``mesh``, then ``torch.compile(fullgraph=True)`` through a graph counter
+    (the "aot_eager" backend: forward and backward traced as inductor sees them, no C++ build)
+    against the eager enabled model: ``{"err": rel. error, "graphs_not_1": 0.0 for one graph}``."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    enable_usp(model, mesh=mesh)
+    ref = forward(model, inputs)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    got = forward(torch.compile(model, backend=counter, fullgraph=True), inputs)
+    return {"err": rel_err(got, ref), "graphs_not_1": float(counter.frame_count != 1)}
 
 
 def sharded_output_case(model, inputs, adapter, mesh, attention: torch.nn.Module, tokens: int) -> dict[str, float]:

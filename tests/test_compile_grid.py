@@ -45,7 +45,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.adapter_parity import forward
+from tests.adapter_parity import compiled_case
 from usp_dit import enable_usp, init_usp, shard_sequence, usp_attention
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
@@ -194,13 +194,7 @@ def _model(family: str, shape: int = 0):
 
 def _adapter_case(family: str, grid: tuple[int, int, int], shape: int = 0) -> dict[str, float]:
     u, r, c = grid
-    mesh = init_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-    model, inputs = _model(family, shape)
-    enable_usp(model, mesh=mesh)
-    ref = forward(model, inputs)
-    counter = _counter()
-    got = forward(torch.compile(model, backend=counter, fullgraph=True), inputs)
-    return {"err": rel_err(got, ref), "graphs_not_1": float(counter.frame_count != 1)}
+    return compiled_case(*_model(family, shape), init_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c))
 
 
 def _param_grads(model, inputs) -> list[torch.Tensor]:

@@ -26,14 +26,14 @@ import pytest
 import torch
 
 from tests.adapter_parity import (
-    assert_within, forward, gradient_errors, output_keys, run_grid_cases, sharded_output_case,
+    assert_within, compiled_case, forward, gradient_errors, output_keys, run_grid_cases, sharded_output_case,
 )
-from usp_dit import enable_usp, single_rank_mesh
+from usp_dit import single_rank_mesh
 from usp_dit.demo.tiny_skyreels_v2 import skyreels_inputs, skyreels_tokens, tiny_skyreels_v2
 from usp_dit.pipelines import _routing
 from usp_dit.pipelines._frame_mask import FrameMaskReader
 from usp_dit.pipelines.skyreels_v2 import ADAPTER
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import assert_no_crash, run_spawned
 
 TOL = 1e-5
 WORLD = 4
@@ -102,19 +102,10 @@ def test_parameter_gradients_match_one_process(grid_results, key: str):
 
 
 def compile_case(mesh) -> dict[str, float]:
-    """The "df" model (block-causal, batch 2) enabled on ``mesh``, compiled with ``fullgraph=True``
-    (``CompileCounterWithBackend("aot_eager")``) vs the eager enabled model: the compiled processor
-    takes the frame length from the config, not the mask. Called on spawned ranks
-    (tests/test_compile_grid.py)."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    model, inputs = _build("df")
-    enable_usp(model, mesh=mesh)
-    ref = forward(model, inputs)
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    got = forward(torch.compile(model, backend=counter, fullgraph=True), inputs)
-    return {"err": rel_err(got, ref), "graphs_not_1": float(counter.frame_count != 1)}
+    """The "df" model (block-causal, batch 2) compiled with ``fullgraph=True`` on ``mesh`` vs the
+    eager enabled model (``compiled_case``): the compiled processor takes the frame length from the
+    config, not the mask. Called on spawned ranks (tests/test_compile_grid.py)."""
+    return compiled_case(*_build("df"), mesh)
 
 
 # ---- one process ---------------------------------------------------------------------------------

@@ -137,18 +137,19 @@ def _ring_blocks(k: torch.Tensor, v: torch.Tensor, spec: RingSpec):
         cur = receive() if receive is not None else cur
 
 
-def _in_call(joint: JointKV | None) -> JointKV | None:
-    """The joint tokens that join a step's kernel call: unmasked ones (masked ones have their own)."""
-    return joint if joint is not None and joint.mask is None else None
+def _in_call(joint: JointKV | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(joint_k, joint_v)`` that join a step's kernel call: unmasked joint tokens (masked ones have
+    a call of their own), ``(None, None)`` otherwise."""
+    return (joint.k, joint.v) if joint is not None and joint.mask is None else (None, None)
 
 
 def _with_joint(kv, joint: JointKV | None, step: int):
     """K and V of one step: the block ``kv`` (a stacked (2, ...) tensor or a (k, v) pair), plus the
     unmasked joint tokens at step 0."""
     k, v = kv[0], kv[1]
-    joint = _in_call(joint)
-    if step == 0 and joint is not None:
-        k, v = torch.cat([k, joint.k], dim=1), torch.cat([v, joint.v], dim=1)
+    joint_k, joint_v = _in_call(joint)
+    if step == 0 and joint_k is not None:
+        k, v = torch.cat([k, joint_k], dim=1), torch.cat([v, joint_v], dim=1)
     return k, v
 
 
@@ -255,14 +256,13 @@ def gathered_sequence(blocks: torch.Tensor, block_sizes: tuple[int, ...], joint:
     return torch.cat(parts + ([joint] if joint is not None else []), dim=1)
 
 
-def _gather_in_place(k, v, joint: JointKV | None, spec: RingSpec):
+def _gather_in_place(k, v, joint_k, joint_v, spec: RingSpec):
     """Batch 1, equal blocks: all-gather straight into (1, R L + J, Hk, D) buffers whose tail holds
-    the (unmasked) joint tokens, so the whole sequence is one tensor with no copy of the gathered K/V."""
+    the joint tokens, so the whole sequence is one tensor with no copy of the gathered K/V."""
     _, length, hk, d = k.shape
-    joint_kv = (None, None) if joint is None else (joint.k, joint.v)
-    joint = joint.k.shape[1] if joint is not None else 0
+    joint = joint_k.shape[1] if joint_k is not None else 0
     bufs, works = [], []
-    for t, jt in zip((k, v), joint_kv):
+    for t, jt in ((k, joint_k), (v, joint_v)):
         buf = t.new_empty((1, spec.size * length + joint, hk, d))
         works.append(start_all_gather_into(buf[0, :spec.size * length], t[0], spec.exchanger.group, kind="ring_gather"))
         if joint:
@@ -276,16 +276,16 @@ def _gather_in_place(k, v, joint: JointKV | None, spec: RingSpec):
 def _gather_one_call_forward(q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float):
     """The "gather_one_call" forward of Note [ring schedule]: one call against the whole sequence
     (masked joint tokens: one more call, merged)."""
-    in_call = _in_call(joint)
+    joint_k, joint_v = _in_call(joint)
     # Under torch.compile the gather into a preallocated buffer (an in-place collective) cannot be
     # traced; the functional gather below can.
     if not torch.compiler.is_compiling() and k.shape[0] == 1 and len(set(spec.block_sizes)) == 1:
-        k_all, v_all = _gather_in_place(k, v, in_call, spec)
+        k_all, v_all = _gather_in_place(k, v, joint_k, joint_v, spec)
     else:
         pending = _start_block_gather(k, v, spec)
         k_all, v_all = (
             gathered_sequence(_gathered_blocks(p, spec, k.shape[0]), spec.block_sizes, j)
-            for p, j in zip(pending, (None, None) if in_call is None else (in_call.k, in_call.v))
+            for p, j in zip(pending, (joint_k, joint_v))
         )
     merger = LSEMerger()
     if q.shape[1] and k_all.shape[1]:
@@ -400,7 +400,7 @@ def ring_backward(dout, q, k, v, joint: JointKV | None, out, lse, spec: RingSpec
             dq_t, dk_t, dv_t = masked_block_grads(backend, dout, q, k_t, v_t, out, lse, scale, plan)
         dq += dq_t
         n = cur.shape[2]
-        if step == 0 and _in_call(joint) is not None:
+        if step == 0 and _in_call(joint)[0] is not None:
             djk, djv = dk_t[:, n:], dv_t[:, n:]
         dkv = torch.stack([dk_t[:, :n], dv_t[:, :n]]).to(acc)
         if receive is not None:

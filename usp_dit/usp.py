@@ -51,10 +51,10 @@ from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 from usp_dit.kernels.registry import backends_with_lse
 from usp_dit.layouts import check_layout
 from usp_dit.masked import masked_attend
+from usp_dit.masked_joint import JointMaskedAttention
 from usp_dit.masks import check_frame, ring_plans
 from usp_dit.mesh import USPMesh, resolve_mesh
 from usp_dit.partition import offsets, ring_block_sizes, split_sizes
-from usp_dit.masked_joint import JointMaskedAttention
 from usp_dit.ring import RingAttention, RingSpec, choose_schedule, masked_schedule
 from usp_dit.sharding import layout_sizes
 from usp_dit.ulysses import gather_heads, scatter_heads, ulysses_layout
@@ -229,6 +229,7 @@ def _prepare(
     if joint is not None and joint[0].shape[1] == 0:
         jq = joint[0]
         joint, joint_empty = None, (jq, jq.new_zeros(jq.shape[:3], dtype=lse_dtype(q.dtype)))
+        joint_mask = None  # no joint token to mask
     head_dim = q.shape[3]
     scale = head_dim ** -0.5 if scale is None else float(scale)
     tensors = (q, k, v) + (joint or ())
@@ -249,8 +250,6 @@ def _prepare(
             "return_lse=True with gradients under torch.compile: the LSE is not differentiable; "
             "call with return_lse=False, or under torch.no_grad(), or eagerly"
         )
-    if joint is None:
-        joint_mask = None
     return _Call(joint, joint_empty, kernel, scale, needs_grad, schedule, return_lse, layout, frame, joint_mask)
 
 

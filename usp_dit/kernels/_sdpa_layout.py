@@ -41,8 +41,22 @@ def lse_to_bhs(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def additive_key_mask(key_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """A (B, Sk) bool key mask (True = attend) -> the additive (B, 1, 1, Sk) mask of ``dtype`` the
-    SDPA ops read (0 where attended, -inf where masked); ``None`` stays ``None``."""
+    SDPA ops read (0 where attended, -inf where masked; the ops refuse a bool one); ``None`` stays
+    ``None``. Rows are padded to a multiple of 8 elements, then cut: CUDA's mem-efficient kernel
+    wants its bias's batch stride so (the CPU kernel takes any stride)."""
     if key_mask is None:
         return None
-    bias = torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device)
-    return bias.masked_fill(~key_mask, float("-inf"))[:, None, None, :]
+    batch, keys = key_mask.shape
+    bias = torch.zeros(batch, (keys + 7) // 8 * 8, dtype=dtype, device=key_mask.device)[:, :keys]
+    bias.masked_fill_(~key_mask, float("-inf"))  # in place: keeps the padded row stride
+    return bias[:, None, None, :]
+
+
+def keyless_rows(out: torch.Tensor, lse: torch.Tensor, key_mask: torch.Tensor | None):
+    """``(out, lse)`` (B, S, H, D) / (B, S, H) with the protocol's result for a batch element whose
+    keys are all masked: out 0, lse -inf (the SDPA kernels leave lse 0, and out 0 or NaN)."""
+    if key_mask is None:
+        return out, lse
+    some = key_mask.any(dim=1)
+    out = torch.where(some[:, None, None, None], out, torch.zeros_like(out))
+    return out, lse.masked_fill(~some[:, None, None], float("-inf"))

@@ -2,14 +2,15 @@
 
 Returns the exact natural-log LSE and has a backward that accepts an external out/LSE, so it serves
 ring attention on CPU. Layout quirk: the op works in (B, H, S, D); ``_sdpa_layout`` converts.
-Key masks (``key_mask``) go in as an additive (B, 1, 1, Sk) mask of the query dtype (the op refuses
-a bool one); a query with every key masked comes back with lse 0, set to -inf here (the protocol).
+Key masks (``key_mask``) go in as an additive mask of the query dtype (``_sdpa_layout``).
 """
 from __future__ import annotations
 
 import torch
 
-from usp_dit.kernels._sdpa_layout import additive_key_mask, grads_to_bshd, lse_to_bhs, lse_to_bsh, to_bhsd
+from usp_dit.kernels._sdpa_layout import (
+    additive_key_mask, grads_to_bshd, keyless_rows, lse_to_bhs, lse_to_bsh, to_bhsd,
+)
 from usp_dit.kernels.protocol import BackendCaps
 from usp_dit.kernels.registry import register_backend
 
@@ -39,10 +40,7 @@ class SDPACPUBackend:
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             qt, kt, vt, 0.0, causal, attn_mask=additive_key_mask(key_mask, q.dtype), scale=scale
         )
-        lse = lse_to_bsh(lse, q.shape[1], q.dtype)
-        if key_mask is not None:
-            lse = lse.masked_fill(~key_mask.any(dim=1)[:, None, None], float("-inf"))
-        return out.transpose(1, 2), lse
+        return keyless_rows(out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype), key_mask)
 
     def backward(self, dout, q, k, v, out, lse, scale, causal=False, key_mask=None):
         qt, kt, vt = to_bhsd(q, k, v)

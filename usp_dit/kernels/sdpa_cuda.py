@@ -9,14 +9,14 @@ external out/LSE (ring attention). Quirks kept here:
   their values are never read, so zeros of the latest forward's shapes and dtypes stand in (no
   tensor is kept across calls: CUDA graph captures forbid it);
 - cuDNN's backward wants ``out`` and ``dout`` with the same strides;
-- key masks (``key_mask``, mem-efficient only) go in as an additive bias of stride-0 views, and a
-  batch element with every key masked is set to out 0, lse -inf.
+- key masks (``key_mask``, mem-efficient only) go in as an additive bias (``_sdpa_layout``) of
+  stride-0 views over heads and queries.
 """
 from __future__ import annotations
 
 import torch
 
-from usp_dit.kernels._sdpa_layout import grads_to_bshd, lse_to_bhs, lse_to_bsh, to_bhsd
+from usp_dit.kernels._sdpa_layout import additive_key_mask, grads_to_bshd, keyless_rows, lse_to_bhs, lse_to_bsh, to_bhsd
 from usp_dit.kernels.protocol import BackendCaps, folded_forward_stack
 from usp_dit.kernels.registry import register_backend
 
@@ -113,15 +113,10 @@ class SDPAFlashBackend(_CudaSDPA):
 
 
 def _bias(key_mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-    """The mem-efficient kernel's attention bias for a (B, Sk) key mask: additive, of the query
-    dtype, broadcast over heads and queries by stride-0 views (no (B, H, Sq, Sk) tensor). The
-    kernel wants the batch stride a multiple of 8 elements: rows padded to that, then cut."""
-    if key_mask is None:
-        return None
-    batch, keys = key_mask.shape
-    bias = torch.zeros(batch, (keys + 7) // 8 * 8, dtype=q.dtype, device=q.device)[:, :keys]
-    bias.masked_fill_(~key_mask, float("-inf"))  # in place: keeps the padded row stride
-    return bias[:, None, None, :].expand(batch, q.shape[2], q.shape[1], keys)
+    """The mem-efficient kernel's attention bias for a (B, Sk) key mask, broadcast over heads and
+    queries by stride-0 views (no (B, H, Sq, Sk) tensor)."""
+    bias = additive_key_mask(key_mask, q.dtype)
+    return None if bias is None else bias.expand(q.shape[0], q.shape[2], q.shape[1], key_mask.shape[1])
 
 
 class SDPAEfficientBackend(_CudaSDPA):
@@ -138,12 +133,7 @@ class SDPAEfficientBackend(_CudaSDPA):
             qt, kt, vt, _bias(key_mask, q), True, 0.0, causal, scale=scale
         )
         self._keep_aux(q.device, seed, offset)
-        out, lse = out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype)
-        if key_mask is not None:  # a batch element with no key: out 0, lse -inf (the protocol)
-            some = key_mask.any(dim=1)
-            out = torch.where(some[:, None, None, None], out, torch.zeros_like(out))
-            lse = lse.masked_fill(~some[:, None, None], float("-inf"))
-        return out, lse
+        return keyless_rows(out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype), key_mask)
 
     def backward(self, dout, q, k, v, out, lse, scale, causal=False, key_mask=None):
         qt, kt, vt = to_bhsd(q, k, v)
