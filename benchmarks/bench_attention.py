@@ -180,7 +180,7 @@ RING_HEADER = ("\n| shape | backend | whole ms | " + " | ".join(f"{s} N={n}" for
 
 
 def _ring_rows(suite: str, shapes: list[str], backend_name: str, wrap: Callable) -> list[dict]:
-    """Both forward schedules of ``usp_dit.ring`` simulated on one GPU (N virtual ranks computed
+    """Both forward schedules of ``usp_dit.attention.ring`` simulated on one GPU (N virtual ranks computed
     one after another, no communication) against one whole-sequence call: t_whole / t_blocks."""
     rows = []
     backend = get_backend(backend_name)

@@ -7,7 +7,7 @@ Suites (every pair of numbers in a row measured side by side, interleaved, in on
   its causal flag (``backend.forward(..., causal=True)``), forward and forward+backward, for
   Llama-style shapes (32 heads x 128, GQA 8 K/V heads). Goal: ratio <= 1.03.
 - balance: one GPU simulating a ring of N ranks (U = 1, R = N, no communication): for each rank,
-  the kernel calls of its plans against every ring block (``usp_dit.masks.ring_plans``, merged
+  the kernel calls of its plans against every ring block (``usp_dit.attention.masks.ring_plans``, merged
   with ``RowMerger`` exactly as the ring merges), timed rank by rank; reports the most loaded
   rank's time over the mean for "contiguous", "zigzag" and "stripe" (goal <= 1.10 for zigzag
   and stripe), beside the index maths' prediction (``rank_work``). Forward, and forward +
@@ -26,13 +26,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_attention import side_by_side  # noqa: E402  (interleaved rounds, median)
-
 from usp_dit import single_rank_mesh, usp_attention  # noqa: E402
+from usp_dit.attention.masked import RowMerger, attend_plan, masked_block_grads  # noqa: E402
+from usp_dit.attention.masks import rank_work, ring_plans  # noqa: E402
 from usp_dit.kernels import select_backend  # noqa: E402
 from usp_dit.kernels.autograd import kernel_backward, kernel_forward  # noqa: E402
-from usp_dit.layouts import block_positions  # noqa: E402
-from usp_dit.masked import RowMerger, attend_plan, masked_block_grads  # noqa: E402
-from usp_dit.masks import rank_work, ring_plans  # noqa: E402
+from usp_dit.sharding.layouts import block_positions  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 

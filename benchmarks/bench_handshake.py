@@ -1,4 +1,4 @@
-"""What the cross-rank call handshake costs (Note [call handshake] in usp_dit.handshake).
+"""What the cross-rank call handshake costs (Note [call handshake] in usp_dit.distributed.handshake).
 
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_handshake.py
     torchrun --nproc-per-node 8 benchmarks/bench_handshake.py --device cuda --seq 4608 --heads 24 --head-dim 128
@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import usp_dit
-from usp_dit.comm import start_all_gather
-from usp_dit.handshake import agree, verified_calls
+from usp_dit.distributed.comm import start_all_gather
+from usp_dit.distributed.handshake import agree, verified_calls
 
 
 def _timed(fn: Callable[[], object], iters: int, device: torch.device) -> float:

@@ -99,7 +99,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     from usp_dit import init_usp, single_rank_mesh
-    from usp_dit.launch import init_distributed
+    from usp_dit.cli.launch import init_distributed
 
     args = parse_args()
     rank, world, device = init_distributed()

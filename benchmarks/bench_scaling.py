@@ -38,7 +38,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_pipelines import cogvideox_case, flux_case, mochi_case  # noqa: E402
-from usp_dit.config import RING_SCHEDULES  # noqa: E402
+from usp_dit.distributed.config import RING_SCHEDULES  # noqa: E402
 
 REAL = {
     "flux": lambda dev: flux_case(dev),
@@ -193,7 +193,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> int:
-    from usp_dit.launch import init_distributed
+    from usp_dit.cli.launch import init_distributed
 
     args = parse_args()
     rank, world, device = init_distributed()

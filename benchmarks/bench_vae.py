@@ -154,11 +154,11 @@ def simulated(sim: Simulated):
 
 def share(vae: torch.nn.Module, z: torch.Tensor, parts: int, warmup: int, rounds: int) -> tuple[float, float, dict]:
     """(ms, peak GiB, collective counts per decode) of rank parts // 2's rows of a P-way decode."""
+    from usp_dit.distributed.mesh import single_rank_mesh
     from usp_dit.pipelines.vae.halo import RowGroup, decoding
-    from usp_dit.pipelines.vae.patch import VAEState, _install, _untiled, disable_parallel_vae, _STATES
+    from usp_dit.pipelines.vae.patch import _STATES, VAEState, _install, _untiled, disable_parallel_vae
     from usp_dit.pipelines.vae.recipes import classify, recipes
     from usp_dit.pipelines.vae.rows import row_offsets, row_split
-    from usp_dit.mesh import single_rank_mesh
 
     sites, reason = classify(vae.decoder, recipes()[type(vae)])
     if reason:

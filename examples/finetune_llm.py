@@ -34,7 +34,7 @@ difference grows slowly with the steps), float64 1e-10.
 
 A bad value (degrees that do not fit the ranks, an unknown --backend, a sequence too short) is
 reported on one line by rank 0 before anything loads, and every rank exits with code 2; Ctrl-C
-exits with 130 (``usp_dit.launch``).
+exits with 130 (``usp_dit.cli.launch``).
 """
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import usp_dit
-from usp_dit import launch
-from usp_dit.layouts import LAYOUTS
+from usp_dit.cli import launch
 from usp_dit.llm import lm_loss, register_transformers, shard_lm_batch, sync_lm_grads
+from usp_dit.sharding.layouts import LAYOUTS
 from usp_dit.training import mean_over_data_parallel
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}

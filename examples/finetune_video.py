@@ -30,7 +30,7 @@ state and step sit beside it; ``--resume latest`` continues from the newest one 
 
 A bad value (degrees that do not fit the ranks, a missing ``--model``/``--data``/``--resume``
 folder, an unknown ``--backend``, a size the model cannot take) is reported on one line by rank 0
-before anything loads, and every rank exits with code 2; Ctrl-C exits with 130 (``usp_dit.launch``).
+before anything loads, and every rank exits with code 2; Ctrl-C exits with 130 (``usp_dit.cli.launch``).
 """
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import usp_dit
-from usp_dit import launch
-from usp_dit.config import RING_SCHEDULES
+from usp_dit.cli import launch
+from usp_dit.distributed.config import RING_SCHEDULES
 from usp_dit.training import (
     check_same_on_replica,
     mean_over_data_parallel,
@@ -56,7 +56,15 @@ from usp_dit.training import (
     sync_grads,
 )
 from usp_dit.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from usp_dit.training.data import BadItem, Clip, agree_on_replica, list_items, read_item, stream_index, write_synthetic_latents
+from usp_dit.training.data import (
+    BadItem,
+    Clip,
+    agree_on_replica,
+    list_items,
+    read_item,
+    stream_index,
+    write_synthetic_latents,
+)
 from usp_dit.training.fsdp import shard_transformer
 from usp_dit.training.objectives import OBJECTIVES, mse_loss, noise_batch
 

@@ -55,7 +55,7 @@ one call a step and split the images like Flux) and splits the guidance halves f
 A bad value (degrees that do not fit the ranks, a ``--cfg`` the run cannot use, a missing
 ``--model`` folder, an unknown ``--backend``, a size the model cannot take) is reported on one line
 by rank 0 before anything loads, and every rank exits with code 2; Ctrl-C exits with 130
-(``usp_dit.launch``).
+(``usp_dit.cli.launch``).
 """
 from __future__ import annotations
 
@@ -74,9 +74,9 @@ from PIL import Image  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 import usp_dit  # noqa: E402
-from usp_dit import launch  # noqa: E402
-from usp_dit.config import RING_SCHEDULES  # noqa: E402
-from usp_dit.launch import compare_with_one_rank, init_distributed  # noqa: E402
+from usp_dit.cli import launch  # noqa: E402
+from usp_dit.cli.launch import compare_with_one_rank, init_distributed  # noqa: E402
+from usp_dit.distributed.config import RING_SCHEDULES  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
     if args.family == "chroma":
         # Registers the Chroma adapter: usp_dit.pipelines does not import its module yet. (An import
         # is done once, so this stays harmless once it does.)
-        from usp_dit.pipelines import chroma  # noqa: F401
+        from usp_dit.pipelines.families import chroma  # noqa: F401
     if args.model is None:
         # usp_dit.demo.tiny_<family>.tiny_<family>_pipeline, imported alone: the main job (Flux)
         # loads nothing of the other families.

@@ -61,7 +61,7 @@ is 1 or 2: the guidance has two branches.
 A bad value (degrees that do not fit the ranks, a ``--cfg`` the run's guidance cannot use, a
 missing ``--model-path``, an unknown ``--backend``, a size or frame count the model cannot take, an
 MP4 without imageio-ffmpeg) is reported on one line by rank 0 before anything loads, and every rank
-exits with code 2; Ctrl-C exits with 130 (``usp_dit.launch``).
+exits with code 2; Ctrl-C exits with 130 (``usp_dit.cli.launch``).
 """
 from __future__ import annotations
 
@@ -80,9 +80,9 @@ from PIL import Image  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 import usp_dit  # noqa: E402
-from usp_dit import launch  # noqa: E402
-from usp_dit.config import RING_SCHEDULES  # noqa: E402
-from usp_dit.launch import compare_with_one_rank, init_distributed  # noqa: E402
+from usp_dit.cli import launch  # noqa: E402
+from usp_dit.cli.launch import compare_with_one_rank, init_distributed  # noqa: E402
+from usp_dit.distributed.config import RING_SCHEDULES  # noqa: E402
 
 
 @dataclass(frozen=True)

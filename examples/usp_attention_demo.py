@@ -6,7 +6,7 @@ Every rank builds the same random Q/K/V (a Flux-like layout scaled down: image t
 text tokens), keeps its shard, runs ``usp_attention`` forward and backward, gathers the result and
 compares it with the same attention computed on the full sequence in one process. Rank 0 prints.
 Without torchrun it runs on one rank. A bad value is reported on one line by rank 0 and every rank
-exits with code 2; Ctrl-C exits with 130 (``usp_dit.launch``).
+exits with code 2; Ctrl-C exits with 130 (``usp_dit.cli.launch``).
 """
 from __future__ import annotations
 

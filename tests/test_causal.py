@@ -1,7 +1,7 @@
 """Causal and block-causal usp_attention in every layout, against a float64 masked reference.
 
 Index maths first, without processes: every layout's shards tile the sequence and each ring block
-is increasing; every plan (``usp_dit.masks``) covers exactly the mask (brute force over small
+is increasing; every plan (``usp_dit.attention.masks``) covers exactly the mask (brute force over small
 lengths, ring and Ulysses degrees, frames); the per-rank work is balanced (max / mean <= 1.05 at
 P = 8 for zigzag and stripe, the issue's bar) and the causal plans make at most two kernel calls
 per block pair.
@@ -25,8 +25,8 @@ import torch
 
 from tests.reference import frame_causal_mask, masked_attention_ref
 from usp_dit import gather_sequence, init_usp, shard_sequence, single_rank_mesh, usp_attention
-from usp_dit.layouts import LAYOUTS, block_positions, shard_pieces, shard_sizes
-from usp_dit.masks import plan_calls, rank_work, ring_plans, visible_counts
+from usp_dit.attention.masks import plan_calls, rank_work, ring_plans, visible_counts
+from usp_dit.sharding.layouts import LAYOUTS, block_positions, shard_pieces, shard_sizes
 from usp_dit.testing import rel_err, run_spawned_worlds
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}

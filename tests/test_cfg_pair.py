@@ -49,7 +49,15 @@ from usp_dit.demo.tiny_qwen_image import tiny_qwen_image_pipeline
 from usp_dit.demo.tiny_wan import tiny_wan_pipeline
 from usp_dit.pipelines import cfg_pair, is_usp_enabled
 from usp_dit.pipelines.cfg_pair import (
-    MISSING, BranchPair, CfgPair, call_mode, cfg_pair_for, learn_pair, matches, record_call, same,
+    MISSING,
+    BranchPair,
+    CfgPair,
+    call_mode,
+    cfg_pair_for,
+    learn_pair,
+    matches,
+    record_call,
+    same,
 )
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
@@ -247,7 +255,7 @@ def test_cfg_pair_does_not_speculate_a_call_that_needs_grad(monkeypatch):
 
 
 def test_two_call_families_are_data():
-    from usp_dit.pipelines import chroma, cogvideox, flux, flux2, hunyuan_video, qwen_image, sd3, wan
+    from usp_dit.pipelines.families import chroma, cogvideox, flux, flux2, hunyuan_video, qwen_image, sd3, wan
 
     assert flux.ADAPTER.cfg_branch_args and qwen_image.ADAPTER.cfg_branch_args and wan.ADAPTER.cfg_branch_args
     assert hunyuan_video.ADAPTER.cfg_branch_args and chroma.ADAPTER.cfg_branch_args and flux2.ADAPTER.cfg_branch_args

@@ -198,7 +198,7 @@ def _partial_joint_loss(mesh, world: int, pattern: str) -> float:
 
 def shard_sequence_of(x: torch.Tensor, mesh, seq_rank: int) -> torch.Tensor:
     """Sequence rank ``seq_rank``'s piece of ``x`` (shard_sequence as that rank would cut it)."""
-    from usp_dit.partition import offsets, split_sizes
+    from usp_dit.sharding.partition import offsets, split_sizes
     sizes = split_sizes(x.shape[1], mesh.sequence_degree)
     return x.narrow(1, offsets(sizes)[seq_rank], sizes[seq_rank])
 

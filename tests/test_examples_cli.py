@@ -20,7 +20,7 @@ Process tests (few: each pays the imports, ~10 s on two shared cores):
     each; every run prints MATCH against one rank.
 In-process tests: the examples' checks of sizes, frame counts, guidance and cfg degrees, MP4 output
 and every family's defaults, the LLM example's checks and its MISMATCH verdict, and
-``usp_dit.logs.configure_logging`` (INFO and warnings on rank 0 only).
+``usp_dit.distributed.logs.configure_logging`` (INFO and warnings on rank 0 only).
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import pytest
 
-from usp_dit import logs
-from usp_dit.launch import UsageError
+from usp_dit.cli.launch import UsageError
+from usp_dit.distributed import logs
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -334,7 +334,7 @@ def test_new_families_print_match_on_two_ranks(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# usp_dit.logs
+# usp_dit.distributed.logs
 
 
 @pytest.fixture

@@ -119,7 +119,7 @@ def test_auto_passes_over_a_backend_for_calls_below_its_min_flops(monkeypatch):
 def test_call_flops_estimate_follows_the_grid():
     """Ulysses: all keys, heads / U; stream ring: one block; gather ring: the remote blocks in one
     call; allgather: all keys; in training a ring counts its backward's one-block calls."""
-    from usp_dit.usp import _call_flops
+    from usp_dit.attention.usp import _call_flops
 
     q, k, _ = _qkv(s=100, h=8, hk=8, d=16)  # a 100-token shard
     mesh = lambda u, r, sched="auto": usp_dit.USPMesh(  # noqa: E731

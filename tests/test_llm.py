@@ -46,9 +46,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config  # noqa:
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 from usp_dit import USPAttention, init_usp, single_rank_mesh  # noqa: E402
-from usp_dit.layouts import LAYOUTS, positions, shard_pieces  # noqa: E402
 from usp_dit.llm import lm_loss, register_transformers, shard_lm_batch, sync_lm_grads  # noqa: E402
 from usp_dit.llm.hf import TransformersAttention  # noqa: E402
+from usp_dit.sharding.layouts import LAYOUTS, positions, shard_pieces  # noqa: E402
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned  # noqa: E402
 from usp_dit.training import mean_over_data_parallel  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""LSEMerger (usp_dit.merge) without processes: partial (out, lse) results merged exactly.
+"""LSEMerger (usp_dit.attention.merge) without processes: partial (out, lse) results merged exactly.
 
 Tolerance: float64 1e-12 against a merge written out from the definition (only float64 rounding).
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from usp_dit.merge import LSEMerger
+from usp_dit.attention.merge import LSEMerger
 from usp_dit.testing import rel_err
 
 

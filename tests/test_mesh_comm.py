@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from usp_dit import gather_sequence, init_usp, set_default_mesh, shard_sequence, usp_attention
-from usp_dit.comm import A2APlan, RingExchanger, heads_to_seq, seq_to_heads
-from usp_dit.mesh import release_groups, resolve_mesh
-from usp_dit.partition import head_plan, split_sizes
+from usp_dit.distributed.comm import A2APlan, RingExchanger, heads_to_seq, seq_to_heads
+from usp_dit.distributed.mesh import release_groups, resolve_mesh
+from usp_dit.sharding.partition import head_plan, split_sizes
 from usp_dit.testing import assert_no_crash, run_spawned
 
 WORLD = 4

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from usp_dit.partition import head_plan, offsets, ring_block_sizes, split_sizes
+from usp_dit.sharding.partition import head_plan, offsets, ring_block_sizes, split_sizes
 
 
 @pytest.mark.parametrize("n,parts", [(0, 1), (1, 4), (3, 4), (13, 4), (17550, 4), (4096, 8), (3969, 6)])
@@ -73,7 +73,7 @@ def test_head_plan_errors_name_the_values():
 
 
 def test_fill_degrees():
-    from usp_dit.config import fill_degrees
+    from usp_dit.distributed.config import fill_degrees
 
     assert fill_degrees(4) == (2, 2, 1)
     assert fill_degrees(4, ring=2, cfg=2) == (1, 2, 2)  # the ring given: Ulysses fills the rest

@@ -3,7 +3,7 @@
 One spawned group of 4 ranks runs every case (process start-up is the slow part); the 2-rank grids
 run on it as two data-parallel replicas of 2 ranks each. Model: a tiny ``ChromaTransformer2DModel``
 (2 double + 2 single blocks, 4 heads x 16 head_dim, every weight perturbed; ``usp_dit.demo.tiny_chroma``).
-The text is split with the image (``usp_dit.pipelines.chroma``): shapes 6 text + 15 image = 21
+The text is split with the image (``usp_dit.pipelines.families.chroma``): shapes 6 text + 15 image = 21
 tokens with the pipeline's float mask (prompts of 2 and 5 tokens: 3 and 6 unmasked text tokens),
 6 + 21 = 27 with prompts of 1 and 4 tokens, and 8 + 25 = 33 without a mask; no joint count
 divides 2 or 4; on 4 ranks rank 0 of the first holds the 6 text tokens and no image token. Batch 2
@@ -49,15 +49,21 @@ from diffusers.models.transformers import transformer_flux
 
 import usp_dit
 from tests.adapter_parity import (
-    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, ulysses_above_heads_case,
+    assert_within,
+    forward,
+    gradient_errors,
+    output_keys,
+    record,
+    run_grid_cases,
+    ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_chroma import chroma_inputs, tiny_chroma, tiny_chroma_pipeline
 from usp_dit.pipelines import is_usp_enabled
-from usp_dit.pipelines import chroma  # noqa: F401  (registers the adapter)
 from usp_dit.pipelines.base import find_adapter
-from usp_dit.pipelines.chroma import ADAPTER, USPChromaAttnProcessor
-from usp_dit.sharding import shard_sequence
+from usp_dit.pipelines.families import chroma  # noqa: F401  (registers the adapter)
+from usp_dit.pipelines.families.chroma import ADAPTER, USPChromaAttnProcessor
+from usp_dit.sharding.shard import shard_sequence
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5

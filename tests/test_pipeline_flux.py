@@ -42,11 +42,17 @@ import torch.distributed as dist
 
 import usp_dit
 from tests.adapter_parity import (
-    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, ulysses_above_heads_case,
+    assert_within,
+    forward,
+    gradient_errors,
+    output_keys,
+    record,
+    run_grid_cases,
+    ulysses_above_heads_case,
 )
 from usp_dit import disable_usp, enable_usp, init_usp
 from usp_dit.demo.tiny_flux import flux_inputs, tiny_flux_pipeline, tiny_flux_transformer
-from usp_dit.pipelines.flux import ADAPTER
+from usp_dit.pipelines.families.flux import ADAPTER
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5

@@ -51,15 +51,21 @@ from diffusers.models.transformers.transformer_flux2 import Flux2KVAttnProcessor
 
 import usp_dit
 from tests.adapter_parity import (
-    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, ulysses_above_heads_case,
+    assert_within,
+    forward,
+    gradient_errors,
+    output_keys,
+    record,
+    run_grid_cases,
+    ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_flux2 import MISTRAL_LAYERS, flux2_inputs, tiny_flux2, tiny_flux2_pipeline
 from usp_dit.pipelines import _routing, is_usp_enabled
-from usp_dit.pipelines import flux2  # noqa: F401  (registers the adapter)
 from usp_dit.pipelines.base import find_adapter
-from usp_dit.pipelines.flux2 import ADAPTER, USPFlux2AttnProcessor, USPFlux2SelfAttnProcessor
-from usp_dit.sharding import shard_sequence
+from usp_dit.pipelines.families import flux2  # noqa: F401  (registers the adapter)
+from usp_dit.pipelines.families.flux2 import ADAPTER, USPFlux2AttnProcessor, USPFlux2SelfAttnProcessor
+from usp_dit.sharding.shard import shard_sequence
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5

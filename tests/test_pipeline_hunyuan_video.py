@@ -41,22 +41,31 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 from diffusers.models.transformers import transformer_hunyuan_video
 
-import torch.distributed as dist
-
 from tests.adapter_parity import (
-    _param_grads, assert_within, forward, output_keys, record, run_grid_cases, sharded_output_case,
+    _param_grads,
+    assert_within,
+    forward,
+    output_keys,
+    record,
+    run_grid_cases,
+    sharded_output_case,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_hunyuan_video import (
-    TINY_PROMPT_TEMPLATE, hunyuan_video_inputs, hunyuan_video_tokens, tiny_hunyuan_video,
+    TINY_PROMPT_TEMPLATE,
+    hunyuan_video_inputs,
+    hunyuan_video_tokens,
+    tiny_hunyuan_video,
     tiny_hunyuan_video_pipeline,
 )
-from usp_dit.pipelines import _routing, hunyuan_video
-from usp_dit.pipelines.hunyuan_video import ADAPTER
-from usp_dit.sharding import shard_sequence
+from usp_dit.pipelines import _routing
+from usp_dit.pipelines.families import hunyuan_video
+from usp_dit.pipelines.families.hunyuan_video import ADAPTER
+from usp_dit.sharding.shard import shard_sequence
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5

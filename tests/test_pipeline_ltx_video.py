@@ -40,14 +40,21 @@ import torch
 from diffusers.models.transformers import transformer_ltx
 
 from tests.adapter_parity import (
-    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, sharded_output_case,
+    assert_within,
+    forward,
+    gradient_errors,
+    output_keys,
+    record,
+    run_grid_cases,
+    sharded_output_case,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ltx_video import ltx_video_inputs, tiny_ltx_video, tiny_ltx_video_pipeline
-from usp_dit.pipelines import _routing, ltx_video
-from usp_dit.pipelines.ltx_video import ADAPTER
-from usp_dit.sharding import shard_sequence
+from usp_dit.pipelines import _routing
+from usp_dit.pipelines.families import ltx_video
+from usp_dit.pipelines.families.ltx_video import ADAPTER
+from usp_dit.sharding.shard import shard_sequence
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5

@@ -25,12 +25,18 @@ import pytest
 import torch
 
 from tests.adapter_parity import (
-    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, sharded_output_case,
+    assert_within,
+    forward,
+    gradient_errors,
+    output_keys,
+    record,
+    run_grid_cases,
+    sharded_output_case,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
-from usp_dit.pipelines.mochi import ADAPTER
 from usp_dit.demo.tiny_video import mochi_inputs, tiny_mochi
+from usp_dit.pipelines.families.mochi import ADAPTER
 from usp_dit.testing import assert_no_crash, run_spawned
 
 TOL = 1e-5

@@ -47,17 +47,26 @@ from diffusers.models.transformers import transformer_qwenimage
 
 import usp_dit
 from tests.adapter_parity import (
-    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, sharded_output_case,
+    assert_within,
+    forward,
+    gradient_errors,
+    output_keys,
+    record,
+    run_grid_cases,
+    sharded_output_case,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_qwen_image import (
-    qwen_image_inputs, qwen_image_tokens, tiny_qwen_image, tiny_qwen_image_pipeline,
+    qwen_image_inputs,
+    qwen_image_tokens,
+    tiny_qwen_image,
+    tiny_qwen_image_pipeline,
 )
 from usp_dit.pipelines import _routing, is_usp_enabled
-from usp_dit.pipelines import qwen_image  # noqa: F401  (registers the adapter)
-from usp_dit.pipelines.qwen_image import ADAPTER
-from usp_dit.sharding import shard_sequence
+from usp_dit.pipelines.families import qwen_image  # noqa: F401  (registers the adapter)
+from usp_dit.pipelines.families.qwen_image import ADAPTER
+from usp_dit.sharding.shard import shard_sequence
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5

@@ -39,13 +39,19 @@ import torch
 
 import usp_dit
 from tests.adapter_parity import (
-    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, ulysses_above_heads_case,
+    assert_within,
+    forward,
+    gradient_errors,
+    output_keys,
+    record,
+    run_grid_cases,
+    ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_sd3 import sd3_inputs, sd3_tokens, tiny_sd3, tiny_sd3_pipeline
 from usp_dit.pipelines import is_usp_enabled
-from usp_dit.pipelines import sd3  # noqa: F401  (registers the adapter)
-from usp_dit.pipelines.sd3 import ADAPTER
+from usp_dit.pipelines.families import sd3  # noqa: F401  (registers the adapter)
+from usp_dit.pipelines.families.sd3 import ADAPTER
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5

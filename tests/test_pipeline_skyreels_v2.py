@@ -26,13 +26,19 @@ import pytest
 import torch
 
 from tests.adapter_parity import (
-    assert_within, compiled_case, forward, gradient_errors, output_keys, run_grid_cases, sharded_output_case,
+    assert_within,
+    compiled_case,
+    forward,
+    gradient_errors,
+    output_keys,
+    run_grid_cases,
+    sharded_output_case,
 )
 from usp_dit import single_rank_mesh
 from usp_dit.demo.tiny_skyreels_v2 import skyreels_inputs, skyreels_tokens, tiny_skyreels_v2
 from usp_dit.pipelines import _routing
 from usp_dit.pipelines._frame_mask import FrameMaskReader
-from usp_dit.pipelines.skyreels_v2 import ADAPTER
+from usp_dit.pipelines.families.skyreels_v2 import ADAPTER
 from usp_dit.testing import assert_no_crash, run_spawned
 
 TOL = 1e-5
@@ -136,7 +142,7 @@ def test_frame_mask_reader_reads_and_checks():
 
 def test_temb_of_wrong_length_is_refused():
     from usp_dit.pipelines._token_sharding import ShardState
-    from usp_dit.pipelines.skyreels_v2 import SkyReelsTembHook
+    from usp_dit.pipelines.families.skyreels_v2 import SkyReelsTembHook
 
     model, _ = _build("df")
     hook = SkyReelsTembHook(model, ShardState(single_rank_mesh(), "auto", seq_len=90))
@@ -148,7 +154,7 @@ def test_temb_of_wrong_length_is_refused():
 def test_mask_frame_checked_against_config_frame():
     from usp_dit.pipelines._routing import Route
     from usp_dit.pipelines._token_sharding import ShardState
-    from usp_dit.pipelines.skyreels_v2 import SkyReelsFrameHook, USPSkyReelsV2AttnProcessor
+    from usp_dit.pipelines.families.skyreels_v2 import SkyReelsFrameHook, USPSkyReelsV2AttnProcessor
 
     model, inputs = _build("df")
     state = ShardState(single_rank_mesh(), "auto", seq_len=12)

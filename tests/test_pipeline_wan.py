@@ -44,14 +44,20 @@ from diffusers.models.transformers import transformer_wan
 
 import usp_dit
 from tests.adapter_parity import (
-    assert_within, forward, gradient_errors, output_keys, record, run_grid_cases, sharded_output_case,
+    assert_within,
+    forward,
+    gradient_errors,
+    output_keys,
+    record,
+    run_grid_cases,
+    sharded_output_case,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
-from usp_dit.pipelines import _routing, is_usp_enabled
 from usp_dit.demo.tiny_wan import tiny_wan, tiny_wan_pipeline, wan_inputs, wan_tokens
-from usp_dit.pipelines.wan import ADAPTER
-from usp_dit.sharding import shard_sequence
+from usp_dit.pipelines import _routing, is_usp_enabled
+from usp_dit.pipelines.families.wan import ADAPTER
+from usp_dit.sharding.shard import shard_sequence
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5
@@ -346,7 +352,7 @@ def test_per_token_timestep_of_wrong_length_is_refused():
 ])
 def test_video_example_refuses_what_wan_cannot_take(argv, message, monkeypatch):
     from tests.test_examples_cli import _example
-    from usp_dit.launch import UsageError
+    from usp_dit.cli.launch import UsageError
 
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)

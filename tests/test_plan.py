@@ -16,7 +16,7 @@ from diffusers.models.attention_processor import AttnProcessor2_0
 import usp_dit.pipelines  # noqa: F401  (registers every adapter)
 from usp_dit import single_rank_mesh
 from usp_dit.demo.tiny_wan import tiny_wan, wan_inputs
-from usp_dit.pipelines import wan
+from usp_dit.pipelines.families import wan
 from usp_dit.pipelines.plan import PlanAdapter, Table
 from usp_dit.training.fsdp import block_lists
 

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import usp_dit.pipelines  # noqa: F401  (registers every adapter)
-from usp_dit.plan import main, plan
 from usp_dit.planner.cost import Grid, predict
 from usp_dit.planner.hardware import check_gpu
 from usp_dit.planner.models import SPECS, spec_for
+from usp_dit.planner.plan import main, plan
 
 WORLDS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -124,6 +124,19 @@ def test_unknown_models_are_refused_with_the_known_ones():
         plan(tiny_chroma(), world_size=2)
 
 
+def test_the_planners_classes_are_the_adapters_classes():
+    """The planner names transformer classes itself (it sits below the integration): each is one a
+    registered adapter runs, and maps to the spec of that adapter's family."""
+    from usp_dit.pipelines.base import registered_adapters
+    from usp_dit.planner.models import CLASSES
+
+    by_class = {getattr(a, "model_class", type(None)).__name__: a.name for a in registered_adapters()}
+    family_spec = {"Flux": "flux", "SD3": "sd35", "QwenImage": "qwen_image", "CogVideoX": "cogvideox",
+                   "Mochi": "mochi", "Wan": "wan", "HunyuanVideo": "hunyuan_video", "LTX-Video": "ltx_video"}
+    assert {name: family_spec[by_class[name]] for name in CLASSES} == CLASSES
+    assert set(CLASSES.values()) == set(SPECS)
+
+
 def test_a_transformer_object_is_planned_from_its_own_config():
     from usp_dit.demo.tiny_flux import tiny_flux_transformer
 
@@ -147,7 +160,7 @@ def test_bench_scaling_prints_the_prediction_beside_each_measurement():
 
 def test_examples_take_degrees_auto(monkeypatch):
     from tests.test_examples_cli import _example
-    from usp_dit.launch import UsageError
+    from usp_dit.cli.launch import UsageError
 
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -203,6 +216,6 @@ def test_usp_dit_plan_is_callable_and_a_module():
     import usp_dit
 
     assert usp_dit.plan("flux", world_size=2).degrees == plan("flux", world_size=2).degrees
-    from usp_dit.plan import Plan
+    from usp_dit.planner.plan import Plan
 
     assert isinstance(usp_dit.plan("wan", world_size=4), Plan)

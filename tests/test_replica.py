@@ -1,4 +1,4 @@
-"""``usp_dit.replica`` (communication within one model replica) and ``usp_dit.groups`` (teardown).
+"""``usp_dit.distributed.replica`` (communication within one model replica) and ``usp_dit.distributed.groups`` (teardown).
 
 The distributed part runs in one spawned gloo group of 4 ranks on one replica of cfg 2 x ring 2:
 rank = cfg_rank * 2 + ring_rank, cfg groups {0, 2} and {1, 3}, sequence groups {0, 1} and {2, 3}.
@@ -10,8 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from usp_dit import groups, init_usp, single_rank_mesh
-from usp_dit.replica import all_true_on_replica, broadcast_from_first_rank, comm_device, replica_groups, same_on_replica
+from usp_dit.distributed import groups, init_usp, single_rank_mesh
+from usp_dit.distributed.replica import (
+    all_true_on_replica,
+    broadcast_from_first_rank,
+    comm_device,
+    replica_groups,
+    same_on_replica,
+)
 from usp_dit.testing import assert_no_crash, run_spawned
 
 WORLD = 4
@@ -103,7 +109,7 @@ def test_release_groups_clears_caches_then_releases_holders_and_device_meshes(mo
 
 
 def test_mesh_registers_its_cache_and_reexports_teardown():
-    import usp_dit.mesh as mesh_module
+    import usp_dit.distributed.mesh as mesh_module
 
     assert mesh_module._forget_meshes in groups._CACHE_CLEARS
     assert mesh_module.release_groups is groups.release_groups

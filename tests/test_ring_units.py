@@ -1,4 +1,4 @@
-"""The ring's schedule maths without processes (usp_dit.ring) and the one-device ring simulator
+"""The ring's schedule maths without processes (usp_dit.attention.ring) and the one-device ring simulator
 (usp_dit.testing.blockwise) against float64 maths.
 
 Tolerances: float64 1e-12 (only float64 rounding); float32 1e-5, the project's bar: float32
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.reference import attention_ref
+from usp_dit.attention.ring import choose_schedule, gathered_sequence, remote_runs
 from usp_dit.kernels import get_backend
-from usp_dit.ring import choose_schedule, gathered_sequence, remote_runs
 from usp_dit.testing import rel_err
 from usp_dit.testing.blockwise import blockwise_backward, blockwise_forward
 

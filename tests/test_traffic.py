@@ -1,4 +1,4 @@
-"""Exact traffic: ``usp_dit.planner.volumes`` predicts, ``usp_dit.traffic`` counts, and they agree.
+"""Exact traffic: ``usp_dit.planner.volumes`` predicts, ``usp_dit.distributed.traffic`` counts, and they agree.
 
 Unit tests of the prediction by hand (no processes), then ONE spawned group of 4 CPU ranks that
 runs ``usp_attention`` under ``count_traffic`` on every grid of 2 and 4 ranks ((2,1) and (1,2) as
@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from usp_dit import gather_sequence, init_usp, shard_sequence, usp_attention
-from usp_dit import traffic
-from usp_dit.handshake import verified_calls
+from usp_dit.distributed import traffic
+from usp_dit.distributed.handshake import verified_calls
+from usp_dit.distributed.replica import broadcast_from_first_rank
 from usp_dit.planner.volumes import CallShape, attention_traffic, gather_traffic, max_traffic, total_bytes
-from usp_dit.replica import broadcast_from_first_rank
 from usp_dit.testing import run_spawned_worlds
 
 WORLD = 4
@@ -328,8 +328,8 @@ def test_verified_calls_have_no_handshake(counted):
 
 def _auto(shape: CallShape) -> str:
     """The schedule "auto" runs for ``shape`` on (2, 2) (what the verified call asked for)."""
-    from usp_dit.partition import ring_block_sizes, split_sizes
-    from usp_dit.ring import choose_schedule
+    from usp_dit.attention.ring import choose_schedule
+    from usp_dit.sharding.partition import ring_block_sizes, split_sizes
 
     blocks = tuple(ring_block_sizes(split_sizes(shape.seq, 4), 2))
     return choose_schedule("auto", blocks, shape.heads // 2, shape.kv_heads // 2).name

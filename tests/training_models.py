@@ -17,11 +17,11 @@ import torch
 
 FAMILIES = ("cogvideox", "flux", "mochi", "wan", "qwen_image")
 _BUILDER_MODULES = {
-    "cogvideox": ("usp_dit.pipelines.cogvideox", "usp_dit.demo.tiny_video"),
-    "flux": ("usp_dit.pipelines.flux", "usp_dit.demo.tiny_flux"),
-    "mochi": ("usp_dit.pipelines.mochi", "usp_dit.demo.tiny_video"),
-    "wan": ("usp_dit.pipelines.wan", "usp_dit.demo.tiny_wan"),
-    "qwen_image": ("usp_dit.pipelines.qwen_image", "usp_dit.demo.tiny_qwen_image"),
+    "cogvideox": ("usp_dit.pipelines.families.cogvideox", "usp_dit.demo.tiny_video"),
+    "flux": ("usp_dit.pipelines.families.flux", "usp_dit.demo.tiny_flux"),
+    "mochi": ("usp_dit.pipelines.families.mochi", "usp_dit.demo.tiny_video"),
+    "wan": ("usp_dit.pipelines.families.wan", "usp_dit.demo.tiny_wan"),
+    "qwen_image": ("usp_dit.pipelines.families.qwen_image", "usp_dit.demo.tiny_qwen_image"),
 }
 
 

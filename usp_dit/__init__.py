@@ -13,23 +13,22 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from usp_dit.config import USPConfig
+from usp_dit.attention.usp import AttentionOutput, usp_attention
+from usp_dit.distributed.config import USPConfig
+from usp_dit.distributed.mesh import USPMesh, init_usp, set_default_mesh, single_rank_mesh
 from usp_dit.llm.attention import USPAttention
-from usp_dit.mesh import USPMesh, init_usp, set_default_mesh, single_rank_mesh
-from usp_dit.sharding import gather_sequence, shard_sequence
-from usp_dit.usp import AttentionOutput, usp_attention
+from usp_dit.sharding.shard import gather_sequence, shard_sequence
 
 # Names that live in the Diffusers integration: resolved (and Diffusers imported) on first access.
 _INTEGRATION = {
     "enable_usp": "usp_dit.pipelines", "disable_usp": "usp_dit.pipelines",
     "enable_parallel_vae": "usp_dit.pipelines.vae", "disable_parallel_vae": "usp_dit.pipelines.vae",
     "register_transformers": "usp_dit.llm.hf",  # transformers itself is imported only when it is called
+    "plan": "usp_dit.planner.plan", "Plan": "usp_dit.planner.plan",  # the planner (python -m usp_dit.planner)
 }
 
 
 def __getattr__(name: str) -> Any:
-    if name == "plan":  # the planner: a callable module (usp_dit.plan(...) or python -m usp_dit.plan)
-        return importlib.import_module("usp_dit.plan")
     if name in _INTEGRATION:
         return getattr(importlib.import_module(_INTEGRATION[name]), name)
     raise AttributeError(f"module 'usp_dit' has no attribute {name!r}")
@@ -37,6 +36,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AttentionOutput",
+    "Plan",
     "USPAttention",
     "USPConfig",
     "USPMesh",

@@ -15,8 +15,8 @@ import torch
 from tests.reference import attention_ref
 from usp_dit import usp_attention
 from usp_dit.kernels import get_backend
-from usp_dit.testing.blockwise import blockwise_backward, blockwise_forward
 from usp_dit.testing import rel_err
+from usp_dit.testing.blockwise import blockwise_backward, blockwise_forward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -173,7 +173,7 @@ def test_flashinfer_forward_only_is_loud_about_gradients():
 
 def test_fused_merge_matches_float64_maths():
     """The Triton merge (used by LSEMerger on CUDA) against the merge formula in float64."""
-    from usp_dit.merge import LSEMerger
+    from usp_dit.attention.merge import LSEMerger
 
     g = torch.Generator(device="cuda").manual_seed(3)
     b, s, h, d = 2, 333, 5, 128
@@ -193,7 +193,7 @@ def test_fused_merge_matches_float64_maths():
 def test_fused_stack_merge_matches_float64_maths(plan):
     """Stacks merged by the Triton kernel, the last one written straight to bf16: LSE to float32
     rounding (1e-6), out to bf16 rounding (4e-3: 8 mantissa bits)."""
-    from usp_dit.merge import LSEMerger
+    from usp_dit.attention.merge import LSEMerger
 
     g = torch.Generator(device="cuda").manual_seed(4)
     n, (b, s, h, d) = sum(plan), (2, 333, 5, 64)
@@ -262,11 +262,11 @@ def test_sage_large_values_stay_finite():
 
 def _causal_ring_errors(backend, q, k, v, dout, dtype, n, layout, ref):
     """Causal attention simulated on one GPU as the ring runs it: N virtual ring ranks in ``layout``,
-    each rank's plans against every block (``usp_dit.masks``), merged and differentiated by the
+    each rank's plans against every block (``usp_dit.attention.masks``), merged and differentiated by the
     ring's own functions; N = 1 is the kernel's causal call on the whole sequence."""
-    from usp_dit.layouts import block_positions
-    from usp_dit.masked import RowMerger, attend_plan, masked_block_grads
-    from usp_dit.masks import ring_plans
+    from usp_dit.attention.masked import RowMerger, attend_plan, masked_block_grads
+    from usp_dit.attention.masks import ring_plans
+    from usp_dit.sharding.layouts import block_positions
 
     seq, scale = q.shape[1], q.shape[-1] ** -0.5
     qc, kc, vc, doc = (t.to(dtype) for t in (q, k, v, dout))

@@ -1,4 +1,4 @@
-"""Masked joint tokens on the GPU (Note [masked joint tokens] in usp_dit.masked_joint).
+"""Masked joint tokens on the GPU (Note [masked joint tokens] in usp_dit.attention.masked_joint).
 
 - The protocol's ``key_mask`` on the mem-efficient SDPA adapter (the CUDA kernel the joint call
   falls back to): out, LSE and gradients against a float32 masked reference, and a batch element

@@ -6,7 +6,7 @@ return (B, H, S, D) memory viewed as (B, S, H, D)). ``dst`` may be ``src`` (an i
 float32 accumulator) or a fresh tensor of any float dtype (the last merge writes the final output
 straight in the model's dtype, skipping a float32 round trip).
 
-Per row (b, s, h), with the maths of ``usp_dit.merge``:
+Per row (b, s, h), with the maths of ``usp_dit.attention.merge``:
     m   = max(l_src, l_1, ..., l_G)
     lse = m + log(exp(l_src - m) + sum_i exp(l_i - m))
     out = exp(l_src - lse) * out_src + sum_i exp(l_i - lse) * out_i

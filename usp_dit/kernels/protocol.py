@@ -10,7 +10,7 @@ Layout (every backend, both directions):
         when true, so a backend without causal support keeps the four-argument signature.
     key_mask: an optional keyword of forward and backward (``key_mask=...``, only where
         ``caps.key_mask``): (batch, seq_k) bool, True where the key is attended, the same for every
-        query and head (a key padding mask: the masked joint tokens of ``usp_dit.masked_joint``). A
+        query and head (a key padding mask: the masked joint tokens of ``usp_dit.attention.masked_joint``). A
         query whose keys are all masked gets out 0 and lse -inf. Passed only when given.
     lse: (batch, seq_q, heads), float32 (float64 for float64 inputs, so that a float64 run is a
         float64 reference end to end), natural log, softmax scale applied:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from usp_dit.layouts import check_layout
-from usp_dit.masks import check_frame
-from usp_dit.mesh import USPMesh
-from usp_dit.usp import usp_attention
+from usp_dit.attention.masks import check_frame
+from usp_dit.attention.usp import usp_attention
+from usp_dit.distributed.mesh import USPMesh
+from usp_dit.sharding.layouts import check_layout
 
 
 class USPAttention(nn.Module):
@@ -30,7 +30,7 @@ class USPAttention(nn.Module):
         block_causal: a frame length F instead of ``causal`` (a token sees its own frame and the
             earlier ones).
         layout: "contiguous", "zigzag" or "stripe": where this rank's tokens sit in the sequence
-            (Note [sequence layouts] in ``usp_dit.layouts``). "zigzag" and "stripe" give every
+            (Note [sequence layouts] in ``usp_dit.sharding.layouts``). "zigzag" and "stripe" give every
             ring rank the same causal work.
         backend: "auto" or a kernel name from ``usp_dit.kernels.list_backends()``.
         scale: softmax scale, default ``head_dim ** -0.5``.

@@ -19,7 +19,7 @@ Note [masks under usp]
     ``attention_mask`` is DROPPED without a word, and a padded batch would train on its pads. So
     ``register_transformers`` also registers ``usp_mask`` under the name. It builds no dense mask (a
     (S_local x S_local) mask would be wrong anyway: causality is over GLOBAL positions, which the
-    core turns into kernel calls block by block, Note [staircase masks] in ``usp_dit.masks``); it
+    core turns into kernel calls block by block, Note [staircase masks] in ``usp_dit.attention.masks``); it
     returns ``None`` for no mask or a mask of ones, and the caller's 2-D padding mask otherwise,
     which the attention then refuses (NotImplementedError, shared with the other ranks): right-pad
     instead and give the padded positions the label ``ignore_index`` (causal attention never lets a
@@ -53,11 +53,11 @@ from typing import Any
 
 import torch
 
-from usp_dit.handshake import agree
-from usp_dit.layouts import check_layout, positions, shard_pieces
-from usp_dit.mesh import USPMesh, resolve_mesh
-from usp_dit.replica import comm_device
-from usp_dit.usp import usp_attention
+from usp_dit.attention.usp import usp_attention
+from usp_dit.distributed.handshake import agree
+from usp_dit.distributed.mesh import USPMesh, resolve_mesh
+from usp_dit.distributed.replica import comm_device
+from usp_dit.sharding.layouts import check_layout, positions, shard_pieces
 
 INSTALL = "pip install 'transformers>=5'"
 # transformers special-cases names containing these (its own sdpa / flash / flex / paged checks).
@@ -190,7 +190,7 @@ class TransformersAttention:
 def _share_refusal(exc: Exception, mesh: USPMesh, query: torch.Tensor) -> None:
     """A call this rank refused still joins one handshake, which the other ranks of the sequence
     group are in (the position check's or ``usp_attention``'s, Note [call handshake] in
-    ``usp_dit.handshake``): they raise a ValueError naming this rank's refusal instead of waiting
+    ``usp_dit.distributed.handshake``): they raise a ValueError naming this rank's refusal instead of waiting
     for it (a padding mask may reach one shard only). Returns for the caller to re-raise ``exc``."""
     if mesh.seq_group is None or torch.compiler.is_compiling():
         return

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from usp_dit.mesh import USPMesh, resolve_mesh
-from usp_dit.replica import comm_device
-from usp_dit.sharding import shard_sequence
+from usp_dit.distributed.mesh import USPMesh, resolve_mesh
+from usp_dit.distributed.replica import comm_device
+from usp_dit.sharding.shard import shard_sequence
 from usp_dit.training.reduce import _buckets, _check_plain, _fill_missing_grads, data_parallel_group
 
 IGNORE_INDEX = -100  # transformers' and PyTorch's cross_entropy default

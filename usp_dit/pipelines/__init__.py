@@ -9,9 +9,7 @@ lists every Diffusers transformer class) and gives every ``DiffusionPipeline`` t
 """
 from __future__ import annotations
 
-from usp_dit.pipelines import cogvideox, flux, mochi  # noqa: F401  (registration on import)
-from usp_dit.pipelines import chroma, flux2, hunyuan_video, ltx_video, qwen_image, sd3, wan  # noqa: F401  (registration on import)
-from usp_dit.pipelines import skyreels_v2  # noqa: F401  (registration on import)
+from usp_dit.pipelines import families  # noqa: F401  (registers every family's adapter)
 from usp_dit.pipelines.api import attach_pipeline_methods, disable_usp, enable_usp, is_usp_enabled
 from usp_dit.pipelines.base import find_adapter, register_adapter
 from usp_dit.pipelines.failure import install_failure_handler

@@ -8,7 +8,7 @@ Note [dense frame-causal masks]
     token sees every token of its own block of frames and of the earlier ones: query p sees key s
     when s // F <= p // F, F = frames per block x tokens per frame. A dense mask cannot be split
     over a ring, but this one is ``usp_attention(block_causal=F)`` (Note [staircase masks] in
-    ``usp_dit.masks``), which skips hidden blocks instead of reading S^2 booleans. F is read from
+    ``usp_dit.attention.masks``), which skips hidden blocks instead of reading S^2 booleans. F is read from
     the first row (its count of True); the whole mask is then checked against the frame-causal
     mask of that F, row chunk by row chunk, once per mask tensor (the model passes the same tensor
     to every block), and anything else is refused: the mask is never silently replaced by a

@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
-from usp_dit.comm import all_gather_uneven
-from usp_dit.mesh import USPMesh
-from usp_dit.partition import offsets, split_sizes
+from usp_dit.distributed.comm import all_gather_uneven
+from usp_dit.distributed.mesh import USPMesh
 from usp_dit.pipelines._token_sharding import ShardState, TokenShardHooks
 from usp_dit.pipelines.base import MISSING, MethodWrapper, restore_instance_attr, saved_instance_attr
 from usp_dit.pipelines.plan import ModelPlan, PlanAdapter, PlanPatch, check_plan
+from usp_dit.sharding.partition import offsets, split_sizes
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ Note [dropout on replicated tokens]
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -43,9 +43,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
-from usp_dit.mesh import USPMesh
+from usp_dit.distributed.mesh import USPMesh
+from usp_dit.distributed.replica import comm_device
 from usp_dit.pipelines._token_sharding import ShardState
-from usp_dit.replica import comm_device
 
 Rows = Literal["all", "text", "none"]
 

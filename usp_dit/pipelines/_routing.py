@@ -42,10 +42,10 @@ from typing import Any, Literal
 
 import torch
 
+from usp_dit.attention.usp import usp_attention
 from usp_dit.pipelines._checks import require
 from usp_dit.pipelines._token_sharding import ShardState
-from usp_dit.sharding import layout_sizes
-from usp_dit.usp import usp_attention
+from usp_dit.sharding.shard import layout_sizes
 
 ROUTED_NAME = "dispatch_attention_fn"  # what the stock processors call (diffusers.models.attention_dispatch)
 
@@ -91,7 +91,7 @@ class Route:
     state: ShardState
     text: Literal["none", "first", "last"] = "none"
     # A frame length: the call is block-causal (``usp_attention(block_causal=...)``), set per call by
-    # a processor that recognised the model's frame-causal mask (``usp_dit.pipelines.skyreels_v2``).
+    # a processor that recognised the model's frame-causal mask (``usp_dit.pipelines.families.skyreels_v2``).
     block_causal: int | None = None
 
     def shard_len(self) -> int:
@@ -146,7 +146,7 @@ def joint_attention(
         valid: (B, T) bool, the text keys each element attends to, or ``None`` for all
             (Note [masked text tokens]: one ``usp_attention`` per element then, each with its own
             joint length; under torch.compile one call with ``joint_mask``, Note [masked joint
-            tokens] in ``usp_dit.masked_joint``: the same result with static shapes).
+            tokens] in ``usp_dit.attention.masked_joint``: the same result with static shapes).
         block_causal: a frame length for block-causal attention (no text tokens), or ``None``.
 
     Returns:

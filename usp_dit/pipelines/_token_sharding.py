@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from usp_dit.mesh import USPMesh
+from usp_dit.distributed.mesh import USPMesh
 from usp_dit.pipelines.base import check_ulysses_degree, model_class_of
-from usp_dit.sharding import gather_sequence, shard_sequence
+from usp_dit.sharding.shard import gather_sequence, shard_sequence
 
 
 @dataclass(eq=False)
@@ -53,7 +53,7 @@ class ShardState:
     mesh: USPMesh
     backend: str
     seq_len: int | None = None
-    # Where each rank's tokens sit (Note [sequence layouts] in usp_dit.layouts): every cut of this
+    # Where each rank's tokens sit (Note [sequence layouts] in usp_dit.sharding.layouts): every cut of this
     # transformer's tokens and tables, its attention calls and the gather use it.
     layout: str = "contiguous"
     text_len: int | None = None

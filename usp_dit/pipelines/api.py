@@ -20,15 +20,14 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from diffusers import DiffusionPipeline
 
+from usp_dit.distributed.mesh import USPMesh, init_usp
 from usp_dit.kernels import get_backend
-from usp_dit.mesh import USPMesh, init_usp
 from usp_dit.pipelines.base import (
     MISSING,
     ModelAdapter,
@@ -50,6 +49,7 @@ from usp_dit.pipelines.replica_forward import (
     split_cfg_batch,
     sync_arguments,
 )
+from usp_dit.pipelines.state import USPState
 
 __all__ = [
     "ReplicaForward",
@@ -69,24 +69,6 @@ __all__ = [
 ]
 
 _STATE_ATTR = "_usp_dit_state"
-
-
-@dataclass(eq=False)
-class USPState:
-    """What ``enable_usp`` did to one transformer, kept on it until ``disable_usp``."""
-
-    mesh: USPMesh
-    adapter: ModelAdapter
-    backend: str
-    sync_inputs: bool
-    forward_attr: Any = MISSING  # the instance attribute ``forward`` the adapter left (if any)
-    wrapped: bool = False
-    pipe_ref: Any = None  # weakref to the pipeline enable_usp was called on, if any
-    progress_config: Any = MISSING  # that pipeline's progress-bar config before enable (ranks > 0)
-    latents_attr: Any = MISSING  # its instance attribute ``prepare_latents`` before enable, if any
-    latents_wrapped: bool = False
-    vae: Any = None  # the pipeline's VAE when enable_usp split its decode (usp_dit.pipelines.vae)
-    cfg_pair: Any = None  # cfg_pair.CfgPair at cfg_degree=2 on a two-call family (Note [two calls a step])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +256,7 @@ def enable_usp(
             cannot split is decoded whole on every rank, said once in the log).
         degrees: ``"auto"``: the planner chooses the degrees and the ring schedule for this
             job's world size at the model's usual output size (``usp_dit.plan``, whose
-            ``explain()`` rank 0 logs); or a ``usp_dit.plan.Plan`` made for the size you
+            ``explain()`` rank 0 logs); or a ``usp_dit.Plan`` made for the size you
             generate. Replaces ``ulysses_degree``, ``ring_degree``, ``cfg_degree`` and
             ``ring_schedule``.
 
@@ -312,14 +294,14 @@ def enable_usp(
 
 def _planned(pipe_or_transformer: Any, degrees: Any) -> tuple[int, int, int, str]:
     """``(ulysses, ring, cfg, ring_schedule)`` from ``degrees="auto"`` or a ``Plan``."""
-    from usp_dit.plan import Plan, plan
+    from usp_dit.planner.plan import Plan, plan
 
     if isinstance(degrees, str) and degrees == "auto":
         degrees = plan(pipe_or_transformer, world_size=_world_size())
         if _global_rank() == 0:
             logging.getLogger("usp_dit").info("usp_dit: degrees='auto' chose\n%s", degrees.explain())
     if not isinstance(degrees, Plan):
-        raise ValueError(f"degrees={degrees!r}: pass 'auto' or a usp_dit.plan.Plan (or leave it None)")
+        raise ValueError(f"degrees={degrees!r}: pass 'auto' or a usp_dit.Plan (or leave it None)")
     if degrees.world_size != _world_size():
         raise ValueError(f"degrees: the plan is for world_size={degrees.world_size}, this job has {_world_size()} ranks")
     return degrees.ulysses_degree, degrees.ring_degree, degrees.cfg_degree, degrees.ring_schedule

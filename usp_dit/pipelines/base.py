@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
-from usp_dit.mesh import USPMesh
+from usp_dit.distributed.mesh import USPMesh
+from usp_dit.pipelines.refusals import refusal_reason
 
 
 class ModelAdapter(Protocol):
@@ -77,8 +78,6 @@ def find_adapter(transformer: torch.nn.Module) -> ModelAdapter:
     for adapter in _ADAPTERS:
         if adapter.matches(transformer):
             return adapter
-    from usp_dit.pipelines.coverage import refusal_reason  # coverage imports this module
-
     supported = sorted(a.name for a in _ADAPTERS)
     raise NotImplementedError(
         f"usp_dit cannot run {type(transformer).__name__} sequence-parallel: {refusal_reason(model_class_of(transformer))}; "
@@ -157,7 +156,7 @@ def check_ulysses_degree(num_heads: int, mesh: USPMesh, model: str) -> None:
     """Before patching: a Ulysses degree the model's attention cannot be split over.
 
     Every Ulysses rank computes attention for at least one query head, so ``ulysses_degree`` can
-    be at most the model's head count (usp_dit.partition.head_plan would refuse it at the first
+    be at most the model's head count (usp_dit.sharding.partition.head_plan would refuse it at the first
     forward; this says it at ``enable_usp``, with the model's number).
 
     Raises:

@@ -50,19 +50,26 @@ Note [step caches under USP]
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from usp_dit.mesh import USPMesh
+from usp_dit.distributed.mesh import USPMesh
+from usp_dit.distributed.replica import all_true_on_replica, comm_device, replica_groups
 from usp_dit.pipelines.base import MethodWrapper
-from usp_dit.replica import all_true_on_replica, comm_device, replica_groups
 
 if TYPE_CHECKING:
     from usp_dit.pipelines._token_sharding import ShardState
-    from usp_dit.pipelines.plan import ModelPlan
+
+
+class ModelPlan(Protocol):
+    """What a cache check reads of a family's plan (``usp_dit.pipelines.plan.ModelPlan``, which
+    imports this module: a protocol here rather than an import back up)."""
+
+    name: str
+    block_lists: tuple[str, ...]
 
 _DECISION_ATTR = "_should_compute_remaining_blocks"  # FBCHeadBlockHook's metric and decision
 _CALIBRATION_ATTR = "_perform_calibration_step"  # MagCacheBlockHook's (tail) calibration ratio

@@ -79,8 +79,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from usp_dit.logs import get_logger
-from usp_dit.mesh import USPMesh
+from usp_dit.distributed.logs import get_logger
+from usp_dit.distributed.mesh import USPMesh
 from usp_dit.pipelines.replica_forward import batch_size, gather_cfg_output, split_cfg_batch
 
 logger = get_logger("cfg_pair")

@@ -17,26 +17,9 @@ from dataclasses import dataclass
 
 import diffusers.models.transformers as diffusers_transformers
 
+from usp_dit.pipelines import families  # noqa: F401  (registers every family's adapter)
 from usp_dit.pipelines.base import registered_adapters
-
-NO_ADAPTER = "no adapter yet: its token split, positional tables and masks are not mapped"
-
-# Classes refused for a reason beyond "not written yet".
-_REASONS = {
-    "PriorTransformer": "not a DiT over latent tokens (unCLIP prior over a few embeddings): nothing to split",
-    "T5FilmDecoder": "spectrogram diffusion decoder over a short fixed sequence: nothing worth splitting",
-    "RFD4ProteinaTransformer": "protein structure model, not an image or video DiT",
-    "DualTransformer2DModel": "a pair of UNet attention blocks (Versatile Diffusion), not a pipeline's transformer",
-    "TransformerTemporalModel": "a UNet's temporal attention block, not a pipeline's transformer",
-    "Transformer2DModel": "a UNet attention block (and the legacy DiT/PixArt class), not a pipeline's transformer",
-    "MiniMaxMusic3RVQDepthDecoder": "an audio codec's depth decoder over a few tokens: nothing to split",
-    "HunyuanVideoFramepackTransformer3DModel": (
-        f"{NO_ADAPTER} (FramePack's history latents and clean-latent RoPE differ from HunyuanVideo's)"),
-    "WanVACETransformer3DModel": f"{NO_ADAPTER} (VACE's control blocks and hints beside Wan's)",
-    "WanAnimateTransformer3DModel": f"{NO_ADAPTER} (face and pose conditioning beside Wan's)",
-    "WanAnimate2Transformer3DModel": f"{NO_ADAPTER} (face and pose conditioning beside Wan's)",
-    "QwenImage21Transformer2DModel": f"{NO_ADAPTER} (a different class from Qwen-Image's)",
-}
+from usp_dit.pipelines.refusals import NO_ADAPTER, refusal_reason  # noqa: F401  (NO_ADAPTER: re-exported)
 
 
 @dataclass(frozen=True)
@@ -54,11 +37,6 @@ def _adapter_for(cls: type):
         if getattr(adapter, "model_class", None) is cls:
             return adapter
     return None
-
-
-def refusal_reason(cls: type) -> str:
-    """Why ``enable_usp`` refuses ``cls`` (a class no registered adapter handles)."""
-    return _REASONS.get(cls.__name__, NO_ADAPTER)
 
 
 def test_file(adapter) -> str:
@@ -108,6 +86,4 @@ def markdown(rows: list[Row]) -> str:
 
 
 if __name__ == "__main__":
-    import usp_dit.pipelines  # noqa: F401  (registers every adapter)
-
     sys.stdout.write(markdown(coverage()))

@@ -38,11 +38,11 @@ from typing import Any, Literal, Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from usp_dit.mesh import USPMesh
+from usp_dit.distributed.mesh import USPMesh
 from usp_dit.pipelines._routing import Route, RoutedProcessor
 from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks
 from usp_dit.pipelines.caches import CacheGuard, check_cache
-from usp_dit.sharding import shard_sequence
+from usp_dit.sharding.shard import shard_sequence
 
 
 class Installable(Protocol):
@@ -114,7 +114,7 @@ class ModelPlan:
     # Arguments of the transformer's forward the plan does not shard (e.g. ControlNet residuals,
     # (B, S, C) over the whole sequence): a call that passes one is refused (Note [checks at the call]).
     refuse_args: dict[str, str] = field(default_factory=dict)  # name -> what it is, for the message
-    # Where the tokens sit on the ranks (Note [sequence layouts] in usp_dit.layouts): "zigzag" for a
+    # Where the tokens sit on the ranks (Note [sequence layouts] in usp_dit.sharding.layouts): "zigzag" for a
     # family whose attention can be causal (its ring ranks then do equal work); the tables and
     # every routed call follow it. Only plans whose processors are routed (``_routing``) take one.
     layout: str = "contiguous"

@@ -10,14 +10,14 @@ Layout: the transformer's own arguments; the batch dimension is dim 0 of every b
 
 ``enable_usp`` (``usp_dit.pipelines.api``) installs ``ReplicaForward`` as the transformer's
 ``forward`` when the model degree C * U * R is > 1, and ``SyncedLatents`` as a pipeline's
-``prepare_latents``. The collectives within one replica are ``usp_dit.replica``'s.
+``prepare_latents``. The collectives within one replica are ``usp_dit.distributed.replica``'s.
 
 Note [model handshake]
     The input broadcast below sizes its buffers from each rank's own tensors: ranks that pass
     tensors of different shapes make gloo abort ("Received data size doesn't match") or NCCL hang,
     and bfloat16 on one rank against float16 on another (the same bytes) silently reinterprets
     them. So before anything else the wrapper agrees with the replica's other ranks on what the
-    call is (``usp_dit.handshake.agree``: one fixed-size all-gather per replica group):
+    call is (``usp_dit.distributed.handshake.agree``: one fixed-size all-gather per replica group):
 
         every argument      tensors: shape, dtype, requires_grad; lists/tuples and dicts
                             (joint_attention_kwargs): length or keys, then each item alike;
@@ -36,7 +36,7 @@ Note [model handshake]
 
     Then the inner forward runs inside ``verified_calls(mesh)``: its attention calls, whose
     metadata follows from what was agreed, skip their per-call handshake (Note [verified calls]
-    in ``usp_dit.handshake``). Only with ``sync_inputs``: without the broadcast, values (Mochi's
+    in ``usp_dit.distributed.handshake``). Only with ``sync_inputs``: without the broadcast, values (Mochi's
     prompt mask, which sets the joint length) are the caller's promise, and the per-call check
     stays. The wrapper exists only at model degree > 1: at one rank nothing is agreed or paid.
 
@@ -74,14 +74,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from usp_dit.comm import all_gather_uneven
-from usp_dit.handshake import agree, verified_calls
-from usp_dit.mesh import USPMesh
+from usp_dit.distributed.comm import all_gather_uneven
+from usp_dit.distributed.handshake import agree, verified_calls
+from usp_dit.distributed.mesh import USPMesh
+from usp_dit.distributed.replica import broadcast_from_first_rank, comm_device, replica_groups, same_on_replica
 from usp_dit.pipelines.base import MethodWrapper
-from usp_dit.replica import broadcast_from_first_rank, comm_device, replica_groups, same_on_replica
 
 if TYPE_CHECKING:
-    from usp_dit.pipelines.api import USPState
+    from usp_dit.pipelines.state import USPState
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ if TYPE_CHECKING:
 
 
 def _check_same(t: torch.Tensor, name: str, mesh: USPMesh) -> None:
-    """ValueError when ``t`` differs between ranks of the replica (``usp_dit.replica.same_on_replica``)."""
+    """ValueError when ``t`` differs between ranks of the replica (``usp_dit.distributed.replica.same_on_replica``)."""
     if not same_on_replica(t, mesh):
         raise ValueError(
             f"argument {name!r} (requires grad) differs between ranks of one model replica; "
@@ -307,7 +307,7 @@ class ReplicaForward(MethodWrapper):
     def __call__(self, *args, **kwargs):
         bound = self.__signature__.bind(*args, **kwargs)
         state, mesh = self.state, self.state.mesh
-        if torch.compiler.is_compiling():  # Note [compiled calls] in usp_dit.usp: no handshake traced
+        if torch.compiler.is_compiling():  # Note [compiled calls] in usp_dit.attention.usp: no handshake traced
             if state.sync_inputs:
                 sync_arguments(bound.arguments, mesh)
             return self._split_run_gather(bound)
@@ -323,7 +323,7 @@ class ReplicaForward(MethodWrapper):
         if mesh.cfg_degree == 1:
             return self.inner(*bound.args, **bound.kwargs)
         # A two-call family (cfg_pair Note [two calls a step]) pairs calls eagerly; a compiled call
-        # takes the batch split below (Note [compiled calls] in usp_dit.usp).
+        # takes the batch split below (Note [compiled calls] in usp_dit.attention.usp).
         if getattr(self.state, "cfg_pair", None) is not None and not torch.compiler.is_compiling():
             return self.state.cfg_pair(self.inner, self.module, bound)
         batch = split_cfg_batch(bound.arguments, mesh, getattr(self.state.adapter, "cfg_batch_args", None))

@@ -112,10 +112,13 @@ SPECS: dict[str, Callable[..., ModelSpec]] = {
     "flux": flux, "sd35": sd35, "qwen_image": qwen_image, "cogvideox": cogvideox, "mochi": mochi,
     "wan": wan, "hunyuan_video": hunyuan_video, "ltx_video": ltx_video,
 }
-# The adapter family name (usp_dit.pipelines) -> the spec builder that knows its sizes.
-FAMILIES = {
-    "Flux": "flux", "SD3": "sd35", "QwenImage": "qwen_image", "CogVideoX": "cogvideox", "Mochi": "mochi",
-    "Wan": "wan", "HunyuanVideo": "hunyuan_video", "LTX-Video": "ltx_video",
+# The Diffusers transformer class -> the spec builder that knows its sizes. By class name, so that
+# the planner needs neither Diffusers nor the adapters above it (tests/test_planner.py checks that
+# every class here is one a registered adapter runs).
+CLASSES = {
+    "FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd35", "QwenImageTransformer2DModel": "qwen_image",
+    "CogVideoXTransformer3DModel": "cogvideox", "MochiTransformer3DModel": "mochi", "WanTransformer3DModel": "wan",
+    "HunyuanVideoTransformer3DModel": "hunyuan_video", "LTXVideoTransformer3DModel": "ltx_video",
 }
 
 
@@ -130,15 +133,14 @@ def spec_for(model: str, height: int | None = None, width: int | None = None, nu
 def spec_of_transformer(transformer, height=None, width=None, num_frames=None) -> ModelSpec:
     """A spec for an instantiated transformer: its family's size formula, with the heads, head_dim,
     layers and parameter count read from the object itself (its config may differ from the release)."""
-    from usp_dit.pipelines.base import find_adapter
-
-    adapter = find_adapter(transformer)
-    family = getattr(adapter, "name", None)
-    if family not in FAMILIES:
+    # The class itself, not a subclass: the adapters match exact classes too (a subclass may
+    # change what its forward does). A PEFT or compile wrapper keeps the model's class.
+    name = type(transformer).__name__
+    if name not in CLASSES:
         raise ValueError(
-            f"the planner cannot plan a {type(transformer).__name__} (family {family!r}); it knows {sorted(FAMILIES.values())}"
+            f"the planner cannot plan a {name}; it knows {sorted(CLASSES)} (families {sorted(set(CLASSES.values()))})"
         )
-    base = spec_for(FAMILIES[family], height, width, num_frames)
+    base = spec_for(CLASSES[name], height, width, num_frames)
     cfg = transformer.config
     heads = int(getattr(cfg, "num_attention_heads", base.heads))
     head_dim = int(getattr(cfg, "attention_head_dim", base.head_dim))

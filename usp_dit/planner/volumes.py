@@ -1,7 +1,7 @@
 """Exact bytes each rank sends and receives per collective of one ``usp_attention`` call.
 
 Layout: no tensors and no processes; a call is a ``CallShape`` of integers, a result is
-``kind -> (bytes sent, bytes received)`` for one rank, the kinds of ``usp_dit.traffic`` (Note
+``kind -> (bytes sent, bytes received)`` for one rank, the kinds of ``usp_dit.distributed.traffic`` (Note
 [counting traffic]: what counts as traffic, and the all-reduce's rounding). tests/test_traffic.py
 checks every number here against the bytes the code really posts, rank by rank, on CPU grids.
 
@@ -41,9 +41,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from usp_dit.layouts import check_layout, shard_sizes
-from usp_dit.partition import HeadPlan, head_plan, ring_block_sizes, split_sizes
-from usp_dit.traffic import all_reduce_bytes
+from usp_dit.distributed.traffic import all_reduce_bytes
+from usp_dit.sharding.layouts import check_layout, shard_sizes
+from usp_dit.sharding.partition import HeadPlan, head_plan, ring_block_sizes, split_sizes
 
 SCHEDULES = ("stream", "gather_merge", "gather_one_call")
 DTYPE_BYTES = (1, 2, 4, 8)
@@ -155,7 +155,7 @@ def _check(shape: CallShape, ulysses: int, ring: int, schedule: str, rank: int |
     if schedule not in SCHEDULES:
         raise ValueError(
             f"schedule={schedule!r}; use one of {list(SCHEDULES)} (resolve 'auto' with "
-            f"usp_dit.ring.choose_schedule first: the bytes depend on the schedule that runs)"
+            f"usp_dit.attention.ring.choose_schedule first: the bytes depend on the schedule that runs)"
         )
     if rank is not None and not (isinstance(rank, int) and 0 <= rank < ulysses * ring):
         raise ValueError(f"rank={rank!r} must be a sequence rank in [0, {ulysses * ring})")
@@ -172,7 +172,7 @@ def attention_traffic(
     out; a grid of one rank moves nothing.
 
     ``schedule``: the ring forward's schedule that runs ("stream", "gather_merge",
-    "gather_one_call"; resolve "auto" with ``usp_dit.ring.choose_schedule``); ignored when
+    "gather_one_call"; resolve "auto" with ``usp_dit.attention.ring.choose_schedule``); ignored when
     ``ring`` is 1. ``layout``: the sequence layout (only the shard sizes depend on it).
 
     Raises:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
-from usp_dit.mesh import release_groups
+from usp_dit.distributed.mesh import release_groups
 
 
 def _free_port() -> int:

@@ -5,7 +5,7 @@ Layout: q (B, Sq, H, D); k, v (B, Sk, Hk, D); out like q; lse (B, Sq, H).
 Query and K/V sequences are cut into N blocks (uneven lengths allowed, as ``split_sizes`` cuts
 them); every query block attends to every K/V block through the backend and the partial results
 are merged by LSE exactly as a ring rank merges them, in each forward schedule of
-``usp_dit.ring`` (Note [ring schedule]): "stream" merges block by block, "gather_merge" attends to the
+``usp_dit.attention.ring`` (Note [ring schedule]): "stream" merges block by block, "gather_merge" attends to the
 local block and then to each run of equal-length remote blocks in one call, through the same
 functions the ring runs; "gather_one_call" makes one call per rank against the whole sequence. The
 backward feeds each block the merged out/LSE, as the ring backward does. Used by the GPU kernel
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from usp_dit.config import canonical_schedule
+from usp_dit.attention.merge import LSEMerger
+from usp_dit.attention.ring import attend_local, attend_stacks, remote_runs
+from usp_dit.distributed.config import canonical_schedule
 from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
-from usp_dit.merge import LSEMerger
-from usp_dit.partition import offsets, split_sizes
-from usp_dit.ring import attend_local, attend_stacks, remote_runs
+from usp_dit.sharding.partition import offsets, split_sizes
 
 
 def _blocks(x: torch.Tensor, n: int) -> list[torch.Tensor]:

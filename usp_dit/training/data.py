@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from usp_dit.mesh import USPMesh
-from usp_dit.replica import all_true_on_replica
+from usp_dit.distributed.mesh import USPMesh
+from usp_dit.distributed.replica import all_true_on_replica
 
 LATENT_SUFFIXES = (".pt", ".safetensors")
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".gif", ".webp")

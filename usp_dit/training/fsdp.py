@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from usp_dit.groups import register_device_mesh
-from usp_dit.mesh import USPMesh
+from usp_dit.distributed.groups import register_device_mesh
+from usp_dit.distributed.mesh import USPMesh
 
 _KINDS = ("full", "hybrid")
 

@@ -4,7 +4,7 @@ Layout: parameters and gradients as the model holds them (any shape); noise and 
 identical on the ranks of one model replica.
 
 Who is a replica and who is data parallel: Note [who is a replica, who is data parallel] in
-``usp_dit.replica``, whose helpers (groups, broadcast, checksum, device) these build on.
+``usp_dit.distributed.replica``, whose helpers (groups, broadcast, checksum, device) these build on.
 
 Note [mean over the replica is the one-process gradient]
     Autograd differentiates the sum of every rank's loss (docs/DESIGN.md "Gradient convention").
@@ -22,8 +22,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from usp_dit.mesh import USPMesh
-from usp_dit.replica import broadcast_from_first_rank, comm_device, replica_groups, same_on_replica
+from usp_dit.distributed.mesh import USPMesh
+from usp_dit.distributed.replica import broadcast_from_first_rank, comm_device, replica_groups, same_on_replica
 
 _OVER = ("replica", "world")
 _BUCKET_NUMEL = 1 << 24  # 16M elements per all-reduce: big enough to amortise latency, bounded copy

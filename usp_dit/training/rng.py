@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from usp_dit.mesh import USPMesh
+from usp_dit.distributed.mesh import USPMesh
 
 _MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # odd 64-bit constants (splitmix64)
 

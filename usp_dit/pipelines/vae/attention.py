@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional
 
-from usp_dit.comm import gather_uneven
+from usp_dit.distributed.comm import gather_uneven
 from usp_dit.pipelines.vae.halo import active, gathered_counts
 
 TOKENS = -2

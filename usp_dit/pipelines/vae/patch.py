@@ -26,9 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from usp_dit.comm import gather_uneven
-from usp_dit.logs import get_logger
-from usp_dit.mesh import USPMesh, resolve_mesh
+from usp_dit.distributed.comm import gather_uneven
+from usp_dit.distributed.logs import get_logger
+from usp_dit.distributed.mesh import USPMesh, resolve_mesh
+from usp_dit.distributed.replica import replica_group, same_on_replica
 from usp_dit.pipelines._routing import with_global
 from usp_dit.pipelines.base import restore_instance_attr, saved_instance_attr
 from usp_dit.pipelines.vae.attention import GATHERED_F
@@ -36,7 +37,6 @@ from usp_dit.pipelines.vae.halo import ROWS, RowGroup, decoding, gathered_counts
 from usp_dit.pipelines.vae.norm import group_norm_forward
 from usp_dit.pipelines.vae.recipes import Sites, classify, recipes
 from usp_dit.pipelines.vae.rows import aligned_split, can_split, row_offsets, row_split
-from usp_dit.replica import replica_group, same_on_replica
 
 _log = get_logger("vae")
 
@@ -63,7 +63,7 @@ class VAEState:
         return 1 if self.group is None else dist.get_world_size(self.group)
 
     def note(self, direction: str, reason: str) -> None:
-        """Log ``reason`` for a whole decode / encode once (rank 0 prints it: ``usp_dit.logs``)."""
+        """Log ``reason`` for a whole decode / encode once (rank 0 prints it: ``usp_dit.distributed.logs``)."""
         if (direction, reason) not in self.logged:
             self.logged.add((direction, reason))
             _log.info("parallel VAE: every rank runs the whole %s: %s", direction, reason)

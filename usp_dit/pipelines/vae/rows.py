@@ -29,7 +29,7 @@ Note [an exact parallel VAE]
 """
 from __future__ import annotations
 
-from usp_dit.partition import offsets, split_sizes
+from usp_dit.sharding.partition import offsets, split_sizes
 
 
 def row_split(height: int, parts: int) -> list[int]:

@@ -1,0 +1,50 @@
+"""Suite-wide options: ``--full`` runs the exhaustive sweeps (marked ``slow``), and every run ends
+with the seconds each test file took, so the CI budget (docs/TESTING.md) stays visible.
+
+    bash scripts/test.sh            # CI's run: everything but the ``slow`` sweeps
+    bash scripts/test.sh --full     # the exhaustive sweeps too (a developer's run before a release)
+
+A test marked ``slow`` repeats what a kept case already catches on more grids, schedules or shapes;
+the kept cases are listed in docs/TESTING.md with the bug class each one guards.
+"""
+from __future__ import annotations
+
+import collections
+import os
+
+import pytest
+
+_FILE_SECONDS: collections.Counter[str] = collections.Counter()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true", default=False,
+                     help="also run the exhaustive sweeps marked slow (USP_DIT_FULL=1 does the same)")
+
+
+def _full(config: pytest.Config) -> bool:
+    return bool(config.getoption("--full")) or os.environ.get("USP_DIT_FULL") == "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _full(config):
+        return
+    skip = pytest.mark.skip(reason="exhaustive sweep: run with bash scripts/test.sh --full")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # setup + call + teardown: a module's spawned process group is set up (and torn down) in its
+    # first (last) test's fixtures, and that is most of a distributed file's time.
+    _FILE_SECONDS[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("-", f"seconds per test file ({total:.0f} s in all)")
+    for path, seconds in _FILE_SECONDS.most_common():
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")

@@ -1,0 +1,21 @@
+"""One plan file per model family; importing this package registers every family's adapter.
+
+Layout: each family module documents its own (tokens, RoPE tables, text handling). A family
+imports the machinery of ``usp_dit.pipelines`` (base, plan, routing, token sharding); nothing in
+the machinery imports a family. docs/ADDING_A_MODEL.md: how a family is added.
+"""
+from __future__ import annotations
+
+from usp_dit.pipelines.families import (  # noqa: F401  (each module calls register_adapter on import)
+    chroma,
+    cogvideox,
+    flux,
+    flux2,
+    hunyuan_video,
+    ltx_video,
+    mochi,
+    qwen_image,
+    sd3,
+    skyreels_v2,
+    wan,
+)

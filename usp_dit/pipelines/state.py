@@ -1,0 +1,30 @@
+"""``USPState``: what ``enable_usp`` did to one transformer, kept on it until ``disable_usp``.
+
+Layout: no tensors. Its own module so that the call wrapper (``replica_forward``) and the API
+(``api``) both use it without importing each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from usp_dit.distributed.mesh import USPMesh
+from usp_dit.pipelines.base import MISSING, ModelAdapter
+
+
+@dataclass(eq=False)
+class USPState:
+    """What ``enable_usp`` did to one transformer, kept on it until ``disable_usp``."""
+
+    mesh: USPMesh
+    adapter: ModelAdapter
+    backend: str
+    sync_inputs: bool
+    forward_attr: Any = MISSING  # the instance attribute ``forward`` the adapter left (if any)
+    wrapped: bool = False
+    pipe_ref: Any = None  # weakref to the pipeline enable_usp was called on, if any
+    progress_config: Any = MISSING  # that pipeline's progress-bar config before enable (ranks > 0)
+    latents_attr: Any = MISSING  # its instance attribute ``prepare_latents`` before enable, if any
+    latents_wrapped: bool = False
+    vae: Any = None  # the pipeline's VAE when enable_usp split its decode (usp_dit.pipelines.vae)
+    cfg_pair: Any = None  # cfg_pair.CfgPair at cfg_degree=2 on a two-call family (Note [two calls a step])
