@@ -124,6 +124,35 @@ def test_import_usp_dit_loads_no_integration():
     assert attached == "usp_dit.pipelines.api _pipe_enable_usp", attached
 
 
+_ENABLE_TWICE = (
+    "pipe = tiny_flux_pipeline(); mesh = pipe.enable_usp(); "
+    "from usp_dit.pipelines import is_usp_enabled; on = is_usp_enabled(pipe.transformer); pipe.disable_usp(); "
+    "print(type(mesh).__name__, on, is_usp_enabled(pipe.transformer), type(pipe).enable_usp.__name__)"
+)
+
+
+def test_pipe_enable_usp_after_import_usp_dit_with_diffusers_imported_first():
+    """Issue 27, item 5: Diffusers first, then ``import usp_dit``: the pipeline has the methods at
+    once (the integration itself loads on their first call) and they run enable and disable."""
+    out = _fresh(
+        "import sys; from diffusers import DiffusionPipeline; import usp_dit; "
+        "print(DiffusionPipeline.enable_usp.__module__, 'usp_dit.pipelines' in sys.modules); "
+        "from usp_dit.demo.tiny_flux import tiny_flux_pipeline; " + _ENABLE_TWICE
+    )
+    assert out.splitlines() == ["usp_dit._pipeline_methods False", "USPMesh True False _pipe_enable_usp"], out
+
+
+def test_pipe_enable_usp_after_import_usp_dit_with_diffusers_imported_after():
+    """``import usp_dit`` first (no Diffusers loaded by it), then Diffusers: the one-shot import hook
+    gives ``DiffusionPipeline`` the methods as Diffusers defines it, and then leaves ``sys.meta_path``."""
+    out = _fresh(
+        "import sys, usp_dit; print('diffusers' in sys.modules); from diffusers import FluxPipeline; "
+        "print(FluxPipeline.enable_usp.__module__, any('PipelineUtilsFinder' in type(f).__name__ for f in sys.meta_path)); "
+        "from usp_dit.demo.tiny_flux import tiny_flux_pipeline; " + _ENABLE_TWICE
+    )
+    assert out.splitlines() == ["False", "usp_dit._pipeline_methods False", "USPMesh True False _pipe_enable_usp"], out
+
+
 @pytest.mark.parametrize("path", _modules("usp_dit.pipelines"), ids=lambda p: _module_name(p))
 def test_the_integration_does_not_import_the_demo_models(path):
     """The tiny models (``usp_dit.demo``) are the examples' defaults and the tests' fixtures; the

@@ -4,8 +4,10 @@ Layout everywhere: (batch, seq, heads, head_dim).
 
 ``import usp_dit`` loads the attention core alone (it needs only torch). The Diffusers integration,
 ``usp_dit.pipelines``, is imported on first use of ``usp_dit.enable_usp`` / ``disable_usp`` /
-``enable_parallel_vae`` / ``disable_parallel_vae`` (or explicitly); importing it gives every ``DiffusionPipeline`` the methods ``enable_usp(...)`` and
-``disable_usp()``. ``usp_dit.register_transformers`` (``attn_implementation="usp"`` for Hugging Face
+``enable_parallel_vae`` / ``disable_parallel_vae`` / ``pipe.enable_usp(...)`` (or explicitly):
+``import usp_dit`` gives every ``DiffusionPipeline`` the methods ``enable_usp(...)`` and
+``disable_usp()`` whether Diffusers is imported before or after it, without importing Diffusers
+itself (Note [pipeline methods on import] in ``usp_dit._pipeline_methods``). ``usp_dit.register_transformers`` (``attn_implementation="usp"`` for Hugging Face
 transformers models, ``usp_dit.llm``) imports transformers only when called.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from usp_dit import _pipeline_methods
 from usp_dit.attention.usp import AttentionOutput, usp_attention
 from usp_dit.distributed.config import USPConfig
 from usp_dit.distributed.mesh import USPMesh, init_usp, set_default_mesh, single_rank_mesh
@@ -54,3 +57,7 @@ __all__ = [
     "usp_attention",
 ]
 __version__ = "0.1.0"
+
+# pipe.enable_usp(...) works after ``import usp_dit`` in either order of import (Note [pipeline
+# methods on import]); Diffusers itself is not imported here.
+_pipeline_methods.install()
