@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from usp_dit.distributed import groups, init_usp, single_rank_mesh
+from usp_dit import init_usp, single_rank_mesh
+from usp_dit.distributed import groups
 from usp_dit.distributed.replica import (
     all_true_on_replica,
     broadcast_from_first_rank,
