@@ -36,6 +36,7 @@ from usp_dit.pipelines.base import (
     restore_instance_attr,
     saved_instance_attr,
 )
+from usp_dit.pipelines import weights
 from usp_dit.pipelines.caches import check_no_hook_over_usp
 from usp_dit.pipelines.cfg_pair import cfg_pair_for
 from usp_dit.pipelines.failure import install_failure_handler
@@ -224,6 +225,7 @@ def enable_usp(
     ring_schedule: str = "auto",
     parallel_vae: bool = True,
     degrees: Any = None,
+    shard_weights: bool = False,
 ) -> USPMesh:
     """Run a Diffusers pipeline's transformers (or a bare transformer) on a USP grid, in place.
 
@@ -259,6 +261,11 @@ def enable_usp(
             ``explain()`` rank 0 logs); or a ``usp_dit.Plan`` made for the size you
             generate. Replaces ``ulysses_degree``, ``ring_degree``, ``cfg_degree`` and
             ``ring_schedule``.
+        shard_weights: shard each transformer's weights over the ranks of its model replica
+            (FSDP2, one unit per block, gathered just in time with the next block prefetched:
+            Note [sharded weights] in ``usp_dit.pipelines.weights``): a rank holds about 1/P of
+            the weights between blocks. The output is unchanged; ``disable_usp`` gives every
+            rank its full weights back. Nothing to shard on a replica of one rank.
 
     Returns:
         The mesh in use.
@@ -280,6 +287,8 @@ def enable_usp(
     try:
         for transformer, adapter in zip(transformers, adapters):
             states.append(_enable_one(transformer, adapter, mesh, backend, sync_inputs))
+            if shard_weights:
+                states[-1].sharded = _shard(transformer, adapter, mesh)
     except BaseException:
         for transformer in transformers[:len(states)]:  # an expert that failed undoes the others
             _disable_one(transformer)
@@ -330,11 +339,22 @@ def _enable_one(transformer: torch.nn.Module, adapter: ModelAdapter, mesh: USPMe
     return state
 
 
+def _shard(transformer: torch.nn.Module, adapter: ModelAdapter, mesh: USPMesh) -> Any:
+    """``shard_weights=True`` on one enabled transformer: its plan's blocks, then the rest."""
+    plan = getattr(adapter, "plan", None)
+    if plan is None:
+        raise NotImplementedError(f"shard_weights=True needs a family plan with block lists; {adapter.name} has none")
+    return weights.shard_weights(transformer, mesh, plan.block_lists)
+
+
 def _disable_one(transformer: torch.nn.Module) -> None:
     """Undo ``_enable_one`` and, if this transformer carries it, the pipeline's patch."""
     state = transformer.__dict__.pop(_STATE_ATTR, None)
     if state is None:
         return
+    if state.sharded is not None:  # full local weights first, while the mesh's groups are live
+        weights.unshard_weights(transformer, state.sharded)
+        state.sharded = None
     if state.wrapped:
         restore_instance_attr(transformer, "forward", state.forward_attr)
     if state.cfg_pair is not None:

@@ -27,4 +27,5 @@ class USPState:
     latents_attr: Any = MISSING  # its instance attribute ``prepare_latents`` before enable, if any
     latents_wrapped: bool = False
     vae: Any = None  # the pipeline's VAE when enable_usp split its decode (usp_dit.pipelines.vae)
+    sharded: Any = None  # weights.ShardedWeights with shard_weights=True (Note [sharded weights])
     cfg_pair: Any = None  # cfg_pair.CfgPair at cfg_degree=2 on a two-call family (Note [two calls a step])

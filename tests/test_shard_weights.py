@@ -1,0 +1,208 @@
+"""``enable_usp(..., shard_weights=True)``: FSDP2 over the model replica, every family, on CPU gloo.
+
+One spawned group of 4 ranks runs every case (Note [sharded weights] in
+``usp_dit.pipelines.weights``). For each of the eleven families (its file's model builder and one
+of its harder shapes: masked prompts, ControlNet residuals, per-token timesteps, reference images,
+dual attention, diffusion forcing) on the grids (U, R, cfg) = (2,2,1), (1,4,1), (4,1,1) and
+(1,2,2) (the cfg groups share the shards: every rank of the replica holds 1/4):
+  * the output equals the one-process output (max|err| / max|ref| <= 1e-5, float32: the grid
+    reorders attention's sums, as in each family's own file) and equals the unsharded grid's
+    output exactly (0: the same weights reach the same maths; only where they sit changed);
+  * resident parameter bytes (unique storages: shards, gathered and in-flight buffers;
+    ``weights.resident_parameter_bytes``) right after each block (its parameters freed, the next
+    block's prefetched) <= model / 4 + the largest block + the transformer's direct parameters
+    + FSDP2's padding; after the call, only the shards (<= model / 4 + padding);
+  * ``disable_usp`` gives back every parameter bit for bit as a plain tensor, the model's own
+    class, no hook; the output is then bit-identical to stock, and sharding again works.
+Then: the tiny Wan 2.2 pipeline (two experts, guidance as two calls a step) on (1,2,2) with
+``shard_weights=True`` makes the same video as without; the refusals (mixed dtypes in a unit) raise
+the same ValueError on every rank; at one rank (a replica of one) nothing is sharded.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from tests.adapter_parity import forward, record
+from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
+from usp_dit.pipelines import weights
+from usp_dit.pipelines.base import find_adapter
+from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+
+TOL = 1e-5
+WORLD = 4
+GRIDS = [(2, 2, 1), (1, 4, 1), (4, 1, 1), (1, 2, 2)]
+# family: the index (or key) of its test file's SHAPES to run; harder cases where a family has them
+# (Qwen-Image's edit shape refuses a cfg split by design: its t2i shape, with holes in the mask).
+FAMILIES = {
+    "chroma": 0, "cogvideox": "GRAD_SHAPE", "flux": 3, "flux2": 1, "hunyuan_video": 2, "ltx_video": 1,
+    "mochi": "GRAD_SHAPE", "qwen_image": 0, "sd3": 2, "skyreels_v2": "df", "wan": 2,
+}
+
+
+def _build(family: str):
+    module = importlib.import_module(f"tests.test_pipeline_{family}")
+    which = FAMILIES[family]
+    if family == "skyreels_v2":
+        return module._build(which)  # its builder takes the shape's name
+    shape = getattr(module, which) if which == "GRAD_SHAPE" else module.SHAPES[which]
+    return module._build(shape)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _bound(model: torch.nn.Module, blocks: list[torch.nn.Module], ranks: int) -> tuple[int, int]:
+    """(bytes allowed right after a block, bytes allowed between calls), from the unsharded model."""
+    total = _nbytes(model.parameters())
+    largest = max(_nbytes(b.parameters()) for b in blocks)
+    direct = _nbytes(model.parameters(recurse=False))
+    # FSDP2 pads each parameter's dim 0 to a multiple of the ranks: at most ranks - 1 rows more.
+    padding = sum((ranks - 1) * p[0].numel() * p.element_size() for p in model.parameters() if p.dim() > 0)
+    return total // ranks + largest + direct + padding, total // ranks + padding
+
+
+def _fsdp_left(model: torch.nn.Module) -> int:
+    """FSDP2 traces left on any module: its class, DTensor parameters, hooks, markers."""
+    left = 0
+    for module in model.modules():
+        left += isinstance(module, FSDPModule)
+        left += any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
+        left += len(module._forward_pre_hooks) + len(module._forward_hooks)
+        left += "_is_fsdp_managed_module" in module.__dict__
+    return left
+
+
+def _family_case(family: str, mesh) -> dict[str, float]:
+    model, inputs = _build(family)
+    original = {name: p.detach().clone() for name, p in model.named_parameters()}
+    stock = forward(model, inputs)
+    enable_usp(model, mesh=mesh)
+    grid = forward(model, inputs)
+    disable_usp(model)
+
+    enable_usp(model, mesh=mesh, shard_weights=True)
+    blocks = weights.blocks_in_order(model, find_adapter(model).plan.block_lists)
+    after_block, between_calls = _bound(_build(family)[0], blocks, mesh.config.model_degree)
+    seen: list[int] = []
+    hooks = [b.register_forward_hook(lambda *_: seen.append(weights.resident_parameter_bytes(model))) for b in blocks]
+    sharded = forward(model, inputs)
+    for hook in hooks:
+        hook.remove()
+    idle = weights.resident_parameter_bytes(model)
+    sharded_classes = float(all(isinstance(u, FSDPModule) for u in [model, *blocks]))
+    disable_usp(model)
+
+    restored = all(torch.equal(p, original[name]) and type(p) is torch.nn.Parameter for name, p in model.named_parameters())
+    again = forward(model, inputs)
+    enable_usp(model, mesh=mesh, shard_weights=True)  # sharding again after an undo
+    third = forward(model, inputs)
+    disable_usp(model)
+    return {
+        "out": rel_err(sharded, stock),
+        "vs_unsharded_grid": (sharded - grid).abs().max().item(),
+        "resident_after_block_over_bound": float(max(seen) > after_block),
+        "resident_between_calls_over_bound": float(idle > between_calls),
+        "blocks_ran": float(len(seen) < len(blocks)),  # 1.0 if a block did not run
+        "not_sharded": 1.0 - sharded_classes,
+        "not_restored": float(not restored),
+        "fsdp_left": float(_fsdp_left(model)),
+        "disable_not_bit_identical": float(not torch.equal(again, stock)),
+        "reshard_vs_grid": (third - grid).abs().max().item(),
+        "block_bytes_seen_max": float(max(seen)),
+        "bound_after_block": float(after_block),
+    }
+
+
+def _wan22_pipeline_case(mesh) -> dict[str, float]:
+    """Both Wan 2.2 experts sharded on one mesh, guidance as two calls a step on the cfg groups."""
+    from usp_dit.demo.tiny_wan import tiny_wan_pipeline
+
+    def video(shard: bool) -> torch.Tensor:
+        pipe = tiny_wan_pipeline(two_experts=True)
+        pipe.enable_usp(mesh=mesh, shard_weights=shard)
+        sharded = all(isinstance(t, FSDPModule) for t in (pipe.transformer, pipe.transformer_2))
+        out = pipe("a cat", negative_prompt="blurry", height=48, width=80, num_frames=9, num_inference_steps=2,
+                   guidance_scale=4.0, max_sequence_length=16, generator=torch.Generator().manual_seed(0),
+                   output_type="pt").frames
+        pipe.disable_usp()
+        assert sharded == shard
+        return out
+
+    plain, sharded = video(False), video(True)
+    return {"video_vs_unsharded": (plain - sharded).abs().max().item()}
+
+
+def _mixed_dtypes_case(mesh) -> dict[str, float]:
+    model, _ = _build("flux")
+    model.transformer_blocks[0].norm1.linear.to(torch.float64)
+    try:
+        enable_usp(model, mesh=mesh, shard_weights=True)
+    except ValueError as err:
+        ok = "dtypes" in str(err) and "requires_grad_(False)" in str(err)
+        return {"refused": float(ok), "still_enabled": float(getattr(model, "_usp_dit_state", None) is not None)}
+    disable_usp(model)
+    return {"refused": 0.0, "still_enabled": 0.0}
+
+
+def _run_all() -> dict:
+    results: dict = {}
+    meshes = {grid: init_usp(*grid) for grid in GRIDS}
+    for family in FAMILIES:
+        for grid in GRIDS:
+            record(results, f"{family}-{grid}", lambda: _family_case(family, meshes[grid]))
+    record(results, "wan22-pipeline", lambda: _wan22_pipeline_case(meshes[(1, 2, 2)]))
+    record(results, "mixed-dtypes", lambda: _mixed_dtypes_case(meshes[(2, 2, 1)]))
+    return results
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    # check_groups=False: FSDP2's and DTensor's caches keep the meshes (and their gloo threads)
+    # they have seen for the life of the process, as in tests/test_training_fsdp_lora.py.
+    per_rank = run_spawned(_run_all, WORLD, check_groups=False)
+    assert_no_crash(per_rank)
+    return per_rank
+
+
+def _case(results: list[dict], key: str) -> list[dict]:
+    cases = [r[key] for r in results]
+    for case in cases:
+        assert not isinstance(case, str), case  # record() keeps a failing case's traceback
+    return cases
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: "u{}r{}cfg{}".format(*g))
+def test_sharded_weights_give_the_same_output_in_a_quarter_of_the_memory(results, family, grid):
+    for rank, case in enumerate(_case(results, f"{family}-{grid}")):
+        assert case["out"] <= TOL, (rank, case)
+        assert case["vs_unsharded_grid"] == 0.0, (rank, case)
+        assert case["reshard_vs_grid"] == 0.0, (rank, case)
+        for flag in ("resident_after_block_over_bound", "resident_between_calls_over_bound", "blocks_ran",
+                     "not_sharded", "not_restored", "fsdp_left", "disable_not_bit_identical"):
+            assert case[flag] == 0.0, (rank, flag, case)
+
+
+def test_both_wan22_experts_sharded_make_the_same_video(results):
+    for case in _case(results, "wan22-pipeline"):
+        assert case["video_vs_unsharded"] == 0.0, case
+
+
+def test_mixed_dtypes_in_a_unit_are_refused_on_every_rank(results):
+    for case in _case(results, "mixed-dtypes"):
+        assert case == {"refused": 1.0, "still_enabled": 0.0}
+
+
+def test_one_rank_shards_nothing():
+    model, inputs = _build("flux")
+    stock = forward(model, inputs)
+    enable_usp(model, mesh=single_rank_mesh(), shard_weights=True)
+    assert not isinstance(model, FSDPModule)
+    assert torch.equal(forward(model, inputs), stock)
+    disable_usp(model)

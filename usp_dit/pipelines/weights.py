@@ -1,0 +1,198 @@
+"""Sharded weights for inference: FSDP2 over the ranks of one model replica, undone exactly.
+
+Layout: a sharded parameter is a DTensor ``Shard(0)`` over the replica's ranks (cfg x ring x
+ulysses, in mesh order); activations are untouched (the token split is USP's, inside the model).
+
+Note [sharded weights]
+    Sequence parallelism splits activations; every rank still holds every weight. With
+    ``enable_usp(..., shard_weights=True)`` each block of the family's plan (``block_lists``),
+    each child of the transformer outside those lists that holds parameters (embedders, final
+    norm and projection), and the transformer itself (its own few direct parameters, e.g. Wan's
+    ``scale_shift_table``) become ``fully_shard`` units over the ranks of the model replica, so
+    that between blocks a rank holds its shards, the block running, the next one, and those
+    direct parameters:
+      * a rank keeps 1/P of each unit (P = cfg x ring x ulysses); a unit's parameters are
+        all-gathered just before it runs and freed after (``reshard_after_forward=True``, the root
+        included: between two calls a rank holds only its shards);
+      * while block i runs, block i+1's all-gather is already issued
+        (``set_modules_to_forward_prefetch``, in the order of the plan's block lists), so on a GPU
+        it overlaps block i's compute; the transformer prefetches block 0 likewise;
+      * every rank of the replica runs every block in the same order, as the sequence split
+        already requires (the cfg groups too: Note [two calls a step] makes every rank take the
+        same decisions, and a step cache's skip is agreed over the replica), so the all-gathers
+        pair up. Data-parallel replicas shard apart.
+    The maths is unchanged: a block computes with its full weights, bit for bit the tensors it
+    was given, so the output equals the unsharded grid's (exact in float32; tests/
+    test_shard_weights.py).
+
+    ``unshard_weights`` (run by ``disable_usp``) gives every parameter back as a full local
+    tensor (an all-gather per parameter, in module order on every rank) and removes FSDP2's
+    hooks, state and generated class, so the transformer is the module it was (and can be
+    sharded again). FSDP2 has no public "undo": the state it keeps (``contract``'s per-module
+    dicts, ``_module_state_mapping``) is removed here by name; tests check that nothing of it is
+    left.
+
+    A unit's parameters that require grad must share one dtype (FSDP2 all-gathers a unit in one
+    buffer): checked at enable, with the way out in the message.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from usp_dit.distributed.groups import register_device_mesh
+from usp_dit.distributed.mesh import USPMesh
+from usp_dit.distributed.replica import replica_group
+
+
+@dataclass
+class ShardedWeights:
+    """What ``shard_weights`` did to one transformer: its units, root last (their order of sharding)."""
+
+    units: list[torch.nn.Module] = field(default_factory=list)
+    classes: dict[int, type] = field(default_factory=dict)  # id(unit) -> its class before fully_shard
+
+
+def replica_device_mesh(mesh: USPMesh) -> DeviceMesh | None:
+    """A 1-D DeviceMesh over this rank's model replica (cfg x ring x ulysses); ``None`` for one rank."""
+    group = replica_group(mesh)
+    if group is None:
+        return None
+    return register_device_mesh(DeviceMesh.from_group(group, mesh.device_type, mesh_dim_names=("replica",)))
+
+
+def blocks_in_order(transformer: torch.nn.Module, block_lists: Iterable[str]) -> list[torch.nn.Module]:
+    """Every block of ``block_lists``, in the order the lists are named (the order they run)."""
+    return [block for name in block_lists for block in getattr(transformer, name)]
+
+
+def check_unit_dtypes(unit: torch.nn.Module, name: str) -> None:
+    """Raise ``ValueError`` when ``unit``'s parameters that require grad mix dtypes (FSDP2 refuses)."""
+    dtypes = sorted({str(p.dtype) for p in unit.parameters() if p.requires_grad})
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"shard_weights=True: {name} has parameters of dtypes {dtypes} that require grad; FSDP2 gathers "
+            "a unit in one dtype. For inference call transformer.requires_grad_(False) first, or cast the "
+            "model to one dtype"
+        )
+
+
+def outer_modules(transformer: torch.nn.Module, block_lists: Iterable[str]) -> list[torch.nn.Module]:
+    """The transformer's children outside its block lists that hold parameters (embedders, final
+    norm and projection): units of their own, gathered only while they run."""
+    lists = set(block_lists)
+    return [child for name, child in transformer.named_children()
+            if name not in lists and any(True for _ in child.parameters())]
+
+
+def shard_weights(transformer: torch.nn.Module, mesh: USPMesh, block_lists: Iterable[str]) -> ShardedWeights | None:
+    """Note [sharded weights]: shard every block, each outer module, then the rest, over the
+    replica; prefetch the next block.
+
+    Returns the record ``unshard_weights`` needs, or ``None`` when the replica is one rank
+    (nothing to shard: the model is left untouched).
+
+    Raises:
+        ValueError: mixed parameter dtypes in a unit (see ``check_unit_dtypes``).
+    """
+    device_mesh = replica_device_mesh(mesh)
+    if device_mesh is None:
+        return None
+    block_lists = tuple(block_lists)
+    blocks = blocks_in_order(transformer, block_lists)
+    units = [*blocks, *outer_modules(transformer, block_lists), transformer]
+    for i, unit in enumerate(units):
+        check_unit_dtypes(unit, f"unit {i} ({type(unit).__name__})")
+    record = ShardedWeights()
+    for unit in units:
+        record.classes[id(unit)] = type(unit)
+        fully_shard(unit, mesh=device_mesh, reshard_after_forward=True)
+        record.units.append(unit)
+    for current, following in zip([transformer, *blocks], blocks):
+        current.set_modules_to_forward_prefetch([following])
+    return record
+
+
+def _full_local_parameters(module: torch.nn.Module) -> None:
+    """Replace every DTensor parameter of ``module``'s tree by its full tensor (a collective: every
+    rank walks the same modules in the same order)."""
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if isinstance(param, DTensor):
+                full = param.full_tensor().detach()
+                sub._parameters[name] = torch.nn.Parameter(full, requires_grad=param.requires_grad)
+
+
+def _forget_fsdp(unit: torch.nn.Module, cls: type) -> None:
+    """Remove FSDP2's hooks, per-module state and generated class from one unit."""
+    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+    from torch.distributed._composable_state import _module_state_mapping
+
+    state = unit._get_fsdp_state()
+    for handle in {id(h): h for h in (state._pre_forward_hook_handle, state._post_forward_hook_handle)}.values():
+        handle.remove()
+    states = unit.__dict__.get(STATE_KEY, {})
+    for key in [k for k, v in states.items() if v is state]:
+        del states[key]
+    unit.__dict__.get(REGISTRY_KEY, {}).pop("fully_shard", None)
+    _module_state_mapping.pop(unit, None)
+    unit.__class__ = cls
+
+
+def unshard_weights(transformer: torch.nn.Module, record: ShardedWeights) -> None:
+    """Undo ``shard_weights``: full local parameters, no FSDP2 hook, state or class left."""
+    for unit in record.units:
+        unit.reshard()  # a known state: every parameter its sharded DTensor
+    _full_local_parameters(transformer)
+    for unit in reversed(record.units):
+        _forget_fsdp(unit, record.classes[id(unit)])
+    for sub in transformer.modules():  # markers fully_shard leaves for Dynamo
+        for attr in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
+            sub.__dict__.pop(attr, None)
+    record.units.clear()
+
+
+def _fsdp_tensors(unit: torch.nn.Module) -> Iterable[torch.Tensor]:
+    """Every tensor FSDP2 keeps for ``unit``'s parameters: shards, gathered parameters, all-gather
+    buffers (a prefetched unit's, not yet swapped in). Freed ones have storages of 0 bytes (FSDP2
+    frees by resizing). FSDP2 internals, read for this count only."""
+    for group in unit._get_fsdp_state()._fsdp_param_groups:
+        pending = getattr(group, "_all_gather_result", None)
+        if pending is not None:
+            yield pending.all_gather_output
+        for fsdp_param in group.fsdp_params:
+            yield fsdp_param._sharded_param_data
+            yield from fsdp_param.all_gather_outputs
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                yield unsharded
+
+
+def resident_parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of parameter storage this rank holds for ``module``'s tree now, each storage once:
+    plain parameters, and for sharded units their shards plus whatever is gathered or being
+    gathered (Note [sharded weights]; a diagnostic, for tests and the planner's checks)."""
+    tensors = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            tensors.extend(_fsdp_tensors(sub))
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """True while ``shard_weights`` holds ``module`` (FSDP2's class is on it)."""
+    return isinstance(module, FSDPModule)
+
+
+__all__ = ["ShardedWeights", "blocks_in_order", "is_sharded", "outer_modules", "replica_device_mesh", "resident_parameter_bytes",
+           "shard_weights", "unshard_weights"]
