@@ -1,5 +1,7 @@
 """The model coverage table: every Diffusers transformer class is supported (with its test) or refused
-(with the reason ``enable_usp`` gives), and docs/COVERAGE.md is exactly what the code says.
+(with the reason ``enable_usp`` gives), and docs/COVERAGE.md is exactly what the code says; the
+README's table of supported families (between ``<!-- families:begin -->`` and ``<!-- families:end -->``)
+is exactly ``families_markdown(supported_families())``.
 
 No processes: the table is derived from the registered adapters and checked against the file;
 enabling a refused class is checked on a one-rank mesh (the refusal comes before any communication).
@@ -15,7 +17,15 @@ import usp_dit
 import usp_dit.pipelines  # noqa: F401  (registers every adapter)
 from usp_dit import single_rank_mesh
 from usp_dit.pipelines.base import registered_adapters
-from usp_dit.pipelines.coverage import NO_ADAPTER, coverage, markdown
+from usp_dit.pipelines.coverage import (
+    FAMILY_PIPELINES,
+    NO_ADAPTER,
+    FamilyPipelines,
+    coverage,
+    families_markdown,
+    markdown,
+    supported_families,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -23,6 +33,39 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_docs_coverage_is_the_generated_table():
     text = (ROOT / "docs" / "COVERAGE.md").read_text()
     assert text == markdown(coverage()), "docs/COVERAGE.md is stale: python -m usp_dit.pipelines.coverage > docs/COVERAGE.md"
+
+
+FAMILIES_BEGIN, FAMILIES_END = "<!-- families:begin -->\n", "<!-- families:end -->"
+
+
+def test_readme_families_table_is_the_generated_table():
+    text = (ROOT / "README.md").read_text()
+    assert text.count(FAMILIES_BEGIN) == 1 and text.count(FAMILIES_END) == 1, "README.md lost its families markers"
+    table = text.split(FAMILIES_BEGIN, 1)[1].split(FAMILIES_END, 1)[0]
+    assert table == families_markdown(supported_families()), (
+        "README.md's families table is stale: replace the lines between its markers with the output of "
+        "python -m usp_dit.pipelines.coverage --families"
+    )
+
+
+def test_families_table_rows_follow_the_plans():
+    rows = {r.family: r for r in supported_families()}
+    assert set(rows) == {a.name for a in registered_adapters()}
+    for adapter in registered_adapters():
+        row = rows[adapter.name]
+        assert row.model_class == adapter.model_class.__name__
+        assert row.cfg.startswith("two calls a step") == bool(adapter.cfg_branch_args), row
+        assert row.vae.startswith("yes ("), row  # every supported family's VAE has a recipe today
+
+
+def test_families_table_refuses_a_pipeline_of_another_family_and_a_missing_family(monkeypatch):
+    monkeypatch.setitem(FAMILY_PIPELINES, "Flux", FamilyPipelines("x", ("MochiPipeline",)))
+    wrong = "MochiPipeline's transformer is .*MochiTransformer3DModel.*not FluxTransformer2DModel"
+    with pytest.raises(ValueError, match=wrong):
+        supported_families()
+    monkeypatch.delitem(FAMILY_PIPELINES, "Flux")
+    with pytest.raises(ValueError, match="must name every registered family"):
+        supported_families()
 
 
 def test_every_registered_adapter_is_in_the_table_with_a_test_that_names_its_class():

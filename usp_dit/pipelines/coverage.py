@@ -9,10 +9,29 @@ class's evidence is its adapter module's test file, ``tests/test_pipeline_<modul
 class carries the reason ``enable_usp`` gives (``find_adapter`` raises ``NotImplementedError``
 with it). ``python -m usp_dit.pipelines.coverage`` prints the table of docs/COVERAGE.md, and
 tests/test_coverage.py checks that the file is that output.
+
+``supported_families()`` is the README's table of supported families, one row per registered adapter
+(``python -m usp_dit.pipelines.coverage --families`` prints it; tests/test_coverage.py checks the
+README's copy between its ``<!-- families:begin -->`` / ``<!-- families:end -->`` markers):
+
+  * transformer class and CFG mode: from the family's ``ModelPlan`` (``cfg_branch_args`` set: the
+    pipeline calls the transformer once per guidance branch and ``cfg_degree=2`` runs the two
+    calls of a step at once, ``usp_dit.pipelines.cfg_pair`` Note [two calls a step]; else the
+    pipeline batches [uncond, cond] and ``cfg_batch_args`` splits it);
+  * parallel VAE: the ``vae`` annotation of each listed pipeline's ``__init__`` (read from
+    Diffusers), looked up in ``usp_dit.pipelines.vae.recipes.recipes()``;
+  * what no plan says, kept in ``FAMILY_PIPELINES`` below: the variants and Diffusers pipelines a
+    family is for (as its module docstring names them), and its one-call-a-step
+    (guidance-distilled) variants. Each listed pipeline's ``transformer`` annotation must name the
+    family's class, and every registered family must have an entry: otherwise ``supported_families()``
+    raises, and the README test fails.
 """
 from __future__ import annotations
 
+import inspect
 import sys
+import types
+import typing
 from dataclasses import dataclass
 
 import diffusers.models.transformers as diffusers_transformers
@@ -85,5 +104,153 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True)
+class FamilyPipelines:
+    """What a family's plan does not say (see the module docstring): ``variants`` (checkpoints, as
+    the family module documents them), ``pipelines`` (Diffusers pipeline class names: their
+    transformer must be the family's class; their VAE fills the table's VAE column) and
+    ``one_call``: variants that make one transformer call a step (guidance distilled into the model,
+    or steps distilled), where ``cfg_degree=2`` splits a batch of prompts and runs a batch of one
+    whole on both groups (correct, no faster)."""
+
+    variants: str
+    pipelines: tuple[str, ...]
+    one_call: str = ""
+
+
+# Adapter name -> what the plan does not say; the README table's rows, in this order (images, then video).
+FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
+    "Flux": FamilyPipelines("Flux.1 dev, schnell", ("FluxPipeline",),
+                            one_call="Flux.1-dev without true CFG (guidance-distilled)"),
+    "Flux2": FamilyPipelines("FLUX.2-dev, FLUX.2-klein", ("Flux2Pipeline", "Flux2KleinPipeline"),
+                             one_call="FLUX.2-dev (guidance-distilled) and the step-distilled Klein"),
+    "Chroma": FamilyPipelines("Chroma1-HD, -Base, -Flash", ("ChromaPipeline",)),
+    "QwenImage": FamilyPipelines(
+        "Qwen-Image, -Edit, -Edit-2511, -Layered",
+        ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline"),
+    ),
+    "SD3": FamilyPipelines("SD3 Medium; SD3.5 Large, Medium", ("StableDiffusion3Pipeline",)),
+    "CogVideoX": FamilyPipelines("2B, 5B, 1.5; text- and image-to-video",
+                                 ("CogVideoXPipeline", "CogVideoXImageToVideoPipeline")),
+    "Mochi": FamilyPipelines("Mochi 1", ("MochiPipeline",)),
+    "Wan": FamilyPipelines("Wan 2.1 T2V, I2V, FLF2V; Wan 2.2 A14B (both experts on one mesh), TI2V-5B",
+                           ("WanPipeline", "WanImageToVideoPipeline")),
+    "HunyuanVideo": FamilyPipelines("T2V; I2V (latent_concat, token_replace)",
+                                    ("HunyuanVideoPipeline", "HunyuanVideoImageToVideoPipeline"),
+                                    one_call="T2V without true CFG (guidance-distilled)"),
+    "LTX-Video": FamilyPipelines("text-, image-to-video, condition",
+                                 ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline")),
+    "SkyReels-V2": FamilyPipelines(
+        "T2V, I2V; diffusion forcing (block-causal attention)",
+        ("SkyReelsV2Pipeline", "SkyReelsV2ImageToVideoPipeline", "SkyReelsV2DiffusionForcingPipeline"),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class FamilyRow:
+    """One supported family as the README shows it."""
+
+    family: str
+    model_class: str
+    variants: str
+    pipelines: tuple[str, ...]
+    cfg: str
+    vae: str
+
+
+def _classes(annotation: typing.Any) -> list[type]:
+    """The classes an ``__init__`` annotation names (``X``, ``X | None``, ``Optional[X]``, ``Union[...]``)."""
+    if isinstance(annotation, type) and not isinstance(annotation, types.GenericAlias):
+        return [annotation]
+    return [c for arg in typing.get_args(annotation) for c in _classes(arg)]
+
+
+def _components(pipeline: type, *names: str) -> list[type]:
+    params = inspect.signature(pipeline.__init__).parameters
+    return [c for name in names if name in params for c in _classes(params[name].annotation)]
+
+
+def _cfg_mode(adapter, one_call: str) -> str:
+    if getattr(adapter, "cfg_branch_args", ()):
+        mode = "two calls a step (true CFG), run at once on the two groups"
+    elif getattr(adapter, "cfg_batch_args", ()):
+        mode = "one call on the [uncond, cond] batch, split over the two groups"
+    else:
+        mode = "none: `cfg_degree=2` splits a batch of prompts"
+    if one_call:
+        mode += f"; one call a step for {one_call}: a batch of prompts split, a batch of one run whole on both"
+    return mode
+
+
+def _vae_mode(vaes: list[type]) -> str:
+    from usp_dit.pipelines.vae.recipes import Recipe, recipes
+
+    known = recipes()
+    default_refuse = Recipe.__dataclass_fields__["refuse"].default
+    cells = []
+    for vae in vaes:
+        recipe = known.get(vae)
+        if recipe is None:
+            cells.append(f"no (`{vae.__name__}`: decoded whole on every rank)")
+        elif recipe.refuse is not default_refuse:
+            cells.append(f"yes (`{vae.__name__}`; some configurations decode whole)")
+        else:
+            cells.append(f"yes (`{vae.__name__}`)")
+    return "; ".join(cells)
+
+
+def supported_families() -> list[FamilyRow]:
+    """The supported families, in ``FAMILY_PIPELINES`` order; raises ``ValueError`` when the table and
+    the code disagree (a registered family without an entry, an entry without a family, a pipeline
+    Diffusers does not export or whose transformer is another class)."""
+    import diffusers
+
+    adapters = {adapter.name: adapter for adapter in registered_adapters()}
+    if set(adapters) != set(FAMILY_PIPELINES):
+        raise ValueError(
+            f"FAMILY_PIPELINES ({sorted(FAMILY_PIPELINES)}) must name every registered family ({sorted(adapters)})"
+        )
+    rows = []
+    for name, info in FAMILY_PIPELINES.items():
+        adapter = adapters[name]
+        vaes: list[type] = []
+        for pipeline_name in info.pipelines:
+            if pipeline_name not in dir(diffusers):
+                raise ValueError(f"{name}: Diffusers {diffusers.__version__} exports no {pipeline_name}")
+            pipeline = getattr(diffusers, pipeline_name)
+            transformers = _components(pipeline, "transformer", "transformer_2")
+            if adapter.model_class not in transformers:
+                raise ValueError(f"{name}: {pipeline_name}'s transformer is {[c.__name__ for c in transformers]}, "
+                                 f"not {adapter.model_class.__name__}")
+            vaes += [v for v in _components(pipeline, "vae") if v not in vaes]
+        rows.append(FamilyRow(name, adapter.model_class.__name__, info.variants, info.pipelines,
+                              _cfg_mode(adapter, info.one_call), _vae_mode(vaes)))
+    return rows
+
+
+def families_markdown(rows: list[FamilyRow]) -> str:
+    """The README's table of supported families (between its ``<!-- families:begin/end -->`` markers)."""
+    lines = [
+        "| family | transformer | variants | Diffusers pipelines | CFG with `cfg_degree=2` | parallel VAE decode |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        pipelines = ", ".join(f"`{p}`" for p in r.pipelines)
+        lines.append(f"| {r.family} | `{r.model_class}` | {r.variants} | {pipelines} | {r.cfg} | {r.vae} |")
+    lines += [
+        "",
+        "Made by `python -m usp_dit.pipelines.coverage --families` from the registered adapters (their",
+        "`ModelPlan`s), the pipelines' own signatures and the parallel VAE's recipes;",
+        "tests/test_coverage.py fails when this table is out of date.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
-    sys.stdout.write(markdown(coverage()))
+    if sys.argv[1:] == ["--families"]:
+        sys.stdout.write(families_markdown(supported_families()))
+    elif sys.argv[1:]:
+        sys.exit("usage: python -m usp_dit.pipelines.coverage [--families]")
+    else:
+        sys.stdout.write(markdown(coverage()))
