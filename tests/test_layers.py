@@ -16,6 +16,7 @@ import is still a dependency), is checked:
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,7 @@ def _layer(name: str) -> int:
     return layer
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
     """Module -> the package's modules it imports (a name ``pkg.mod.attr`` counts as ``pkg.mod``)."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}

@@ -15,8 +15,10 @@ dual attention, diffusion forcing) on the grids (U, R, cfg) = (2,2,1), (1,4,1), 
   * ``disable_usp`` gives back every parameter bit for bit as a plain tensor, the model's own
     class, no hook; the output is then bit-identical to stock, and sharding again works.
 Then: the tiny Wan 2.2 pipeline (two experts, guidance as two calls a step) on (1,2,2) with
-``shard_weights=True`` makes the same video as without; the refusals (mixed dtypes in a unit) raise
-the same ValueError on every rank; at one rank (a replica of one) nothing is sharded.
+``shard_weights=True`` makes the same video as without; a block holding a float64 submodule
+shards (the submodule a unit of its own: Note [one dtype a unit]) with the same output, and a
+module whose own parameters mix dtypes is refused (ValueError on every rank, nothing left
+sharded or enabled); at one rank (a replica of one) nothing is sharded.
 """
 from __future__ import annotations
 
@@ -139,15 +141,42 @@ def _wan22_pipeline_case(mesh) -> dict[str, float]:
 
 
 def _mixed_dtypes_case(mesh) -> dict[str, float]:
+    """Note [one dtype a unit]: a block with a float64 submodule (as models keep norms in float32
+    beside bfloat16 weights) shards, the submodule a unit of its own; a module whose own weight
+    and bias differ in dtype is refused before anything is sharded."""
+    model, inputs = _build("flux")
+    model.transformer_blocks[0].norm1.to(torch.float64)
+    model.transformer_blocks[0].norm1.forward = _in_float64(model.transformer_blocks[0].norm1)
+    enable_usp(model, mesh=mesh)
+    grid = forward(model, inputs)
+    disable_usp(model)
+    enable_usp(model, mesh=mesh, shard_weights=True)
+    norm_unit = float(isinstance(model.transformer_blocks[0].norm1, FSDPModule))
+    sharded = forward(model, inputs)
+    disable_usp(model)
     model, _ = _build("flux")
-    model.transformer_blocks[0].norm1.linear.to(torch.float64)
+    model.transformer_blocks[1].ff.net[2].bias.data = model.transformer_blocks[1].ff.net[2].bias.data.double()
     try:
         enable_usp(model, mesh=mesh, shard_weights=True)
+        refused = 0.0
+        disable_usp(model)
     except ValueError as err:
-        ok = "dtypes" in str(err) and "requires_grad_(False)" in str(err)
-        return {"refused": float(ok), "still_enabled": float(getattr(model, "_usp_dit_state", None) is not None)}
-    disable_usp(model)
-    return {"refused": 0.0, "still_enabled": 0.0}
+        refused = float("itself" in str(err) and "cast the model to one dtype" in str(err))
+    return {"vs_unsharded_grid": (sharded - grid).abs().max().item(), "norm_unit": norm_unit, "refused": refused,
+            "still_enabled": float(getattr(model, "_usp_dit_state", None) is not None),
+            "still_sharded": float(any(isinstance(m, FSDPModule) for m in model.modules()))}
+
+
+class _in_float64:
+    """A float64 module in a float32 model: its input cast up, its outputs cast back."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.inner = type(module).forward.__get__(module)
+
+    def __call__(self, x, *args, **kwargs):
+        up = [a.double() if torch.is_tensor(a) else a for a in args]
+        out = self.inner(x.double(), *up, **{k: v.double() if torch.is_tensor(v) else v for k, v in kwargs.items()})
+        return tuple(o.float() if torch.is_tensor(o) else o for o in out)
 
 
 def _run_all() -> dict:
@@ -194,9 +223,10 @@ def test_both_wan22_experts_sharded_make_the_same_video(results):
         assert case["video_vs_unsharded"] == 0.0, case
 
 
-def test_mixed_dtypes_in_a_unit_are_refused_on_every_rank(results):
+def test_a_block_of_mixed_dtypes_shards_and_mixed_parameters_are_refused(results):
     for case in _case(results, "mixed-dtypes"):
-        assert case == {"refused": 1.0, "still_enabled": 0.0}
+        assert case == {"vs_unsharded_grid": 0.0, "norm_unit": 1.0, "refused": 1.0, "still_enabled": 0.0,
+                        "still_sharded": 0.0}, case
 
 
 def test_one_rank_shards_nothing():

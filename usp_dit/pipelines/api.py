@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from diffusers import DiffusionPipeline
 
+import usp_dit.pipelines.encoders as encoders
+import usp_dit.pipelines.weights as weights
 from usp_dit.distributed.mesh import USPMesh, init_usp
 from usp_dit.kernels import get_backend
 from usp_dit.pipelines.base import (
@@ -36,7 +38,6 @@ from usp_dit.pipelines.base import (
     restore_instance_attr,
     saved_instance_attr,
 )
-from usp_dit.pipelines import weights
 from usp_dit.pipelines.caches import check_no_hook_over_usp
 from usp_dit.pipelines.cfg_pair import cfg_pair_for
 from usp_dit.pipelines.failure import install_failure_handler
@@ -196,7 +197,21 @@ def _split_vae(pipe: Any, state: USPState) -> None:
         state.vae = vae
 
 
+def _encoder_mode(text_encoder: str | None, shard_weights: bool, pipe: Any) -> str:
+    """The text encoders' placement (Note [text encoders on a grid]), checked before any patch."""
+    if text_encoder is None:
+        return "shard" if shard_weights else "replicate"
+    if text_encoder not in encoders.MODES:
+        raise ValueError(f"text_encoder={text_encoder!r}: choose one of {encoders.MODES} (or leave it None)")
+    if pipe is None and text_encoder != "replicate":
+        raise ValueError(f"text_encoder={text_encoder!r} places a pipeline's text encoders: pass the pipeline, "
+                         "not its transformer")
+    return text_encoder
+
+
 def _unpatch_pipeline(state: USPState) -> None:
+    if state.encoders:
+        encoders.restore_encoders(state.encoders)
     if state.vae is not None:
         from usp_dit.pipelines.vae import disable_parallel_vae
 
@@ -226,6 +241,7 @@ def enable_usp(
     parallel_vae: bool = True,
     degrees: Any = None,
     shard_weights: bool = False,
+    text_encoder: str | None = None,
 ) -> USPMesh:
     """Run a Diffusers pipeline's transformers (or a bare transformer) on a USP grid, in place.
 
@@ -266,6 +282,12 @@ def enable_usp(
             Note [sharded weights] in ``usp_dit.pipelines.weights``): a rank holds about 1/P of
             the weights between blocks. The output is unchanged; ``disable_usp`` gives every
             rank its full weights back. Nothing to shard on a replica of one rank.
+        text_encoder: on a pipeline, where its text encoders live (Note [text encoders on a
+            grid] in ``usp_dit.pipelines.encoders``): "replicate" (whole on every rank),
+            "shard" (per layer over the replica, like ``shard_weights``) or "rank0" (run on the
+            replica's first rank alone, the embeddings broadcast; the other ranks drop the
+            weights). Default: "shard" with ``shard_weights=True``, else "replicate". Prompt
+            embeddings equal one process's in every mode.
 
     Returns:
         The mesh in use.
@@ -279,6 +301,7 @@ def enable_usp(
     """
     transformers, pipe = _transformers_of(pipe_or_transformer)
     _check_backend(backend)
+    encoder_mode = _encoder_mode(text_encoder, shard_weights, pipe)
     if degrees is not None and mesh is None:
         ulysses_degree, ring_degree, cfg_degree, ring_schedule = _planned(pipe_or_transformer, degrees)
     adapters = [_checked_adapter(t) for t in transformers]  # every check before anything is patched
@@ -294,6 +317,8 @@ def enable_usp(
             _disable_one(transformer)
         raise
     _patch_pipeline(pipe, states[0])  # once per pipeline: its state sits on the first transformer
+    if pipe is not None:
+        states[0].encoders = encoders.place_encoders(pipe, mesh, encoder_mode)
     if pipe is not None and parallel_vae:
         _split_vae(pipe, states[0])
     if _world_size() > 1:

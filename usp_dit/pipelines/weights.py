@@ -32,8 +32,12 @@ Note [sharded weights]
     dicts, ``_module_state_mapping``) is removed here by name; tests check that nothing of it is
     left.
 
-    A unit's parameters that require grad must share one dtype (FSDP2 all-gathers a unit in one
-    buffer): checked at enable, with the way out in the message.
+Note [one dtype a unit]
+    FSDP2 all-gathers a unit's parameters in one buffer, so they must share a dtype. Models keep
+    some modules in float32 beside bfloat16 weights (Diffusers' ``_keep_in_fp32_modules``: Wan's
+    norms and ``scale_shift_table``, T5's ``wo``). ``dtype_subunits`` makes each child subtree of
+    another dtype a unit of its own (sharded first, gathered when it runs), so a block of mixed
+    dtypes still shards, exactly. Only a module whose own direct parameters mix dtypes is refused.
 """
 from __future__ import annotations
 
@@ -71,15 +75,66 @@ def blocks_in_order(transformer: torch.nn.Module, block_lists: Iterable[str]) ->
     return [block for name in block_lists for block in getattr(transformer, name)]
 
 
-def check_unit_dtypes(unit: torch.nn.Module, name: str) -> None:
-    """Raise ``ValueError`` when ``unit``'s parameters that require grad mix dtypes (FSDP2 refuses)."""
-    dtypes = sorted({str(p.dtype) for p in unit.parameters() if p.requires_grad})
-    if len(dtypes) > 1:
-        raise ValueError(
-            f"shard_weights=True: {name} has parameters of dtypes {dtypes} that require grad; FSDP2 gathers "
-            "a unit in one dtype. For inference call transformer.requires_grad_(False) first, or cast the "
-            "model to one dtype"
-        )
+def _dtypes(module: torch.nn.Module, units: set[int] | None = None, recurse: bool = True) -> set[torch.dtype]:
+    """The dtypes of ``module``'s parameters, not counting those of modules in ``units`` (by id)."""
+    if not recurse:
+        return {p.dtype for p in module.parameters(recurse=False)}
+    out = {p.dtype for p in module.parameters(recurse=False)}
+    for child in module.children():
+        if units is None or id(child) not in units:
+            out |= _dtypes(child, units)
+    return out
+
+
+def _own_parameters(module: torch.nn.Module, units: set[int]) -> list[torch.nn.Parameter]:
+    """``module``'s parameters outside the subtrees of ``units`` (by id)."""
+    out = list(module.parameters(recurse=False))
+    for child in module.children():
+        if id(child) not in units:
+            out.extend(_own_parameters(child, units))
+    return out
+
+
+def _unit_dtype(unit: torch.nn.Module, name: str, units: set[int]) -> torch.dtype | None:
+    """The dtype a unit keeps: its own direct parameters', else the one holding most elements
+    (outside the units already planned)."""
+    own = _dtypes(unit, recurse=False)
+    if len(own) > 1:
+        raise ValueError(f"shard_weights=True: {name} holds parameters of dtypes {sorted(map(str, own))} itself; "
+                         "FSDP2 gathers a unit in one dtype: cast the model to one dtype")
+    if own:
+        return next(iter(own))
+    sizes: dict[torch.dtype, int] = {}
+    for p in _own_parameters(unit, units):
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    return max(sizes, key=sizes.__getitem__) if sizes else None
+
+
+def dtype_subunits(unit: torch.nn.Module, name: str, units: set[int], keep: torch.dtype | None = None,
+                   ) -> list[torch.nn.Module]:
+    """Note [one dtype a unit]: the submodules of ``unit`` to shard as units of their own, children
+    first, so that what each unit keeps has one dtype (``keep``: the unit's, ``_unit_dtype``).
+    Modules in ``units`` (by id: units already planned, with their subtrees) are left to themselves;
+    the new subunits are added to it.
+
+    Raises:
+        ValueError: a module whose own direct parameters mix dtypes (no split can separate them).
+    """
+    keep = _unit_dtype(unit, name, units) if keep is None else keep
+    subunits: list[torch.nn.Module] = []
+    for child_name, child in unit.named_children():
+        if id(child) in units:
+            continue
+        kinds, label = _dtypes(child, units), f"{name}.{child_name}"
+        if not kinds or kinds == {keep}:
+            continue
+        if _dtypes(child, units, recurse=False) - {keep} or len(kinds) == 1:
+            subunits.extend(dtype_subunits(child, label, units))  # a unit of its own dtype
+            subunits.append(child)
+            units.add(id(child))
+        else:  # mixed below, nothing of its own to move: split its children against ``keep``
+            subunits.extend(dtype_subunits(child, label, units, keep))
+    return subunits
 
 
 def outer_modules(transformer: torch.nn.Module, block_lists: Iterable[str]) -> list[torch.nn.Module]:
@@ -98,34 +153,46 @@ def shard_weights(transformer: torch.nn.Module, mesh: USPMesh, block_lists: Iter
     (nothing to shard: the model is left untouched).
 
     Raises:
-        ValueError: mixed parameter dtypes in a unit (see ``check_unit_dtypes``).
+        ValueError: a module whose own parameters mix dtypes (``dtype_subunits``).
     """
     device_mesh = replica_device_mesh(mesh)
     if device_mesh is None:
         return None
     block_lists = tuple(block_lists)
     blocks = blocks_in_order(transformer, block_lists)
-    units = [*blocks, *outer_modules(transformer, block_lists), transformer]
-    for i, unit in enumerate(units):
-        check_unit_dtypes(unit, f"unit {i} ({type(unit).__name__})")
     record = ShardedWeights()
-    for unit in units:
-        record.classes[id(unit)] = type(unit)
-        fully_shard(unit, mesh=device_mesh, reshard_after_forward=True)
-        record.units.append(unit)
+    shard_units(record, [*blocks, *outer_modules(transformer, block_lists), transformer], device_mesh)
     for current, following in zip([transformer, *blocks], blocks):
         current.set_modules_to_forward_prefetch([following])
     return record
 
 
+def shard_units(record: ShardedWeights, units: list[torch.nn.Module], device_mesh: DeviceMesh) -> None:
+    """``fully_shard`` each of ``units`` (children before parents), its dtype subunits first;
+    every check is made before the first unit is sharded."""
+    plan: list[torch.nn.Module] = []
+    planned: set[int] = set()
+    for i, unit in enumerate(units):
+        plan.extend(dtype_subunits(unit, f"unit {i} ({type(unit).__name__})", planned))
+        plan.append(unit)
+        planned.add(id(unit))
+    for unit in plan:
+        record.classes[id(unit)] = type(unit)
+        fully_shard(unit, mesh=device_mesh, reshard_after_forward=True)
+        record.units.append(unit)
+
+
 def _full_local_parameters(module: torch.nn.Module) -> None:
     """Replace every DTensor parameter of ``module``'s tree by its full tensor (a collective: every
-    rank walks the same modules in the same order)."""
+    rank walks the same modules in the same order). A parameter shared by several modules (tied
+    embeddings, e.g. T5's ``shared`` and ``encoder.embed_tokens``) stays one parameter."""
+    full: dict[int, torch.nn.Parameter] = {}
     for sub in module.modules():
         for name, param in list(sub._parameters.items()):
             if isinstance(param, DTensor):
-                full = param.full_tensor().detach()
-                sub._parameters[name] = torch.nn.Parameter(full, requires_grad=param.requires_grad)
+                if id(param) not in full:
+                    full[id(param)] = torch.nn.Parameter(param.full_tensor().detach(), requires_grad=param.requires_grad)
+                sub._parameters[name] = full[id(param)]
 
 
 def _forget_fsdp(unit: torch.nn.Module, cls: type) -> None:
