@@ -29,9 +29,13 @@ FBC thresholds sit far from every metric of these runs (measured: Flux 1.015, 0.
 skipped | 0.830 against 0.8; CogVideoX 1.595 | 0.659 skipped | 0.890 | 0.837 skipped | 0.918
 against 0.85), so float32 summation order (~1e-7) cannot flip a decision.
 
-Tolerance: max|err| / max|ref| <= 1e-5 on latents and Flux images, 1e-4 on CogVideoX frames: an
-untrained random video VAE multiplies the ~1e-6 of the latents (guidance 6x) about tenfold
-(tests/test_video_pipelines.py measured 1.5e-6 -> 1.4e-5). Calibration ratios: 1e-5.
+Tolerance: max|err| / max|ref| <= 1e-5 on latents and Flux images, 3e-4 on CogVideoX frames: the
+untrained random video VAE multiplies the ~1e-6 of the latents (guidance 6x) tenfold to a
+hundredfold, depending on the direction of the difference (tests/test_video_pipelines.py measured
+1.5e-6 -> 1.4e-5; here, First Block Cache on (2,2) with transformers 5.25: final latents 1.03e-6
+apart, and the *one-process* decode of the grid's latents is already 1.17e-4 from the reference
+frames, while the parallel decode of those latents is 8.5e-6 from the one-process decode of the
+same latents: the grid adds nothing, the VAE's gain does it). Calibration ratios: 1e-5.
 """
 from __future__ import annotations
 
@@ -61,7 +65,7 @@ WORLD = 4
 STEPS = 6
 GRIDS = [(2, 2, 1), (1, 2, 2), (4, 1, 1)]  # (ulysses, ring, cfg)
 ORDERS = ("cache-first", "usp-first")
-TOL = {"latents": 1e-5, "images": 1e-5, "frames": 1e-4}
+TOL = {"latents": 1e-5, "images": 1e-5, "frames": 3e-4}
 CHANGED = 1e-3  # a cache that skips must move the latents at least this much
 
 
