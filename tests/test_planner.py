@@ -27,9 +27,12 @@ from usp_dit.planner.models import SPECS, spec_for
 from usp_dit.planner.plan import main, plan
 
 WORLDS = (1, 2, 4, 8, 16, 32, 64)
+# The specs enable_usp can run (the memory table's others, HunyuanVideo 1.5 and Kandinsky 6, are
+# refused by plan(): tests/test_planner_memory.py).
+RUNNABLE = sorted(name for name in SPECS if not spec_for(name).unsupported)
 
 
-@pytest.mark.parametrize("model", sorted(SPECS))
+@pytest.mark.parametrize("model", RUNNABLE)
 def test_choices_are_valid_grids(model):
     spec = spec_for(model)
     for world in WORLDS:
@@ -131,10 +134,12 @@ def test_the_planners_classes_are_the_adapters_classes():
     from usp_dit.planner.models import CLASSES
 
     by_class = {getattr(a, "model_class", type(None)).__name__: a.name for a in registered_adapters()}
-    family_spec = {"Flux": "flux", "SD3": "sd35", "QwenImage": "qwen_image", "CogVideoX": "cogvideox",
-                   "Mochi": "mochi", "Wan": "wan", "HunyuanVideo": "hunyuan_video", "LTX-Video": "ltx_video"}
+    family_spec = {"Flux": "flux", "Flux2": "flux2", "SD3": "sd35", "QwenImage": "qwen_image",
+                   "CogVideoX": "cogvideox", "Mochi": "mochi", "Wan": "wan", "HunyuanVideo": "hunyuan_video",
+                   "LTX-Video": "ltx_video"}
     assert {name: family_spec[by_class[name]] for name in CLASSES} == CLASSES
-    assert set(CLASSES.values()) == set(SPECS)
+    # wan22 (Wan 2.2 A14B) is two WanTransformer3DModels: the "wan" class, both experts counted.
+    assert set(CLASSES.values()) == set(RUNNABLE) - {"wan22"}
 
 
 def test_a_transformer_object_is_planned_from_its_own_config():

@@ -24,25 +24,43 @@ Note [the cost model]
     The rest of the model runs on the rank's S / P tokens (plus the replicated text of "joint"
     families) at the family's measured ``other_rate``; the output (S x out_channels) is gathered
     once per call. Merges are memory-bound passes over the running result (3 x fp32 reads and
-    writes of rows x h x D at the GPU's memory bandwidth). Memory: the weights (bf16, every rank
-    holds them all in inference), activations of the rank's tokens (about 12 x hidden bf16 values
-    per token: residual, norms, q/k/v/out, the 4x MLP's intermediate) and the K/V the schedule
-    holds (two blocks streaming, every block gathered). Links: ``hardware`` Note [link defaults].
-    What is estimated rather than measured is said there and in ``kernels`` Note [kernel tables].
+    writes of rows x h x D at the GPU's memory bandwidth). Memory: ``usp_dit.planner.memory``
+    Note [memory per rank] (weights by placement, text encoders, activations, the VAE's share).
+    Links: ``hardware`` Note [link defaults]. What is estimated rather than measured is said there
+    and in ``kernels`` Note [kernel tables].
+
+Note [sharded weights cost]
+    With ``shard_weights`` every call all-gathers every FSDP2 unit of the transformer that runs
+    (Note [sharded weights]): each rank receives (P - 1) / P of a unit's bytes, over the link of
+    the replica's P ranks (``group_link(interconnect, P)``). Block i + 1's gather is issued while
+    block i computes (the prefetch), so it shows only where it takes longer; the outer units
+    (embedders, modulation, final layer) are gathered when they run, and block 0 while they do:
+
+        weight_gather per call = g(outer) + g(block 0) + sum_i max(0, g(block i+1) - c_i)
+
+    g(bytes) = the link's time for (P - 1) / P x bytes, one collective; c_i = block i's share of
+    the call's compute: the call's attention work (kernels, all-to-alls, exposed ring, joint
+    gathers) over the blocks evenly, plus the rest of the model by block i's share of the blocks'
+    parameters. Per step: x the calls a step makes (the weights are resharded after each call).
+    Not modelled: the gathers' contention with the Ulysses and ring traffic on the same links.
+    The text encoders' placement costs nothing a step: "shard" gathers the encoder once per
+    prompt encode ((P - 1) / P of its bytes; ``encode_gather_ms``), "rank0" broadcasts the
+    embeddings once.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
 from usp_dit.planner import kernels
+from usp_dit.planner import memory as memory_model
 from usp_dit.planner.hardware import GPU, Link, group_link
 from usp_dit.planner.models import ModelSpec
 from usp_dit.planner.volumes import CallShape, gather_traffic, max_traffic
 
 SCHEDULES = ("stream", "gather_merge", "gather_one_call")
 BF16 = 2
-ACTIVATION_VALUES_PER_TOKEN = 12  # x hidden, bf16 (Note [the cost model])
 
 
 @dataclass(frozen=True)
@@ -67,11 +85,21 @@ class Prediction:
     grid: Grid
     schedule: str
     step_ms: float
-    comm_bytes_per_rank: float  # sent + received, one step
-    memory_per_rank_gib: float
+    comm_bytes_per_rank: float  # sent + received, one step (the weight all-gathers included)
+    memory_per_rank_gib: float  # the rank's peak (``memory.total``)
     parts: dict[str, float] = field(default_factory=dict)
     calls_per_step: int = 1
     call_batch: int = 1
+    memory: memory_model.MemoryBreakdown | None = None
+    encode_gather_ms: float = 0.0  # "shard" text encoders: their all-gather, once per prompt encode
+
+    @property
+    def shard_weights(self) -> bool:
+        return bool(self.memory and self.memory.shard_weights)
+
+    @property
+    def text_encoder(self) -> str:
+        return self.memory.text_encoder if self.memory else "replicate"
 
 
 def call_batch(spec: ModelSpec, grid: Grid, batch: int, cfg: bool) -> tuple[int, int]:
@@ -130,24 +158,68 @@ def _attention_seconds(spec: ModelSpec, grid: Grid, schedule: str, b: int, gpu: 
     raise ValueError(f"ring_schedule={schedule!r}; choose one of {list(SCHEDULES)}")
 
 
-def _memory_gib(spec: ModelSpec, grid: Grid, schedule: str, b: int) -> float:
-    seq, joint = spec.sequence, spec.joint
-    local = math.ceil(seq / grid.sequence) + joint
-    act = b * local * spec.hidden * ACTIVATION_VALUES_PER_TOKEN * BF16
-    hk = math.ceil(spec.kv_heads / grid.ulysses)
-    blocks = 2 if grid.ring > 1 and schedule == "stream" else grid.ring
-    kv = 2 * b * blocks * math.ceil(seq / grid.ring) * hk * spec.head_dim * BF16
-    return (spec.params * BF16 + act + kv) / 2**30
+def _gather_seconds(nbytes: float, replica: int, link: Link) -> float:
+    """One all-gather in which each rank receives (P - 1) / P of ``nbytes``."""
+    return link.seconds(nbytes * (replica - 1) / replica)
+
+
+def weight_gather_seconds(spec: ModelSpec, replica: int, link: Link, attention_s: float, rest_s: float) -> float:
+    """Exposed seconds of one call's weight all-gathers (Note [sharded weights cost]);
+    ``attention_s`` / ``rest_s``: the call's attention work and the rest of the model."""
+    outer, blocks = memory_model.gathered_units(spec)
+    if replica == 1 or not blocks:
+        return 0.0
+    total_params = sum(p for _, p in blocks) or 1.0
+    exposed = _gather_seconds(outer, replica, link) + _gather_seconds(blocks[0][0], replica, link)
+    for (_, params), (following, _) in itertools.pairwise(blocks):
+        compute = attention_s / len(blocks) + rest_s * params / total_params
+        exposed += max(0.0, _gather_seconds(following, replica, link) - compute)
+    return exposed
+
+
+def placed(spec: ModelSpec, base: Prediction, *, shard_weights: bool, text_encoder: str,
+           interconnect: str = "nvlink") -> Prediction:
+    """``base`` (a prediction in any placement) in another placement of the weights and text
+    encoders: its memory (Note [memory per rank]) and, sharded, the weight all-gathers' exposed
+    time and bytes (Note [sharded weights cost])."""
+    grid, calls = base.grid, base.calls_per_step
+    replica = grid.world
+    mem = memory_model.breakdown(spec, grid.ulysses, grid.ring, replica, base.schedule, base.call_batch,
+                                 shard_weights=shard_weights, text_encoder=text_encoder)
+    link = group_link(interconnect, replica)
+    parts = {k: v for k, v in base.parts.items() if k != "weight_gather"}
+    nbytes = base.comm_bytes_per_rank - (weight_gather_bytes(spec, calls, replica) if base.shard_weights else 0.0)
+    parts["weight_gather"] = 0.0
+    if mem.shard_weights:
+        attention_ms = sum(parts[k] for k in ("attention", "ulysses_all_to_all", "ring_exposed", "joint_gathers"))
+        parts["weight_gather"] = 1e3 * calls * weight_gather_seconds(
+            spec, replica, link, attention_ms / calls / 1e3, parts["rest_of_model"] / calls / 1e3)
+        nbytes += weight_gather_bytes(spec, calls, replica)
+    encode_ms = 0.0
+    if mem.text_encoder == "shard":
+        encode_ms = 1e3 * _gather_seconds(memory_model.model_memory(spec).encoder_bytes, replica, link)
+    return Prediction(grid, base.schedule, sum(parts.values()), nbytes, mem.total, parts, calls, base.call_batch,
+                      mem, encode_ms)
+
+
+def weight_gather_bytes(spec: ModelSpec, calls: int, replica: int) -> float:
+    """Bytes a rank sends and receives a step in the sharded weights' all-gathers: (P - 1) / P of
+    the running transformer each way, every call."""
+    outer, blocks = memory_model.gathered_units(spec)
+    return 2 * calls * (outer + sum(b for b, _ in blocks)) * (replica - 1) / replica
 
 
 def predict(spec: ModelSpec, grid: Grid, schedule: str, *, batch: int = 1, cfg: bool = False,
-            interconnect: str = "nvlink", gpu: GPU, backend: str = kernels.DEFAULT_BACKEND) -> Prediction:
-    """One step of ``spec`` on ``grid`` (Note [the cost model]).
+            interconnect: str = "nvlink", gpu: GPU, backend: str = kernels.DEFAULT_BACKEND,
+            shard_weights: bool = False, text_encoder: str = "replicate") -> Prediction:
+    """One step of ``spec`` on ``grid`` (Note [the cost model]) with its weights and text
+    encoders placed as given (Note [memory per rank], Note [sharded weights cost]).
 
     Raises:
         ValueError: a grid the model cannot run (more Ulysses ranks than heads, a cfg degree the
-            guidance cannot use) or an unknown schedule.
+            guidance cannot use), an unknown schedule or text encoder placement.
     """
+    memory_model.check_text_encoder(text_encoder)
     if grid.ulysses > spec.heads:
         raise ValueError(f"ulysses_degree={grid.ulysses} exceeds {spec.name}'s {spec.heads} heads")
     calls, b = call_batch(spec, grid, batch, cfg)
@@ -174,5 +246,5 @@ def predict(spec: ModelSpec, grid: Grid, schedule: str, *, batch: int = 1, cfg: 
     }
     parts = {k: 1e3 * calls * v for k, v in per_call.items()}
     nbytes = calls * (spec.layers * sum(s + r for s, r in traffic.values()) + sum(out))
-    return Prediction(grid, schedule, sum(parts.values()), nbytes, _memory_gib(spec, grid, schedule, b), parts,
-                      calls, b)
+    base = Prediction(grid, schedule, sum(parts.values()), nbytes, 0.0, parts, calls, b)
+    return placed(spec, base, shard_weights=shard_weights, text_encoder=text_encoder, interconnect=interconnect)
