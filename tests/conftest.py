@@ -14,6 +14,8 @@ import os
 
 import pytest
 
+from usp_dit.testing import FULL_ENV
+
 _FILE_SECONDS: collections.Counter[str] = collections.Counter()
 
 
@@ -23,7 +25,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _full(config: pytest.Config) -> bool:
-    return bool(config.getoption("--full")) or os.environ.get("USP_DIT_FULL") == "1"
+    return bool(config.getoption("--full")) or os.environ.get(FULL_ENV) == "1"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Spawned ranks read it (usp_dit.testing.full_suite): they compute the slow cases only then.
+    if _full(config):
+        os.environ[FULL_ENV] = "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -194,3 +194,20 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     diff = (actual.double() - expected.double()).abs().max().item()
     scale = expected.double().abs().max().item()
     return diff / scale if scale else diff
+
+
+FULL_ENV = "USP_DIT_FULL"
+
+
+def full_suite() -> bool:
+    """True in ``bash scripts/test.sh --full`` (``USP_DIT_FULL=1``, which spawned ranks inherit):
+    a module's spawned group then computes its exhaustive sweeps too, the cases whose tests are
+    marked ``slow`` (docs/TESTING.md); otherwise it skips them, and pytest skips their tests."""
+    return os.environ.get(FULL_ENV) == "1"
+
+
+def sweep(cases: list, slow: Callable[[Any], bool]) -> list:
+    """``cases`` as pytest parameters, those for which ``slow(case)`` marked ``slow``."""
+    import pytest
+
+    return [pytest.param(case, marks=pytest.mark.slow) if slow(case) else case for case in cases]
