@@ -196,15 +196,30 @@ def _auto_degrees_job() -> dict:
         out = forward(model, inputs)
     finally:
         disable_usp(model)
-    return {"degrees": (mesh.ulysses_degree, mesh.ring_degree, mesh.cfg_degree), "err": rel_err(out, ref)}
+    # A plan that shards (as one made for a small GPU would): enable_usp takes its placement.
+    import dataclasses
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from usp_dit.demo.tiny_flux import tiny_flux_pipeline
+
+    pipe = tiny_flux_pipeline()
+    placed = dataclasses.replace(usp_dit.plan(pipe, world_size=2), shard_weights=True, text_encoder="rank0")
+    enable_usp(pipe, degrees=placed)
+    sharded = isinstance(pipe.transformer, FSDPModule)
+    rank0 = type(pipe.text_encoder_2.__dict__.get("forward")).__name__
+    pipe.disable_usp()
+    return {"degrees": (mesh.ulysses_degree, mesh.ring_degree, mesh.cfg_degree), "err": rel_err(out, ref),
+            "placement": (sharded, rank0)}
 
 
 def test_enable_usp_degrees_auto_on_two_ranks():
     from usp_dit.testing import run_spawned
 
-    for res in run_spawned(_auto_degrees_job, 2):
+    for res in run_spawned(_auto_degrees_job, 2, check_groups=False):  # FSDP2's caches keep the meshes
         u, r, c = res["degrees"]
         assert u * r * c == 2 and res["err"] <= 1e-5, res
+        assert res["placement"] == (True, "RankZeroForward"), res
 
 
 def test_enable_usp_refuses_a_plan_for_another_world():

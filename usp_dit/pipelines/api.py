@@ -276,7 +276,8 @@ def enable_usp(
             job's world size at the model's usual output size (``usp_dit.plan``, whose
             ``explain()`` rank 0 logs); or a ``usp_dit.Plan`` made for the size you
             generate. Replaces ``ulysses_degree``, ``ring_degree``, ``cfg_degree`` and
-            ``ring_schedule``.
+            ``ring_schedule``; the plan's placement turns ``shard_weights`` on where it needs it
+            and sets ``text_encoder`` unless given (on CUDA, "auto" fits the GPU's memory).
         shard_weights: shard each transformer's weights over the ranks of its model replica
             (FSDP2, one unit per block, gathered just in time with the next block prefetched:
             Note [sharded weights] in ``usp_dit.pipelines.weights``): a rank holds about 1/P of
@@ -301,9 +302,14 @@ def enable_usp(
     """
     transformers, pipe = _transformers_of(pipe_or_transformer)
     _check_backend(backend)
-    encoder_mode = _encoder_mode(text_encoder, shard_weights, pipe)
     if degrees is not None and mesh is None:
-        ulysses_degree, ring_degree, cfg_degree, ring_schedule = _planned(pipe_or_transformer, degrees)
+        chosen = _planned(pipe_or_transformer, degrees, transformers[0])
+        ulysses_degree, ring_degree, cfg_degree = chosen.ulysses_degree, chosen.ring_degree, chosen.cfg_degree
+        ring_schedule = chosen.ring_schedule
+        shard_weights = shard_weights or chosen.shard_weights  # the placement that fits (planner Note [memory per rank])
+        if text_encoder is None and pipe is not None:
+            text_encoder = chosen.text_encoder  # explicit: a plan may shard weights yet replicate the encoder
+    encoder_mode = _encoder_mode(text_encoder, shard_weights, pipe)
     adapters = [_checked_adapter(t) for t in transformers]  # every check before anything is patched
     mesh = _resolve_mesh(mesh, ulysses_degree, ring_degree, cfg_degree, ring_schedule)
     states: list[USPState] = []
@@ -326,19 +332,27 @@ def enable_usp(
     return mesh
 
 
-def _planned(pipe_or_transformer: Any, degrees: Any) -> tuple[int, int, int, str]:
-    """``(ulysses, ring, cfg, ring_schedule)`` from ``degrees="auto"`` or a ``Plan``."""
+def _gpu_memory_gib(transformer: torch.nn.Module) -> float | None:
+    """The memory of the GPU the model sits on, for ``degrees="auto"`` to fit; None off CUDA."""
+    param = next(transformer.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(param.device).total_memory / 2**30
+
+
+def _planned(pipe_or_transformer: Any, degrees: Any, transformer: torch.nn.Module) -> Any:
+    """The ``Plan`` from ``degrees="auto"`` (fitted to the model's GPU) or a given one, checked."""
     from usp_dit.planner.plan import Plan, plan
 
     if isinstance(degrees, str) and degrees == "auto":
-        degrees = plan(pipe_or_transformer, world_size=_world_size())
+        degrees = plan(pipe_or_transformer, world_size=_world_size(), gpu_memory_gib=_gpu_memory_gib(transformer))
         if _global_rank() == 0:
             logging.getLogger("usp_dit").info("usp_dit: degrees='auto' chose\n%s", degrees.explain())
     if not isinstance(degrees, Plan):
         raise ValueError(f"degrees={degrees!r}: pass 'auto' or a usp_dit.Plan (or leave it None)")
     if degrees.world_size != _world_size():
         raise ValueError(f"degrees: the plan is for world_size={degrees.world_size}, this job has {_world_size()} ranks")
-    return degrees.ulysses_degree, degrees.ring_degree, degrees.cfg_degree, degrees.ring_schedule
+    return degrees
 
 
 def _checked_adapter(transformer: torch.nn.Module) -> ModelAdapter:
