@@ -16,6 +16,12 @@ Note [a user error under torchrun]
     not fail (a folder present on one node only) cannot hold the others.
 
     Ctrl-C ends a rank with exit code 130 (128 + SIGINT, the shell's convention), quietly.
+    Under torchrun a terminal's Ctrl-C reaches torchrun alone (each worker runs in a session of
+    its own); torchrun sends SIGINT on to every worker, which ends so, then exits 1 with its own
+    SignalException traceback: the launcher's, like its ChildFailedError above. A job that a shell
+    without job control starts in the background (``cmd &`` in a script) inherits SIGINT ignored,
+    so there Ctrl-C raises no KeyboardInterrupt; the examples leave it so (the POSIX convention for
+    background jobs).
 """
 from __future__ import annotations
 
