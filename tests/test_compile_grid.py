@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from tests.adapter_parity import compiled_case
 from usp_dit import enable_usp, init_usp, shard_sequence, usp_attention
-from usp_dit.testing import assert_no_crash, full_suite, rel_err, run_spawned, sweep
+from usp_dit.testing import assert_no_crash, full_suite, rel_err, run_spawned
 
 TOL = 1e-5
 WORLD = 4
@@ -393,6 +393,11 @@ SLOW = {
     "causal-(1, 4, 'gather_merge', 'stripe', 1)", "causal-(4, 1, 'auto', 'contiguous', 3)",
     "flux-dynamic", "mochi-gradients", "fbc-pipeline",
 }
+
+
+def sweep(cases: list, slow) -> list:
+    """``cases`` as pytest parameters, those for which ``slow(case)`` marked ``slow`` (tests/conftest.py)."""
+    return [pytest.param(case, marks=pytest.mark.slow) if slow(case) else case for case in cases]
 
 
 def _slow_key(prefix: str):

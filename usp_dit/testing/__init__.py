@@ -205,9 +205,3 @@ def full_suite() -> bool:
     marked ``slow`` (docs/TESTING.md); otherwise it skips them, and pytest skips their tests."""
     return os.environ.get(FULL_ENV) == "1"
 
-
-def sweep(cases: list, slow: Callable[[Any], bool]) -> list:
-    """``cases`` as pytest parameters, those for which ``slow(case)`` marked ``slow``."""
-    import pytest
-
-    return [pytest.param(case, marks=pytest.mark.slow) if slow(case) else case for case in cases]
