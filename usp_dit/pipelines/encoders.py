@@ -37,6 +37,7 @@ from usp_dit.distributed.mesh import USPMesh
 from usp_dit.distributed.replica import replica_group
 from usp_dit.pipelines.base import MethodWrapper, restore_instance_attr, saved_instance_attr
 from usp_dit.pipelines.weights import ShardedWeights, replica_device_mesh, shard_units, unshard_weights
+from usp_dit.planner.models import layer_lists
 
 MODES = ("replicate", "shard", "rank0")
 # The pipeline components that are text encoders (SD3 has three, HunyuanVideo two).
@@ -51,23 +52,6 @@ def encoder_components(pipe: Any) -> list[tuple[str, torch.nn.Module]]:
         if isinstance(module, torch.nn.Module) and any(True for _ in module.parameters()):
             out.append((name, module))
     return out
-
-
-def layer_lists(module: torch.nn.Module) -> list[torch.nn.ModuleList]:
-    """Every ``ModuleList`` of two or more modules of one class holding parameters, outermost
-    first (a list inside a found list's layers belongs to those layers' units)."""
-    found: list[torch.nn.ModuleList] = []
-
-    def visit(m: torch.nn.Module) -> None:
-        for child in m.children():
-            if (isinstance(child, torch.nn.ModuleList) and len(child) > 1
-                    and len({type(layer) for layer in child}) == 1 and any(True for _ in child.parameters())):
-                found.append(child)
-            else:
-                visit(child)
-
-    visit(module)
-    return found
 
 
 def shard_encoder(encoder: torch.nn.Module, mesh: USPMesh) -> ShardedWeights | None:

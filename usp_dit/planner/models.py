@@ -30,8 +30,8 @@ Note [model memory]
         largest one), the transformer's own direct parameters (its root unit's), how many
         transformers are resident (Wan 2.2 A14B: both experts);
       * each text encoder of the family's pipeline (its class and checkpoint): parameters,
-        layers (every list of like layers, as ``usp_dit.pipelines.encoders.layer_lists`` finds
-        them: the FSDP2 units of ``text_encoder="shard"``), the largest layer, and the rest (one
+        layers (every list of like layers, as ``layer_lists`` finds them: the rule by which
+        ``usp_dit.pipelines.encoders`` makes the FSDP2 units of ``text_encoder="shard"``), the largest layer, and the rest (one
         unit gathered for the whole encoder forward: embeddings, final norm, lm_head);
       * the VAE: its parameters and the decode's memory (``VAEDecode``).
     The integers are counted from the released configs instantiated on the meta device
@@ -467,10 +467,10 @@ def _count(module: Any) -> tuple[int, int]:
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
 
 
-def _layer_lists(module: Any) -> list:
+def layer_lists(module: Any) -> list:
     """Every ``ModuleList`` of two or more modules of one class holding parameters, outermost
-    first: the units ``text_encoder="shard"`` makes (the rule of
-    ``usp_dit.pipelines.encoders.layer_lists``, which the planner sits below)."""
+    first (a list inside a found list's layers belongs to those layers' units): the units
+    ``text_encoder="shard"`` makes (``usp_dit.pipelines.encoders`` calls this one rule)."""
     import torch
 
     found = []
@@ -490,7 +490,7 @@ def _layer_lists(module: Any) -> list:
 def encoder_of(module: Any) -> TextEncoder:
     """A ``TextEncoder`` counted from an instantiated text encoder (at its own dtypes)."""
     params, nbytes = _count(module)
-    layers = [layer for lst in _layer_lists(module) for layer in lst]
+    layers = [layer for lst in layer_lists(module) for layer in lst]
     counted = [_count(layer) for layer in layers]
     largest = max((b for _, b in counted), default=0)
     name = getattr(getattr(module, "config", None), "_name_or_path", "") or type(module).__name__
