@@ -29,7 +29,7 @@ def canonical_schedule(name: str) -> str:
 
 @dataclass(frozen=True)
 class USPConfig:
-    """Degrees of the rank grid, outermost to innermost: data-parallel, cfg, ring, ulysses.
+    """Degrees of the rank grid, outermost to innermost: data-parallel, cfg, ring, ulysses, tensor.
 
     ``ulysses_degree`` ranks exchange heads for sequence with an all-to-all (cheap inside a node,
     so they are neighbouring ranks); ``ring_degree`` ranks pass K/V blocks around a ring;
@@ -39,15 +39,19 @@ class USPConfig:
     "gather_merge" (all blocks at once, the local block computed while they travel, partial
     results merged), "gather_one_call" (all blocks at once, then one kernel call, no merge) or
     "auto" (by block length; Note [ring schedule choice] in ``usp_dit.attention.ring``).
+    ``tensor_degree`` ranks hold the same tokens and split each block's projections and MLPs
+    (tensor parallelism, ``usp_dit.pipelines.tensor``): the innermost axis, since it all-reduces
+    activations twice a block.
     """
 
     ulysses_degree: int = 1
     ring_degree: int = 1
     cfg_degree: int = 1
     ring_schedule: str = "auto"
+    tensor_degree: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("ulysses_degree", "ring_degree", "cfg_degree"):
+        for name in ("ulysses_degree", "ring_degree", "cfg_degree", "tensor_degree"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -60,15 +64,15 @@ class USPConfig:
 
     @property
     def model_degree(self) -> int:
-        """Ranks that run one model replica: ``cfg_degree * ulysses_degree * ring_degree``."""
-        return self.cfg_degree * self.sequence_degree
+        """Ranks that run one model replica: ``cfg_degree * ring_degree * ulysses_degree * tensor_degree``."""
+        return self.cfg_degree * self.sequence_degree * self.tensor_degree
 
     def data_parallel_degree(self, world_size: int) -> int:
         """The data-parallel degree for ``world_size`` ranks; raises if the grid does not fit."""
         if world_size % self.model_degree:
             raise ValueError(
-                f"world_size={world_size} is not a multiple of cfg_degree*ring_degree*ulysses_degree="
-                f"{self.cfg_degree}*{self.ring_degree}*{self.ulysses_degree}={self.model_degree}; "
+                f"world_size={world_size} is not a multiple of cfg_degree*ring_degree*ulysses_degree*tensor_degree="
+                f"{self.cfg_degree}*{self.ring_degree}*{self.ulysses_degree}*{self.tensor_degree}={self.model_degree}; "
                 f"choose degrees whose product divides the world size"
             )
         return world_size // self.model_degree

@@ -1,9 +1,18 @@
-"""The rank grid: a ``torch.distributed`` DeviceMesh with axes ("dp", "cfg", "ring", "ulysses").
+"""The rank grid: a ``torch.distributed`` DeviceMesh with axes ("dp", "cfg", "ring", "ulysses"),
+and "tensor" innermost when ``tensor_degree > 1``.
 
 Axes are ordered outermost to innermost, so a Ulysses group is made of neighbouring ranks (NVLink
 neighbours on one node) and the ``ring_degree * ulysses_degree`` ranks of one sequence group are
-contiguous. A second, flattened view ("dp", "cfg", "seq") gives the sequence group used to shard and
-gather tokens.
+contiguous (with a tensor axis: contiguous up to it). A second, flattened view ("dp", "cfg", "seq"
+[, "tensor"]) gives the sequence group used to shard and gather tokens.
+
+Note [the tensor axis]
+    Tensor-parallel ranks hold the same tokens (the same ``seq_rank``) and split each block's
+    heads and MLP columns (``usp_dit.pipelines.tensor``); it all-reduces activations twice a block,
+    the busiest traffic of the grid, so it is the innermost axis (neighbouring ranks). Each tensor
+    rank has its own Ulysses, ring and sequence groups over the ranks of the same tensor rank, so
+    the Ulysses all-to-all exchanges that rank's heads only: heads are split over T x U. With
+    ``tensor_degree == 1`` the axis is left out of the DeviceMesh altogether (no extra groups).
 
 Note [sequence rank order]
     seq_rank = ring_rank * ulysses_degree + ulysses_rank
@@ -29,6 +38,13 @@ from usp_dit.distributed.groups import (
 )
 
 _AXES = ("dp", "cfg", "ring", "ulysses")
+_SEQ_AXES = ("dp", "cfg", "seq")
+
+
+def mesh_axes(config: USPConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The axis names of the grid's DeviceMesh and of its sequence view (Note [the tensor axis])."""
+    tensor = ("tensor",) if config.tensor_degree > 1 else ()
+    return _AXES + tensor, _SEQ_AXES + tensor
 
 
 @dataclass(eq=False)
@@ -73,6 +89,10 @@ class USPMesh:
     def sequence_degree(self) -> int:
         return self.config.sequence_degree
 
+    @property
+    def tensor_degree(self) -> int:
+        return self.config.tensor_degree
+
     def _check_live(self) -> None:
         # A released mesh has no groups left: answering with the single-rank defaults would
         # silently compute on the local shard alone.
@@ -107,6 +127,10 @@ class USPMesh:
         return self._local_rank("dp")
 
     @property
+    def tensor_rank(self) -> int:
+        return 0 if self.tensor_degree == 1 else self._local_rank("tensor")
+
+    @property
     def seq_rank(self) -> int:
         """Index of this rank's shard in the sequence (Note [sequence rank order])."""
         return self.ring_rank * self.ulysses_degree + self.ulysses_rank
@@ -126,6 +150,17 @@ class USPMesh:
     @property
     def seq_group(self) -> dist.ProcessGroup | None:
         return self._group(self.seq_mesh, "seq", self.sequence_degree)
+
+    @property
+    def tensor_group(self) -> dist.ProcessGroup | None:
+        return self._group(self.device_mesh, "tensor", self.tensor_degree)
+
+    @property
+    def tensor_device_mesh(self) -> DeviceMesh | None:
+        """The 1-D DeviceMesh of this rank's tensor-parallel group (for ``parallelize_module``);
+        ``None`` when ``tensor_degree`` is 1."""
+        self._check_live()
+        return None if self.device_mesh is None or self.tensor_degree == 1 else self.device_mesh["tensor"]
 
     @property
     def ring_exchanger(self) -> RingExchanger:
@@ -152,9 +187,10 @@ class USPMesh:
 
     def __repr__(self) -> str:
         c = self.config
+        tensor = f", tensor={c.tensor_degree}" if c.tensor_degree > 1 else ""
         return (
             f"USPMesh(dp={self.dp_degree}, cfg={c.cfg_degree}, ring={c.ring_degree}, "
-            f"ulysses={c.ulysses_degree}, device_type={self.device_type!r})"
+            f"ulysses={c.ulysses_degree}{tensor}, device_type={self.device_type!r})"
         )
 
 
@@ -178,7 +214,8 @@ def _device_type() -> str:
     return "cuda" if "nccl" in str(backend) else "cpu"
 
 
-def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1, ring_schedule: str = "auto") -> USPMesh:
+def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1, ring_schedule: str = "auto",
+             tensor_degree: int = 1) -> USPMesh:
     """Build the USP rank grid over the default process group and make it the default mesh.
 
     Starts the default process group from torchrun's environment variables when needed (NCCL
@@ -186,7 +223,8 @@ def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1,
     without starting one. Ranks beyond ``cfg * ring * ulysses`` form the data-parallel axis.
 
     ``ring_schedule`` ("auto", "stream", "gather" or "allgather") is how the ring's forward moves
-    K/V blocks (Note [ring schedule] in ``usp_dit.attention.ring``).
+    K/V blocks (Note [ring schedule] in ``usp_dit.attention.ring``). ``tensor_degree`` ranks split
+    each block's weights (tensor parallelism; Note [the tensor axis]).
 
     The same degrees give the same mesh and process groups again (Note [one mesh per grid]), so
     calling it, or ``enable_usp``, in a loop opens no new groups.
@@ -195,7 +233,7 @@ def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1,
         ValueError: a degree is not a positive int, the degrees do not fit the world size, or
             ``ring_schedule`` is not one of ``usp_dit.distributed.config.RING_SCHEDULES``.
     """
-    config = USPConfig(ulysses_degree, ring_degree, cfg_degree, ring_schedule)
+    config = USPConfig(ulysses_degree, ring_degree, cfg_degree, ring_schedule, tensor_degree)
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if not dist.is_initialized() and env_world == 1:
         config.data_parallel_degree(1)
@@ -230,7 +268,8 @@ def _groups_alive(mesh: USPMesh) -> bool:
     if mesh.released or mesh.device_mesh is None:
         return False
     registered = dist.distributed_c10d._world.pg_map
-    groups = [mesh.device_mesh.get_group(a) for a in _AXES] + [mesh.seq_mesh.get_group(a) for a in ("dp", "cfg", "seq")]
+    axes, seq_axes = mesh_axes(mesh.config)
+    groups = [mesh.device_mesh.get_group(a) for a in axes] + [mesh.seq_mesh.get_group(a) for a in seq_axes]
     return all(g in registered for g in groups)
 
 
@@ -239,7 +278,7 @@ def _mesh_of(config: USPConfig) -> USPMesh:
     one sharing the groups of a cached mesh of the same shape, or a new one."""
     world, device_type = dist.get_world_size(), _device_type()
     dp = config.data_parallel_degree(world)
-    shape = (dp, config.cfg_degree, config.ring_degree, config.ulysses_degree, device_type)
+    shape = (dp, config.cfg_degree, config.ring_degree, config.ulysses_degree, config.tensor_degree, device_type)
     for key in [k for k, m in _MESHES.items() if not _groups_alive(m)]:
         del _MESHES[key]
     if (shape, config) in _MESHES:
@@ -255,12 +294,14 @@ def _mesh_of(config: USPConfig) -> USPMesh:
 
 def _build_mesh(config: USPConfig, dp: int, device_type: str) -> USPMesh:
     """A new USPMesh with its own process groups."""
-    shape = (dp, config.cfg_degree, config.ring_degree, config.ulysses_degree)
-    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=_AXES)
-    seq_mesh = init_device_mesh(
-        device_type, (dp, config.cfg_degree, config.sequence_degree), mesh_dim_names=("dp", "cfg", "seq")
-    )
-    _inherit_timeout((device_mesh, _AXES), (seq_mesh, ("dp", "cfg", "seq")))
+    axes, seq_axes = mesh_axes(config)
+    tensor = (config.tensor_degree,) if config.tensor_degree > 1 else ()
+    shape = (dp, config.cfg_degree, config.ring_degree, config.ulysses_degree, *tensor)
+    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=axes)
+    # seq_rank = ring_rank * U + ulysses_rank (Note [sequence rank order]): merging the ring and
+    # Ulysses axes keeps every rank's place, the tensor axis stays innermost.
+    seq_mesh = init_device_mesh(device_type, (dp, config.cfg_degree, config.sequence_degree, *tensor), mesh_dim_names=seq_axes)
+    _inherit_timeout((device_mesh, axes), (seq_mesh, seq_axes))
     return USPMesh(config, dp, device_type, register_device_mesh(device_mesh), register_device_mesh(seq_mesh))
 
 

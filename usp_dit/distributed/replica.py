@@ -7,17 +7,18 @@ on every rank of a replica) and by fine-tuning (``usp_dit.training``: shared noi
 checks, gradient reductions).
 
 Note [who is a replica, who is data parallel]
-    world = dp x cfg x ring x ulysses (``usp_dit.init_usp``). The cfg x ring x ulysses ranks of
-    one dp index run **one model replica** on one sample: they shard its tokens (and with
+    world = dp x cfg x ring x ulysses [x tensor] (``usp_dit.init_usp``). The cfg x ring x ulysses
+    (x tensor) ranks of one dp index run **one model replica** on one sample: they shard its tokens (and with
     cfg > 1 its batch) and every one of them computes the same result on the gathered output. The
     dp ranks run different samples.
 
         dp 0: [replica: cfg x seq ranks]   dp 1: [replica: cfg x seq ranks]   ...
                  same sample, same noise              another sample, other noise
 
-    A replica is two groups, the cfg group then the sequence group (``replica_groups``): a
-    collective over the first and then over the second spans the replica. A broadcast from
-    group rank 0 of each takes rank (c, s) to (0, s), then to (0, 0): the replica's first rank.
+    A replica is two groups, the cfg group then the sequence group (``replica_groups``; a third,
+    the tensor group, with tensor parallelism): a collective over each in turn spans the replica.
+    A broadcast from group rank 0 of each takes rank (c, s) to (0, s), then to (0, 0): the
+    replica's first rank (with t: (c, s, t) -> (0, s, t) -> (0, 0, t) -> (0, 0, 0)).
 """
 from __future__ import annotations
 
@@ -31,11 +32,12 @@ from usp_dit.distributed.mesh import USPMesh, default_timeout
 
 
 def replica_groups(mesh: USPMesh) -> list[dist.ProcessGroup]:
-    """The cfg group, then the sequence group: collectives over both span one model replica.
+    """The cfg group, the sequence group, then the tensor group: collectives over all span one
+    model replica.
 
     Axes of size 1 have no group; a replica of one rank gives ``[]``.
     """
-    return [g for g in (mesh.cfg_group, mesh.seq_group) if g is not None]
+    return [g for g in (mesh.cfg_group, mesh.seq_group, mesh.tensor_group) if g is not None]
 
 
 # One group over all ranks of a replica, per layout of the world into replicas (built on first use,
@@ -49,17 +51,19 @@ def _forget_replica_groups() -> None:
 
 
 def replica_group(mesh: USPMesh) -> dist.ProcessGroup | None:
-    """One process group over the cfg x ring x ulysses ranks of this rank's replica, in mesh order
-    (``seq_group`` itself when cfg is 1, ``cfg_group`` when the sequence degree is 1); ``None`` for a
+    """One process group over the cfg x ring x ulysses (x tensor) ranks of this rank's replica, in
+    mesh order (the one axis's own group when only one axis is above 1); ``None`` for a
     replica of one rank. For work that splits over every rank of a replica at once (the VAE).
 
     The first call for a layout builds one group per replica and must be made by every rank of the
     world (as ``enable_usp`` / ``enable_parallel_vae`` are).
     """
-    if mesh.cfg_degree == 1:
+    if mesh.tensor_degree == 1 and mesh.cfg_degree == 1:
         return mesh.seq_group
-    if mesh.sequence_degree == 1:
+    if mesh.tensor_degree == 1 and mesh.sequence_degree == 1:
         return mesh.cfg_group
+    if mesh.cfg_degree == 1 and mesh.sequence_degree == 1:
+        return mesh.tensor_group
     per_replica = mesh.device_mesh.mesh.reshape(mesh.dp_degree, -1).tolist()
     key = (id(dist.distributed_c10d._get_default_group()), tuple(map(tuple, per_replica)))
     if key not in _REPLICA_GROUPS or _REPLICA_GROUPS[key] not in dist.distributed_c10d._world.pg_map:

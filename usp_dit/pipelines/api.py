@@ -27,6 +27,7 @@ import torch.distributed as dist
 from diffusers import DiffusionPipeline
 
 import usp_dit.pipelines.encoders as encoders
+import usp_dit.pipelines.tensor as tensor
 import usp_dit.pipelines.weights as weights
 from usp_dit.distributed.mesh import USPMesh, init_usp
 from usp_dit.kernels import get_backend
@@ -108,13 +109,15 @@ def _transformers_of(target: Any) -> tuple[list[torch.nn.Module], Any]:
 
 
 def _resolve_mesh(
-    mesh: USPMesh | None, ulysses_degree: int, ring_degree: int, cfg_degree: int, ring_schedule: str = "auto"
+    mesh: USPMesh | None, ulysses_degree: int, ring_degree: int, cfg_degree: int, ring_schedule: str = "auto",
+    tensor_degree: int = 1,
 ) -> USPMesh:
     """``mesh`` if given (its degrees must agree with any degree passed), else ``init_usp(...)``."""
     if mesh is None:
         return init_usp(ulysses_degree=ulysses_degree, ring_degree=ring_degree, cfg_degree=cfg_degree,
-                        ring_schedule=ring_schedule)
-    given = {"ulysses_degree": ulysses_degree, "ring_degree": ring_degree, "cfg_degree": cfg_degree}
+                        ring_schedule=ring_schedule, tensor_degree=tensor_degree)
+    given = {"ulysses_degree": ulysses_degree, "ring_degree": ring_degree, "cfg_degree": cfg_degree,
+             "tensor_degree": tensor_degree}
     for name, value in given.items():
         if value != 1 and value != getattr(mesh, name):
             raise ValueError(f"{name}={value} disagrees with mesh={mesh}: pass the degrees or a mesh, not both")
@@ -242,6 +245,7 @@ def enable_usp(
     degrees: Any = None,
     shard_weights: bool = False,
     text_encoder: str | None = None,
+    tensor_degree: int = 1,
 ) -> USPMesh:
     """Run a Diffusers pipeline's transformers (or a bare transformer) on a USP grid, in place.
 
@@ -289,16 +293,24 @@ def enable_usp(
             replica's first rank alone, the embeddings broadcast; the other ranks drop the
             weights). Default: "shard" with ``shard_weights=True``, else "replicate". Prompt
             embeddings equal one process's in every mode.
+        tensor_degree: ranks that split each block's heads and MLP columns (tensor parallelism,
+            column/row-parallel DTensor weights: Note [tensor plans] in
+            ``usp_dit.pipelines.tensor``), innermost on the grid; heads are split over
+            ``tensor_degree * ulysses_degree`` (any count: Note [uneven tensor splits]). The
+            family must declare its cuts; a rank then holds about 1/T of each block's weights.
+            Ignored when ``mesh`` is given (``init_usp(tensor_degree=...)``).
 
     Returns:
         The mesh in use.
 
     Raises:
         ValueError: bad degrees or backend name, a mesh that disagrees with the degrees, a
-            ``ulysses_degree`` above the model's attention heads, a model on a GPU other than
+            ``ulysses_degree`` or ``tensor_degree`` above the model's attention heads (a Ulysses
+            degree above a tensor rank's heads), a model on a GPU other than
             this rank's (``LOCAL_RANK``), or a transformer on which usp_dit is already enabled.
         NotImplementedError: no adapter for this transformer class (the message names the
-            supported ones) or a pipeline without a transformer.
+            supported ones) or a pipeline without a transformer; ``tensor_degree > 1`` on a family
+            without a tensor plan, with LoRA layers, quantized weights or ``shard_weights=True``.
     """
     transformers, pipe = _transformers_of(pipe_or_transformer)
     _check_backend(backend)
@@ -311,11 +323,15 @@ def enable_usp(
             text_encoder = chosen.text_encoder  # explicit: a plan may shard weights yet replicate the encoder
     encoder_mode = _encoder_mode(text_encoder, shard_weights, pipe)
     adapters = [_checked_adapter(t) for t in transformers]  # every check before anything is patched
-    mesh = _resolve_mesh(mesh, ulysses_degree, ring_degree, cfg_degree, ring_schedule)
+    mesh = _resolve_mesh(mesh, ulysses_degree, ring_degree, cfg_degree, ring_schedule, tensor_degree)
+    if mesh.tensor_degree > 1:
+        _check_tensor(transformers, adapters, mesh, shard_weights)
     states: list[USPState] = []
     try:
         for transformer, adapter in zip(transformers, adapters):
             states.append(_enable_one(transformer, adapter, mesh, backend, sync_inputs))
+            if mesh.tensor_degree > 1:
+                states[-1].tensor = tensor.apply_tensor_parallel(transformer, adapter.plan.tensor, mesh)
             if shard_weights:
                 states[-1].sharded = _shard(transformer, adapter, mesh)
     except BaseException:
@@ -378,6 +394,20 @@ def _enable_one(transformer: torch.nn.Module, adapter: ModelAdapter, mesh: USPMe
     return state
 
 
+def _check_tensor(transformers: list[torch.nn.Module], adapters: list[ModelAdapter], mesh: USPMesh,
+                  shard_weights: bool) -> None:
+    """``tensor_degree > 1``: refusals made on every rank before anything is patched."""
+    if shard_weights:
+        raise NotImplementedError(
+            f"shard_weights=True with tensor_degree={mesh.tensor_degree}: FSDP2 over tensor-parallel weights is not "
+            f"supported yet; tensor parallelism alone already keeps about 1/{mesh.tensor_degree} of each block's "
+            f"weights per rank (choose one)"
+        )
+    for transformer, adapter in zip(transformers, adapters):
+        plan = getattr(adapter, "plan", None)
+        tensor.check_tensor_plan(transformer, getattr(plan, "tensor", None), adapter.name, mesh.tensor_degree)
+
+
 def _shard(transformer: torch.nn.Module, adapter: ModelAdapter, mesh: USPMesh) -> Any:
     """``shard_weights=True`` on one enabled transformer: its plan's blocks, then the rest."""
     plan = getattr(adapter, "plan", None)
@@ -394,6 +424,9 @@ def _disable_one(transformer: torch.nn.Module) -> None:
     if state.sharded is not None:  # full local weights first, while the mesh's groups are live
         weights.unshard_weights(transformer, state.sharded)
         state.sharded = None
+    if state.tensor is not None:
+        tensor.remove_tensor_parallel(state.tensor)
+        state.tensor = None
     if state.wrapped:
         restore_instance_attr(transformer, "forward", state.forward_attr)
     if state.cfg_pair is not None:

@@ -153,19 +153,32 @@ class MethodWrapper:
 
 
 def check_ulysses_degree(num_heads: int, mesh: USPMesh, model: str) -> None:
-    """Before patching: a Ulysses degree the model's attention cannot be split over.
+    """Before patching: a Ulysses (or tensor) degree the model's attention cannot be split over.
 
     Every Ulysses rank computes attention for at least one query head, so ``ulysses_degree`` can
-    be at most the model's head count (usp_dit.sharding.partition.head_plan would refuse it at the first
-    forward; this says it at ``enable_usp``, with the model's number).
+    be at most the heads it shares out (usp_dit.sharding.partition.head_plan would refuse it at the
+    first forward; this says it at ``enable_usp``, with the model's number). With tensor
+    parallelism each tensor rank keeps ``ceil(heads / tensor_degree)`` of them (the last ones
+    padded: Note [uneven tensor splits] in ``usp_dit.pipelines.tensor``) and the Ulysses ranks
+    share those; ``tensor_degree`` itself can be at most the head count.
 
     Raises:
-        ValueError: ``ulysses_degree`` exceeds ``num_heads``.
+        ValueError: ``tensor_degree`` exceeds ``num_heads``, or ``ulysses_degree`` the heads of a
+            tensor rank.
     """
-    if mesh.ulysses_degree > num_heads:
+    tensor = mesh.tensor_degree
+    if tensor > num_heads:
         raise ValueError(
-            f"ulysses_degree={mesh.ulysses_degree} exceeds the {num_heads} attention heads of this {model}: "
-            f"ulysses_degree can be at most {num_heads} (each Ulysses rank takes at least one head); "
+            f"tensor_degree={tensor} exceeds the {num_heads} attention heads of this {model}: each tensor rank "
+            f"needs at least one head; tensor_degree can be at most {num_heads}"
+        )
+    local = -(-num_heads // tensor)
+    if mesh.ulysses_degree > local:
+        per = f"the {local} heads of a tensor rank ({num_heads} over tensor_degree={tensor})" if tensor > 1 else \
+            f"the {num_heads} attention heads"
+        raise ValueError(
+            f"ulysses_degree={mesh.ulysses_degree} exceeds {per} of this {model}: "
+            f"ulysses_degree can be at most {local} (each Ulysses rank takes at least one head); "
             f"put the remaining ranks on ring_degree"
         )
 

@@ -42,6 +42,7 @@ from usp_dit.distributed.mesh import USPMesh
 from usp_dit.pipelines._routing import Route, RoutedProcessor
 from usp_dit.pipelines._token_sharding import PatchingAdapter, ShardState, TokenShardHooks
 from usp_dit.pipelines.caches import CacheGuard, check_cache
+from usp_dit.pipelines.tensor import TensorPlan
 from usp_dit.sharding.shard import shard_sequence
 
 
@@ -118,6 +119,9 @@ class ModelPlan:
     # family whose attention can be causal (its ring ranks then do equal work); the tables and
     # every routed call follow it. Only plans whose processors are routed (``_routing``) take one.
     layout: str = "contiguous"
+    # Where tensor parallelism cuts the blocks (usp_dit.pipelines.tensor Note [tensor plans]); None:
+    # the family refuses tensor_degree > 1.
+    tensor: TensorPlan | None = None
 
 
 @dataclass(eq=False)

@@ -27,6 +27,7 @@ class USPState:
     latents_attr: Any = MISSING  # its instance attribute ``prepare_latents`` before enable, if any
     latents_wrapped: bool = False
     vae: Any = None  # the pipeline's VAE when enable_usp split its decode (usp_dit.pipelines.vae)
+    tensor: Any = None  # tensor.TensorRecord with tensor_degree > 1 (Note [tensor plans])
     sharded: Any = None  # weights.ShardedWeights with shard_weights=True (Note [sharded weights])
     encoders: Any = None  # [(encoder, record)] from encoders.place_encoders, on the pipeline's first transformer
     cfg_pair: Any = None  # cfg_pair.CfgPair at cfg_degree=2 on a two-call family (Note [two calls a step])

@@ -41,6 +41,7 @@ from usp_dit.pipelines._joint_split import FluxSplit, JointSplitForward, JointSp
 from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import ModelPlan, Parallel
+from usp_dit.pipelines.tensor import BlockCuts, Concat, Split, TensorPlan
 
 # Note [routing a stock processor's attention call] (usp_dit.pipelines._routing): the stock code,
 # its one dispatch_attention_fn call routed. None if this diffusers' processor makes no such call.
@@ -89,6 +90,22 @@ def _routed_call_missing(transformer: FluxTransformer2DModel) -> str | None:
     return None
 
 
+# Tensor parallelism (usp_dit.pipelines.tensor Note [tensor plans]), where Diffusers' own Flux
+# ``_tp_plan`` cuts: the heads of each attention (Q/K/V, the text stream's added projections, both
+# output projections) and each MLP's hidden width. Flux's QK norms are per head (RMSNorm over
+# head_dim), so a rank's heads normalise alone, exactly; the AdaLN modulation stays whole. In a
+# single block, ``proj_out`` reads cat([attention, MLP]): a Concat of the two splits.
+_DOUBLE = BlockCuts("transformer_blocks", splits=(
+    Split(columns=("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+          rows=("attn.to_out.0", "attn.to_add_out"), heads="attn"),
+    Split(columns=("ff.net.0.proj",), rows=("ff.net.2",)),
+    Split(columns=("ff_context.net.0.proj",), rows=("ff_context.net.2",)),
+))
+_SINGLE = BlockCuts("single_transformer_blocks", splits=(
+    Split(columns=("attn.to_q", "attn.to_k", "attn.to_v"), heads="attn"),
+    Split(columns=("proj_mlp",)),
+), concats=(Concat("proj_out", (0, 1)),))
+
 PLAN = ModelPlan(
     name="Flux",
     model_class=FluxTransformer2DModel,
@@ -109,6 +126,7 @@ PLAN = ModelPlan(
     # per branch; the branches differ in these (usp_dit.pipelines.cfg_pair Note [two calls a step]).
     cfg_branch_args=("encoder_hidden_states", "pooled_projections", "txt_ids"),
     refuse=(_routed_call_missing,),
+    tensor=TensorPlan((_DOUBLE, _SINGLE)),
 )
 
 ADAPTER = register_adapter(JointSplitPlanAdapter(PLAN, __name__, FluxSplitForward))

@@ -79,6 +79,7 @@ from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_proc
 from usp_dit.pipelines._token_sharding import ShardState, _get_arg, _set_arg
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter, Table
+from usp_dit.pipelines.tensor import BlockCuts, Split, TensorPlan
 from usp_dit.sharding.shard import shard_sequence
 
 # Note [routing a stock processor's attention call] (usp_dit.pipelines._routing): the stock code,
@@ -170,6 +171,17 @@ def _routed_call_missing(transformer: QwenImageTransformer2DModel) -> str | None
     return None
 
 
+# Tensor parallelism (usp_dit.pipelines.tensor Note [tensor plans]), where Diffusers' own Qwen-Image
+# ``_tp_plan`` cuts: the joint attention's heads (image and text projections, both outputs) and the
+# two MLPs' hidden widths. Its QK norms are per head (RMSNorm over head_dim): exact on a rank's
+# heads; the modulation (img_mod, txt_mod) stays whole.
+_TENSOR = TensorPlan((BlockCuts("transformer_blocks", splits=(
+    Split(columns=("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+          rows=("attn.to_out.0", "attn.to_add_out"), heads="attn"),
+    Split(columns=("img_mlp.net.0.proj",), rows=("img_mlp.net.2",)),
+    Split(columns=("txt_mlp.net.0.proj",), rows=("txt_mlp.net.2",)),
+)),))
+
 PLAN = ModelPlan(
     name="QwenImage",
     # Matched by exact class: QwenImage21Transformer2DModel is another class.
@@ -196,6 +208,7 @@ PLAN = ModelPlan(
     hooks=(ModulateIndexHooks,),
     refuse_args={"controlnet_block_samples": "Qwen-Image ControlNet's residuals, (B, S, C) over the whole sequence"},
     refuse=(_routed_call_missing,),
+    tensor=_TENSOR,
 )
 
 ADAPTER = register_adapter(PlanAdapter(PLAN, __name__))

@@ -1,0 +1,238 @@
+"""Tensor parallelism (``enable_usp(..., tensor_degree=T)``): outputs and gradients equal one process's.
+
+One spawned group of 4 gloo ranks runs every case. Models: the tiny Flux transformer
+(``usp_dit.demo.tiny_flux``) with 5 heads x 16 (5 divides neither 2 nor 4: Note [uneven tensor
+splits] pads to 6 or 8 heads, exactly) and 3 heads x 16 (T = 2 x U = 2: a tensor rank keeps 2
+heads, one of them padding on the second, which Ulysses then splits); every weight perturbed, batch
+2 with different prompts and timesteps, 15 and 71 joint tokens. Qwen-Image (its own processor reads
+``attn.inner_dim // attn.heads``) with 5 heads and prompts of different lengths per element (its
+text mask).
+
+Grids (ulysses, ring, cfg, tensor): (1,1,1,2) and (2,1,1,2) / (1,2,1,2) / (1,1,2,2) / (1,1,1,4)
+on 4 ranks, the ring grid also with the "stream" and "gather_merge" schedules forced. Each case:
+output vs stock, and after ``disable_usp`` bit-identical output and parameters. Gradients of every
+parameter on (2,1,1,2) (each cut parameter's gradient gathered and put back in the original layout,
+``usp_dit.pipelines.tensor.full_tensor``). Refusals: a family without a tensor plan (Wan), T above
+the heads, U above a tensor rank's heads, ``shard_weights=True`` with T > 1, LoRA layers, on every
+rank without a hang.
+
+Tolerance: max|err| / max|ref| <= 1e-5 (float32). Tensor parallelism reorders float32 sums (the
+row-parallel all-reduce adds the tensor ranks' partial products, and the padded heads add exact
+zeros): measured errors are printed by ``-s``; disable is bit for bit (the same tensors put back).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.adapter_parity import forward
+from usp_dit import disable_usp, enable_usp, init_usp
+from usp_dit.demo.tiny_flux import flux_inputs, tiny_flux_transformer
+from usp_dit.demo.tiny_qwen_image import qwen_image_inputs, tiny_qwen_image
+from usp_dit.pipelines import tensor as tp
+from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+
+TOL = 1e-5
+WORLD = 4
+# (ulysses, ring, cfg, tensor, schedule)
+GRIDS = [
+    (1, 1, 1, 2, "auto"), (2, 1, 1, 2, "auto"), (1, 2, 1, 2, "stream"), (1, 2, 1, 2, "gather_merge"),
+    (1, 1, 2, 2, "auto"), (1, 1, 1, 4, "auto"),
+]
+FLUX_SHAPES = [(2, 3, 3, 6), (2, 8, 8, 7)]  # (batch, height, width, text): 15 and 71 joint tokens
+
+
+class Args(dict):
+    def kwargs(self) -> dict:
+        return dict(self)
+
+
+def _fits(heads: int, grid: tuple) -> bool:
+    """T at most the heads, U at most a tensor rank's (padded) heads."""
+    return grid[3] <= heads and grid[0] <= -(-heads // grid[3])
+
+
+def _flux(heads: int = 5):
+    return tiny_flux_transformer(num_heads=heads, head_dim=16, num_layers=2, num_single_layers=2)
+
+
+def _flux_args(shape, seed: int = 0) -> Args:
+    batch, h, w, text = shape
+    args = Args(flux_inputs(batch, h, w, text, seed=seed))
+    args["guidance"] = torch.full((batch,), 3.5)
+    args["timestep"] = torch.tensor([0.3, 0.8])[:batch]
+    return args
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same_state(model, before: dict[str, torch.Tensor]) -> bool:
+    after = model.state_dict()
+    return after.keys() == before.keys() and all(
+        type(after[k]) is torch.Tensor and torch.equal(after[k], v) for k, v in before.items())
+
+
+def _output_case(model, args, grid) -> dict[str, float]:
+    u, r, c, t, schedule = grid
+    ref, before = forward(model, args), _state(model)
+    mesh = init_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c, tensor_degree=t, ring_schedule=schedule)
+    enable_usp(model, mesh=mesh)
+    try:
+        local_heads = model.transformer_blocks[0].attn.heads if hasattr(model, "transformer_blocks") else None
+        out = forward(model, args)
+    finally:
+        disable_usp(model)
+    return {
+        "out": rel_err(out, ref),
+        "disable_not_bit_identical": float(not torch.equal(forward(model, args), ref)),
+        "params_not_restored": float(not _same_state(model, before)),
+        "local_heads": float(local_heads or 0),
+    }
+
+
+def _grad_case(model, args, grid) -> dict[str, float]:
+    """Every parameter's gradient of sum(out * w) (a fixed random w), against one process: each rank's
+    loss is L / P and the gradients summed over the sequence group (the fine-tuning convention of
+    tests/adapter_parity.gradient_errors); each cut parameter's gradient gathered over the tensor
+    ranks and put back in its original layout first."""
+    u, r, c, t, schedule = grid
+    weight = torch.randn(forward(model, args).shape, generator=torch.Generator().manual_seed(5))
+    model.zero_grad()
+    (model(**args.kwargs(), return_dict=False)[0] * weight).sum().backward()
+    ref = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+    model.zero_grad()
+    mesh = init_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c, tensor_degree=t, ring_schedule=schedule)
+    enable_usp(model, mesh=mesh)
+    record = model._usp_dit_state.tensor
+    try:
+        out = model(**args.kwargs(), return_dict=False)[0]
+        (out * weight).sum().div(mesh.sequence_degree).backward()
+        modules = dict(model.named_modules())
+        errs = {}
+        for name, p in model.named_parameters():
+            owner, _, pname = name.rpartition(".")
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)  # no tokens of its stream here
+            grad = tp.full_tensor(record, modules[owner], pname, grad).contiguous()
+            if mesh.seq_group is not None:
+                dist.all_reduce(grad, group=mesh.seq_group)
+            errs[name] = rel_err(grad, ref[name])
+    finally:
+        model.zero_grad()
+        disable_usp(model)
+    worst = max(errs, key=errs.get)
+    return {"grad": errs[worst], "worst_is_" + worst: 1.0}
+
+
+def _raises(fn, exc: type, text: str) -> float:
+    """0.0 when ``fn()`` raises ``exc`` with ``text`` in its message, else 1.0."""
+    try:
+        fn()
+    except exc as e:
+        return float(text not in str(e))
+    return 1.0
+
+
+def _refusal_cases() -> dict[str, float]:
+    from usp_dit.demo.tiny_wan import tiny_wan
+
+    flux = _flux(heads=3)
+    mesh = init_usp(tensor_degree=2, ulysses_degree=2)
+    return {
+        "no_plan": _raises(lambda: enable_usp(tiny_wan(), mesh=init_usp(tensor_degree=2)), NotImplementedError,
+                           "declares no tensor-parallel cuts"),
+        "tensor_above_heads": _raises(lambda: enable_usp(_flux(heads=3), mesh=init_usp(tensor_degree=4)), ValueError,
+                                      "tensor_degree=4 exceeds the 3 attention heads"),
+        # 2 heads over T = 2: one a tensor rank, which U = 2 cannot share
+        "ulysses_above_local_heads": _raises(lambda: enable_usp(_flux(heads=2), mesh=mesh), ValueError,
+                                             "heads of a tensor rank"),
+        "with_shard_weights": _raises(lambda: enable_usp(flux, mesh=mesh, shard_weights=True), NotImplementedError,
+                                      "shard_weights=True with tensor_degree=2"),
+        "not_enabled_after_refusals": float(getattr(flux, "_usp_dit_state", None) is not None),
+    }
+
+
+def _lora_case() -> dict[str, float]:
+    from peft import LoraConfig
+
+    model = _flux()
+    model.add_adapter(LoraConfig(r=2, target_modules=["to_q"]))
+    return {"lora": _raises(lambda: enable_usp(model, mesh=init_usp(tensor_degree=2)), NotImplementedError, "LoRA")}
+
+
+def _run_all() -> dict[str, dict]:
+    torch.manual_seed(0)
+    results: dict[str, dict] = {}
+    for heads in (5, 3):
+        model = _flux(heads)
+        for shape in FLUX_SHAPES:
+            args = _flux_args(shape)
+            for grid in GRIDS:
+                if not _fits(heads, grid):
+                    continue
+                results[f"flux-h{heads}-{shape}-{grid}"] = _output_case(model, args, grid)
+    qwen = tiny_qwen_image(num_heads=5)
+    # batch 2, prompts of 9 and 5 valid tokens (the text mask), 5x7 = 35 image tokens
+    qwen_args = qwen_image_inputs(qwen, [(1, 5, 7)], masks=[[1] * 9, [1] * 5 + [0] * 4])
+    for grid in GRIDS:
+        results[f"qwen-h5-{grid}"] = _output_case(qwen, qwen_args, grid)
+    results["grad-qwen-h5-(1,2,1,2)"] = _grad_case(qwen, qwen_args, (1, 2, 1, 2, "gather_merge"))
+    results["grad-flux-h5-(2,1,1,2)"] = _grad_case(_flux(5), _flux_args(FLUX_SHAPES[0]), (2, 1, 1, 2, "auto"))
+    results["grad-flux-h5-(1,2,1,2)"] = _grad_case(_flux(5), _flux_args(FLUX_SHAPES[0]), (1, 2, 1, 2, "stream"))
+    results["refusals"] = _refusal_cases()
+    results["lora"] = _lora_case()
+    return results
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    per_rank = run_spawned(_run_all, WORLD)
+    assert_no_crash(per_rank)
+    return per_rank
+
+
+def _keys() -> list[str]:
+    keys = []
+    for heads in (5, 3):
+        for shape in FLUX_SHAPES:
+            keys += [f"flux-h{heads}-{shape}-{g}" for g in GRIDS if _fits(heads, g)]
+    return keys + [f"qwen-h5-{g}" for g in GRIDS]
+
+
+@pytest.mark.parametrize("key", _keys())
+def test_output_equals_one_process_and_disable_restores(results, key):
+    for rank, res in enumerate(results):
+        case = res[key]
+        assert case["out"] <= TOL, (rank, key, case)
+        assert case["disable_not_bit_identical"] == 0.0, (rank, key, case)
+        assert case["params_not_restored"] == 0.0, (rank, key, case)
+
+
+def test_heads_are_cut_over_the_tensor_ranks(results):
+    # 5 heads: T = 2 -> 3 a rank (one padded), T = 4 -> 2 a rank (three padded)
+    assert results[0]["flux-h5-(2, 3, 3, 6)-(1, 1, 1, 2, 'auto')"]["local_heads"] == 3.0
+    assert results[0]["flux-h5-(2, 3, 3, 6)-(1, 1, 1, 4, 'auto')"]["local_heads"] == 2.0
+
+
+@pytest.mark.parametrize("key", ["grad-flux-h5-(2,1,1,2)", "grad-flux-h5-(1,2,1,2)", "grad-qwen-h5-(1,2,1,2)"])
+def test_every_parameter_gradient_equals_one_process(results, key):
+    for rank, res in enumerate(results):
+        assert res[key]["grad"] <= TOL, (rank, res[key])
+
+
+@pytest.mark.parametrize("name", ["no_plan", "tensor_above_heads", "ulysses_above_local_heads", "with_shard_weights",
+                                  "not_enabled_after_refusals"])
+def test_refusals_on_every_rank(results, name):
+    assert all(res["refusals"][name] == 0.0 for res in results), [res["refusals"] for res in results]
+
+
+def test_lora_is_refused(results):
+    assert all(res["lora"]["lora"] == 0.0 for res in results)
+
+
+def test_single_process_rejects_tensor_degree_above_world():
+    with pytest.raises(ValueError, match="tensor_degree"):
+        init_usp(tensor_degree=2)
+    assert dist.is_initialized() is False
