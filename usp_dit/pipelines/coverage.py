@@ -144,6 +144,7 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
         "T2V, I2V; diffusion forcing (block-causal attention)",
         ("SkyReelsV2Pipeline", "SkyReelsV2ImageToVideoPipeline", "SkyReelsV2DiffusionForcingPipeline"),
     ),
+    "ChronoEdit": FamilyPipelines("ChronoEdit-14B; edit, temporal reasoning", ("ChronoEditPipeline",)),
 }
 
 
