@@ -1,5 +1,5 @@
-"""torchrun: generate a video with CogVideoX, Mochi, Wan, HunyuanVideo, LTX-Video or ChronoEdit on a Ulysses x Ring (x CFG)
-grid, checked against one rank.
+"""torchrun: generate a video with CogVideoX, Mochi, Wan, HunyuanVideo, LTX-Video, ChronoEdit or Helios on a Ulysses x Ring
+(x CFG) grid, checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cogvideox --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model mochi --ring 2 --cfg 2
@@ -9,6 +9,7 @@ grid, checked against one rank.
         --true-cfg 4
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model ltx_video --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model chronoedit --ulysses 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model helios --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model cogvideox \
         --model-path THUDM/CogVideoX-5b --height 480 --width 720 --frames 49 --steps 50 --ulysses 2 --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model ltx_video \
@@ -40,6 +41,12 @@ pipelines compress as the real ones do):
     hunyuan_video  16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          with --true-cfg (two calls)
     ltx_video      32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45           yes (batched CFG)
     chronoedit     16            4k + 1    96 x 144, 5  -> 2 x 6 x 9 = 108          yes (two calls a step)
+    helios         16            4k + 1    96 x 144, 17 -> 2 chunks of 3 x 6 x 9    yes (two calls a step)
+
+Helios generates chunk after chunk, each attending to the history of the earlier ones (short,
+mid, long memory: 162 + 108 + 15 + 6 = 291 tokens a call for the tiny default); the tiny pipeline
+uses 3 latent frames a chunk (9 frames) and a history of (4, 2, 1) latent frames instead of the
+release's 9 and (16, 2, 1). Its Diffusers pipeline cleans prompts with ftfy too (as ChronoEdit's).
 
 ChronoEdit edits an image (``--image``, default a colour gradient) as a 5-frame video (2 latent
 frames: the input and the edit); with ``--frames`` above 5 it reasons over that many frames for
@@ -133,13 +140,16 @@ FAMILIES = {
         "LTXPipeline", 17, 8, 8, "LTX-Video's VAE: 8 frames per latent frame", 32, 32, size=(96, 160)),
     "chronoedit": VideoFamily(
         "ChronoEditPipeline", 5, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, cfg="two calls"),
+    "helios": VideoFamily(
+        "HeliosPipeline", 17, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, cfg="two calls"),
 }
 # Families whose pipeline cleans prompts with ftfy unconditionally (diffusers 0.42): without ftfy
 # the example passes embeds made by Wan's T5 encoding (ftfy only when installed) instead.
-EMBEDS_FAMILIES = ("chronoedit",)
+EMBEDS_FAMILIES = ("chronoedit", "helios")
 IMAGE_FAMILIES = ("chronoedit",)  # conditioned on --image
 PLANNED = ("cogvideox", "mochi", "wan", "hunyuan_video", "ltx_video")  # families usp_dit.plan has a cost model for
 TINY_TEXT_LENS = {"chronoedit": 512}  # the stock processor's fixed text length (image tokens come first)
+TINY_HELIOS_CHUNKS = {"history_sizes": [4, 2, 1], "num_latent_frames_per_chunk": 3}  # the release's: [16, 2, 1], 9
 TINY_TEXT_LEN = 32  # text tokens of the tiny pipelines (their tokenizers spend one per character)
 VIDEO_SUFFIXES = (".webp", ".gif", ".mp4")
 MP4_MODULES = ("imageio", "imageio_ffmpeg")  # what diffusers' export_to_video writes MP4 with
@@ -241,7 +251,7 @@ def check_cfg(args: argparse.Namespace, family: VideoFamily) -> None:
 def load_pipeline(args: argparse.Namespace, device: torch.device):
     """``--model-path`` in bf16 on GPUs (VAE tiling on), or the tiny random pipeline in float32."""
     if args.model_path is None:
-        from usp_dit.demo import tiny_chronoedit, tiny_hunyuan_video, tiny_ltx_video, tiny_video, tiny_wan
+        from usp_dit.demo import tiny_chronoedit, tiny_helios, tiny_hunyuan_video, tiny_ltx_video, tiny_video, tiny_wan
 
         builders = {
             "cogvideox": tiny_video.tiny_cogvideox_pipeline, "mochi": tiny_video.tiny_mochi_pipeline,
@@ -249,6 +259,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             "hunyuan_video": tiny_hunyuan_video.tiny_hunyuan_video_pipeline,
             "ltx_video": tiny_ltx_video.tiny_ltx_video_pipeline,
             "chronoedit": tiny_chronoedit.tiny_chronoedit_pipeline,
+            "helios": tiny_helios.tiny_helios_pipeline,
         }
         return builders[args.model](max_text_len=TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)).to(device)
     import diffusers
@@ -265,6 +276,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     kwargs = {}
     if args.model_path is None:
         kwargs["max_sequence_length"] = TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)
+        if args.model == "helios":
+            kwargs.update(TINY_HELIOS_CHUNKS)
         if args.model == "hunyuan_video":
             from usp_dit.demo.tiny_hunyuan_video import TINY_PROMPT_TEMPLATE
 
@@ -304,7 +317,8 @@ def chronoedit_kwargs(args: argparse.Namespace) -> dict:
 
 def embedded_prompts(pipe, args: argparse.Namespace, max_sequence_length: int) -> dict:
     """``prompt_embeds`` and ``negative_prompt_embeds`` by ``WanPipeline``'s T5 encoding (the code
-    ChronoEdit's pipeline copies, with ftfy optional), on ``pipe``'s tokenizer and text encoder."""
+    ChronoEdit's pipeline copies and Helios's computes, with ftfy optional), on ``pipe``'s tokenizer
+    and text encoder."""
     from diffusers import WanPipeline
 
     def encode(text: str) -> torch.Tensor:

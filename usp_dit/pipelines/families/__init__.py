@@ -12,6 +12,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     cogvideox,
     flux,
     flux2,
+    helios,
     hunyuan_video,
     ltx_video,
     mochi,
