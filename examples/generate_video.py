@@ -1,5 +1,5 @@
-"""torchrun: generate a video with CogVideoX, Mochi, Wan, HunyuanVideo or LTX-Video on a Ulysses x Ring (x CFG)
-grid, checked against one rank.
+"""torchrun: generate a video with CogVideoX, Mochi, Wan, HunyuanVideo, LTX-Video, ChronoEdit or Helios on a Ulysses x Ring
+(x CFG) grid, checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cogvideox --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model mochi --ring 2 --cfg 2
@@ -8,6 +8,8 @@ grid, checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model hunyuan_video --ring 2 --cfg 2 \
         --true-cfg 4
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model ltx_video --ring 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model chronoedit --ulysses 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model helios --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model cogvideox \
         --model-path THUDM/CogVideoX-5b --height 480 --width 720 --frames 49 --steps 50 --ulysses 2 --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model ltx_video \
@@ -38,6 +40,20 @@ pipelines compress as the real ones do):
     wan            16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     hunyuan_video  16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          with --true-cfg (two calls)
     ltx_video      32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45           yes (batched CFG)
+    chronoedit     16            4k + 1    96 x 144, 5  -> 2 x 6 x 9 = 108          yes (two calls a step)
+    helios         16            4k + 1    96 x 144, 17 -> 2 chunks of 3 x 6 x 9    yes (two calls a step)
+
+Helios generates chunk after chunk, each attending to the history of the earlier ones (short,
+mid, long memory: 162 + 108 + 15 + 6 = 291 tokens a call for the tiny default); the tiny pipeline
+uses 3 latent frames a chunk (9 frames) and a history of (4, 2, 1) latent frames instead of the
+release's 9 and (16, 2, 1). Its Diffusers pipeline cleans prompts with ftfy too (as ChronoEdit's).
+
+ChronoEdit edits an image (``--image``, default a colour gradient) as a 5-frame video (2 latent
+frames: the input and the edit); with ``--frames`` above 5 it reasons over that many frames for
+the first half of the steps (``enable_temporal_reasoning``), then keeps the first and last latent
+frames. Its stock processor takes the last 512 text tokens for the prompt, so the tiny pipeline
+encodes 512; its Diffusers pipeline cleans prompts with ftfy unconditionally, so without ftfy the
+example encodes them with Wan's identical T5 encoding (which uses ftfy only when installed).
 
 Pixels per token: the VAEs have 8 pixels per latent pixel and the transformers 2 x 2 latent pixels
 per token, except LTX-Video's VAE (32 pixels per latent pixel, patch 1), so ``--height``/``--width``
@@ -122,7 +138,18 @@ FAMILIES = {
         cfg_flag="--true-cfg", guided_by_default=False),
     "ltx_video": VideoFamily(
         "LTXPipeline", 17, 8, 8, "LTX-Video's VAE: 8 frames per latent frame", 32, 32, size=(96, 160)),
+    "chronoedit": VideoFamily(
+        "ChronoEditPipeline", 5, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, cfg="two calls"),
+    "helios": VideoFamily(
+        "HeliosPipeline", 17, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, cfg="two calls"),
 }
+# Families whose pipeline cleans prompts with ftfy unconditionally (diffusers 0.42): without ftfy
+# the example passes embeds made by Wan's T5 encoding (ftfy only when installed) instead.
+EMBEDS_FAMILIES = ("chronoedit", "helios")
+IMAGE_FAMILIES = ("chronoedit",)  # conditioned on --image
+PLANNED = ("cogvideox", "mochi", "wan", "hunyuan_video", "ltx_video")  # families usp_dit.plan has a cost model for
+TINY_TEXT_LENS = {"chronoedit": 512}  # the stock processor's fixed text length (image tokens come first)
+TINY_HELIOS_CHUNKS = {"history_sizes": [4, 2, 1], "num_latent_frames_per_chunk": 3}  # the release's: [16, 2, 1], 9
 TINY_TEXT_LEN = 32  # text tokens of the tiny pipelines (their tokenizers spend one per character)
 VIDEO_SUFFIXES = (".webp", ".gif", ".mp4")
 MP4_MODULES = ("imageio", "imageio_ffmpeg")  # what diffusers' export_to_video writes MP4 with
@@ -135,6 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", default=None, help="checkpoint path or hub id (default: a tiny random pipeline)")
     p.add_argument("--prompt", default="a paper boat drifting down a rainy street, cinematic")
     p.add_argument("--negative-prompt", default="blurry, low quality")
+    p.add_argument("--image", default=None, help="ChronoEdit: the image to edit (default: a colour gradient)")
     p.add_argument("--height", type=int, default=None, help="default: 96 (a multiple of 16; LTX-Video: of 32)")
     p.add_argument("--width", type=int, default=None, help="default: 144 (LTX-Video: 160)")
     p.add_argument("--frames", type=int, default=None,
@@ -181,6 +209,10 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     launch.check_model_path("--model-path", args.model_path)
     launch.check_backend("--backend", args.backend)
     launch.check_output("--output", args.output, VIDEO_SUFFIXES)
+    if args.image is not None and args.model not in IMAGE_FAMILIES:
+        raise launch.UsageError(f"--image with --model {args.model}: only {', '.join(IMAGE_FAMILIES)} take an image")
+    if args.image is not None and not os.path.isfile(args.image):
+        raise launch.UsageError(f"--image {args.image}: no such file")
     if args.true_cfg is not None and args.model != "hunyuan_video":
         raise launch.UsageError(f"--true-cfg with --model {args.model}: only HunyuanVideo (guidance-distilled) has a "
                                 f"separate true CFG scale; use --guidance")
@@ -191,7 +223,8 @@ def check_args(args: argparse.Namespace, world: int) -> None:
                                "pip install imageio imageio-ffmpeg (or 'usp-dit[video]'), or write .webp / .gif")
     if args.degrees == "auto":
         guided = args.model != "hunyuan_video" or args.true_cfg is not None  # HunyuanVideo: guidance-distilled
-        args.degrees = launch.planned_degrees(args, world, args.model, guided, args.frames)
+        args.degrees = launch.planned_degrees(args, world, args.model if args.model in PLANNED else None, guided,
+                                              args.frames)
     else:
         args.degrees = launch.check_degrees(world, args.ulysses, args.ring, args.cfg)
 
@@ -218,15 +251,17 @@ def check_cfg(args: argparse.Namespace, family: VideoFamily) -> None:
 def load_pipeline(args: argparse.Namespace, device: torch.device):
     """``--model-path`` in bf16 on GPUs (VAE tiling on), or the tiny random pipeline in float32."""
     if args.model_path is None:
-        from usp_dit.demo import tiny_hunyuan_video, tiny_ltx_video, tiny_video, tiny_wan
+        from usp_dit.demo import tiny_chronoedit, tiny_helios, tiny_hunyuan_video, tiny_ltx_video, tiny_video, tiny_wan
 
         builders = {
             "cogvideox": tiny_video.tiny_cogvideox_pipeline, "mochi": tiny_video.tiny_mochi_pipeline,
             "wan": lambda **kw: tiny_wan.tiny_wan_pipeline(two_experts=True, **kw),
             "hunyuan_video": tiny_hunyuan_video.tiny_hunyuan_video_pipeline,
             "ltx_video": tiny_ltx_video.tiny_ltx_video_pipeline,
+            "chronoedit": tiny_chronoedit.tiny_chronoedit_pipeline,
+            "helios": tiny_helios.tiny_helios_pipeline,
         }
-        return builders[args.model](max_text_len=TINY_TEXT_LEN).to(device)
+        return builders[args.model](max_text_len=TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)).to(device)
     import diffusers
 
     cls = getattr(diffusers, FAMILIES[args.model].pipeline)
@@ -240,7 +275,9 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     """(frames, height, width, 3) float32 in [0, 1]; the seeded generator is the same on every rank."""
     kwargs = {}
     if args.model_path is None:
-        kwargs["max_sequence_length"] = TINY_TEXT_LEN
+        kwargs["max_sequence_length"] = TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)
+        if args.model == "helios":
+            kwargs.update(TINY_HELIOS_CHUNKS)
         if args.model == "hunyuan_video":
             from usp_dit.demo.tiny_hunyuan_video import TINY_PROMPT_TEMPLATE
 
@@ -251,12 +288,43 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         kwargs["guidance_scale"] = args.guidance
     if args.true_cfg is not None:
         kwargs["true_cfg_scale"] = args.true_cfg
+    if args.model == "chronoedit":
+        kwargs.update(chronoedit_kwargs(args))
+    prompts = dict(prompt=args.prompt, negative_prompt=args.negative_prompt)
+    if args.model in EMBEDS_FAMILIES and importlib.util.find_spec("ftfy") is None:
+        prompts = embedded_prompts(pipe, args, kwargs.get("max_sequence_length", 512))
     out = pipe(
-        args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
+        **prompts, height=args.height, width=args.width,
         num_frames=args.frames, num_inference_steps=args.steps, output_type="np",
         generator=torch.Generator("cpu").manual_seed(args.seed), **kwargs,
     )
     return np.asarray(out.frames[0], dtype=np.float32)
+
+
+def chronoedit_kwargs(args: argparse.Namespace) -> dict:
+    """The image to edit (``--image``, or a colour gradient of the output's size); temporal
+    reasoning over ``--frames`` for half the steps when ``--frames`` is above the edit's 5."""
+    from PIL import ImageOps
+
+    from usp_dit.demo.tiny_video import gradient_image
+
+    image = gradient_image(args.height, args.width) if args.image is None else Image.open(args.image).convert("RGB")
+    kwargs = {"image": ImageOps.fit(image, (args.width, args.height))}
+    if args.frames > 5:
+        kwargs.update(enable_temporal_reasoning=True, num_temporal_reasoning_steps=max(1, args.steps // 2))
+    return kwargs
+
+
+def embedded_prompts(pipe, args: argparse.Namespace, max_sequence_length: int) -> dict:
+    """``prompt_embeds`` and ``negative_prompt_embeds`` by ``WanPipeline``'s T5 encoding (the code
+    ChronoEdit's pipeline copies and Helios's computes, with ftfy optional), on ``pipe``'s tokenizer
+    and text encoder."""
+    from diffusers import WanPipeline
+
+    def encode(text: str) -> torch.Tensor:
+        return WanPipeline._get_t5_prompt_embeds(pipe, text, max_sequence_length=max_sequence_length)
+
+    return dict(prompt_embeds=encode(args.prompt), negative_prompt_embeds=encode(args.negative_prompt))
 
 
 def save_mp4(frames: np.ndarray, path: str, fps: int) -> None:

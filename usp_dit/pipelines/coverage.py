@@ -144,6 +144,10 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
         "T2V, I2V; diffusion forcing (block-causal attention)",
         ("SkyReelsV2Pipeline", "SkyReelsV2ImageToVideoPipeline", "SkyReelsV2DiffusionForcingPipeline"),
     ),
+    "ChronoEdit": FamilyPipelines("ChronoEdit-14B; edit, temporal reasoning", ("ChronoEditPipeline",)),
+    "Helios": FamilyPipelines("Helios-Base, -Mid, -Distilled; T2V, I2V, V2V with multi-term memory",
+                              ("HeliosPipeline", "HeliosPyramidPipeline"),
+                              one_call="Helios-Distilled (step-wise distilled, run at guidance_scale=1)"),
 }
 
 

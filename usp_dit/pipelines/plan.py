@@ -1,7 +1,8 @@
 """A model family as a declarative plan, applied and removed by one generic patcher.
 
 Layout: the plan names modules by their dotted paths in the transformer (``"blocks.0"``,
-``"rope"``) or by ``fnmatch`` patterns over those paths (``"blocks.*.attn1"``); tensors keep the
+``"rope"``; ``"blocks.-1"``: the last block of a list, whatever its length, ``submodule``) or by
+``fnmatch`` patterns over those paths (``"blocks.*.attn1"``); tensors keep the
 layouts of the modules they come from (the hidden states (batch, seq, channels)).
 
 Note [a model is a plan]
@@ -159,6 +160,20 @@ class TableHooks:
         return shard_sequence(t, self.state.mesh, dim=table.dim, layout=self.state.layout)
 
 
+def submodule(root: torch.nn.Module, path: str) -> torch.nn.Module:
+    """``root.get_submodule(path)``, where a part may also be a negative index into a ``ModuleList``
+    (``"blocks.-1"``: the last block, for a plan that gathers after the blocks whatever their count).
+
+    Raises:
+        AttributeError: no such submodule (as ``get_submodule``).
+    """
+    module = root
+    for part in path.split(".") if path else ():
+        negative = part.startswith("-") and part[1:].isdigit()
+        module = module[int(part)] if negative and isinstance(module, torch.nn.ModuleList) else module.get_submodule(part)
+    return module
+
+
 def _matches(path: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(path, pattern)
 
@@ -249,7 +264,7 @@ class PlanPatch:
 
     def __init__(self, plan: ModelPlan, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> None:
         self.state = ShardState(mesh, backend, layout=plan.layout)
-        get = transformer.get_submodule
+        get = functools.partial(submodule, transformer)
         self.swaps: list[tuple[torch.nn.Module, Any, Any]] = []  # (module, original, replacement)
         paths: list[str] = []
         processors: dict[Parallel, Any] = {}  # one processor object per site, shared by its modules

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from usp_dit.pipelines.families import (  # noqa: F401  (each module calls register_adapter on import)
     chroma,
+    chronoedit,
     cogvideox,
     flux,
     flux2,
+    helios,
     hunyuan_video,
     ltx_video,
     mochi,
