@@ -1,4 +1,4 @@
-"""torchrun: generate a video with CogVideoX, Mochi, Wan, HunyuanVideo or LTX-Video on a Ulysses x Ring (x CFG)
+"""torchrun: generate a video with CogVideoX, Mochi, Wan, Wan VACE, HunyuanVideo or LTX-Video on a Ulysses x Ring (x CFG)
 grid, checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cogvideox --ulysses 2 --ring 2
@@ -14,11 +14,11 @@ grid, checked against one rank.
         --model-path Lightricks/LTX-Video --height 480 --width 704 --frames 161 --steps 50 --ulysses 4 --cfg 2
 
 With no ``--model-path`` it builds a tiny randomly initialised pipeline in code
-(``usp_dit.demo.tiny_video``, ``tiny_wan``, ``tiny_hunyuan_video``, ``tiny_ltx_video``: tiny
+(``usp_dit.demo.tiny_video``, ``tiny_wan``, ``tiny_wan_vace``, ``tiny_hunyuan_video``, ``tiny_ltx_video``: tiny
 transformer, VAE, scheduler and text encoders with character tokenizers, T5 or, for HunyuanVideo,
 Llama and CLIP; nothing is downloaded; the tiny Wan is a Wan 2.2 A14B-like pair of experts, the
 tiny HunyuanVideo the guidance-distilled text-to-video model) and runs it in float32 on CPU with
-gloo. With ``--model-path`` it loads ``CogVideoXPipeline``, ``MochiPipeline``, ``WanPipeline``,
+gloo. With ``--model-path`` it loads ``CogVideoXPipeline``, ``MochiPipeline``, ``WanPipeline``, ``WanVACEPipeline``,
 ``HunyuanVideoPipeline`` or ``LTXPipeline`` (bf16 on GPUs, VAE tiling on). Every rank runs the
 pipeline's real ``__call__`` (text encoding, denoising with guidance, VAE decode); the
 transformer's tokens are split over the grid (``pipe.enable_usp``) and, with ``--cfg 2``, the
@@ -36,6 +36,7 @@ pipelines compress as the real ones do):
     cogvideox      16            8k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
     mochi          16            6k + 1    96 x 144, 13 -> 3 x 6 x 9 = 162          yes (batched CFG)
     wan            16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
+    wan_vace       16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     hunyuan_video  16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          with --true-cfg (two calls)
     ltx_video      32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45           yes (batched CFG)
 
@@ -116,6 +117,9 @@ FAMILIES = {
         min_steps=(2, "Mochi's linear-quadratic sigma schedule divides by steps // 2")),
     "wan": VideoFamily(
         "WanPipeline", 9, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, cfg="two calls"),
+    # With no control video: the pipeline's all-zero video and all-ones mask (VACE text-to-video).
+    "wan_vace": VideoFamily(
+        "WanVACEPipeline", 9, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, cfg="two calls"),
     # Guidance-distilled: the embedded --guidance is one call a step; --true-cfg > 1 adds the negative prompt's.
     "hunyuan_video": VideoFamily(
         "HunyuanVideoPipeline", 9, 4, 4, "HunyuanVideo's VAE: 4 frames per latent frame", 8, 16, cfg="two calls",
@@ -123,6 +127,9 @@ FAMILIES = {
     "ltx_video": VideoFamily(
         "LTXPipeline", 17, 8, 8, "LTX-Video's VAE: 8 frames per latent frame", 32, 32, size=(96, 160)),
 }
+# Families whose pipeline cleans prompts with ftfy unconditionally (diffusers 0.42): the example
+# passes embeds made by Wan's encoding (ftfy only when installed) instead of the prompt strings.
+EMBEDS_FAMILIES = ("wan_vace",)
 TINY_TEXT_LEN = 32  # text tokens of the tiny pipelines (their tokenizers spend one per character)
 VIDEO_SUFFIXES = (".webp", ".gif", ".mp4")
 MP4_MODULES = ("imageio", "imageio_ffmpeg")  # what diffusers' export_to_video writes MP4 with
@@ -218,11 +225,12 @@ def check_cfg(args: argparse.Namespace, family: VideoFamily) -> None:
 def load_pipeline(args: argparse.Namespace, device: torch.device):
     """``--model-path`` in bf16 on GPUs (VAE tiling on), or the tiny random pipeline in float32."""
     if args.model_path is None:
-        from usp_dit.demo import tiny_hunyuan_video, tiny_ltx_video, tiny_video, tiny_wan
+        from usp_dit.demo import tiny_hunyuan_video, tiny_ltx_video, tiny_video, tiny_wan, tiny_wan_vace
 
         builders = {
             "cogvideox": tiny_video.tiny_cogvideox_pipeline, "mochi": tiny_video.tiny_mochi_pipeline,
             "wan": lambda **kw: tiny_wan.tiny_wan_pipeline(two_experts=True, **kw),
+            "wan_vace": tiny_wan_vace.tiny_wan_vace_pipeline,
             "hunyuan_video": tiny_hunyuan_video.tiny_hunyuan_video_pipeline,
             "ltx_video": tiny_ltx_video.tiny_ltx_video_pipeline,
         }
@@ -251,12 +259,24 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         kwargs["guidance_scale"] = args.guidance
     if args.true_cfg is not None:
         kwargs["true_cfg_scale"] = args.true_cfg
+    prompts = dict(prompt=args.prompt, negative_prompt=args.negative_prompt)
+    if args.model in EMBEDS_FAMILIES:
+        prompts = embedded_prompts(pipe, args, kwargs.get("max_sequence_length", 512))
     out = pipe(
-        args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
+        **prompts, height=args.height, width=args.width,
         num_frames=args.frames, num_inference_steps=args.steps, output_type="np",
         generator=torch.Generator("cpu").manual_seed(args.seed), **kwargs,
     )
     return np.asarray(out.frames[0], dtype=np.float32)
+
+
+def embedded_prompts(pipe, args: argparse.Namespace, max_sequence_length: int) -> dict:
+    """``prompt_embeds`` and ``negative_prompt_embeds`` by Wan's T5 encoding: the VACE pipeline's
+    own prompt cleaning needs ftfy (``usp_dit.demo.tiny_wan_vace.wan_prompt_embeds``)."""
+    from usp_dit.demo.tiny_wan_vace import wan_prompt_embeds
+
+    return dict(prompt_embeds=wan_prompt_embeds(pipe, args.prompt, max_sequence_length),
+                negative_prompt_embeds=wan_prompt_embeds(pipe, args.negative_prompt, max_sequence_length))
 
 
 def save_mp4(frames: np.ndarray, path: str, fps: int) -> None:

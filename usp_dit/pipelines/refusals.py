@@ -18,7 +18,6 @@ _REASONS = {
     "MiniMaxMusic3RVQDepthDecoder": "an audio codec's depth decoder over a few tokens: nothing to split",
     "HunyuanVideoFramepackTransformer3DModel": (
         f"{NO_ADAPTER} (FramePack's history latents and clean-latent RoPE differ from HunyuanVideo's)"),
-    "WanVACETransformer3DModel": f"{NO_ADAPTER} (VACE's control blocks and hints beside Wan's)",
     "WanAnimateTransformer3DModel": f"{NO_ADAPTER} (face and pose conditioning beside Wan's)",
     "WanAnimate2Transformer3DModel": f"{NO_ADAPTER} (face and pose conditioning beside Wan's)",
     "QwenImage21Transformer2DModel": f"{NO_ADAPTER} (a different class from Qwen-Image's)",

@@ -18,4 +18,5 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     sd3,
     skyreels_v2,
     wan,
+    wan_vace,
 )
