@@ -416,6 +416,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("mochi", (2, 2, 1), 2),  # padding in front for one element, no real prompt token in the other
     ("hunyuan_video", (1, 4, 1), 0), ("qwen_image", (2, 2, 1), 0), ("chroma", (4, 1, 1), 0),
     ("wan_vace", (2, 2, 1), 1),  # control blocks cut by their own hook, hints added on the shard
+    ("wan_animate", (1, 4, 1), 1),  # face attention by frame: every rank's tokens start or end mid-frame
 ]
 
 
