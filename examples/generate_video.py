@@ -1,5 +1,5 @@
-"""torchrun: generate a video with CogVideoX, Mochi, Wan, HunyuanVideo, LTX-Video, ChronoEdit or Helios on a Ulysses x Ring
-(x CFG) grid, checked against one rank.
+"""torchrun: generate a video with CogVideoX, Mochi, Wan, Wan VACE, HunyuanVideo, LTX-Video, ChronoEdit or Helios on a
+Ulysses x Ring (x CFG) grid, checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cogvideox --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model mochi --ring 2 --cfg 2
@@ -16,11 +16,11 @@
         --model-path Lightricks/LTX-Video --height 480 --width 704 --frames 161 --steps 50 --ulysses 4 --cfg 2
 
 With no ``--model-path`` it builds a tiny randomly initialised pipeline in code
-(``usp_dit.demo.tiny_video``, ``tiny_wan``, ``tiny_hunyuan_video``, ``tiny_ltx_video``: tiny
+(``usp_dit.demo.tiny_video``, ``tiny_wan``, ``tiny_wan_vace``, ``tiny_hunyuan_video``, ``tiny_ltx_video``: tiny
 transformer, VAE, scheduler and text encoders with character tokenizers, T5 or, for HunyuanVideo,
 Llama and CLIP; nothing is downloaded; the tiny Wan is a Wan 2.2 A14B-like pair of experts, the
 tiny HunyuanVideo the guidance-distilled text-to-video model) and runs it in float32 on CPU with
-gloo. With ``--model-path`` it loads ``CogVideoXPipeline``, ``MochiPipeline``, ``WanPipeline``,
+gloo. With ``--model-path`` it loads ``CogVideoXPipeline``, ``MochiPipeline``, ``WanPipeline``, ``WanVACEPipeline``,
 ``HunyuanVideoPipeline`` or ``LTXPipeline`` (bf16 on GPUs, VAE tiling on). Every rank runs the
 pipeline's real ``__call__`` (text encoding, denoising with guidance, VAE decode); the
 transformer's tokens are split over the grid (``pipe.enable_usp``) and, with ``--cfg 2``, the
@@ -38,6 +38,7 @@ pipelines compress as the real ones do):
     cogvideox      16            8k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
     mochi          16            6k + 1    96 x 144, 13 -> 3 x 6 x 9 = 162          yes (batched CFG)
     wan            16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
+    wan_vace       16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     hunyuan_video  16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          with --true-cfg (two calls)
     ltx_video      32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45           yes (batched CFG)
     chronoedit     16            4k + 1    96 x 144, 5  -> 2 x 6 x 9 = 108          yes (two calls a step)
@@ -132,6 +133,9 @@ FAMILIES = {
         min_steps=(2, "Mochi's linear-quadratic sigma schedule divides by steps // 2")),
     "wan": VideoFamily(
         "WanPipeline", 9, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, cfg="two calls"),
+    # With no control video: the pipeline's all-zero video and all-ones mask (VACE text-to-video).
+    "wan_vace": VideoFamily(
+        "WanVACEPipeline", 9, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, cfg="two calls"),
     # Guidance-distilled: the embedded --guidance is one call a step; --true-cfg > 1 adds the negative prompt's.
     "hunyuan_video": VideoFamily(
         "HunyuanVideoPipeline", 9, 4, 4, "HunyuanVideo's VAE: 4 frames per latent frame", 8, 16, cfg="two calls",
@@ -145,7 +149,7 @@ FAMILIES = {
 }
 # Families whose pipeline cleans prompts with ftfy unconditionally (diffusers 0.42): without ftfy
 # the example passes embeds made by Wan's T5 encoding (ftfy only when installed) instead.
-EMBEDS_FAMILIES = ("chronoedit", "helios")
+EMBEDS_FAMILIES = ("wan_vace", "chronoedit", "helios")
 IMAGE_FAMILIES = ("chronoedit",)  # conditioned on --image
 PLANNED = ("cogvideox", "mochi", "wan", "hunyuan_video", "ltx_video")  # families usp_dit.plan has a cost model for
 TINY_TEXT_LENS = {"chronoedit": 512}  # the stock processor's fixed text length (image tokens come first)
@@ -251,11 +255,20 @@ def check_cfg(args: argparse.Namespace, family: VideoFamily) -> None:
 def load_pipeline(args: argparse.Namespace, device: torch.device):
     """``--model-path`` in bf16 on GPUs (VAE tiling on), or the tiny random pipeline in float32."""
     if args.model_path is None:
-        from usp_dit.demo import tiny_chronoedit, tiny_helios, tiny_hunyuan_video, tiny_ltx_video, tiny_video, tiny_wan
+        from usp_dit.demo import (
+            tiny_chronoedit,
+            tiny_helios,
+            tiny_hunyuan_video,
+            tiny_ltx_video,
+            tiny_video,
+            tiny_wan,
+            tiny_wan_vace,
+        )
 
         builders = {
             "cogvideox": tiny_video.tiny_cogvideox_pipeline, "mochi": tiny_video.tiny_mochi_pipeline,
             "wan": lambda **kw: tiny_wan.tiny_wan_pipeline(two_experts=True, **kw),
+            "wan_vace": tiny_wan_vace.tiny_wan_vace_pipeline,
             "hunyuan_video": tiny_hunyuan_video.tiny_hunyuan_video_pipeline,
             "ltx_video": tiny_ltx_video.tiny_ltx_video_pipeline,
             "chronoedit": tiny_chronoedit.tiny_chronoedit_pipeline,
@@ -317,8 +330,8 @@ def chronoedit_kwargs(args: argparse.Namespace) -> dict:
 
 def embedded_prompts(pipe, args: argparse.Namespace, max_sequence_length: int) -> dict:
     """``prompt_embeds`` and ``negative_prompt_embeds`` by ``WanPipeline``'s T5 encoding (the code
-    ChronoEdit's pipeline copies and Helios's computes, with ftfy optional), on ``pipe``'s tokenizer
-    and text encoder."""
+    the VACE and ChronoEdit pipelines copy and Helios's computes, with ftfy optional), on ``pipe``'s
+    tokenizer and text encoder."""
     from diffusers import WanPipeline
 
     def encode(text: str) -> torch.Tensor:

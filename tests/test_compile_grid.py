@@ -417,6 +417,8 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("hunyuan_video", (1, 4, 1), 0), ("qwen_image", (2, 2, 1), 0), ("chroma", (4, 1, 1), 0),
     ("chronoedit", (2, 2, 1), 0),  # the edit mode's RoPE (2 latent frames), ChronoEdit's own processor class
     ("helios", (1, 4, 1), 1),  # history tokens: per-shard context lengths, amplified history keys
+    ("wan_vace", (2, 2, 1), 1),  # control blocks cut by their own hook, hints added on the shard
+    ("wan_animate", (1, 4, 1), 1),  # face attention by frame: every rank's tokens start or end mid-frame
 ]
 
 

@@ -135,6 +135,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "Mochi": FamilyPipelines("Mochi 1", ("MochiPipeline",)),
     "Wan": FamilyPipelines("Wan 2.1 T2V, I2V, FLF2V; Wan 2.2 A14B (both experts on one mesh), TI2V-5B",
                            ("WanPipeline", "WanImageToVideoPipeline")),
+    "WanAnimate": FamilyPipelines("Wan 2.2 Animate-14B (animation, replacement)", ("WanAnimatePipeline",)),
+    "WanVACE": FamilyPipelines("Wan 2.1 VACE 1.3B, 14B; Wan 2.2 VACE-Fun A14B", ("WanVACEPipeline",)),
     "HunyuanVideo": FamilyPipelines("T2V; I2V (latent_concat, token_replace)",
                                     ("HunyuanVideoPipeline", "HunyuanVideoImageToVideoPipeline"),
                                     one_call="T2V without true CFG (guidance-distilled)"),

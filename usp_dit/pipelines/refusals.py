@@ -18,9 +18,10 @@ _REASONS = {
     "MiniMaxMusic3RVQDepthDecoder": "an audio codec's depth decoder over a few tokens: nothing to split",
     "HunyuanVideoFramepackTransformer3DModel": (
         f"{NO_ADAPTER} (FramePack's history latents and clean-latent RoPE differ from HunyuanVideo's)"),
-    "WanVACETransformer3DModel": f"{NO_ADAPTER} (VACE's control blocks and hints beside Wan's)",
-    "WanAnimateTransformer3DModel": f"{NO_ADAPTER} (face and pose conditioning beside Wan's)",
-    "WanAnimate2Transformer3DModel": f"{NO_ADAPTER} (face and pose conditioning beside Wan's)",
+    "WanAnimate2Transformer3DModel": (
+        f"{NO_ADAPTER} (in-context reference attention: each generation frame attends every generation token "
+        "plus the cached reference tokens of its own frame, a flex BlockMask over a packed [generation | reference] "
+        "buffer, the reference K/V written by a separate extract pass into a per-layer cache)"),
     "QwenImage21Transformer2DModel": f"{NO_ADAPTER} (a different class from Qwen-Image's)",
 }
 

@@ -20,4 +20,6 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     sd3,
     skyreels_v2,
     wan,
+    wan_animate,
+    wan_vace,
 )

@@ -1,0 +1,169 @@
+"""Wan Animate adapter: sharded transformer outputs and gradients equal one process's, on CPU gloo grids.
+
+One spawned group of 4 ranks runs every case (the 2-rank grids run on it as two data-parallel
+replicas of 2 ranks). Model: a tiny 2-layer ``WanAnimateTransformer3DModel`` with a face adapter
+after each block, CLIP image tokens through the added K/V cross-attention (512 text tokens, as
+the stock processor requires), a 16 x 16 face motion encoder (4 heads x 16 head_dim, every weight
+perturbed; ``usp_dit.demo.tiny_wan_animate``). Batch 2 with a different prompt, image, pose, face
+video and timestep per element. Two shapes: 3 latent frames (reference + 2) of 3 x 5 patches =
+45 tokens (5 face frames), and 5 latent frames of 1 x 3 patches = 15 tokens (13 face frames), so
+that on every grid some rank's tokens begin or end mid-frame (Note [face attention by frame]: 45
+on 4 ranks is 12 | 11 | 11 | 11 against frames of 15; 15 on 4 ranks 4 | 4 | 4 | 3 against frames
+of 3). Neither count divides 2 or 4.
+
+Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2) (tests/adapter_parity.GRIDS);
+each ring grid also with the "stream" and "gather_merge" schedules forced. Each case: output vs
+the stock output; block 0's self-attention and face adapter 0 each see at most ceil(tokens / P)
+tokens; after ``disable`` the output is bit-identical. On 2 and 4 ranks every parameter's gradient
+(loss / P on each rank, summed over the sequence group; the face encoders' included) equals one
+process's, and once with gradient checkpointing. ``frame_runs`` is checked against a direct
+per-token frame count on one process.
+
+Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs and every parameter's gradient:
+sharding only reorders float32 sums (attention merged by log-sum-exp; the face attention of a
+partial frame is its own kernel call over the same keys; gradients summed over ranks).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.adapter_parity import (
+    assert_within,
+    forward,
+    gradient_errors,
+    output_keys,
+    record,
+    run_grid_cases,
+    ulysses_above_heads_case,
+)
+from usp_dit import init_usp, single_rank_mesh
+from usp_dit.demo.tiny_wan_animate import tiny_wan_animate, wan_animate_inputs
+from usp_dit.pipelines.families.wan_animate import ADAPTER, frame_runs
+from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+
+TOL = 1e-5
+WORLD = 4
+
+
+@dataclass(frozen=True)
+class Shape:
+    frames: int  # latent frames, the reference frame included
+    height: int  # latent sizes
+    width: int
+
+    @property
+    def tokens(self) -> int:
+        return self.frames * (self.height // 2) * (self.width // 2)
+
+    def __str__(self) -> str:
+        return f"f{self.frames}h{self.height}w{self.width}"
+
+
+SHAPES = [Shape(3, 6, 10), Shape(5, 2, 6)]  # 45 tokens (frames of 15), 15 tokens (frames of 3)
+
+
+def _build(shape: Shape, seed: int = 0):
+    model = tiny_wan_animate(seed=seed)
+    return model, wan_animate_inputs(model, shape.frames, shape.height, shape.width)
+
+
+def _output_case(shape: Shape, mesh) -> dict[str, float]:
+    """Output vs stock; the longest sequence block 0's ``attn1`` and face adapter 0 saw vs
+    ceil(S / P) while enabled; bit-identity after disable."""
+    model, inputs = _build(shape)
+    ref = forward(model, inputs)
+    lengths = {"blocks.0.attn1": [], "face_adapter.0": []}
+    hooks = [model.get_submodule(name).register_forward_pre_hook(
+        lambda m, args, name=name: lengths[name].append(args[0].shape[1])) for name in lengths]
+    ADAPTER.enable(model, mesh, "auto")
+    try:
+        out = forward(model, inputs)
+    finally:
+        ADAPTER.disable(model)
+        for h in hooks:
+            h.remove()
+    again = forward(model, inputs)
+    bound = math.ceil(shape.tokens / mesh.sequence_degree)
+    errors = {"out": rel_err(out, ref), "disable_not_bit_identical": float(not torch.equal(again, ref))}
+    for name, seen in lengths.items():
+        errors[f"{name}_tokens_above_ceil"] = float(not seen or max(seen) > bound)
+    return errors
+
+
+def _checkpointed_gradient_case(mesh) -> dict[str, float]:
+    model, inputs = _build(SHAPES[0])
+    model.enable_gradient_checkpointing()
+    return gradient_errors(model, inputs, ADAPTER, mesh)
+
+
+def _run_all() -> dict[str, dict | str]:
+    results = {}
+    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
+    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    record(results, "ulysses-above-heads",
+           lambda: ulysses_above_heads_case(tiny_wan_animate(num_heads=2, head_dim=32), ADAPTER, init_usp(4, 1)))
+    return results
+
+
+@pytest.fixture(scope="module")
+def grid_results() -> list[dict]:
+    per_rank = run_spawned(_run_all, WORLD)
+    assert_no_crash(per_rank)
+    return per_rank
+
+
+@pytest.mark.parametrize("key", output_keys(SHAPES))
+def test_sharded_output_matches_one_process(grid_results, key: str):
+    assert_within(grid_results, key, TOL)
+
+
+@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
+def test_parameter_gradients_match_one_process(grid_results, key: str):
+    assert_within(grid_results, key, TOL)
+
+
+def test_ulysses_above_heads_raises_at_enable(grid_results):
+    assert_within(grid_results, "ulysses-above-heads", 0.0)
+
+
+# ---- single process -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("start, stop, frame_len", [(0, 45, 15), (12, 23, 15), (4, 8, 3), (0, 12, 3), (5, 5, 3),
+                                                    (1, 44, 7)])
+def test_frame_runs_cover_each_token_with_its_frame(start: int, stop: int, frame_len: int):
+    """Runs tile [start, stop) in order; each is whole frames or one partial frame; every token's
+    run says its frame ``j // frame_len``."""
+    frames_of_tokens = []
+    for first, frames, tokens in frame_runs(start, stop, frame_len):
+        assert frames == 1 or tokens == frames * frame_len
+        per_frame = tokens // frames
+        frames_of_tokens += [first + i // per_frame for i in range(tokens)]
+    assert frames_of_tokens == [j // frame_len for j in range(start, stop)]
+
+
+def test_tokens_that_do_not_split_into_the_face_frames_raise():
+    """The face features' T frames must divide the tokens (stock's unflatten fails there too)."""
+    model, inputs = _build(SHAPES[0])
+    inputs.face_pixel_values = inputs.face_pixel_values[:, :, :-4]  # 1 face frame too few: T = 2 for 3 frames
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    try:
+        with pytest.raises(ValueError, match="45 video tokens do not split into the 2 frames of the face features"):
+            forward(model, inputs)
+    finally:
+        ADAPTER.disable(model)
+
+
+def test_face_adapter_attention_mask_is_refused():
+    model, _ = _build(SHAPES[0])
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    try:
+        x = torch.randn(1, 6, 64)
+        with pytest.raises(NotImplementedError, match="face adapter attention_mask"):
+            model.face_adapter[0](x, torch.randn(1, 2, 3, 64), torch.ones(1, 6))
+    finally:
+        ADAPTER.disable(model)
