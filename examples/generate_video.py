@@ -1,4 +1,4 @@
-"""torchrun: generate a video with CogVideoX, Mochi, Wan, HunyuanVideo or LTX-Video on a Ulysses x Ring (x CFG)
+"""torchrun: generate a video with CogVideoX, Mochi, Wan, HunyuanVideo, Kandinsky 5 or LTX-Video on a Ulysses x Ring (x CFG)
 grid, checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cogvideox --ulysses 2 --ring 2
@@ -37,6 +37,7 @@ pipelines compress as the real ones do):
     mochi          16            6k + 1    96 x 144, 13 -> 3 x 6 x 9 = 162          yes (batched CFG)
     wan            16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     hunyuan_video  16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          with --true-cfg (two calls)
+    kandinsky5     16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     ltx_video      32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45           yes (batched CFG)
 
 Pixels per token: the VAEs have 8 pixels per latent pixel and the transformers 2 x 2 latent pixels
@@ -120,6 +121,10 @@ FAMILIES = {
     "hunyuan_video": VideoFamily(
         "HunyuanVideoPipeline", 9, 4, 4, "HunyuanVideo's VAE: 4 frames per latent frame", 8, 16, cfg="two calls",
         cfg_flag="--true-cfg", guided_by_default=False),
+    # Two calls a step (the prompt's, the negative prompt's); HunyuanVideo's VAE class.
+    "kandinsky5": VideoFamily(
+        "Kandinsky5T2VPipeline", 9, 4, 4, "Kandinsky 5's VAE (HunyuanVideo's): 4 frames per latent frame", 8, 16,
+        cfg="two calls"),
     "ltx_video": VideoFamily(
         "LTXPipeline", 17, 8, 8, "LTX-Video's VAE: 8 frames per latent frame", 32, 32, size=(96, 160)),
 }
@@ -191,7 +196,8 @@ def check_args(args: argparse.Namespace, world: int) -> None:
                                "pip install imageio imageio-ffmpeg (or 'usp-dit[video]'), or write .webp / .gif")
     if args.degrees == "auto":
         guided = args.model != "hunyuan_video" or args.true_cfg is not None  # HunyuanVideo: guidance-distilled
-        args.degrees = launch.planned_degrees(args, world, args.model, guided, args.frames)
+        planned = None if args.model == "kandinsky5" else args.model  # no planner spec for Kandinsky 5 yet
+        args.degrees = launch.planned_degrees(args, world, planned, guided, args.frames)
     else:
         args.degrees = launch.check_degrees(world, args.ulysses, args.ring, args.cfg)
 
@@ -218,13 +224,15 @@ def check_cfg(args: argparse.Namespace, family: VideoFamily) -> None:
 def load_pipeline(args: argparse.Namespace, device: torch.device):
     """``--model-path`` in bf16 on GPUs (VAE tiling on), or the tiny random pipeline in float32."""
     if args.model_path is None:
-        from usp_dit.demo import tiny_hunyuan_video, tiny_ltx_video, tiny_video, tiny_wan
+        from usp_dit.demo import tiny_hunyuan_video, tiny_kandinsky5, tiny_ltx_video, tiny_video, tiny_wan
 
         builders = {
             "cogvideox": tiny_video.tiny_cogvideox_pipeline, "mochi": tiny_video.tiny_mochi_pipeline,
             "wan": lambda **kw: tiny_wan.tiny_wan_pipeline(two_experts=True, **kw),
             "hunyuan_video": tiny_hunyuan_video.tiny_hunyuan_video_pipeline,
             "ltx_video": tiny_ltx_video.tiny_ltx_video_pipeline,
+            # (its character tokenizers and short template fit TINY_TEXT_LEN as built)
+            "kandinsky5": lambda max_text_len: tiny_kandinsky5.tiny_kandinsky5_pipeline(),
         }
         return builders[args.model](max_text_len=TINY_TEXT_LEN).to(device)
     import diffusers
