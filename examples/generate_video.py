@@ -1,5 +1,6 @@
-"""torchrun: generate a video with CogVideoX, Mochi, Wan, Wan VACE, HunyuanVideo, LTX-Video, ChronoEdit or Helios on a
-Ulysses x Ring (x CFG) grid, checked against one rank.
+"""torchrun: generate a video with any video family of usp_dit (CogVideoX, Mochi, Wan, Wan VACE, HunyuanVideo,
+HunyuanVideo 1.5, Kandinsky 5, LTX-Video, LTX-2, ChronoEdit, Helios, Cosmos 3) on a Ulysses x Ring (x CFG) grid,
+checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cogvideox --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model mochi --ring 2 --cfg 2
@@ -40,6 +41,7 @@ pipelines compress as the real ones do):
     wan            16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     wan_vace       16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     hunyuan_video  16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          with --true-cfg (two calls)
+    kandinsky5     16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     ltx_video      32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45           yes (batched CFG)
     chronoedit     16            4k + 1    96 x 144, 5  -> 2 x 6 x 9 = 108          yes (two calls a step)
     helios         16            4k + 1    96 x 144, 17 -> 2 chunks of 3 x 6 x 9    yes (two calls a step)
@@ -140,6 +142,10 @@ FAMILIES = {
     "hunyuan_video": VideoFamily(
         "HunyuanVideoPipeline", 9, 4, 4, "HunyuanVideo's VAE: 4 frames per latent frame", 8, 16, cfg="two calls",
         cfg_flag="--true-cfg", guided_by_default=False),
+    # Two calls a step (the prompt's, the negative prompt's); HunyuanVideo's VAE class.
+    "kandinsky5": VideoFamily(
+        "Kandinsky5T2VPipeline", 9, 4, 4, "Kandinsky 5's VAE (HunyuanVideo's): 4 frames per latent frame", 8, 16,
+        cfg="two calls"),
     "ltx_video": VideoFamily(
         "LTXPipeline", 17, 8, 8, "LTX-Video's VAE: 8 frames per latent frame", 32, 32, size=(96, 160)),
     "chronoedit": VideoFamily(
@@ -264,6 +270,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             tiny_wan,
             tiny_wan_vace,
         )
+        from usp_dit.demo import tiny_hunyuan_video, tiny_kandinsky5, tiny_ltx_video, tiny_video, tiny_wan
 
         builders = {
             "cogvideox": tiny_video.tiny_cogvideox_pipeline, "mochi": tiny_video.tiny_mochi_pipeline,
@@ -273,6 +280,8 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             "ltx_video": tiny_ltx_video.tiny_ltx_video_pipeline,
             "chronoedit": tiny_chronoedit.tiny_chronoedit_pipeline,
             "helios": tiny_helios.tiny_helios_pipeline,
+            # (its character tokenizers and short template fit TINY_TEXT_LEN as built)
+            "kandinsky5": lambda max_text_len: tiny_kandinsky5.tiny_kandinsky5_pipeline(),
         }
         return builders[args.model](max_text_len=TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)).to(device)
     import diffusers

@@ -25,9 +25,15 @@ GRIDS = {2: [(2, 1, 1), (1, 2, 1)], 4: [(2, 2, 1), (4, 1, 1), (1, 4, 1), (1, 2, 
 GRAD_GRID = {2: (1, 2, 1), 4: (2, 2, 1)}  # the gradient cases' grid per sequence-group size
 
 
+def sample(out) -> torch.Tensor:
+    """The output tensor of ``model(..., return_dict=False)``: the tuple's first entry, or the
+    tensor itself (Kandinsky 5 returns a bare tensor there)."""
+    return out if torch.is_tensor(out) else out[0]
+
+
 def forward(model, inputs) -> torch.Tensor:
     with torch.no_grad():
-        return model(**inputs.kwargs(), return_dict=False)[0]
+        return sample(model(**inputs.kwargs(), return_dict=False))
 
 
 def compiled_case(model, inputs, mesh) -> dict[str, float]:
@@ -71,7 +77,7 @@ def sharded_output_case(model, inputs, adapter, mesh, attention: torch.nn.Module
 
 
 def _param_grads(model, inputs, divisor: int) -> dict[str, torch.Tensor]:
-    out = model(**inputs.kwargs(), return_dict=False)[0]
+    out = sample(model(**inputs.kwargs(), return_dict=False))
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(123))
     loss = (out * weight).sum() / divisor
     params = dict(model.named_parameters())

@@ -419,6 +419,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("helios", (1, 4, 1), 1),  # history tokens: per-shard context lengths, amplified history keys
     ("wan_vace", (2, 2, 1), 1),  # control blocks cut by their own hook, hints added on the shard
     ("wan_animate", (1, 4, 1), 1),  # face attention by frame: every rank's tokens start or end mid-frame
+    ("kandinsky5", (2, 2, 1), 0),
 ]
 
 

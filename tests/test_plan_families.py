@@ -17,7 +17,20 @@ import torch
 
 import usp_dit.pipelines  # noqa: F401  (registers every adapter)
 from usp_dit import single_rank_mesh
-from usp_dit.demo import tiny_chroma, tiny_flux, tiny_flux2, tiny_hunyuan_video, tiny_ltx_video, tiny_qwen_image, tiny_sd3, tiny_video, tiny_wan, tiny_wan_animate, tiny_wan_vace
+from usp_dit.demo import (
+    tiny_chroma,
+    tiny_flux,
+    tiny_flux2,
+    tiny_hunyuan_video,
+    tiny_kandinsky5,
+    tiny_ltx_video,
+    tiny_qwen_image,
+    tiny_sd3,
+    tiny_video,
+    tiny_wan,
+    tiny_wan_animate,
+    tiny_wan_vace,
+)
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_helios import tiny_helios
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
@@ -41,6 +54,7 @@ BUILDERS = {
     "Helios": lambda: tiny_helios("amplify"),  # the history's key scales too
     "WanAnimate": tiny_wan_animate.tiny_wan_animate,  # the face adapters' per-frame attention too
     "WanVACE": tiny_wan_vace.tiny_wan_vace,  # the control blocks' attention too
+    "Kandinsky5": tiny_kandinsky5.tiny_kandinsky5,  # the text stream's local attention too
 }
 
 

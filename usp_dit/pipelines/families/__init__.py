@@ -14,6 +14,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     flux2,
     helios,
     hunyuan_video,
+    kandinsky5,
     ltx_video,
     mochi,
     qwen_image,

@@ -1,0 +1,324 @@
+"""Kandinsky 5 adapter: sharded transformer outputs and gradients equal one process's, on CPU gloo grids.
+
+One spawned group of 4 ranks runs every case; the 2-rank grids run on it as two data-parallel
+replicas of 2 ranks. Models: tiny ``Kandinsky5Transformer3DModel`` s (2 text blocks, 2 visual
+blocks, 4 heads x 16, every weight perturbed, the zero-initialised modulations too;
+``usp_dit.demo.tiny_kandinsky5``): T2V (latents 3 x 6 x 10: 45 tokens), I2V (visual_cond: the
+condition latent and mask on channels; 3 x 6 x 6: 27 tokens) and an image (1 x 6 x 14: 21 tokens,
+the T2I layout); none divides 2 or 4. Batch 2 with a different prompt, pooled embedding and
+timestep per element; random RoPE positions and a non-unit RoPE scale factor.
+
+Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2), each ring grid also with
+the "stream" and "gather_merge" schedules forced. Each case: output vs the stock output, block 0's
+self-attention sees at most ceil(tokens / P) tokens, and after ``disable`` the output is
+bit-identical. On 2 and 4 ranks every parameter's gradient (loss / P a rank, summed over the
+sequence group, equals one process's: tests/adapter_parity.gradient_errors), and once with
+gradient checkpointing (the gather at the last block sits inside its recompute). Each rank's
+rotated Q/K of visual block 0 equal the same rows of one process's. The stock
+``Kandinsky5T2VPipeline``, built tiny (HunyuanVideo's VAE class), through ``pipe.enable_usp()`` on
+(2,1) and (2,2) and with ``cfg_degree=2`` (its two guidance calls a step on the two cfg groups,
+prompt and negative prompt of different lengths); the tiny ``Kandinsky5T2IPipeline`` (Flux's VAE
+class) on (2,2). Refused: NABLA sparse attention (a "nabla" config at enable, ``sparse_params`` at
+the call), a model without visual blocks.
+
+Tolerances. The transformer cases run a float64 model (``tiny_kandinsky5(dtype=torch.float64)``:
+Note [Kandinsky 5's bfloat16 RoPE] there: the stock processor rounds rotated Q/K, and their
+gradients in backward, to bfloat16, so a float32 model does not reproduce even itself: batch 1
+instead of 2 moves its output by 6e-5). Outputs and each rank's rotated Q/K: 1e-10 (measured 0:
+float64 noise never crosses a bfloat16 or float32 rounding boundary here). Gradients: the stock
+blocks cast the modulation to float32, so the backward sums of each per-element shift / scale /
+gate over the tokens run in float32, per rank over its shard: 1e-5 (float32's bar; measured
+5.3e-7). The text stream's parameters (text blocks, text embedding, and the time / pooled
+embeddings the text modulations feed): the text is replicated, each rank's text gradient is its
+shard's part, and the stock backward rounds each part to bfloat16 in the text RoPE before the parts
+are summed (one process rounds the sum): 1e-2 (bfloat16's resolution compounded over two text
+blocks; measured 6.7e-3). Exact training of the text stream would need its gradient summed over
+the sequence group before the text blocks; not done. The float32 pipelines' final latents: 1e-5
+(measured 5.3e-7); decoded frames / images: 1e-4 (an untrained random VAE's gain, as in
+tests/test_video_pipelines.py; measured 2.0e-6).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from diffusers.models.transformers import transformer_kandinsky
+
+from tests.adapter_parity import (
+    _param_grads,
+    assert_within,
+    forward,
+    output_keys,
+    record,
+    run_grid_cases,
+    sharded_output_case,
+    ulysses_above_heads_case,
+)
+from usp_dit import init_usp, single_rank_mesh
+from usp_dit.demo.tiny_kandinsky5 import (
+    kandinsky5_inputs,
+    kandinsky5_tokens,
+    tiny_kandinsky5,
+    tiny_kandinsky5_pipeline,
+)
+from usp_dit.pipelines import _routing, is_usp_enabled
+from usp_dit.pipelines.families.kandinsky5 import ADAPTER
+from usp_dit.sharding.shard import shard_sequence
+from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+
+TOL = 1e-10  # float64 transformer outputs and rotated Q/K
+TOL_F32 = 1e-5  # the float32 pipelines' latents; gradients outside the text stream (stock's float32 casts)
+TOL_TEXT_GRAD = 1e-2  # the text stream's gradients: bfloat16-rounded by the stock backward (docstring)
+TOL_FRAMES = 1e-4
+WORLD = 4
+
+
+@dataclass(frozen=True)
+class Shape:
+    variant: str
+    frames: int  # latent sizes
+    height: int
+    width: int
+
+    def __str__(self) -> str:
+        return f"{self.variant}-f{self.frames}h{self.height}w{self.width}"
+
+
+SHAPES = [
+    Shape("t2v", 3, 6, 10),  # 3 x 3 x 5 = 45 tokens
+    Shape("i2v", 3, 6, 6),  # 27 tokens, visual_cond channels
+    Shape("t2v", 1, 6, 14),  # an image: 1 x 3 x 7 = 21 tokens
+]
+
+
+def _fits(shape: Shape, grid: tuple) -> bool:
+    """The image shape on the grids at their default schedule (the forced schedules' paths are
+    the video shapes' too: CI time)."""
+    return shape.frames > 1 or grid[3] is None
+
+
+def _build(shape: Shape, seed: int = 0, dtype: torch.dtype = torch.float64):
+    model = tiny_kandinsky5(shape.variant, seed=seed, dtype=dtype)
+    return model, kandinsky5_inputs(model, shape.frames, shape.height, shape.width)
+
+
+# ---- what each rank runs ---------------------------------------------------------------------------
+
+
+def _output_case(shape: Shape, mesh) -> dict[str, float]:
+    model, inputs = _build(shape)
+    tokens = kandinsky5_tokens(model, shape.frames, shape.height, shape.width)
+    return sharded_output_case(model, inputs, ADAPTER, mesh, model.visual_transformer_blocks[0].self_attention, tokens)
+
+
+# Parameters whose gradient comes through the text stream (the module docstring's "gradients"):
+# the text blocks, the text embedding, and the time / pooled embeddings (the text modulations').
+_TEXT_STREAM = ("text_embeddings.", "text_transformer_blocks.", "time_embeddings.", "pooled_text_embeddings.")
+
+
+def _gradient_case(model, inputs, mesh) -> dict[str, float]:
+    """tests/adapter_parity.gradient_errors (loss / P a rank, gradients summed over the sequence
+    group), the worst error of the text stream's parameters (``text``) apart from every other
+    parameter's (``grad``)."""
+    ref = _param_grads(model, inputs, 1)
+    ADAPTER.enable(model, mesh, "auto")
+    try:
+        grads = _param_grads(model, inputs, mesh.sequence_degree)
+    finally:
+        ADAPTER.disable(model)
+    worst = {"grad": 0.0, "text": 0.0}
+    for name, g in grads.items():
+        g = g.contiguous()
+        dist.all_reduce(g, group=mesh.seq_group)
+        key = "text" if name.startswith(_TEXT_STREAM) else "grad"
+        worst[key] = max(worst[key], rel_err(g, ref[name]))
+    return worst
+
+
+def _checkpointed_gradient_case(mesh) -> dict[str, float]:
+    model, inputs = _build(SHAPES[0])
+    model.enable_gradient_checkpointing()
+    return _gradient_case(model, inputs, mesh)
+
+
+def _attention_calls(model, inputs, module, name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (q, k) of every call of ``module.name`` in one forward, each (B, S or S_local, H, D)."""
+    seen = []
+    inner = getattr(module, name)
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.clone(), k.clone()))
+        return inner(q, k, v, *args, **kwargs)
+
+    with mock.patch.object(module, name, spy):
+        forward(model, inputs)
+    return seen
+
+
+def _rotated_qk_case(mesh) -> dict[str, float]:
+    """Each rank's rotated Q/K of visual block 0 equal the same rows of one process's. The stock
+    run's calls: the text blocks' self-attention first (2), then visual block 0's; the sharded
+    run's first ``usp_attention`` call is visual block 0's (the text blocks' run stock)."""
+    model, inputs = _build(SHAPES[0])
+    q_ref, k_ref = _attention_calls(model, inputs, transformer_kandinsky, "dispatch_attention_fn")[2]
+    ADAPTER.enable(model, mesh, "auto")
+    try:
+        q, k = _attention_calls(model, inputs, _routing, "usp_attention")[0]
+    finally:
+        ADAPTER.disable(model)
+    return {"q": rel_err(q, shard_sequence(q_ref, mesh)), "k": rel_err(k, shard_sequence(k_ref, mesh))}
+
+
+def _run_pipeline(pipe, image: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final latents, frames or image) of 2 guided steps, a prompt and a shorter negative prompt
+    (the two calls of a step differ in text length), 48 x 80 (x 9 frames): 45 video tokens or 15
+    image tokens, seed 0."""
+    last = {}
+
+    def keep_latents(pipe, step, timestep, tensors):
+        last["latents"] = tensors["latents"].clone()
+        return {}
+
+    kwargs = dict(prompt="a red fox jumps over a log", negative_prompt="blurry", height=48, width=80,
+                  num_inference_steps=2, guidance_scale=3.0, max_sequence_length=64, output_type="pt",
+                  generator=torch.Generator().manual_seed(0), callback_on_step_end=keep_latents)
+    out = pipe(**kwargs).image if image else pipe(num_frames=9, **kwargs).frames
+    return last["latents"], out
+
+
+PIPELINE_CASES = [("t2v", 2, 1, 1), ("t2v", 2, 2, 1), ("t2v", 2, 1, 2), ("t2i", 2, 2, 1)]  # (kind, U, R, cfg)
+
+
+def _pipeline_cases() -> dict[str, dict[str, float]]:
+    """The tiny T2V pipeline on (2,1), (2,2) and (2,1) x cfg 2; the tiny T2I pipeline on (2,2);
+    after each ``disable_usp`` the output is bit-identical to the stock run's."""
+    results = {}
+    for kind in ("t2v", "t2i"):
+        pipe = tiny_kandinsky5_pipeline(image=kind == "t2i")
+        pipe.set_progress_bar_config(disable=True)
+        ref_latents, ref_out = _run_pipeline(pipe, kind == "t2i")
+        for k, u, r, c in PIPELINE_CASES:
+            if k != kind:
+                continue
+            pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
+            enabled = is_usp_enabled(pipe.transformer)
+            try:
+                latents, out = _run_pipeline(pipe, kind == "t2i")
+            finally:
+                pipe.disable_usp()
+            results[f"pipeline-{kind}-u{u}r{r}cfg{c}"] = {
+                "not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer)),
+                "latents": rel_err(latents, ref_latents), "frames": rel_err(out, ref_out),
+            }
+        again_latents, again_out = _run_pipeline(pipe, kind == "t2i")
+        same = torch.equal(again_latents, ref_latents) and torch.equal(again_out, ref_out)
+        results[f"pipeline-{kind}-after-disable"] = {"not_bit_identical": float(not same)}
+    return results
+
+
+def _run_all() -> dict[str, dict | str]:
+    results = {}
+    run_grid_cases(results, SHAPES, _output_case,
+                   lambda shape, mesh: _gradient_case(*_build(shape), mesh), fits=_fits)
+    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    two_heads = tiny_kandinsky5(num_heads=2, head_dim=32)
+    record(results, "ulysses-above-heads",
+           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    record(results, "pipeline", _pipeline_cases, many=True)
+    return results
+
+
+@pytest.fixture(scope="module")
+def grid_results() -> list[dict]:
+    per_rank = run_spawned(_run_all, WORLD)
+    assert_no_crash(per_rank)
+    return per_rank
+
+
+@pytest.mark.parametrize("key", output_keys(SHAPES, _fits))
+def test_sharded_output_matches_one_process(grid_results, key: str):
+    assert_within(grid_results, key, TOL)
+
+
+GRAD_KEYS = [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES]
+
+
+@pytest.mark.parametrize("key", GRAD_KEYS + ["grad-ckpt-p4"])
+def test_parameter_gradients_match_one_process(grid_results, key: str):
+    for rank, res in enumerate(grid_results):
+        errors = res[key]
+        assert not isinstance(errors, str), f"rank {rank}: {errors}"
+        assert errors["grad"] <= TOL_F32 and errors["text"] <= TOL_TEXT_GRAD, f"rank {rank}: {errors}"
+
+
+def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
+    assert_within(grid_results, "rotated-qk", TOL)
+
+
+def test_ulysses_above_heads_raises_at_enable(grid_results):
+    assert_within(grid_results, "ulysses-above-heads", 0.0)
+
+
+@pytest.mark.parametrize("case", PIPELINE_CASES, ids=lambda c: f"{c[0]}-u{c[1]}r{c[2]}cfg{c[3]}")
+def test_pipeline_matches_one_process(grid_results, case):
+    key = "pipeline-{}-u{}r{}cfg{}".format(*case)
+    for rank, res in enumerate(grid_results):
+        errors = res.get(key) or res.get("pipeline", "no result")
+        assert not isinstance(errors, str), f"rank {rank}: {errors}"
+        tols = {name: TOL_FRAMES if name == "frames" else TOL_F32 for name in errors}
+        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
+        assert not worst, f"rank {rank}: above {tols}: {worst}"
+
+
+@pytest.mark.parametrize("kind", ["t2v", "t2i"])
+def test_disable_usp_gives_back_the_bit_identical_output(grid_results, kind):
+    assert_within(grid_results, f"pipeline-{kind}-after-disable", 0.0)
+
+
+# ---- single process: refusals ---------------------------------------------------------------------
+
+
+def test_sparse_params_are_refused_at_the_call():
+    model, inputs = _build(SHAPES[0])
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    try:
+        with pytest.raises(NotImplementedError, match="does not shard sparse_params .*NABLA block-sparse"):
+            model(**inputs.kwargs(), sparse_params={"to_fractal": True})
+    finally:
+        ADAPTER.disable(model)
+
+
+def test_a_nabla_config_is_refused_at_enable():
+    model, _ = _build(SHAPES[0])
+    model.register_to_config(attention_type="nabla")
+    with pytest.raises(NotImplementedError, match="attention_type='nabla'.*NABLA block-sparse attention"):
+        ADAPTER.enable(model, single_rank_mesh(), "auto")
+
+
+def test_a_model_without_visual_blocks_is_refused():
+    model, _ = _build(SHAPES[0])
+    model.visual_transformer_blocks = torch.nn.ModuleList()
+    with pytest.raises(NotImplementedError, match="num_visual_blocks=0"):
+        ADAPTER.enable(model, single_rank_mesh(), "auto")
+
+
+# ---- the video example's Kandinsky 5 option (argument checks only: nothing loads) -----------------
+
+
+def test_video_example_kandinsky5_defaults_and_refusals(monkeypatch):
+    from tests.test_examples_cli import _example
+    from usp_dit.cli.launch import UsageError
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    example = _example("generate_video")
+    args = example.parse_args(["--model", "kandinsky5"])
+    assert (args.frames, args.height, args.width, args.degrees) == (9, 96, 144, (1, 1, 1))
+    with pytest.raises(UsageError, match="--frames 11 must be 4k [+] 1"):
+        example.parse_args(["--model", "kandinsky5", "--frames", "11"])
+    with pytest.raises(UsageError, match="the planner has no cost model for this family"):
+        example.parse_args(["--model", "kandinsky5", "--degrees", "auto"])
