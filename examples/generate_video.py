@@ -1,4 +1,4 @@
-"""torchrun: generate a video with CogVideoX, Mochi, Wan, HunyuanVideo or LTX-Video on a Ulysses x Ring (x CFG)
+"""torchrun: generate a video with CogVideoX, Mochi, Wan, HunyuanVideo, LTX-Video or Cosmos 3 on a Ulysses x Ring (x CFG)
 grid, checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cogvideox --ulysses 2 --ring 2
@@ -8,18 +8,19 @@ grid, checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model hunyuan_video --ring 2 --cfg 2 \
         --true-cfg 4
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model ltx_video --ring 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cosmos3 --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model cogvideox \
         --model-path THUDM/CogVideoX-5b --height 480 --width 720 --frames 49 --steps 50 --ulysses 2 --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model ltx_video \
         --model-path Lightricks/LTX-Video --height 480 --width 704 --frames 161 --steps 50 --ulysses 4 --cfg 2
 
 With no ``--model-path`` it builds a tiny randomly initialised pipeline in code
-(``usp_dit.demo.tiny_video``, ``tiny_wan``, ``tiny_hunyuan_video``, ``tiny_ltx_video``: tiny
+(``usp_dit.demo.tiny_video``, ``tiny_wan``, ``tiny_hunyuan_video``, ``tiny_ltx_video``, ``tiny_cosmos3``: tiny
 transformer, VAE, scheduler and text encoders with character tokenizers, T5 or, for HunyuanVideo,
 Llama and CLIP; nothing is downloaded; the tiny Wan is a Wan 2.2 A14B-like pair of experts, the
 tiny HunyuanVideo the guidance-distilled text-to-video model) and runs it in float32 on CPU with
 gloo. With ``--model-path`` it loads ``CogVideoXPipeline``, ``MochiPipeline``, ``WanPipeline``,
-``HunyuanVideoPipeline`` or ``LTXPipeline`` (bf16 on GPUs, VAE tiling on). Every rank runs the
+``HunyuanVideoPipeline``, ``LTXPipeline`` or ``Cosmos3OmniPipeline`` (bf16 on GPUs, VAE tiling on). Every rank runs the
 pipeline's real ``__call__`` (text encoding, denoising with guidance, VAE decode); the
 transformer's tokens are split over the grid (``pipe.enable_usp``) and, with ``--cfg 2``, the
 guidance's two branches over two groups of ranks. Rank 0 alone shows the progress bar and writes the
@@ -38,6 +39,7 @@ pipelines compress as the real ones do):
     wan            16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     hunyuan_video  16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          with --true-cfg (two calls)
     ltx_video      32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45           yes (batched CFG)
+    cosmos3        16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
 
 Pixels per token: the VAEs have 8 pixels per latent pixel and the transformers 2 x 2 latent pixels
 per token, except LTX-Video's VAE (32 pixels per latent pixel, patch 1), so ``--height``/``--width``
@@ -50,7 +52,7 @@ divided by 4 ranks.
 
 Guidance: CogVideoX, Mochi and LTX-Video batch classifier-free guidance ([uncond, cond] in one
 transformer call of batch 2 when ``--guidance`` > 1), which ``--cfg 2`` splits over two groups of
-ranks. Wan's pipelines (``--guidance`` > 1, the default), and HunyuanVideoPipeline with
+ranks. Wan's and Cosmos 3's pipelines (``--guidance`` > 1, the default), and HunyuanVideoPipeline with
 ``--true-cfg`` > 1, call the transformer once per guidance branch (batch 1): ``--cfg 2`` runs a
 step's two calls on the two groups at once (from the second step on; ``usp_dit.pipelines.cfg_pair``).
 HunyuanVideo T2V is guidance-distilled: ``--guidance`` is the embedded scale (one call per step),
@@ -122,6 +124,11 @@ FAMILIES = {
         cfg_flag="--true-cfg", guided_by_default=False),
     "ltx_video": VideoFamily(
         "LTXPipeline", 17, 8, 8, "LTX-Video's VAE: 8 frames per latent frame", 32, 32, size=(96, 160)),
+    # The tiny VAE has 8 pixels per latent pixel, the real one (Wan 2.2's) 16; the pipeline needs
+    # multiples of 16 either way and pads an odd latent size to the 2x2 patch.
+    "cosmos3": VideoFamily(
+        "Cosmos3OmniPipeline", 9, 4, 4, "Cosmos 3's VAE (Wan 2.2's): 4 frames per latent frame", 8, 16,
+        cfg="two calls"),
 }
 TINY_TEXT_LEN = 32  # text tokens of the tiny pipelines (their tokenizers spend one per character)
 VIDEO_SUFFIXES = (".webp", ".gif", ".mp4")
@@ -191,7 +198,8 @@ def check_args(args: argparse.Namespace, world: int) -> None:
                                "pip install imageio imageio-ffmpeg (or 'usp-dit[video]'), or write .webp / .gif")
     if args.degrees == "auto":
         guided = args.model != "hunyuan_video" or args.true_cfg is not None  # HunyuanVideo: guidance-distilled
-        args.degrees = launch.planned_degrees(args, world, args.model, guided, args.frames)
+        planner_model = None if args.model == "cosmos3" else args.model  # no cost model for Cosmos 3 yet
+        args.degrees = launch.planned_degrees(args, world, planner_model, guided, args.frames)
     else:
         args.degrees = launch.check_degrees(world, args.ulysses, args.ring, args.cfg)
 
@@ -218,13 +226,15 @@ def check_cfg(args: argparse.Namespace, family: VideoFamily) -> None:
 def load_pipeline(args: argparse.Namespace, device: torch.device):
     """``--model-path`` in bf16 on GPUs (VAE tiling on), or the tiny random pipeline in float32."""
     if args.model_path is None:
-        from usp_dit.demo import tiny_hunyuan_video, tiny_ltx_video, tiny_video, tiny_wan
+        from usp_dit.demo import tiny_cosmos3, tiny_hunyuan_video, tiny_ltx_video, tiny_video, tiny_wan
 
         builders = {
             "cogvideox": tiny_video.tiny_cogvideox_pipeline, "mochi": tiny_video.tiny_mochi_pipeline,
             "wan": lambda **kw: tiny_wan.tiny_wan_pipeline(two_experts=True, **kw),
             "hunyuan_video": tiny_hunyuan_video.tiny_hunyuan_video_pipeline,
             "ltx_video": tiny_ltx_video.tiny_ltx_video_pipeline,
+            # Cosmos 3 has no text encoder (the transformer embeds the token ids): no text length to set.
+            "cosmos3": lambda max_text_len: tiny_cosmos3.tiny_cosmos3_pipeline(),
         }
         return builders[args.model](max_text_len=TINY_TEXT_LEN).to(device)
     import diffusers
@@ -239,7 +249,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
 def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     """(frames, height, width, 3) float32 in [0, 1]; the seeded generator is the same on every rank."""
     kwargs = {}
-    if args.model_path is None:
+    if args.model_path is None and args.model != "cosmos3":
         kwargs["max_sequence_length"] = TINY_TEXT_LEN
         if args.model == "hunyuan_video":
             from usp_dit.demo.tiny_hunyuan_video import TINY_PROMPT_TEMPLATE
@@ -256,6 +266,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         num_frames=args.frames, num_inference_steps=args.steps, output_type="np",
         generator=torch.Generator("cpu").manual_seed(args.seed), **kwargs,
     )
+    if args.model == "cosmos3":  # Cosmos3OmniPipelineOutput.video: the one video, (frames, height, width, 3)
+        return np.asarray(out.video, dtype=np.float32)
     return np.asarray(out.frames[0], dtype=np.float32)
 
 
@@ -287,10 +299,12 @@ def video_tokens(args: argparse.Namespace, pipe) -> int:
     """Tokens the transformer sees: latent frames x (height / (l p)) x (width / (l p)), l pixels per
     latent pixel and p latent pixels per token side."""
     family = FAMILIES[args.model]
-    p = pipe.transformer.config.patch_size
+    cfg = pipe.transformer.config
+    p = cfg.latent_patch_size if args.model == "cosmos3" else cfg.patch_size
     p = p[-1] if isinstance(p, (tuple, list)) else p  # Wan: (t, h, w); spatial patches are square
     side = family.latent_pixels * p
-    return ((args.frames - 1) // family.frames_per_latent + 1) * (args.height // side) * (args.width // side)
+    # Cosmos 3 pads an odd latent size to its patch: a partial patch is a token (a no-op elsewhere).
+    return ((args.frames - 1) // family.frames_per_latent + 1) * -(-args.height // side) * -(-args.width // side)
 
 
 @record  # torchrun's error file for any other exception

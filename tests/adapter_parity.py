@@ -26,8 +26,10 @@ GRAD_GRID = {2: (1, 2, 1), 4: (2, 2, 1)}  # the gradient cases' grid per sequenc
 
 
 def forward(model, inputs) -> torch.Tensor:
+    """The sample (the first output); a list of per-item samples (Cosmos 3's packed call) flattened into one vector."""
     with torch.no_grad():
-        return model(**inputs.kwargs(), return_dict=False)[0]
+        out = model(**inputs.kwargs(), return_dict=False)[0]
+    return torch.cat([t.flatten() for t in out]) if isinstance(out, list) else out
 
 
 def compiled_case(model, inputs, mesh) -> dict[str, float]:

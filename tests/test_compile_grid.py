@@ -415,6 +415,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     # The prompt-masked families (Note [masked joint tokens]): padded prompts that differ per element.
     ("mochi", (2, 2, 1), 2),  # padding in front for one element, no real prompt token in the other
     ("hunyuan_video", (1, 4, 1), 0), ("qwen_image", (2, 2, 1), 0), ("chroma", (4, 1, 1), 0),
+    ("cosmos3", (2, 2, 1), 0),  # the packed two-stream call, cut at the model's seams; replicated text as joint K/V
 ]
 
 

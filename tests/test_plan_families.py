@@ -17,7 +17,7 @@ import torch
 
 import usp_dit.pipelines  # noqa: F401  (registers every adapter)
 from usp_dit import single_rank_mesh
-from usp_dit.demo import tiny_chroma, tiny_flux, tiny_flux2, tiny_hunyuan_video, tiny_ltx_video, tiny_qwen_image, tiny_sd3, tiny_video, tiny_wan
+from usp_dit.demo import tiny_chroma, tiny_cosmos3, tiny_flux, tiny_flux2, tiny_hunyuan_video, tiny_ltx_video, tiny_qwen_image, tiny_sd3, tiny_video, tiny_wan
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
 from usp_dit.pipelines.base import find_adapter, registered_adapters
 from usp_dit.pipelines.plan import Parallel, PlanAdapter
@@ -35,6 +35,7 @@ BUILDERS = {
     "Flux2": tiny_flux2.tiny_flux2,
     "Chroma": tiny_chroma.tiny_chroma,
     "SkyReels-V2": lambda: tiny_skyreels_v2(num_frame_per_block=2),  # diffusion forcing's block-causal mask
+    "Cosmos3": lambda: tiny_cosmos3.tiny_cosmos3("nemotron-omni"),  # sound and action heads too
 }
 
 

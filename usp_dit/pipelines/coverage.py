@@ -144,6 +144,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
         "T2V, I2V; diffusion forcing (block-causal attention)",
         ("SkyReelsV2Pipeline", "SkyReelsV2ImageToVideoPipeline", "SkyReelsV2DiffusionForcingPipeline"),
     ),
+    "Cosmos3": FamilyPipelines("Cosmos 3 Omni: text/image/video-to-video, sound and action streams",
+                               ("Cosmos3OmniPipeline",)),
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from usp_dit.pipelines.families import (  # noqa: F401  (each module calls register_adapter on import)
     chroma,
     cogvideox,
+    cosmos3,
     flux,
     flux2,
     hunyuan_video,
