@@ -11,6 +11,7 @@ checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model ltx_video --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model chronoedit --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model helios --ulysses 2 --ring 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cosmos3 --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model cogvideox \
         --model-path THUDM/CogVideoX-5b --height 480 --width 720 --frames 49 --steps 50 --ulysses 2 --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model ltx_video \
@@ -45,6 +46,7 @@ pipelines compress as the real ones do):
     ltx_video      32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45           yes (batched CFG)
     chronoedit     16            4k + 1    96 x 144, 5  -> 2 x 6 x 9 = 108          yes (two calls a step)
     helios         16            4k + 1    96 x 144, 17 -> 2 chunks of 3 x 6 x 9    yes (two calls a step)
+    cosmos3        16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
 
 Helios generates chunk after chunk, each attending to the history of the earlier ones (short,
 mid, long memory: 162 + 108 + 15 + 6 = 291 tokens a call for the tiny default); the tiny pipeline
@@ -69,7 +71,7 @@ divided by 4 ranks.
 
 Guidance: CogVideoX, Mochi and LTX-Video batch classifier-free guidance ([uncond, cond] in one
 transformer call of batch 2 when ``--guidance`` > 1), which ``--cfg 2`` splits over two groups of
-ranks. Wan's pipelines (``--guidance`` > 1, the default), and HunyuanVideoPipeline with
+ranks. Wan's and Cosmos 3's pipelines (``--guidance`` > 1, the default), and HunyuanVideoPipeline with
 ``--true-cfg`` > 1, call the transformer once per guidance branch (batch 1): ``--cfg 2`` runs a
 step's two calls on the two groups at once (from the second step on; ``usp_dit.pipelines.cfg_pair``).
 HunyuanVideo T2V is guidance-distilled: ``--guidance`` is the embedded scale (one call per step),
@@ -152,6 +154,11 @@ FAMILIES = {
         "ChronoEditPipeline", 5, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, cfg="two calls"),
     "helios": VideoFamily(
         "HeliosPipeline", 17, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, cfg="two calls"),
+    # The tiny VAE has 8 pixels per latent pixel, the real one (Wan 2.2's) 16; the pipeline needs
+    # multiples of 16 either way and pads an odd latent size to the 2x2 patch.
+    "cosmos3": VideoFamily(
+        "Cosmos3OmniPipeline", 9, 4, 4, "Cosmos 3's VAE (Wan 2.2's): 4 frames per latent frame", 8, 16,
+        cfg="two calls"),
 }
 # Families whose pipeline cleans prompts with ftfy unconditionally (diffusers 0.42): without ftfy
 # the example passes embeds made by Wan's T5 encoding (ftfy only when installed) instead.
@@ -271,6 +278,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             tiny_wan_vace,
         )
         from usp_dit.demo import tiny_hunyuan_video, tiny_kandinsky5, tiny_ltx_video, tiny_video, tiny_wan
+        from usp_dit.demo import tiny_cosmos3, tiny_hunyuan_video, tiny_ltx_video, tiny_video, tiny_wan
 
         builders = {
             "cogvideox": tiny_video.tiny_cogvideox_pipeline, "mochi": tiny_video.tiny_mochi_pipeline,
@@ -282,6 +290,8 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             "helios": tiny_helios.tiny_helios_pipeline,
             # (its character tokenizers and short template fit TINY_TEXT_LEN as built)
             "kandinsky5": lambda max_text_len: tiny_kandinsky5.tiny_kandinsky5_pipeline(),
+            # Cosmos 3 has no text encoder (the transformer embeds the token ids): no text length to set.
+            "cosmos3": lambda max_text_len: tiny_cosmos3.tiny_cosmos3_pipeline(),
         }
         return builders[args.model](max_text_len=TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)).to(device)
     import diffusers
@@ -296,7 +306,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
 def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     """(frames, height, width, 3) float32 in [0, 1]; the seeded generator is the same on every rank."""
     kwargs = {}
-    if args.model_path is None:
+    if args.model_path is None and args.model != "cosmos3":  # Cosmos 3 has no text encoder
         kwargs["max_sequence_length"] = TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)
         if args.model == "helios":
             kwargs.update(TINY_HELIOS_CHUNKS)
@@ -320,6 +330,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         num_frames=args.frames, num_inference_steps=args.steps, output_type="np",
         generator=torch.Generator("cpu").manual_seed(args.seed), **kwargs,
     )
+    if args.model == "cosmos3":  # Cosmos3OmniPipelineOutput.video: the one video, (frames, height, width, 3)
+        return np.asarray(out.video, dtype=np.float32)
     return np.asarray(out.frames[0], dtype=np.float32)
 
 
@@ -377,10 +389,12 @@ def video_tokens(args: argparse.Namespace, pipe) -> int:
     """Tokens the transformer sees: latent frames x (height / (l p)) x (width / (l p)), l pixels per
     latent pixel and p latent pixels per token side."""
     family = FAMILIES[args.model]
-    p = pipe.transformer.config.patch_size
+    cfg = pipe.transformer.config
+    p = cfg.latent_patch_size if args.model == "cosmos3" else cfg.patch_size
     p = p[-1] if isinstance(p, (tuple, list)) else p  # Wan: (t, h, w); spatial patches are square
     side = family.latent_pixels * p
-    return ((args.frames - 1) // family.frames_per_latent + 1) * (args.height // side) * (args.width // side)
+    # Cosmos 3 pads an odd latent size to its patch: a partial patch is a token (a no-op elsewhere).
+    return ((args.frames - 1) // family.frames_per_latent + 1) * -(-args.height // side) * -(-args.width // side)
 
 
 @record  # torchrun's error file for any other exception

@@ -32,8 +32,10 @@ def sample(out) -> torch.Tensor:
 
 
 def forward(model, inputs) -> torch.Tensor:
+    """The sample (the first output); a list of per-item samples (Cosmos 3's packed call) flattened into one vector."""
     with torch.no_grad():
-        return sample(model(**inputs.kwargs(), return_dict=False))
+        out = sample(model(**inputs.kwargs(), return_dict=False))
+    return torch.cat([t.flatten() for t in out]) if isinstance(out, list) else out
 
 
 def compiled_case(model, inputs, mesh) -> dict[str, float]:

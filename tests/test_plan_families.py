@@ -33,6 +33,7 @@ from usp_dit.demo import (
 )
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_helios import tiny_helios
+from usp_dit.demo import tiny_chroma, tiny_cosmos3, tiny_flux, tiny_flux2, tiny_hunyuan_video, tiny_ltx_video, tiny_qwen_image, tiny_sd3, tiny_video, tiny_wan
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
 from usp_dit.pipelines.base import find_adapter, registered_adapters
 from usp_dit.pipelines.plan import Parallel, PlanAdapter
@@ -55,6 +56,7 @@ BUILDERS = {
     "WanAnimate": tiny_wan_animate.tiny_wan_animate,  # the face adapters' per-frame attention too
     "WanVACE": tiny_wan_vace.tiny_wan_vace,  # the control blocks' attention too
     "Kandinsky5": tiny_kandinsky5.tiny_kandinsky5,  # the text stream's local attention too
+    "Cosmos3": lambda: tiny_cosmos3.tiny_cosmos3("nemotron-omni"),  # sound and action heads too
 }
 
 

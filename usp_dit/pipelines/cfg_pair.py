@@ -344,7 +344,9 @@ class CfgPair:
         """A call as without speculation: the batch split over "cfg" when the batch divides,
         else the whole call on both cfg groups."""
         self.stats["computed"] += 1
-        if batch_size(bound.arguments, default=1) % self.mesh.cfg_degree == 0:  # (no batch: not split)
+        # A family with no batched argument (cfg_batch_args == (): Cosmos 3's one packed sequence)
+        # has no batch to split: its call runs whole.
+        if self.batch_args != () and batch_size(bound.arguments, default=1) % self.mesh.cfg_degree == 0:
             batch = split_cfg_batch(bound.arguments, self.mesh, self.batch_args)
             return gather_cfg_output(inner(*bound.args, **bound.kwargs), batch, self.mesh)
         return inner(*bound.args, **bound.kwargs)

@@ -153,6 +153,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "Helios": FamilyPipelines("Helios-Base, -Mid, -Distilled; T2V, I2V, V2V with multi-term memory",
                               ("HeliosPipeline", "HeliosPyramidPipeline"),
                               one_call="Helios-Distilled (step-wise distilled, run at guidance_scale=1)"),
+    "Cosmos3": FamilyPipelines("Cosmos 3 Omni: text/image/video-to-video, sound and action streams",
+                               ("Cosmos3OmniPipeline",)),
 }
 
 

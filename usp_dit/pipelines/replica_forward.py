@@ -326,5 +326,8 @@ class ReplicaForward(MethodWrapper):
         # takes the batch split below (Note [compiled calls] in usp_dit.attention.usp).
         if getattr(self.state, "cfg_pair", None) is not None and not torch.compiler.is_compiling():
             return self.state.cfg_pair(self.inner, self.module, bound)
-        batch = split_cfg_batch(bound.arguments, mesh, getattr(self.state.adapter, "cfg_batch_args", None))
+        batch_args = getattr(self.state.adapter, "cfg_batch_args", None)
+        if batch_args == ():  # no batched argument (one packed sequence): the whole call on both groups
+            return self.inner(*bound.args, **bound.kwargs)
+        batch = split_cfg_batch(bound.arguments, mesh, batch_args)
         return gather_cfg_output(self.inner(*bound.args, **bound.kwargs), batch, mesh)

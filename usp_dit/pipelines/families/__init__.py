@@ -10,6 +10,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     chroma,
     chronoedit,
     cogvideox,
+    cosmos3,
     flux,
     flux2,
     helios,
