@@ -176,7 +176,7 @@ def _rotated_qk_case(shape: Shape, mesh) -> dict[str, float]:
     return {"q": rel_err(q, shard_sequence(q_ref, mesh)), "k": rel_err(k, shard_sequence(k_ref, mesh))}
 
 
-CFG_ONLY = dict(stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0)
+CFG_ONLY = {"stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0, "audio_modality_scale": 1.0}
 
 
 def _generate(pipe, **guidance) -> dict[str, torch.Tensor]:

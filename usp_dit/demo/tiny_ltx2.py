@@ -27,10 +27,10 @@ AUDIO_IN_CHANNELS = AUDIO_LATENT_CHANNELS * AUDIO_MEL_BINS // 4  # packed audio 
 # The variants the tests run: LTX-2.0 (interleaved or split RoPE) and an LTX-2.3-like one (gated
 # attention, prompt modulation, perturbed attention for spatio-temporal guidance).
 VARIANTS = {
-    "2.0": dict(rope_type="interleaved"),
-    "2.0-split": dict(rope_type="split"),
-    "2.3": dict(rope_type="split", gated_attn=True, audio_gated_attn=True, cross_attn_mod=True,
-                audio_cross_attn_mod=True, perturbed_attn=True),
+    "2.0": {"rope_type": "interleaved"},
+    "2.0-split": {"rope_type": "split"},
+    "2.3": {"rope_type": "split", "gated_attn": True, "audio_gated_attn": True, "cross_attn_mod": True,
+            "audio_cross_attn_mod": True, "perturbed_attn": True},
 }
 
 

@@ -216,7 +216,7 @@ def attend_replicated_queries(
     """
     route = parallel_config
     if not isinstance(route, Route):
-        raise RuntimeError(f"usp_dit's LTX-2 video-to-audio processor got parallel_config={type(route).__name__}")
+        raise TypeError(f"usp_dit's LTX-2 video-to-audio processor got parallel_config={type(route).__name__}")
     if attn_mask is not None or dropout_p or is_causal or attention_kwargs:
         raise NotImplementedError(
             "usp_dit's LTX-2 adapter runs video_to_audio_attn without a mask, dropout or causal attention")
