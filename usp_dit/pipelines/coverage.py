@@ -140,6 +140,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                     one_call="T2V without true CFG (guidance-distilled)"),
     "LTX-Video": FamilyPipelines("text-, image-to-video, condition",
                                  ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline")),
+    "LTX-2": FamilyPipelines("LTX-2, LTX-2.3; text-, image-to-video, condition (video and audio)",
+                             ("LTX2Pipeline", "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline")),
     "SkyReels-V2": FamilyPipelines(
         "T2V, I2V; diffusion forcing (block-causal attention)",
         ("SkyReelsV2Pipeline", "SkyReelsV2ImageToVideoPipeline", "SkyReelsV2DiffusionForcingPipeline"),

@@ -95,6 +95,18 @@ in the released configs. CFG: ``LTX2Pipeline`` batches [uncond, cond] in one cal
 splits it); its spatio-temporal and modality-isolation guidance are extra calls of batch 1, which
 cfg_degree=2 refuses (``replica_forward`` Note [cfg parallel]): use cfg_degree=1 with them, or
 ``stg_scale=0, audio_stg_scale=0, modality_scale=1, audio_modality_scale=1``.
+
+VAEs: every rank decodes the whole latent with the stock decoders (exact; no faster). The video
+VAE, ``AutoencoderKLLTX2Video``, has no parallel-VAE recipe (``usp_dit.pipelines.vae.recipes``):
+LTX-Video's recipe is keyed on ``AutoencoderKLLTXVideo`` and lists its ``LTXVideo*`` modules, while
+LTX-2's decoder is built of its own ``LTX2Video*`` classes (reflect-padded causal convolutions,
+per-channel RMS norms), which no recipe has been read and written for; so ``enable_usp`` leaves it
+to decode whole (``usp_dit.pipelines.vae.patch`` Note [parallel VAE fallback]). The audio VAE and
+the vocoder decode a short mel spectrogram (about 500 frames for 5 s) locally on every rank.
+
+Compile: the transformer compiles in one graph on the grid (tests/test_compile_grid.py); a
+perturbed (spatio-temporal guidance) call breaks the graph in the stock processor itself
+(``if all_perturbed:`` on a tensor), with or without usp_dit.
 """
 from __future__ import annotations
 
