@@ -12,6 +12,7 @@ checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model chronoedit --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model helios --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cosmos3 --ulysses 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model ltx2 --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model cogvideox \
         --model-path THUDM/CogVideoX-5b --height 480 --width 720 --frames 49 --steps 50 --ulysses 2 --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model ltx_video \
@@ -19,11 +20,14 @@ checked against one rank.
 
 With no ``--model-path`` it builds a tiny randomly initialised pipeline in code
 (``usp_dit.demo.tiny_video``, ``tiny_wan``, ``tiny_wan_vace``, ``tiny_hunyuan_video``, ``tiny_ltx_video``: tiny
+(``usp_dit.demo.tiny_video``, ``tiny_wan``, ``tiny_hunyuan_video``, ``tiny_ltx_video``, ``tiny_ltx2``: tiny
 transformer, VAE, scheduler and text encoders with character tokenizers, T5 or, for HunyuanVideo,
-Llama and CLIP; nothing is downloaded; the tiny Wan is a Wan 2.2 A14B-like pair of experts, the
+Llama and CLIP, for LTX-2 Gemma 3; nothing is downloaded; the tiny Wan is a Wan 2.2 A14B-like pair of experts, the
 tiny HunyuanVideo the guidance-distilled text-to-video model) and runs it in float32 on CPU with
 gloo. With ``--model-path`` it loads ``CogVideoXPipeline``, ``MochiPipeline``, ``WanPipeline``, ``WanVACEPipeline``,
 ``HunyuanVideoPipeline`` or ``LTXPipeline`` (bf16 on GPUs, VAE tiling on). Every rank runs the
+gloo. With ``--model-path`` it loads ``CogVideoXPipeline``, ``MochiPipeline``, ``WanPipeline``,
+``HunyuanVideoPipeline``, ``LTXPipeline`` or ``LTX2Pipeline`` (bf16 on GPUs, VAE tiling on). Every rank runs the
 pipeline's real ``__call__`` (text encoding, denoising with guidance, VAE decode); the
 transformer's tokens are split over the grid (``pipe.enable_usp``) and, with ``--cfg 2``, the
 guidance's two branches over two groups of ranks. Rank 0 alone shows the progress bar and writes the
@@ -47,6 +51,7 @@ pipelines compress as the real ones do):
     chronoedit     16            4k + 1    96 x 144, 5  -> 2 x 6 x 9 = 108          yes (two calls a step)
     helios         16            4k + 1    96 x 144, 17 -> 2 chunks of 3 x 6 x 9    yes (two calls a step)
     cosmos3        16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
+    ltx2           32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45 (+18 audio) yes (CFG only, below)
 
 Helios generates chunk after chunk, each attending to the history of the earlier ones (short,
 mid, long memory: 162 + 108 + 15 + 6 = 291 tokens a call for the tiny default); the tiny pipeline
@@ -69,15 +74,22 @@ Wan and HunyuanVideo compress 4, LTX-Video 8. ``pipe.enable_usp()`` enables both
 experts (``transformer`` and ``transformer_2``) on one mesh. None of the default token counts is
 divided by 4 ranks.
 
-Guidance: CogVideoX, Mochi and LTX-Video batch classifier-free guidance ([uncond, cond] in one
+LTX-2 generates video and audio; the example writes the frames only (the audio is dropped, and the
+one-rank check compares the frames). Its transformer splits the video tokens and keeps the audio
+tokens (18 at the default size) whole on every rank (``usp_dit.pipelines.families.ltx2``).
+
+Guidance: CogVideoX, Mochi, LTX-Video and LTX-2 batch classifier-free guidance ([uncond, cond] in one
 transformer call of batch 2 when ``--guidance`` > 1), which ``--cfg 2`` splits over two groups of
 ranks. Wan's and Cosmos 3's pipelines (``--guidance`` > 1, the default), and HunyuanVideoPipeline with
 ``--true-cfg`` > 1, call the transformer once per guidance branch (batch 1): ``--cfg 2`` runs a
 step's two calls on the two groups at once (from the second step on; ``usp_dit.pipelines.cfg_pair``).
 HunyuanVideo T2V is guidance-distilled: ``--guidance`` is the embedded scale (one call per step),
 and ``--true-cfg`` > 1 (HunyuanVideo only) adds real CFG with the negative prompt, a second call per
-step; without it ``--cfg 2`` is refused (one call a step, nothing for a second group). ``--cfg``
-is 1 or 2: the guidance has two branches.
+step; without it ``--cfg 2`` is refused (one call a step, nothing for a second group). LTX-2's
+pipeline adds spatio-temporal and modality-isolation guidance, two more calls of batch 1 a step,
+which a cfg split cannot take: with ``--cfg 2`` the example turns them off (``stg_scale=0``,
+``modality_scale=1``, for audio too), with ``--cfg 1`` they run. ``--guidance`` sets LTX-2's video
+and audio scales alike. ``--cfg`` is 1 or 2: the guidance has two branches.
 
 A bad value (degrees that do not fit the ranks, a ``--cfg`` the run's guidance cannot use, a
 missing ``--model-path``, an unknown ``--backend``, a size or frame count the model cannot take, an
@@ -159,6 +171,8 @@ FAMILIES = {
     "cosmos3": VideoFamily(
         "Cosmos3OmniPipeline", 9, 4, 4, "Cosmos 3's VAE (Wan 2.2's): 4 frames per latent frame", 8, 16,
         cfg="two calls"),
+    "ltx2": VideoFamily(
+        "LTX2Pipeline", 17, 8, 8, "LTX-2's VAE: 8 frames per latent frame", 32, 32, size=(96, 160)),
 }
 # Families whose pipeline cleans prompts with ftfy unconditionally (diffusers 0.42): without ftfy
 # the example passes embeds made by Wan's T5 encoding (ftfy only when installed) instead.
@@ -167,6 +181,8 @@ IMAGE_FAMILIES = ("chronoedit",)  # conditioned on --image
 PLANNED = ("cogvideox", "mochi", "wan", "hunyuan_video", "ltx_video")  # families usp_dit.plan has a cost model for
 TINY_TEXT_LENS = {"chronoedit": 512}  # the stock processor's fixed text length (image tokens come first)
 TINY_HELIOS_CHUNKS = {"history_sizes": [4, 2, 1], "num_latent_frames_per_chunk": 3}  # the release's: [16, 2, 1], 9
+# LTX-2 with --cfg 2: its batch-1 guidance calls (spatio-temporal, modality isolation) off.
+LTX2_CFG_ONLY = {"stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0, "audio_modality_scale": 1.0}
 TINY_TEXT_LEN = 32  # text tokens of the tiny pipelines (their tokenizers spend one per character)
 VIDEO_SUFFIXES = (".webp", ".gif", ".mp4")
 MP4_MODULES = ("imageio", "imageio_ffmpeg")  # what diffusers' export_to_video writes MP4 with
@@ -265,6 +281,15 @@ def check_cfg(args: argparse.Namespace, family: VideoFamily) -> None:
                                 f"no classifier-free guidance, so there is no {what}; use --cfg 1 or {flag} above 1")
 
 
+def ltx2_guidance(args: argparse.Namespace) -> dict[str, float]:
+    """LTX2Pipeline's extra keywords: the audio scale as ``--guidance``; with a cfg degree of 2 no
+    batch-1 guidance calls (``LTX2_CFG_ONLY``)."""
+    kwargs = dict(LTX2_CFG_ONLY) if args.degrees[2] == 2 else {}
+    if args.guidance is not None:
+        kwargs["audio_guidance_scale"] = args.guidance
+    return kwargs
+
+
 def load_pipeline(args: argparse.Namespace, device: torch.device):
     """``--model-path`` in bf16 on GPUs (VAE tiling on), or the tiny random pipeline in float32."""
     if args.model_path is None:
@@ -279,6 +304,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
         )
         from usp_dit.demo import tiny_hunyuan_video, tiny_kandinsky5, tiny_ltx_video, tiny_video, tiny_wan
         from usp_dit.demo import tiny_cosmos3, tiny_hunyuan_video, tiny_ltx_video, tiny_video, tiny_wan
+        from usp_dit.demo import tiny_hunyuan_video, tiny_ltx2, tiny_ltx_video, tiny_video, tiny_wan
 
         builders = {
             "cogvideox": tiny_video.tiny_cogvideox_pipeline, "mochi": tiny_video.tiny_mochi_pipeline,
@@ -292,6 +318,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             "kandinsky5": lambda max_text_len: tiny_kandinsky5.tiny_kandinsky5_pipeline(),
             # Cosmos 3 has no text encoder (the transformer embeds the token ids): no text length to set.
             "cosmos3": lambda max_text_len: tiny_cosmos3.tiny_cosmos3_pipeline(),
+            "ltx2": tiny_ltx2.tiny_ltx2_pipeline,
         }
         return builders[args.model](max_text_len=TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)).to(device)
     import diffusers
@@ -318,6 +345,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
             kwargs["prompt_template"] = TINY_PROMPT_TEMPLATE
     if args.guidance is not None:
         kwargs["guidance_scale"] = args.guidance
+    if args.model == "ltx2":
+        kwargs.update(ltx2_guidance(args))
     if args.true_cfg is not None:
         kwargs["true_cfg_scale"] = args.true_cfg
     if args.model == "chronoedit":

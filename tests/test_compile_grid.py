@@ -411,7 +411,7 @@ def _grid_key(g) -> str:
 
 ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's SHAPES)
     ("flux", (2, 2, 1), 0), ("flux", (1, 2, 2), 0), ("cogvideox", (2, 2, 1), 0), ("flux2", (1, 4, 1), 0),
-    ("wan", (4, 1, 1), 0), ("ltx_video", (2, 2, 1), 0), ("sd3", (1, 4, 1), 0),
+    ("wan", (4, 1, 1), 0), ("ltx_video", (2, 2, 1), 0), ("sd3", (1, 4, 1), 0), ("ltx2", (2, 2, 1), 0),
     # The prompt-masked families (Note [masked joint tokens]): padded prompts that differ per element.
     ("mochi", (2, 2, 1), 2),  # padding in front for one element, no real prompt token in the other
     ("hunyuan_video", (1, 4, 1), 0), ("qwen_image", (2, 2, 1), 0), ("chroma", (4, 1, 1), 0),

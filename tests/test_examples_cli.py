@@ -362,6 +362,7 @@ def test_video_example_rejects_what_the_new_families_cannot_take(argv, message, 
     # two calls a step (true CFG): the cfg groups run them at once
     (["--model", "hunyuan_video", "--true-cfg", "4", "--cfg", "2"], (9, 96, 144, (1, 1, 2))),
     (["--model", "wan", "--cfg", "2"], (9, 96, 144, (1, 1, 2))),
+    (["--model", "ltx2", "--cfg", "2"], (17, 96, 160, (1, 1, 2))),
 ])
 def test_video_example_fills_each_familys_defaults(argv, expected, two_ranks):
     args = _example("generate_video").parse_args(argv)
@@ -546,3 +547,12 @@ def test_llm_example_fills_the_grid_and_fails_on_a_mismatch(two_ranks, capsys):
     assert ex.report(args, [1.0, 0.5], [1.0, 0.5 + 1e-16]) is True
     assert ex.report(args, [1.0, 0.5], [1.0, 0.5 + 1e-9]) is False
     assert capsys.readouterr().out.rstrip().endswith("(tolerance 1e-10): MISMATCH")
+
+
+def test_ltx2_example_turns_off_the_batch_one_guidance_calls_under_cfg_2(two_ranks):
+    """LTX2Pipeline's spatio-temporal and modality guidance are calls of batch 1, which a cfg split
+    refuses: with --cfg 2 the example turns them off; with --cfg 1 the pipeline's defaults stay."""
+    ex = _example("generate_video")
+    assert ex.ltx2_guidance(ex.parse_args(["--model", "ltx2", "--cfg", "2", "--guidance", "4"])) == {
+        **ex.LTX2_CFG_ONLY, "audio_guidance_scale": 4.0}
+    assert ex.ltx2_guidance(ex.parse_args(["--model", "ltx2"])) == {}

@@ -111,11 +111,13 @@ class FamilyPipelines:
     transformer must be the family's class; their VAE fills the table's VAE column) and
     ``one_call``: variants that make one transformer call a step (guidance distilled into the model,
     or steps distilled), where ``cfg_degree=2`` splits a batch of prompts and runs a batch of one
-    whole on both groups (correct, no faster)."""
+    whole on both groups (correct, no faster). ``whole_vae``: why the pipelines' VAE has no parallel
+    recipe and decodes whole on every rank (empty: it has one)."""
 
     variants: str
     pipelines: tuple[str, ...]
     one_call: str = ""
+    whole_vae: str = ""
 
 
 # Adapter name -> what the plan does not say; the README table's rows, in this order (images, then video).
@@ -145,6 +147,10 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                     one_call="T2V without true CFG (guidance-distilled)"),
     "LTX-Video": FamilyPipelines("text-, image-to-video, condition",
                                  ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline")),
+    "LTX-2": FamilyPipelines("LTX-2, LTX-2.3; text-, image-to-video, condition (video and audio)",
+                             ("LTX2Pipeline", "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline"),
+                             whole_vae="no recipe yet: its decoder is built of LTX-2's own modules, unlike "
+                                       "LTX-Video's; the audio VAE and vocoder decode whole too"),
     "SkyReels-V2": FamilyPipelines(
         "T2V, I2V; diffusion forcing (block-causal attention)",
         ("SkyReelsV2Pipeline", "SkyReelsV2ImageToVideoPipeline", "SkyReelsV2DiffusionForcingPipeline"),
@@ -194,7 +200,7 @@ def _cfg_mode(adapter, one_call: str) -> str:
     return mode
 
 
-def _vae_mode(vaes: list[type]) -> str:
+def _vae_mode(vaes: list[type], whole_vae: str = "") -> str:
     from usp_dit.pipelines.vae.recipes import Recipe, recipes
 
     known = recipes()
@@ -203,7 +209,7 @@ def _vae_mode(vaes: list[type]) -> str:
     for vae in vaes:
         recipe = known.get(vae)
         if recipe is None:
-            cells.append(f"no (`{vae.__name__}`: decoded whole on every rank)")
+            cells.append(f"no (`{vae.__name__}`: decoded whole on every rank{'; ' + whole_vae if whole_vae else ''})")
         elif recipe.refuse is not default_refuse:
             cells.append(f"yes (`{vae.__name__}`; some configurations decode whole)")
         else:
@@ -236,7 +242,7 @@ def supported_families() -> list[FamilyRow]:
                                  f"not {adapter.model_class.__name__}")
             vaes += [v for v in _components(pipeline, "vae") if v not in vaes]
         rows.append(FamilyRow(name, adapter.model_class.__name__, info.variants, info.pipelines,
-                              _cfg_mode(adapter, info.one_call), _vae_mode(vaes)))
+                              _cfg_mode(adapter, info.one_call), _vae_mode(vaes, info.whole_vae)))
     return rows
 
 

@@ -184,13 +184,21 @@ def _gather_rows(x: torch.Tensor, batch: int, mesh: USPMesh) -> torch.Tensor:
 
 
 def gather_cfg_output(out: Any, batch: int, mesh: USPMesh) -> Any:
-    """The first output (the sample, batch/cfg rows here) all-gathered over "cfg": full batch, every rank."""
+    """The first output (the sample, batch/cfg rows here) all-gathered over "cfg": full batch, every
+    rank; so is every later output tensor with batch/cfg rows (LTX-2's audio sample beside its video)."""
+    rows = batch // mesh.cfg_degree
+
+    def gather(i: int, x: Any) -> Any:
+        if i == 0 or (torch.is_tensor(x) and x.dim() > 0 and x.shape[0] == rows):
+            return _gather_rows(x, batch, mesh)
+        return x
+
     if torch.is_tensor(out):
-        return _gather_rows(out, batch, mesh)
+        return gather(0, out)
     if isinstance(out, tuple):
-        return (_gather_rows(out[0], batch, mesh),) + out[1:]
-    key = next(iter(out.keys()))  # BaseOutput: the sample is its first field
-    setattr(out, key, _gather_rows(out[key], batch, mesh))
+        return tuple(gather(i, x) for i, x in enumerate(out))
+    for i, key in enumerate(list(out.keys())):  # BaseOutput: the sample is its first field
+        setattr(out, key, gather(i, out[key]))
     return out
 
 

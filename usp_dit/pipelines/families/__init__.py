@@ -16,6 +16,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     helios,
     hunyuan_video,
     kandinsky5,
+    ltx2,
     ltx_video,
     mochi,
     qwen_image,
