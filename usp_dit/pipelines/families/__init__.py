@@ -12,6 +12,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     flux,
     flux2,
     hunyuan_video,
+    hunyuan_video15,
     ltx_video,
     mochi,
     qwen_image,
