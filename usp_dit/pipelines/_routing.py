@@ -102,14 +102,13 @@ class Route:
         return layout_sizes(self.state.seq_len, mesh, self.state.layout)[mesh.seq_rank]
 
 
-def _key_mask_of(mask: torch.Tensor, shape: torch.Size, video: slice) -> torch.Tensor:
+def _key_mask_of(mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """The (batch | 1, keys) bool key mask of a 4-d bool mask (Note [masked text tokens]).
 
     ``mask``: (batch | 1, 1, 1, keys), a key padding mask; or (batch | 1, 1, keys, keys) equal to
     ``m[:, :, None] & m[:, None, :]`` for a key mask ``m``: padded tokens masked as keys *and* as
-    queries (HunyuanVideo 1.5 builds its mask so). ``m`` is read off a video query's row (video
-    keys and queries are all valid, checked by the caller), and the whole mask checked equal to
-    that outer product.
+    queries (HunyuanVideo 1.5 builds its mask so). ``m`` is read off the diagonal and the whole
+    mask checked equal to that outer product (the caller checks that ``m`` keeps every video key).
 
     Raises:
         NotImplementedError: a mask that varies over heads, or over queries otherwise.
@@ -121,7 +120,7 @@ def _key_mask_of(mask: torch.Tensor, shape: torch.Size, video: slice) -> torch.T
             "usp_dit routes key-padding masks only ((batch, 1, 1, keys), or (batch, 1, keys, keys) masking "
             f"padded tokens as keys and queries); got attn_mask {tuple(shape)}"
         )
-    keys = mask[:, 0, video.start or 0]  # a video query's row
+    keys = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # m_j = m_j & m_j
     require((mask[:, 0] == (keys[:, :, None] & keys[:, None, :])).all(),
             "usp_dit routes key-padding masks only: this (batch, 1, keys, keys) attn_mask is not "
             "the outer product of a key mask with itself (a mask that varies over queries)")
@@ -149,7 +148,7 @@ def _valid_text_keys(attn_mask: torch.Tensor | None, batch: int, text: slice, vi
                 "usp_dit routes additive masks of 0 and -inf only (a key padding mask)")
         mask = mask == 0
     if mask.dim() == 4:
-        mask = _key_mask_of(mask, attn_mask.shape, video)
+        mask = _key_mask_of(mask, attn_mask.shape)
     if mask.dim() != 2:
         raise NotImplementedError(f"usp_dit cannot route an attn_mask of shape {tuple(attn_mask.shape)}")
     require(mask[:, video].all(), "usp_dit routes text key masks only: this attn_mask masks video tokens")
