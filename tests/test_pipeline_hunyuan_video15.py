@@ -168,15 +168,15 @@ def _compiled_blocks_case(mesh) -> dict[str, float]:
 
 def _image() -> PIL.Image.Image:
     pixels = np.random.default_rng(0).integers(0, 256, size=(30, 30, 3), dtype=np.uint8)
-    return PIL.Image.fromarray(pixels)  # square: the pipeline picks 24 x 24 (3 x 3 patches a frame)
+    return PIL.Image.fromarray(pixels)  # square: the pipeline picks 48 x 48 (3 x 3 patches a frame)
 
 
 def _generate(pipe, image_to_video: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the latents the VAE decodes, frames) of 2 steps, 9 frames, seed 0: T2V at 24 x 40 (45
-    tokens), I2V at the image's 24 x 24 (27 tokens)."""
+    """(the latents the VAE decodes, frames) of 2 steps, 9 frames, seed 0: T2V at 48 x 80 (45
+    tokens), I2V at the image's 48 x 48 (27 tokens)."""
     args = dict(prompt='a red fox and the sign "open"', negative_prompt="blurry", num_frames=9, num_inference_steps=2,
                 generator=torch.Generator().manual_seed(0), output_type="pt")
-    args.update(image=_image()) if image_to_video else args.update(height=24, width=40)
+    args.update(image=_image()) if image_to_video else args.update(height=48, width=80)
     seen = []
     decode = pipe.vae.decode
     with mock.patch.object(pipe.vae, "decode", lambda z, **kw: (seen.append(z.clone()), decode(z, **kw))[1]):
@@ -223,12 +223,12 @@ VAE_GRIDS = [(2, 2, 1), (4, 1, 1)]
 
 def _vae_case(grid) -> dict[str, float]:
     """The parallel VAE (``enable_parallel_vae``): decode of a (1, 4, 3, 7, 5) latent and encode of a
-    (1, 3, 5, 64, 40) video vs one process; each rank's first convolution sees its share of the rows."""
+    (1, 3, 5, 64, 32) video vs one process; each rank's first convolution sees its share of the rows."""
     from usp_dit.pipelines.vae import disable_parallel_vae, enable_parallel_vae
 
     vae = tiny_hunyuan_video15_vae()
     z = torch.randn(1, 4, 3, 7, 5, generator=torch.Generator().manual_seed(1))
-    x = torch.randn(1, 3, 5, 64, 40, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(1, 3, 5, 64, 32, generator=torch.Generator().manual_seed(2))
     rows = []
     vae.decoder.conv_in.conv.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[-2]))
     with torch.no_grad():
@@ -263,7 +263,7 @@ def _run_all() -> dict[str, dict | str]:
            lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
     record(results, "compiled-blocks", lambda: _compiled_blocks_case(init_usp(2, 2)))
     for grid in VAE_GRIDS:
-        record(results, f"vae-u{grid[0]}r{grid[1]}", lambda: _vae_case(grid))
+        record(results, f"vae-u{grid[0]}r{grid[1]}", lambda grid=grid: _vae_case(grid))
     record(results, "pipeline-t2v", lambda: _pipeline_cases(False), many=True)
     record(results, "pipeline-i2v", lambda: _pipeline_cases(True), many=True)
     return results

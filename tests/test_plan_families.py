@@ -17,7 +17,7 @@ import torch
 
 import usp_dit.pipelines  # noqa: F401  (registers every adapter)
 from usp_dit import single_rank_mesh
-from usp_dit.demo import tiny_chroma, tiny_flux, tiny_flux2, tiny_hunyuan_video, tiny_ltx_video, tiny_qwen_image, tiny_sd3, tiny_video, tiny_wan
+from usp_dit.demo import tiny_chroma, tiny_flux, tiny_flux2, tiny_hunyuan_video, tiny_hunyuan_video15, tiny_ltx_video, tiny_qwen_image, tiny_sd3, tiny_video, tiny_wan
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
 from usp_dit.pipelines.base import find_adapter, registered_adapters
 from usp_dit.pipelines.plan import Parallel, PlanAdapter
@@ -28,6 +28,7 @@ BUILDERS = {
     "Mochi": tiny_video.tiny_mochi,
     "Wan": lambda: tiny_wan.tiny_wan("i2v"),  # I2V: the added K/V cross-attention too
     "HunyuanVideo": tiny_hunyuan_video.tiny_hunyuan_video,  # the token refiner's local attention too
+    "HunyuanVideo15": tiny_hunyuan_video15.tiny_hunyuan_video15,
     "LTX-Video": tiny_ltx_video.tiny_ltx_video,
     "QwenImage": tiny_qwen_image.tiny_qwen_image,
     "SD3": lambda: tiny_sd3.tiny_sd3("sd3.5-medium"),  # SD3.5's dual attention (attn2) too

@@ -22,7 +22,7 @@ LATENT_CHANNELS = 4  # the tiny stand-in for the real VAE's 32
 GLYPH_DIM = 16  # d_model of the tiny ByT5 encoder (the real one's 1472)
 IMAGE_DIM = 16  # width of the tiny SigLIP's tokens (the real one's 1152)
 IMAGE_SIZE, IMAGE_PATCH = 30, 10  # the tiny SigLIP: 3 x 3 = 9 image tokens (the real one's 729)
-TARGET_SIZE = 24  # pixels; with the tiny VAE's 8x: 3 x 3 latent patches per frame at a square image
+TARGET_SIZE = 48  # pixels; with the VAE's 16x: 3 x 3 latent patches per frame at a square image
 
 
 def tiny_hunyuan_video15(
@@ -116,14 +116,14 @@ _TINY_CHAT_TEMPLATE = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['
 
 
 def tiny_hunyuan_video15_vae(seed: int = 0):
-    """An ``AutoencoderKLHunyuanVideo15`` of ``LATENT_CHANNELS``: 8x spatial, 4x temporal compression
+    """An ``AutoencoderKLHunyuanVideo15`` of ``LATENT_CHANNELS``: 16x spatial, 4x temporal compression as released
     (``num_frames`` = 4k + 1 decodes to exactly ``num_frames``), with its frame-causal mid-block attention."""
     from diffusers import AutoencoderKLHunyuanVideo15
 
     torch.manual_seed(seed)
     vae = AutoencoderKLHunyuanVideo15(
-        latent_channels=LATENT_CHANNELS, block_out_channels=(16, 16, 16, 16), layers_per_block=1,
-        spatial_compression_ratio=8, temporal_compression_ratio=4,
+        latent_channels=LATENT_CHANNELS, block_out_channels=(16,) * 5, layers_per_block=1,
+        spatial_compression_ratio=16, temporal_compression_ratio=4,
     )
     _perturb(vae, seed + 1, std=0.02)  # the RMS norms' gammas too: no default constant
     return vae.eval()
@@ -177,11 +177,11 @@ def tiny_hunyuan_video15_pipeline(image_to_video: bool = False, guidance_scale: 
     Its guider is a ``ClassifierFreeGuidance`` of ``guidance_scale``: above 1 the transformer is
     called once per branch (prompt, then negative prompt), batch 1 each for one prompt. Prompts
     are padded to ``max_text_len`` Qwen tokens (one per character) and their quoted text, if any,
-    to ``max_glyph_len`` ByT5 bytes (a prompt without quoted text has no glyph tokens). VAE: 8x
-    spatial and 4x temporal compression, patch 1, so ``height x width x num_frames`` gives
-    ``((num_frames - 1) / 4 + 1) * (height / 8) * (width / 8)`` video tokens; e.g. 24 x 40 x 9
-    frames -> 3 * 3 * 5 = 45 tokens. Image-to-video picks its size from the image's aspect
-    ratio and ``TARGET_SIZE`` (a square image: 24 x 24, 3 x 3 patches a frame); its image gives
+    to ``max_glyph_len`` ByT5 bytes (a prompt without quoted text has no glyph tokens). VAE: 16x
+    spatial and 4x temporal compression, patch 1 (as released), so ``height x width x num_frames``
+    gives ``((num_frames - 1) / 4 + 1) * (height / 16) * (width / 16)`` video tokens; e.g. 48 x 80
+    x 9 frames -> 3 * 3 * 5 = 45 tokens. Image-to-video picks its size from the image's aspect
+    ratio and ``TARGET_SIZE`` (a square image: 48 x 48, 3 x 3 patches a frame); its image gives
     9 SigLIP tokens and is VAE-encoded as the first frame's condition.
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
