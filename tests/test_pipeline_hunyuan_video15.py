@@ -15,8 +15,8 @@ each ring grid also with the "stream" and "gather_merge" schedules forced. Each 
 stock output, block 0's attention sees at most ceil(tokens / P) video tokens (the stream is
 replicated), and after ``disable`` the output is bit-identical. Every parameter's gradient (loss / P
 on each rank, summed over the sequence group, equals one process's; the token refiner's key bias,
-zero by maths, is measured against its weight's scale) for both variants on 2 and 4 ranks, and
-T2V once with gradient checkpointing (2x2). Each rank's rotated Q/K of block 0 equal the same rows
+zero by maths, is measured against its weight's scale) for both variants on 2 ranks, T2V on 4,
+and T2V once with gradient checkpointing (2x2). Each rank's rotated Q/K of block 0 equal the same rows
 of one process's. Fullgraph compile: each dual-stream block compiled (Diffusers' regional
 compilation, ``_repeated_blocks``) on (2,2) equals eager; the whole model cannot be compiled
 fullgraph even alone (its forward branches on ``all(image_embeds == 0)`` and indexes the streams
@@ -35,6 +35,9 @@ Tolerance: max|err| / max|ref| <= 1e-5 (float32, the issue's bar) on outputs, ev
 gradient, the rotated Q/K and the latents the pipeline decodes. Sharding only reorders float32 sums
 (attention in blocks merged by log-sum-exp, gradients summed over ranks). The decoded frames and
 the VAE cases: 1e-4 (an untrained random VAE's gain, as in tests/test_video_pipelines.py).
+Measured (4 gloo ranks, CPU): 3.4e-7 on outputs (schedules forced), 1.6e-6 on the worst gradient,
+0 on the rotated Q/K, 2.8e-7 compiled, 1.5e-6 on the pipelines' latents and 1.7e-6 on frames,
+6.9e-7 / 3.0e-7 on the VAE's decode / encode.
 """
 from __future__ import annotations
 
@@ -92,6 +95,10 @@ SHAPES = [
     Shape("t2v", 3, 3, 5),  # 45 tokens
     Shape("i2v-meanflow", 3, 3, 3),  # 27 tokens
 ]
+
+
+# The I2V + MeanFlow variant adds embedders, not attention paths: its gradients on 2 ranks suffice.
+GRAD_SHAPES = {2: SHAPES, 4: [SHAPES[0]]}
 
 
 def _build(shape: Shape, seed: int = 0):
@@ -255,7 +262,8 @@ def _vae_case(grid) -> dict[str, float]:
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
+    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh),
+                   GRAD_SHAPES)
     record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
     record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
     two_heads = tiny_hunyuan_video15(num_heads=2, head_dim=32)
@@ -283,7 +291,7 @@ def test_sharded_output_matches_one_process(grid_results, key: str):
     assert_within(grid_results, key, TOL)
 
 
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
+@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in GRAD_SHAPES[p]] + ["grad-ckpt-p4"])
 def test_parameter_gradients_match_one_process(grid_results, key: str):
     assert_within(grid_results, key, TOL)
 
