@@ -47,6 +47,7 @@ pipelines compress as the real ones do):
     wan_vace       16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     hunyuan_video  16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          with --true-cfg (two calls)
     kandinsky5     16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
+    hunyuan_video15 16           4k + 1    48 x 96, 9   -> 3 x 3 x 6 = 54           yes (two calls a step)
     ltx_video      32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45           yes (batched CFG)
     chronoedit     16            4k + 1    96 x 144, 5  -> 2 x 6 x 9 = 108          yes (two calls a step)
     helios         16            4k + 1    96 x 144, 17 -> 2 chunks of 3 x 6 x 9    yes (two calls a step)
@@ -70,7 +71,9 @@ per token, except LTX-Video's VAE (32 pixels per latent pixel, patch 1), so ``--
 must be multiples of 16 (LTX-Video: 32). CogVideoX compresses 4 frames into one latent frame and
 its VAE decodes latent frames in pairs, so it returns exactly ``--frames`` frames for 8k + 1 only
 (5 comes back as 8, 13 as 16); Mochi compresses 6 and its sigma schedule needs ``--steps`` >= 2;
-Wan and HunyuanVideo compress 4, LTX-Video 8. ``pipe.enable_usp()`` enables both of Wan 2.2's
+Wan and HunyuanVideo compress 4, LTX-Video 8. HunyuanVideo 1.5 (``tiny_hunyuan_video15``: Qwen2.5-VL and
+ByT5 text encoders, 16 pixels per latent pixel, patch 1) guides by its pipeline's guider, one call
+per branch (``--guidance`` sets its scale, default 4 in the tiny pipeline). ``pipe.enable_usp()`` enables both of Wan 2.2's
 experts (``transformer`` and ``transformer_2``) on one mesh. None of the default token counts is
 divided by 4 ranks.
 
@@ -160,6 +163,10 @@ FAMILIES = {
     "kandinsky5": VideoFamily(
         "Kandinsky5T2VPipeline", 9, 4, 4, "Kandinsky 5's VAE (HunyuanVideo's): 4 frames per latent frame", 8, 16,
         cfg="two calls"),
+    # CFG by the pipeline's guider (--guidance > 1, default 4 here): one call per branch.
+    "hunyuan_video15": VideoFamily(
+        "HunyuanVideo15Pipeline", 9, 4, 4, "HunyuanVideo 1.5's VAE: 4 frames per latent frame", 16, 16,
+        size=(48, 96), cfg="two calls"),
     "ltx_video": VideoFamily(
         "LTXPipeline", 17, 8, 8, "LTX-Video's VAE: 8 frames per latent frame", 32, 32, size=(96, 160)),
     "chronoedit": VideoFamily(
@@ -295,22 +302,24 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
     if args.model_path is None:
         from usp_dit.demo import (
             tiny_chronoedit,
+            tiny_cosmos3,
             tiny_helios,
             tiny_hunyuan_video,
+            tiny_hunyuan_video15,
+            tiny_kandinsky5,
+            tiny_ltx2,
             tiny_ltx_video,
             tiny_video,
             tiny_wan,
             tiny_wan_vace,
         )
-        from usp_dit.demo import tiny_hunyuan_video, tiny_kandinsky5, tiny_ltx_video, tiny_video, tiny_wan
-        from usp_dit.demo import tiny_cosmos3, tiny_hunyuan_video, tiny_ltx_video, tiny_video, tiny_wan
-        from usp_dit.demo import tiny_hunyuan_video, tiny_ltx2, tiny_ltx_video, tiny_video, tiny_wan
 
         builders = {
             "cogvideox": tiny_video.tiny_cogvideox_pipeline, "mochi": tiny_video.tiny_mochi_pipeline,
             "wan": lambda **kw: tiny_wan.tiny_wan_pipeline(two_experts=True, **kw),
             "wan_vace": tiny_wan_vace.tiny_wan_vace_pipeline,
             "hunyuan_video": tiny_hunyuan_video.tiny_hunyuan_video_pipeline,
+            "hunyuan_video15": tiny_hunyuan_video15.tiny_hunyuan_video15_pipeline,
             "ltx_video": tiny_ltx_video.tiny_ltx_video_pipeline,
             "chronoedit": tiny_chronoedit.tiny_chronoedit_pipeline,
             "helios": tiny_helios.tiny_helios_pipeline,
@@ -333,6 +342,8 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
 def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     """(frames, height, width, 3) float32 in [0, 1]; the seeded generator is the same on every rank."""
     kwargs = {}
+    if args.model == "hunyuan_video15":
+        return _generate_hunyuan_video15(pipe, args)
     if args.model_path is None and args.model != "cosmos3":  # Cosmos 3 has no text encoder
         kwargs["max_sequence_length"] = TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)
         if args.model == "helios":
@@ -388,6 +399,19 @@ def embedded_prompts(pipe, args: argparse.Namespace, max_sequence_length: int) -
         return WanPipeline._get_t5_prompt_embeds(pipe, text, max_sequence_length=max_sequence_length)
 
     return dict(prompt_embeds=encode(args.prompt), negative_prompt_embeds=encode(args.negative_prompt))
+
+
+def _generate_hunyuan_video15(pipe, args: argparse.Namespace) -> np.ndarray:
+    """HunyuanVideo 1.5's pipeline takes no guidance scale: its guider holds it (``--guidance``
+    replaces the guider by one of that scale), and no text length (the tiny one is built with it)."""
+    if args.guidance is not None:
+        pipe.guider = pipe.guider.new(guidance_scale=args.guidance)
+    out = pipe(
+        args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
+        num_frames=args.frames, num_inference_steps=args.steps, output_type="np",
+        generator=torch.Generator("cpu").manual_seed(args.seed),
+    )
+    return np.asarray(out.frames[0], dtype=np.float32)
 
 
 def save_mp4(frames: np.ndarray, path: str, fps: int) -> None:

@@ -40,6 +40,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from usp_dit.cli.launch import UsageError
 from usp_dit.distributed import logs
@@ -363,10 +364,22 @@ def test_video_example_rejects_what_the_new_families_cannot_take(argv, message, 
     (["--model", "hunyuan_video", "--true-cfg", "4", "--cfg", "2"], (9, 96, 144, (1, 1, 2))),
     (["--model", "wan", "--cfg", "2"], (9, 96, 144, (1, 1, 2))),
     (["--model", "ltx2", "--cfg", "2"], (17, 96, 160, (1, 1, 2))),
+    (["--model", "hunyuan_video15"], (9, 48, 96, (2, 1, 1))),
+    (["--model", "hunyuan_video15", "--cfg", "2"], (9, 48, 96, (1, 1, 2))),
 ])
 def test_video_example_fills_each_familys_defaults(argv, expected, two_ranks):
     args = _example("generate_video").parse_args(argv)
     assert (args.frames, args.height, args.width, args.degrees) == expected
+
+
+def test_video_example_generates_with_the_tiny_hunyuan_video15(two_ranks):
+    """One process, no grid: the tiny HunyuanVideo 1.5 pipeline and its guider-held scale (--guidance)."""
+    example = _example("generate_video")
+    args = example.parse_args(["--model", "hunyuan_video15", "--steps", "1", "--guidance", "3"])
+    pipe = example.load_pipeline(args, torch.device("cpu"))
+    pipe.set_progress_bar_config(disable=True)
+    frames = example.generate(pipe, args)
+    assert frames.shape == (9, 48, 96, 3) and pipe.guider.guidance_scale == 3.0
 
 
 @pytest.mark.parametrize("argv, message", [

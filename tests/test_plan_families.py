@@ -19,10 +19,13 @@ import usp_dit.pipelines  # noqa: F401  (registers every adapter)
 from usp_dit import single_rank_mesh
 from usp_dit.demo import (
     tiny_chroma,
+    tiny_cosmos3,
     tiny_flux,
     tiny_flux2,
     tiny_hunyuan_video,
+    tiny_hunyuan_video15,
     tiny_kandinsky5,
+    tiny_ltx2,
     tiny_ltx_video,
     tiny_qwen_image,
     tiny_sd3,
@@ -33,8 +36,6 @@ from usp_dit.demo import (
 )
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_helios import tiny_helios
-from usp_dit.demo import tiny_chroma, tiny_cosmos3, tiny_flux, tiny_flux2, tiny_hunyuan_video, tiny_ltx_video, tiny_qwen_image, tiny_sd3, tiny_video, tiny_wan
-from usp_dit.demo import tiny_chroma, tiny_flux, tiny_flux2, tiny_hunyuan_video, tiny_ltx2, tiny_ltx_video, tiny_qwen_image, tiny_sd3, tiny_video, tiny_wan
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
 from usp_dit.pipelines.base import find_adapter, registered_adapters
 from usp_dit.pipelines.plan import Parallel, PlanAdapter
@@ -45,6 +46,7 @@ BUILDERS = {
     "Mochi": tiny_video.tiny_mochi,
     "Wan": lambda: tiny_wan.tiny_wan("i2v"),  # I2V: the added K/V cross-attention too
     "HunyuanVideo": tiny_hunyuan_video.tiny_hunyuan_video,  # the token refiner's local attention too
+    "HunyuanVideo15": tiny_hunyuan_video15.tiny_hunyuan_video15,
     "LTX-Video": tiny_ltx_video.tiny_ltx_video,
     "LTX-2": lambda: tiny_ltx2.tiny_ltx2("2.3"),  # perturbed processors (spatio-temporal guidance) too
     "QwenImage": tiny_qwen_image.tiny_qwen_image,

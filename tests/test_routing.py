@@ -66,6 +66,21 @@ def test_joint_call_equals_masked_attention_on_every_row_read_downstream(text, m
     assert torch.count_nonzero(out[~keys]) == 0
 
 
+@pytest.mark.parametrize("text", ["first", "last"])
+def test_a_mask_over_padded_keys_and_queries_equals_stock_on_every_row(text):
+    """HunyuanVideo 1.5's (B, 1, L, L) mask, the key mask's outer product with itself: the padded
+    text queries see no key, stock's rows are zeros for them (PyTorch), and so are ours: every row equal."""
+    q, k, v = _qkv(3)
+    video = torch.ones(B, S, dtype=torch.bool)
+    keys = torch.cat([_text_mask(), video] if text == "first" else [video, _text_mask()], dim=1)
+    square = (keys[:, :, None] & keys[:, None, :])[:, None]
+    out = route_attention(q, k, v, attn_mask=square, parallel_config=_route(text))
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=square).transpose(1, 2)
+    assert torch.count_nonzero(ref[~keys]) == 0
+    assert torch.allclose(out, ref, atol=1e-12, rtol=0)
+
+
 def test_a_mask_over_the_whole_sequence_is_read_at_its_text_end():
     """HunyuanVideo builds its mask over [all video; text] before the tokens are split: wider than the call."""
     q, k, v = _qkv(1)
@@ -90,7 +105,10 @@ def test_refusals():
     with pytest.raises(NotImplementedError, match="masks video tokens"):
         route_attention(q, k, v, attn_mask=video_masked, parallel_config=_route("first"))
     with pytest.raises(NotImplementedError, match="key-padding masks only"):
-        route_attention(q, k, v, attn_mask=torch.ones(B, 1, S + T, S + T, dtype=torch.bool), parallel_config=_route("first"))
+        route_attention(q, k, v, attn_mask=torch.ones(B, 2, 1, S + T, dtype=torch.bool), parallel_config=_route("first"))
+    causal = torch.ones(S + T, S + T, dtype=torch.bool).tril().expand(B, 1, -1, -1)  # varies over queries
+    with pytest.raises(NotImplementedError, match="not the outer product of a key mask"):
+        route_attention(q, k, v, attn_mask=causal, parallel_config=_route("first"))
     with pytest.raises(NotImplementedError, match="0 and -inf only"):
         route_attention(q, k, v, attn_mask=torch.full((B, S + T), 0.5, dtype=torch.float64), parallel_config=_route("first"))
     with pytest.raises(NotImplementedError, match="dropout_p"):

@@ -28,7 +28,10 @@ Note [masked text tokens]
     The rows of *padded* text queries are the one place we differ from stock: stock attends them
     to the valid keys, we return zeros there. Nothing downstream reads them: they are masked out
     as keys in every later layer, and these models' outputs are the video tokens alone (the text
-    stream is dropped after the last block), so outputs and gradients are stock's.
+    stream is dropped after the last block), so outputs and gradients are stock's. HunyuanVideo
+    1.5's processor masks the padded tokens as queries too (a (B, 1, L, L) mask, the key mask's
+    outer product with itself: ``_key_mask_of``); stock's rows for them are then zeros (PyTorch's
+    attention gives a query with no key zeros), and ours equal them.
 """
 from __future__ import annotations
 
@@ -99,12 +102,38 @@ class Route:
         return layout_sizes(self.state.seq_len, mesh, self.state.layout)[mesh.seq_rank]
 
 
+def _key_mask_of(mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The (batch | 1, keys) bool key mask of a 4-d bool mask (Note [masked text tokens]).
+
+    ``mask``: (batch | 1, 1, 1, keys), a key padding mask; or (batch | 1, 1, keys, keys) equal to
+    ``m[:, :, None] & m[:, None, :]`` for a key mask ``m``: padded tokens masked as keys *and* as
+    queries (HunyuanVideo 1.5 builds its mask so). ``m`` is read off the diagonal and the whole
+    mask checked equal to that outer product (the caller checks that ``m`` keeps every video key).
+
+    Raises:
+        NotImplementedError: a mask that varies over heads, or over queries otherwise.
+    """
+    if mask.shape[1] == 1 and mask.shape[2] == 1:
+        return mask[:, 0, 0]
+    if mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
+        raise NotImplementedError(
+            "usp_dit routes key-padding masks only ((batch, 1, 1, keys), or (batch, 1, keys, keys) masking "
+            f"padded tokens as keys and queries); got attn_mask {tuple(shape)}"
+        )
+    keys = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # m_j = m_j & m_j
+    require((mask[:, 0] == (keys[:, :, None] & keys[:, None, :])).all(),
+            "usp_dit routes key-padding masks only: this (batch, 1, keys, keys) attn_mask is not "
+            "the outer product of a key mask with itself (a mask that varies over queries)")
+    return keys
+
+
 def _valid_text_keys(attn_mask: torch.Tensor | None, batch: int, text: slice, video: slice) -> torch.Tensor | None:
     """(batch, text_len) bool of the text keys to attend to, or ``None`` for all of them.
 
     Args:
-        attn_mask: ``None``, or (batch | 1, keys) / (batch | 1, 1, 1, keys), bool (True = attend) or
-            additive float (0 = attend, -inf = masked); keys = the routed call's text + video keys
+        attn_mask: ``None``, or (batch | 1, keys) / (batch | 1, 1, 1, keys) / (batch | 1, 1, keys, keys)
+            (``_key_mask_of``), bool (True = attend) or additive float (0 = attend, -inf = masked);
+            keys = the routed call's text + video keys
             (the video part may cover this shard or the whole sequence: only the text part is read).
 
     Raises:
@@ -114,18 +143,14 @@ def _valid_text_keys(attn_mask: torch.Tensor | None, batch: int, text: slice, vi
     if attn_mask is None:
         return None
     mask = attn_mask
-    if mask.dim() == 4:
-        if mask.shape[1] != 1 or mask.shape[2] != 1:
-            raise NotImplementedError(
-                f"usp_dit routes key-padding masks only ((batch, 1, 1, keys)); got attn_mask {tuple(attn_mask.shape)}"
-            )
-        mask = mask[:, 0, 0]
-    if mask.dim() != 2:
-        raise NotImplementedError(f"usp_dit cannot route an attn_mask of shape {tuple(attn_mask.shape)}")
     if mask.dtype != torch.bool:
         require(((mask == 0) | (mask == float("-inf"))).all(),
                 "usp_dit routes additive masks of 0 and -inf only (a key padding mask)")
         mask = mask == 0
+    if mask.dim() == 4:
+        mask = _key_mask_of(mask, attn_mask.shape)
+    if mask.dim() != 2:
+        raise NotImplementedError(f"usp_dit cannot route an attn_mask of shape {tuple(attn_mask.shape)}")
     require(mask[:, video].all(), "usp_dit routes text key masks only: this attn_mask masks video tokens")
     valid = mask[:, text].expand(batch, -1)
     if torch.compiler.is_compiling():  # no branch on a value: an all-true mask is a mask too

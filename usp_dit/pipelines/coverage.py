@@ -145,6 +145,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "HunyuanVideo": FamilyPipelines("T2V; I2V (latent_concat, token_replace)",
                                     ("HunyuanVideoPipeline", "HunyuanVideoImageToVideoPipeline"),
                                     one_call="T2V without true CFG (guidance-distilled)"),
+    "HunyuanVideo15": FamilyPipelines("HunyuanVideo 1.5 T2V, I2V (480p, 720p)",
+                                      ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline")),
     "LTX-Video": FamilyPipelines("text-, image-to-video, condition",
                                  ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline")),
     "LTX-2": FamilyPipelines("LTX-2, LTX-2.3; text-, image-to-video, condition (video and audio)",

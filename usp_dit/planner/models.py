@@ -233,10 +233,9 @@ VAES = {
     "hunyuan_video": VAEDecode("AutoencoderKLHunyuanVideo", 246478803, loaded_bytes(246478803), **_HV_VAE,
                                source=_VAE_RUN),
     "hunyuan_video15": VAEDecode(
-        "AutoencoderKLHunyuanVideo15", 1260634115, loaded_bytes(1260634115), _HV_VAE["stock_peak_gib"],
-        _HV_VAE["output_gib"], _HV_VAE["reference"], None,
-        "estimate: HunyuanVideo's VAE measured (the same 128-channel full-resolution stage); no parallel VAE "
-        "recipe, so the whole untiled decode on every rank"),
+        "AutoencoderKLHunyuanVideo15", 1260634115, loaded_bytes(1260634115), **_HV_VAE,
+        source="estimate: HunyuanVideo's VAE measured (the same 128-channel full-resolution stage, split by rows "
+               "the same way; not measured on this VAE)"),
     "ltx_video": VAEDecode("AutoencoderKLLTXVideo", 419193649, loaded_bytes(419193649), 4.47, 0.27, (121, 512, 768),
                            {2: 0.586, 4: 0.296, 8: 0.150}, _VAE_RUN),
     "kandinsky6": VAEDecode("AutoencoderKLHunyuanVideo", 246478803, loaded_bytes(246478803), **_HV_VAE,
@@ -376,8 +375,7 @@ def hunyuan_video15(height=720, width=1280, num_frames=121) -> ModelSpec:
                        ("qwen25_vl_7b_text", "byt5_small"), "hunyuan_video15")
     return ModelSpec("hunyuan_video15", frames * _patches(height, width, 16), 1985, "joint", 16, 16, 128, 54, 8.3e9,
                      "two_call", out_channels=32, memory=memory, output_size=(num_frames, height, width),
-                     label="HunyuanVideo 1.5",
-                     unsupported="enable_usp has no adapter for HunyuanVideo15Transformer3DModel yet")
+                     label="HunyuanVideo 1.5")
 
 
 def kandinsky6(height=512, width=768, num_frames=121) -> ModelSpec:
@@ -414,6 +412,7 @@ CLASSES = {
     "QwenImageTransformer2DModel": "qwen_image", "CogVideoXTransformer3DModel": "cogvideox",
     "MochiTransformer3DModel": "mochi", "WanTransformer3DModel": "wan",
     "HunyuanVideoTransformer3DModel": "hunyuan_video", "LTXVideoTransformer3DModel": "ltx_video",
+    "HunyuanVideo15Transformer3DModel": "hunyuan_video15",
 }
 
 

@@ -12,6 +12,7 @@ lowest resolution, so the gathered K/V are small next to the activations of the 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,15 +37,19 @@ def _gathered_mask(mask: torch.Tensor, keys: int, queries: int) -> torch.Tensor:
     return mask
 
 
-def hunyuan_causal_mask(num_frames: int, height_width: int, dtype, device, batch_size: int | None = None):
-    """HunyuanVideo's frame-causal mask (a token sees every token of its own and earlier frames) for
-    this rank's queries against every rank's keys, keys in gathered order (rank, frame, row, column):
-    (batch, local tokens, all tokens). Stock ``prepare_causal_attention_mask`` outside a parallel decode."""
-    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import prepare_causal_attention_mask
-
+def hunyuan_causal_mask(num_frames: int, height_width: int, dtype, device, batch_size: int | None = None, *,
+                        stock: Callable[..., torch.Tensor] | None = None):
+    """HunyuanVideo's (and 1.5's) frame-causal mask (a token sees every token of its own and earlier
+    frames) for this rank's queries against every rank's keys, keys in gathered order (rank, frame,
+    row, column): (batch, local tokens, all tokens). Outside a parallel decode, ``stock`` (default
+    HunyuanVideo's ``prepare_causal_attention_mask``; 1.5's own staticmethod builds the same mask)."""
     rows = active()
     if rows is None:
-        return prepare_causal_attention_mask(num_frames, height_width, dtype, device, batch_size=batch_size)
+        if stock is None:
+            from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import (
+                prepare_causal_attention_mask as stock,
+            )
+        return stock(num_frames, height_width, dtype, device, batch_size=batch_size)
     frames = torch.arange(num_frames, device=device)
     per_frame = gathered_counts(height_width, rows, device)
     query_frame = frames.repeat_interleave(height_width)
@@ -77,3 +82,16 @@ class _GatheredFunctional:
 
 
 GATHERED_F = _GatheredFunctional()
+
+
+class _GatheredNN:
+    """Stands in for ``torch.nn`` in a VAE attention whose code calls ``nn.functional.scaled_dot_product_attention``
+    (HunyuanVideo 1.5's): its ``functional`` is ``GATHERED_F``, every other name torch's."""
+
+    functional = GATHERED_F
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.nn, name)
+
+
+GATHERED_NN = _GatheredNN()

@@ -97,6 +97,9 @@ def _install(sites: Sites, state: VAEState) -> None:
         for name, value in names.items():
             forward = with_global(forward, name, value) or forward
         _set(state, module, "forward", types.MethodType(forward, module))
+    for module, attributes in sites.attributes:
+        for name, value in attributes.items():
+            _set(state, module, name, value)
 
 
 @functools.cache

@@ -44,7 +44,9 @@ class Recipe:
     ``F.scaled_dot_product_attention``). ``local``: the family's module classes that act per row
     (their forward was read for this: no sums over rows, no random numbers shaped like the image),
     encoder's and decoder's. ``forward_globals``: module class -> {global name of its forward:
-    replacement} (e.g. a mask builder that must see every rank's rows).
+    replacement} (e.g. a mask builder that must see every rank's rows). ``attributes``: module
+    class -> {attribute: value} set on its instances (e.g. a static mask builder its forward reads
+    off ``self``).
     """
 
     explicit: dict[type, Explicit] = field(default_factory=dict)
@@ -52,6 +54,7 @@ class Recipe:
     local: tuple[type, ...] = ()
     refuse: Callable[[nn.Module], str | None] = lambda module: None
     forward_globals: dict[type, dict[str, object]] = field(default_factory=dict)
+    attributes: dict[type, dict[str, object]] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Sites:
     processors: list[nn.Module] = field(default_factory=list)
     forwards: list[nn.Module] = field(default_factory=list)
     rebound: list[tuple[nn.Module, dict[str, object]]] = field(default_factory=list)
+    attributes: list[tuple[nn.Module, dict[str, object]]] = field(default_factory=list)
     row_stride: int = 1  # product of the row strides of the convolutions (an encoder's downsampling)
 
 
@@ -125,6 +129,8 @@ def classify(region: nn.Module, recipe: Recipe) -> tuple[Sites | None, str | Non
             return None, f"{name or type(region).__name__}: {reason}" if not reason.startswith(name or "\0") else reason
         if cls in recipe.forward_globals:
             sites.rebound.append((module, recipe.forward_globals[cls]))
+        if cls in recipe.attributes:
+            sites.attributes.append((module, recipe.attributes[cls]))
     return sites, None
 
 
@@ -183,18 +189,45 @@ def _ltx_refuse(module: nn.Module) -> str | None:
 def recipes() -> dict[type, Recipe]:
     """Exact VAE class -> recipe (imports the Diffusers autoencoders on first use; built once)."""
     from diffusers import (
-        AutoencoderKL, AutoencoderKLCogVideoX, AutoencoderKLFlux2, AutoencoderKLHunyuanVideo, AutoencoderKLLTXVideo,
-        AutoencoderKLMochi, AutoencoderKLQwenImage, AutoencoderKLWan,
+        AutoencoderKL,
+        AutoencoderKLCogVideoX,
+        AutoencoderKLFlux2,
+        AutoencoderKLHunyuanVideo,
+        AutoencoderKLHunyuanVideo15,
+        AutoencoderKLLTXVideo,
+        AutoencoderKLMochi,
+        AutoencoderKLQwenImage,
+        AutoencoderKLWan,
     )
     from diffusers.models import downsampling, normalization, resnet, upsampling
     from diffusers.models.attention_processor import Attention
     from diffusers.models.autoencoders import (
-        autoencoder_kl_cogvideox as cog, autoencoder_kl_hunyuan_video as hy, autoencoder_kl_ltx as ltx,
-        autoencoder_kl_mochi as mochi, autoencoder_kl_qwenimage as qwen, autoencoder_kl_wan as wan, vae,
+        autoencoder_kl_cogvideox as cog,
+    )
+    from diffusers.models.autoencoders import (
+        autoencoder_kl_hunyuan_video as hy,
+    )
+    from diffusers.models.autoencoders import (
+        autoencoder_kl_hunyuanvideo15 as hy15,
+    )
+    from diffusers.models.autoencoders import (
+        autoencoder_kl_ltx as ltx,
+    )
+    from diffusers.models.autoencoders import (
+        autoencoder_kl_mochi as mochi,
+    )
+    from diffusers.models.autoencoders import (
+        autoencoder_kl_qwenimage as qwen,
+    )
+    from diffusers.models.autoencoders import (
+        autoencoder_kl_wan as wan,
+    )
+    from diffusers.models.autoencoders import (
+        vae,
     )
     from diffusers.models.unets import unet_2d_blocks
 
-    from usp_dit.pipelines.vae.attention import hunyuan_causal_mask
+    from usp_dit.pipelines.vae.attention import GATHERED_NN, hunyuan_causal_mask
 
     causal = Explicit(_child_conv, _causal_wrapper_pads)
     kl = Recipe(
@@ -241,6 +274,20 @@ def recipes() -> dict[type, Recipe]:
                hy.HunyuanVideoResnetBlockCausal3D, hy.HunyuanVideoUpsampleCausal3D, hy.HunyuanVideoDownsampleCausal3D),
         forward_globals={hy.HunyuanVideoMidBlock3D: {"prepare_causal_attention_mask": hunyuan_causal_mask}},
     )
+    # HunyuanVideo 1.5: causal convolutions padding by replicating; RMS norms over channels (per
+    # pixel); up / downsampling by a convolution and a pixel-(un)shuffle that maps row r to rows
+    # 2r, 2r + 1 (and back: encode pieces are multiples of spatial_compression_ratio rows); the
+    # mid-block attention calls ``nn.functional.scaled_dot_product_attention`` with a frame-causal
+    # mask from ``self.prepare_causal_attention_mask`` (a staticmethod: replaced on the instance).
+    hy15_mask = functools.partial(hunyuan_causal_mask, stock=hy15.HunyuanVideo15AttnBlock.prepare_causal_attention_mask)
+    hunyuan15_recipe = Recipe(
+        explicit={hy15.HunyuanVideo15CausalConv3d: causal},
+        local=(hy15.HunyuanVideo15Decoder3D, hy15.HunyuanVideo15Encoder3D, hy15.HunyuanVideo15UpBlock3D,
+               hy15.HunyuanVideo15DownBlock3D, hy15.HunyuanVideo15MidBlock, hy15.HunyuanVideo15ResnetBlock,
+               hy15.HunyuanVideo15RMS_norm, hy15.HunyuanVideo15Upsample, hy15.HunyuanVideo15Downsample),
+        forward_globals={hy15.HunyuanVideo15AttnBlock: {"nn": GATHERED_NN}},
+        attributes={hy15.HunyuanVideo15AttnBlock: {"prepare_causal_attention_mask": hy15_mask}},
+    )
     ltx_recipe = Recipe(
         local=(ltx.LTXVideoDecoder3d, ltx.LTXVideoEncoder3d, ltx.LTXVideoMidBlock3d, ltx.LTXVideoUpBlock3d,
                ltx.LTXVideoDownBlock3D, ltx.LTXVideoResnetBlock3d, ltx.LTXVideoUpsampler3d, ltx.LTXVideoCausalConv3d,
@@ -250,5 +297,6 @@ def recipes() -> dict[type, Recipe]:
     return {
         AutoencoderKL: kl, AutoencoderKLFlux2: kl, AutoencoderKLWan: wan_recipe(wan, wan_local),
         AutoencoderKLQwenImage: wan_recipe(qwen, qwen_local), AutoencoderKLCogVideoX: cog_recipe,
-        AutoencoderKLMochi: mochi_recipe, AutoencoderKLHunyuanVideo: hunyuan_recipe, AutoencoderKLLTXVideo: ltx_recipe,
+        AutoencoderKLMochi: mochi_recipe, AutoencoderKLHunyuanVideo: hunyuan_recipe,
+        AutoencoderKLHunyuanVideo15: hunyuan15_recipe, AutoencoderKLLTXVideo: ltx_recipe,
     }
