@@ -32,7 +32,8 @@ import torch
 from usp_dit.distributed.comm import all_gather_uneven
 from usp_dit.distributed.mesh import USPMesh
 from usp_dit.pipelines._token_sharding import ShardState, TokenShardHooks
-from usp_dit.pipelines.base import MISSING, MethodWrapper, restore_instance_attr, saved_instance_attr
+from usp_dit.pipelines.base import MethodWrapper
+from usp_dit.pipelines.composition import unwrap_forward, wrap_forward
 from usp_dit.pipelines.plan import ModelPlan, PlanAdapter, PlanPatch, check_plan
 from usp_dit.sharding.partition import offsets, split_sizes
 
@@ -135,14 +136,15 @@ class JointSplitHooks:
         self.transformer = transformer
         self.state = state
         self.wrapper = wrapper
-        self.saved: Any = MISSING
+        self.installed: JointSplitForward | None = None
 
-    def install(self) -> None:
-        self.saved = saved_instance_attr(self.transformer, "forward")
-        self.transformer.forward = self.wrapper(self.transformer.forward, self.state)
+    def install(self) -> None:  # beneath an offload hook (Note [wrappers beneath the hooks])
+        self.installed = wrap_forward(self.transformer, lambda inner: self.wrapper(inner, self.state))
 
     def remove(self) -> None:
-        restore_instance_attr(self.transformer, "forward", self.saved)
+        if self.installed is not None:
+            unwrap_forward(self.transformer, self.installed)
+            self.installed = None
 
 
 class JointSplitPlanPatch(PlanPatch):

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from diffusers import DiffusionPipeline
 
+import usp_dit.pipelines.composition as composition
 import usp_dit.pipelines.encoders as encoders
 import usp_dit.pipelines.tensor as tensor
 import usp_dit.pipelines.weights as weights
@@ -324,6 +325,8 @@ def enable_usp(
     encoder_mode = _encoder_mode(text_encoder, shard_weights, pipe)
     adapters = [_checked_adapter(t) for t in transformers]  # every check before anything is patched
     mesh = _resolve_mesh(mesh, ulysses_degree, ring_degree, cfg_degree, ring_schedule, tensor_degree)
+    composition.check_enable(transformers, encoders.encoder_components(pipe) if pipe is not None else [],
+                             shard_weights, encoder_mode, mesh.config.model_degree)  # offload, quantization
     if mesh.tensor_degree > 1:
         _check_tensor(transformers, adapters, mesh, shard_weights)
     states: list[USPState] = []
@@ -334,6 +337,9 @@ def enable_usp(
                 states[-1].tensor = tensor.apply_tensor_parallel(transformer, adapter.plan.tensor, mesh)
             if shard_weights:
                 states[-1].sharded = _shard(transformer, adapter, mesh)
+            if mesh.config.model_degree > 1:  # what is added later (Note [offload and quantization under USP])
+                check = composition.transformer_check(states[-1].sharded is not None)
+                states[-1].guards.append(composition.CallGuard(transformer, type(transformer).__name__, check))
     except BaseException:
         for transformer in transformers[:len(states)]:  # an expert that failed undoes the others
             _disable_one(transformer)
@@ -341,6 +347,8 @@ def enable_usp(
     _patch_pipeline(pipe, states[0])  # once per pipeline: its state sits on the first transformer
     if pipe is not None:
         states[0].encoders = encoders.place_encoders(pipe, mesh, encoder_mode)
+        check = composition.encoder_check(encoder_mode)
+        states[0].guards += [composition.CallGuard(e, type(e).__name__, check) for e, _ in states[0].encoders if check]
     if pipe is not None and parallel_vae:
         _split_vae(pipe, states[0])
     if _world_size() > 1:
@@ -386,9 +394,10 @@ def _enable_one(transformer: torch.nn.Module, adapter: ModelAdapter, mesh: USPMe
     adapter.enable(transformer, mesh, backend)
     state = USPState(mesh, adapter, backend, sync_inputs)
     if mesh.config.model_degree > 1:  # at one rank there is nothing to sync or split: no wrapper, no tax
-        state.forward_attr = saved_instance_attr(transformer, "forward")
         state.cfg_pair = cfg_pair_for(adapter, mesh, sync_inputs)  # per transformer: Wan 2.2's experts apart
-        transformer.forward = ReplicaForward(transformer.forward, state, transformer)
+        # beneath an offload hook (Note [wrappers beneath the hooks] in usp_dit.pipelines.composition)
+        state.forward_attr = composition.wrap_forward(
+            transformer, lambda inner: ReplicaForward(inner, state, transformer))
         state.wrapped = True
     setattr(transformer, _STATE_ATTR, state)
     return state
@@ -427,8 +436,11 @@ def _disable_one(transformer: torch.nn.Module) -> None:
     if state.tensor is not None:
         tensor.remove_tensor_parallel(state.tensor)
         state.tensor = None
+    for guard in state.guards:
+        guard.remove()
+    state.guards.clear()
     if state.wrapped:
-        restore_instance_attr(transformer, "forward", state.forward_attr)
+        composition.unwrap_forward(transformer, state.forward_attr)
     if state.cfg_pair is not None:
         state.cfg_pair.clear()  # nothing learned or pending outlives disable_usp
     state.adapter.disable(transformer)
@@ -442,7 +454,7 @@ def disable_usp(pipe_or_transformer: Any) -> None:
     """
     transformers, _ = _transformers_of(pipe_or_transformer)
     for transformer in transformers:  # before any is undone (usp_dit.pipelines.caches)
-        check_no_hook_over_usp(transformer)
+        check_no_hook_over_usp(transformer, ignore=composition.GROUP_OFFLOAD_HOOKS)
     for transformer in transformers:
         _disable_one(transformer)
 

@@ -133,15 +133,17 @@ def check_cache(transformer: torch.nn.Module, plan: ModelPlan, after_enable: boo
         )
 
 
-def check_no_hook_over_usp(transformer: torch.nn.Module) -> None:
+def check_no_hook_over_usp(transformer: torch.nn.Module, ignore: tuple[str, ...] = ()) -> None:
     """For ``disable_usp``: ValueError when a diffusers hook on the transformer itself (a refused
     cache's, e.g. FasterCache's denoiser hook, enabled after ``enable_usp``) wraps the forward
     usp_dit installed. ``disable_usp`` puts back the forward usp_dit found, which would cut that
     hook off, and the cache's own ``disable_cache`` would later reinstall usp_dit's stale wrapper.
+    Hooks named in ``ignore`` (group offloading's: ``usp_dit.pipelines.composition`` takes usp_dit's
+    wrapper out of them) pass.
     """
     registry = transformer.__dict__.get("_diffusers_hook")
-    for ref in getattr(registry, "_fn_refs", ()):
-        if any(isinstance(f, MethodWrapper) for f in (ref.forward, ref.original_forward)):
+    for name, ref in zip(getattr(registry, "_hook_order", ()), getattr(registry, "_fn_refs", ())):
+        if name not in ignore and any(isinstance(f, MethodWrapper) for f in (ref.forward, ref.original_forward)):
             config = getattr(transformer, "_cache_config", None)
             what = f"the {_config_name(config)} enabled" if config is not None else "a diffusers hook added"
             raise ValueError(

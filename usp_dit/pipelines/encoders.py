@@ -35,7 +35,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from usp_dit.distributed.mesh import USPMesh
 from usp_dit.distributed.replica import replica_group
-from usp_dit.pipelines.base import MethodWrapper, restore_instance_attr, saved_instance_attr
+from usp_dit.pipelines.base import MethodWrapper
+from usp_dit.pipelines.composition import unwrap_forward, wrap_forward
 from usp_dit.pipelines.weights import ShardedWeights, replica_device_mesh, shard_units, unshard_weights
 from usp_dit.planner.models import layer_lists
 
@@ -128,7 +129,7 @@ class RankZeroEncoder:
     """What "rank0" did to one encoder: its forward attribute, and the shapes of dropped weights."""
 
     group: dist.ProcessGroup
-    forward_attr: Any
+    forward_attr: RankZeroForward  # the wrapper installed
     shapes: dict[str, torch.Size] = field(default_factory=dict)
 
 
@@ -141,8 +142,8 @@ def run_on_first_rank(encoder: torch.nn.Module, mesh: USPMesh) -> RankZeroEncode
     group = replica_group(mesh)
     if group is None:
         return None
-    record = RankZeroEncoder(group, saved_instance_attr(encoder, "forward"))
-    encoder.forward = RankZeroForward(encoder.forward, group, _encoder_device(encoder))
+    device = _encoder_device(encoder)  # beneath an offload hook (composition Note [wrappers beneath the hooks])
+    record = RankZeroEncoder(group, wrap_forward(encoder, lambda inner: RankZeroForward(inner, group, device)))
     if group.rank() != 0:
         for name, param in encoder.named_parameters():
             record.shapes[name] = param.shape
@@ -152,7 +153,7 @@ def run_on_first_rank(encoder: torch.nn.Module, mesh: USPMesh) -> RankZeroEncode
 
 def restore_on_every_rank(encoder: torch.nn.Module, record: RankZeroEncoder) -> None:
     """Undo ``run_on_first_rank``: the first rank's weights broadcast to the others, the forward back."""
-    restore_instance_attr(encoder, "forward", record.forward_attr)
+    unwrap_forward(encoder, record.forward_attr)
     for name, param in encoder.named_parameters():  # the same order on every rank
         shape = record.shapes.get(name, param.shape)
         buf = param.data if record.group.rank() == 0 else torch.empty(shape, dtype=param.dtype, device=param.device)

@@ -5,7 +5,7 @@ Layout: no tensors. Its own module so that the call wrapper (``replica_forward``
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from usp_dit.distributed.mesh import USPMesh
@@ -20,7 +20,7 @@ class USPState:
     adapter: ModelAdapter
     backend: str
     sync_inputs: bool
-    forward_attr: Any = MISSING  # the instance attribute ``forward`` the adapter left (if any)
+    forward_attr: Any = MISSING  # the ReplicaForward installed (composition.wrap_forward), when wrapped
     wrapped: bool = False
     pipe_ref: Any = None  # weakref to the pipeline enable_usp was called on, if any
     progress_config: Any = MISSING  # that pipeline's progress-bar config before enable (ranks > 0)
@@ -30,4 +30,6 @@ class USPState:
     tensor: Any = None  # tensor.TensorRecord with tensor_degree > 1 (Note [tensor plans])
     sharded: Any = None  # weights.ShardedWeights with shard_weights=True (Note [sharded weights])
     encoders: Any = None  # [(encoder, record)] from encoders.place_encoders, on the pipeline's first transformer
+    # composition.CallGuard s at model degree > 1 (Note [offload and quantization under USP])
+    guards: list[Any] = field(default_factory=list)
     cfg_pair: Any = None  # cfg_pair.CfgPair at cfg_degree=2 on a two-call family (Note [two calls a step])
