@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from tests.reference import attention_ref, joint_attention_ref
 from usp_dit import init_usp, shard_sequence, single_rank_mesh, usp_attention
-from usp_dit.testing import rel_err, run_spawned_worlds
+from usp_dit.testing import full_suite, rel_err, run_spawned_worlds
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
@@ -177,13 +177,16 @@ def run_grid(world: int) -> dict[str, dict[str, float] | str]:
 
 @pytest.fixture(scope="module")
 def grid_results():
-    return {1: [run_grid(1)], **run_spawned_worlds(run_grid, (2, 4, 8))}
+    # The 8-rank world (every 2-D split of 8) runs only under --full: the 4-rank world already covers
+    # Ulysses and ring degrees above 2 and uneven splits, and tests/test_pipeline_world8.py keeps an
+    # 8-rank group in CI (docs/TESTING.md). Its spawn of 8 processes on 2 cores was ~60 s of CI.
+    return {1: [run_grid(1)], **run_spawned_worlds(run_grid, (2, 4, 8) if full_suite() else (2, 4))}
 
 
-ALL_CASES = cases(1) + cases(2) + cases(4) + cases(8)
+ALL_CASES = cases(1) + cases(2) + cases(4) + [pytest.param(c, marks=pytest.mark.slow, id=c.id) for c in cases(8)]
 
 
-@pytest.mark.parametrize("case", ALL_CASES, ids=[c.id for c in ALL_CASES])
+@pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.id)
 def test_matches_float64_reference(grid_results, case: Case):
     tol = TOL[case.dtype]
     for rank, res in enumerate(grid_results[case.world]):
