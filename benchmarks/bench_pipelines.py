@@ -160,6 +160,7 @@ CASES: dict[str, Callable] = {
     "qwen_image": _later(pipeline_cases.qwen_image_case), "sd35": _later(pipeline_cases.sd35_case),
     "ltx_video": _later(pipeline_cases.ltx_video_case), "flux2": _later(pipeline_cases.flux2_case),
     "skyreels_df": _later(pipeline_cases.skyreels_df_case),
+    "hunyuan_video15": _later(pipeline_cases.hunyuan_video15_case), "wan_vace": _later(pipeline_cases.wan_vace_case),
 }
 
 

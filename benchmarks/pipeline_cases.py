@@ -169,3 +169,46 @@ def flux2_case(build, device: torch.device, height: int = 1024, width: int = 102
         img_ids=img_ids, txt_ids=txt_ids, return_dict=False,
     )
     return model, inputs, f"{height}x{width} ({rows * cols} + 512 tokens)"
+
+
+def _on(device: torch.device, kwargs: dict) -> dict:
+    """Floating tensors in bf16 on ``device`` (masks and integer tensors keep their dtype)."""
+    def move(name: str, v):
+        if not torch.is_tensor(v):
+            return v
+        if v.is_floating_point() and "mask" not in name:
+            return v.to(device, torch.bfloat16)
+        return v.to(device)
+    return {k: move(k, v) for k, v in kwargs.items()}
+
+
+def hunyuan_video15_case(build, device: torch.device, frames: int = 121, height: int = 480, width: int = 848):
+    """HunyuanVideo 1.5 (diffusers' defaults: the released 8.3 B, 480p): latents (1, 65, 31, 30, 53),
+    patch 1 -> 49290 video tokens; 1000 Qwen prompt tokens (120 real), 256 glyph tokens (none real),
+    text-to-video (zero image embeddings)."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    from usp_dit.demo.tiny_hunyuan_video15 import hunyuan_video15_inputs
+
+    model = build(HunyuanVideo15Transformer3DModel, {}, device)
+    f, h, w = (frames - 1) // 4 + 1, height // 16, width // 16
+    inputs = hunyuan_video15_inputs(model, f, h, w, valid=(list(range(120)),), valid_2=([],), text_len=1000,
+                                    glyph_len=256)
+    kwargs = _on(device, inputs.kwargs())
+    kwargs["return_dict"] = False
+    return model, kwargs, f"{frames}x{height}x{width} ({f * h * w} tokens + 1000/256 text)"
+
+
+def wan_vace_case(build, device: torch.device, frames: int = 81, height: int = 480, width: int = 832):
+    """Wan 2.1 VACE 14B (Wan 14B + 8 control blocks at layers 0, 5, ..., 35): latents (1, 16, 21, 60, 104),
+    control (1, 96, ...), 1x2x2 patches -> 32760 tokens; 512 text tokens."""
+    from diffusers import WanVACETransformer3DModel
+
+    from usp_dit.demo.tiny_wan_vace import wan_vace_inputs
+
+    model = build(WanVACETransformer3DModel, dict(WAN_14B, vace_in_channels=96), device)
+    f, h, w = (frames - 1) // 4 + 1, height // 8, width // 8
+    inputs = wan_vace_inputs(model, f, h, w, batch=1, text_len=512, scales=False)
+    kwargs = _on(device, inputs.kwargs())
+    kwargs["return_dict"] = False
+    return model, kwargs, f"{frames}x{height}x{width} ({f * (h // 2) * (w // 2)} tokens)"
