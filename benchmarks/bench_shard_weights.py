@@ -4,7 +4,8 @@ FSDP2's own machinery forced onto a one-rank mesh, against stock Diffusers, side
     PYTHONPATH=. python3 benchmarks/bench_shard_weights.py --model flux,flux2
 
 Layout: as ``bench_pipelines.py`` (full-size transformers at the released configs, random weights,
-bf16, batch 1, one denoising step's inputs, ``torch.inference_mode``).
+bf16, batch 1, one denoising step's inputs, ``torch.no_grad``: FSDP2 cannot run under
+``inference_mode``, whose tensors keep no version counter).
 
 Variants, timed interleaved in rounds (median of ``--rounds``, ms per transformer forward):
   stock    Diffusers as it ships;
@@ -38,7 +39,7 @@ except ImportError:
     from benchmarks import bench_pipelines
 
 NVLINK_ALLGATHER_GBPS = 360.0  # H100/H200 SXM NVLink 4, all-gather bus bandwidth (datasheet-derived; planner's figure)
-VARIANTS = ("stock", "sharded", "fsdp1")
+VARIANTS = ("stock", "sharded", "fsdp1")  # --variants picks which run (stock first)
 
 
 def set_variant(model: torch.nn.Module, variant: str, state: dict) -> None:
@@ -69,25 +70,26 @@ def set_variant(model: torch.nn.Module, variant: str, state: dict) -> None:
 
 
 def bench(name: str, args: argparse.Namespace, device: torch.device) -> dict:
+    variants = args.variants
     model, inputs, shape = bench_pipelines.CASES[name](device)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     state: dict = {}
-    samples = {v: [] for v in VARIANTS}
+    samples = {v: [] for v in variants}
     outputs = {}
-    with torch.inference_mode():
-        for variant in VARIANTS:
+    with torch.no_grad():  # not inference_mode: FSDP2's unshard reads tensor version counters
+        for variant in variants:
             set_variant(model, variant, state)
             for _ in range(args.warmup):
                 outputs[variant] = model(**inputs)[0].float()
             torch.cuda.synchronize()
         for _ in range(args.rounds):
-            for variant in VARIANTS:
+            for variant in variants:
                 set_variant(model, variant, state)
                 samples[variant].append(bench_pipelines.time_round(lambda: model(**inputs), args.iters))
         set_variant(model, "stock", state)
     ms = {v: statistics.median(s) for v, s in samples.items()}
     ref = outputs["stock"]
-    diff = {v: ((outputs[v] - ref).abs().max() / ref.abs().max()).item() for v in VARIANTS[1:]}
+    diff = {v: ((outputs[v] - ref).abs().max() / ref.abs().max()).item() for v in variants[1:]}
     del model, inputs, outputs
     torch.cuda.empty_cache()
     return dict(name=name, shape=shape, gib=weight_bytes / 2**30, bytes=weight_bytes, ms=ms, diff=diff)
@@ -99,7 +101,12 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, stock first: {VARIANTS}")
     args = p.parse_args()
+    args.variants = tuple(args.variants.split(","))
+    if args.variants[0] != "stock" or not set(args.variants) <= set(VARIANTS):
+        print(f"--variants: stock first, then any of {VARIANTS[1:]}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_shard_weights.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -118,9 +125,10 @@ def main() -> int:
         r = bench(name, args, device)
         rows.append(r)
         ms = r["ms"]
-        print(f"| {name} | {r['shape']} | {r['gib']:.1f} | {ms['stock']:.1f} | {ms['sharded']:.1f} "
-              f"({ms['sharded'] / ms['stock']:.3f}) | {ms['fsdp1']:.1f} ({ms['fsdp1'] / ms['stock']:.3f}) | "
-              f"{r['diff']['sharded']:.1e} / {r['diff']['fsdp1']:.1e} |", flush=True)
+        cells = [f"{ms[v]:.1f} ({ms[v] / ms['stock']:.3f})" if v in ms else "-" for v in VARIANTS[1:]]
+        diffs = " / ".join(f"{r['diff'][v]:.1e}" if v in r["diff"] else "-" for v in VARIANTS[1:])
+        print(f"| {name} | {r['shape']} | {r['gib']:.1f} | {ms['stock']:.1f} | {' | '.join(cells)} | {diffs} |",
+              flush=True)
     print(f"\n# PROJECTION (not measured on several GPUs): per-rank weight all-gather per step at "
           f"{NVLINK_ALLGATHER_GBPS:.0f} GB/s vs the stock step / P")
     print("| model | P | all-gather GB per rank per step | link ms | compute ms (stock / P) | hidden? |")
