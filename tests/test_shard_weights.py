@@ -22,6 +22,7 @@ sharded or enabled); at one rank (a replica of one) nothing is sharded.
 """
 from __future__ import annotations
 
+import gc
 import importlib
 
 import pytest
@@ -105,7 +106,10 @@ def _family_case(family: str, mesh) -> dict[str, float]:
     enable_usp(model, mesh=mesh, shard_weights=True)  # sharding again after an undo
     third = forward(model, inputs)
     disable_usp(model)
+    gc.collect()  # two shard/unshard cycles: no sharded parameter may outlive its cycle
+    left_alive = sum(1 for o in gc.get_objects() if isinstance(o, DTensor))
     return {
+        "dtensors_alive_after_disable": float(left_alive),
         "out": rel_err(sharded, stock),
         "vs_unsharded_grid": (sharded - grid).abs().max().item(),
         "resident_after_block_over_bound": float(max(seen) > after_block),
@@ -214,7 +218,8 @@ def test_sharded_weights_give_the_same_output_in_a_quarter_of_the_memory(results
         assert case["vs_unsharded_grid"] == 0.0, (rank, case)
         assert case["reshard_vs_grid"] == 0.0, (rank, case)
         for flag in ("resident_after_block_over_bound", "resident_between_calls_over_bound", "blocks_ran",
-                     "not_sharded", "not_restored", "fsdp_left", "disable_not_bit_identical"):
+                     "not_sharded", "not_restored", "fsdp_left", "disable_not_bit_identical",
+                     "dtensors_alive_after_disable"):
             assert case[flag] == 0.0, (rank, flag, case)
 
 

@@ -203,6 +203,17 @@ def _forget_fsdp(unit: torch.nn.Module, cls: type) -> None:
     state = unit._get_fsdp_state()
     for handle in {id(h): h for h in (state._pre_forward_hook_handle, state._post_forward_hook_handle)}.values():
         handle.remove()
+    # The param group and each FSDPParam register state-dict hooks on modules (save, load, post-load)
+    # whose closures hold the group and the sharded parameters: left in place, every shard/unshard
+    # cycle would keep that cycle's shards alive (found on the H100: a 22 GiB model out of memory
+    # after two cycles). Their handles are removed with the forward hooks.
+    for group in state._fsdp_param_groups:
+        handles = [*group._module_to_pre_save_state_dict_hook_handle.values(),
+                   *group._module_to_pre_load_state_dict_hook_handle.values()]
+        handles += [getattr(p, "_post_load_hook_handle", None) for p in group.fsdp_params]
+        for handle in handles:
+            if handle is not None:
+                handle.remove()
     states = unit.__dict__.get(STATE_KEY, {})
     for key in [k for k, v in states.items() if v is state]:
         del states[key]
