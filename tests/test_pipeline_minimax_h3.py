@@ -18,9 +18,14 @@ parameter's gradient (of a loss on both outputs) on 2 and 4 ranks for both shape
 gradient checkpointing. ``enable_usp(shard_weights=True)`` (FSDP2 over ``transformer_blocks``) on
 (2,2): the output equals the unsharded grid's exactly.
 
-Not here: the stock pipeline. MiniMax-H3 ships only as Diffusers modular blocks
-(``diffusers.modular_pipelines.minimax_h3``), which ``pipe.enable_usp()`` does not wrap; it is
-guidance-distilled (one transformer call a step), so there is no CFG batch to split.
+The stock pipeline: MiniMax-H3 ships only as Diffusers modular blocks
+(``diffusers.modular_pipelines.minimax_h3``), which ``pipe.enable_usp()`` does not wrap, so the
+transformer is enabled itself (``usp_dit.enable_usp(pipe.transformer, ...)``). The stock
+``MiniMaxH3CoreDenoiseStep`` (the packed layout, noise, per-row timesteps, denoising loop) around
+a tiny transformer, 64 x 64 x 124 frames (148 video + 414 audio + 7 text = 569 rows), 3 steps, on
+(2,1), (2,2) and (1,2,2) (guidance-distilled: one call a step, so the cfg groups each run the
+batch of one whole), its final video and audio latents equal to one process's; bit-identical after
+``disable_usp``. Text encoder and VAEs are not built (seeded prompt embeds; latents compared).
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs and gradients: sharding only reorders
 float32 sums (attention merged by log-sum-exp, gradients summed over ranks). FSDP2 against the
@@ -37,7 +42,7 @@ import torch.distributed as dist
 
 from tests.adapter_parity import assert_within, output_keys, record, run_grid_cases, ulysses_above_heads_case
 from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
-from usp_dit.demo.tiny_minimax_h3 import minimax_h3_inputs, tiny_minimax_h3
+from usp_dit.demo.tiny_minimax_h3 import minimax_h3_inputs, tiny_minimax_h3, tiny_minimax_h3_denoise
 from usp_dit.pipelines.families.minimax_h3 import ADAPTER
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
@@ -142,6 +147,36 @@ def _shard_weights_case(mesh) -> dict[str, float]:
             "audio_vs_unsharded_grid": (sharded[1] - grid[1]).abs().max().item()}
 
 
+def _denoise(pipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """(video latents, audio latents) of a seeded 3-step text-to-video+audio run at 64 x 64."""
+    prompt = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(3))
+    out = pipe(prompt_embeds=prompt, text_token_tags=torch.ones(7, dtype=torch.long), height=64, width=64,
+               num_frames=124, num_inference_steps=3, generator=torch.Generator().manual_seed(0),
+               output=["latents", "audio_latents"])
+    return out["latents"], out["audio_latents"]
+
+
+PIPELINE_GRIDS = {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipeline-u1r2cfg2": (1, 2, 2)}
+
+
+def _pipeline_cases() -> dict[str, dict[str, float]]:
+    pipe = tiny_minimax_h3_denoise()
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        ref = _denoise(pipe)
+        results = {}
+        for key, grid in PIPELINE_GRIDS.items():
+            enable_usp(pipe.transformer, mesh=init_usp(*grid))
+            try:
+                video, audio = _denoise(pipe)
+            finally:
+                disable_usp(pipe.transformer)
+            results[key] = {"video": rel_err(video, ref[0]), "audio": rel_err(audio, ref[1])}
+        again = _denoise(pipe)
+    results["pipeline-after-disable"] = {"not_bit_identical": float(not all(map(torch.equal, again, ref)))}
+    return results
+
+
 def _run_all() -> dict[str, dict | str]:
     results = {}
     run_grid_cases(results, SHAPES, _output_case, _gradient_case)
@@ -149,6 +184,7 @@ def _run_all() -> dict[str, dict | str]:
     record(results, "ulysses-above-heads",
            lambda: ulysses_above_heads_case(tiny_minimax_h3(num_heads=2, head_dim=32), ADAPTER, init_usp(4)))
     record(results, "shard-weights-u2r2", lambda: _shard_weights_case(init_usp(2, 2)))
+    record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
@@ -181,6 +217,14 @@ def test_shard_weights_equals_the_unsharded_grid(grid_results):
         assert not isinstance(errors, str), f"rank {rank}: {errors}"
         assert errors["video"] <= TOL and errors["audio"] <= TOL, f"rank {rank}: {errors}"
         assert errors["video_vs_unsharded_grid"] == 0 and errors["audio_vs_unsharded_grid"] == 0, f"rank {rank}: {errors}"
+
+
+@pytest.mark.parametrize("key", [*PIPELINE_GRIDS, "pipeline-after-disable"])
+def test_stock_denoise_blocks_match_one_process(grid_results, key: str):
+    for rank, res in enumerate(grid_results):
+        errors = res.get(key) or res.get("pipeline", "no result")
+        assert not isinstance(errors, str), f"rank {rank}: {errors}"
+        assert all(v <= (0.0 if key == "pipeline-after-disable" else TOL) for v in errors.values()), f"rank {rank}: {errors}"
 
 
 # ---- single process ------------------------------------------------------------------------------

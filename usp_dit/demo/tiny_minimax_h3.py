@@ -23,14 +23,16 @@ TEXT_DIM = 24  # the release's 5120
 NUM_TIMESTEPS = 3  # distinct noise levels in one packed call (target video, audio, conditioning)
 
 
-def tiny_minimax_h3(num_heads: int = 4, head_dim: int = 16, seed: int = 0) -> MiniMaxH3Transformer3DModel:
+def tiny_minimax_h3(num_heads: int = 4, head_dim: int = 16, seed: int = 0, in_channels: int = IN_CHANNELS,
+                    audio_channels: int = AUDIO_CHANNELS) -> MiniMaxH3Transformer3DModel:
     """A 2-layer ``MiniMaxH3Transformer3DModel`` with one refiner block (the release's layout, tiny:
     ``num_heads * head_dim`` wider than ``hidden_size`` as in the release; 12 of the 16 head channels
-    rotated), float32, eval mode, every parameter perturbed (``tiny_video._perturb``)."""
+    rotated), float32, eval mode, every parameter perturbed (``tiny_video._perturb``). The stock
+    modular pipeline needs the release's latent widths: ``in_channels=24, audio_channels=32``."""
     torch.manual_seed(seed)
     model = MiniMaxH3Transformer3DModel(
         num_attention_heads=num_heads, attention_head_dim=head_dim, hidden_size=48, num_layers=2,
-        num_refiner_layers=1, ffn_dim=96, in_channels=IN_CHANNELS, audio_in_channels=AUDIO_CHANNELS,
+        num_refiner_layers=1, ffn_dim=96, in_channels=in_channels, audio_in_channels=audio_channels,
         patch_size=(1, 2, 2), text_dim=TEXT_DIM, freq_dim=16, time_embed_hidden_dim=32, time_embed_dim=24,
         rope_freq_dim=head_dim // 8,
     )
@@ -82,3 +84,18 @@ def minimax_h3_inputs(n_text: int, n_video: int, n_audio: int, batch: int = 2, s
         position_ids=torch.randint(0, 8, (seq, 3), generator=g),
         video_indices=video_indices, audio_indices=audio_indices, text_indices=text_indices,
     )
+
+
+def tiny_minimax_h3_denoise(seed: int = 0):
+    """The stock modular ``MiniMaxH3CoreDenoiseStep`` (text-to-video+audio: packed layout, noise,
+    per-row timesteps, the denoising loop, unpacking) as a pipeline around a tiny transformer (the
+    release's latent widths) and the stock schedulers. Call it with ``prompt_embeds`` (1, T,
+    ``TEXT_DIM``), ``text_token_tags`` (T,) of ones, ``height``/``width`` multiples of 32,
+    ``num_frames`` (e.g. 124 at 64 x 64: 148 video + 414 audio rows + T text rows)."""
+    from diffusers import MiniMaxH3Scheduler
+    from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3CoreDenoiseStep
+
+    pipe = MiniMaxH3CoreDenoiseStep().init_pipeline()
+    pipe.update_components(transformer=tiny_minimax_h3(seed=seed, in_channels=24, audio_channels=32),
+                           scheduler=MiniMaxH3Scheduler(), audio_scheduler=MiniMaxH3Scheduler())
+    return pipe
