@@ -37,8 +37,9 @@ describe one layout every batch element shares (the model's own contract). The s
 FSDP2 units (``shard_weights=True``): the blocks of ``transformer_blocks``; the token refiner's
 two blocks stay in the root unit with the embeddings and heads.
 
-Per-rank token count, MiniMax-H3 at 720 x 1280, 121 frames (31 latent frames x 45 x 80 / 4-patch =
-27900 video rows) + 512 text + ~800 audio rows ~ 29200 rows: ~3650 per rank on 8 ranks.
+Per-rank token count, MiniMax-H3's default canvas (768 x 1344) and length (124 frames), as the stock
+``MiniMaxH3PrepareLayoutStep`` packs it: 37 latent frames x 24 x 42 patches = 37296 video rows +
+414 audio rows + the prompt's rows (a few hundred) ~ 38000 rows: ~4750 per rank on 8 ranks.
 
 Refused (NotImplementedError): processors other than the stock ``MiniMaxH3AttnProcessor`` (LoRA-
 replaced, custom, Diffusers' context parallelism), a Diffusers cache that cannot run on a grid
