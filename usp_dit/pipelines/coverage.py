@@ -163,6 +163,9 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                               one_call="Helios-Distilled (step-wise distilled, run at guidance_scale=1)"),
     "Cosmos3": FamilyPipelines("Cosmos 3 Omni: text/image/video-to-video, sound and action streams",
                                ("Cosmos3OmniPipeline",)),
+    "MiniMax-H3": FamilyPipelines("MiniMax-H3 (33B): text-, first-last-frame-, reference-to-video with audio", (),
+                                  whole_vae="no DiffusionPipeline: Diffusers ships MiniMax-H3 as modular blocks, "
+                                            "which `pipe.enable_usp()` does not wrap (enable the transformer)"),
 }
 
 
@@ -207,6 +210,8 @@ def _vae_mode(vaes: list[type], whole_vae: str = "") -> str:
 
     known = recipes()
     default_refuse = Recipe.__dataclass_fields__["refuse"].default
+    if not vaes:  # a family with no DiffusionPipeline (modular blocks only): the reason is all there is to say
+        return f"no ({whole_vae})" if whole_vae else ""
     cells = []
     for vae in vaes:
         recipe = known.get(vae)

@@ -19,6 +19,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     kandinsky5,
     ltx2,
     ltx_video,
+    minimax_h3,
     mochi,
     qwen_image,
     sd3,
