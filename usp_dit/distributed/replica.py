@@ -58,12 +58,9 @@ def replica_group(mesh: USPMesh) -> dist.ProcessGroup | None:
     The first call for a layout builds one group per replica and must be made by every rank of the
     world (as ``enable_usp`` / ``enable_parallel_vae`` are).
     """
-    if mesh.tensor_degree == 1 and mesh.cfg_degree == 1:
-        return mesh.seq_group
-    if mesh.tensor_degree == 1 and mesh.sequence_degree == 1:
-        return mesh.cfg_group
-    if mesh.cfg_degree == 1 and mesh.sequence_degree == 1:
-        return mesh.tensor_group
+    axes = replica_groups(mesh)  # the groups of the axes above 1
+    if len(axes) <= 1:
+        return axes[0] if axes else None
     per_replica = mesh.device_mesh.mesh.reshape(mesh.dp_degree, -1).tolist()
     key = (id(dist.distributed_c10d._get_default_group()), tuple(map(tuple, per_replica)))
     if key not in _REPLICA_GROUPS or _REPLICA_GROUPS[key] not in dist.distributed_c10d._world.pg_map:
