@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from usp_dit.distributed.comm import A2APlan, all_to_all_heads_to_seq, all_to_all_seq_to_heads
+from usp_dit.distributed import fp8_wire
+from usp_dit.distributed.comm import (
+    A2APlan,
+    all_to_all_heads_to_seq,
+    all_to_all_seq_to_heads,
+    heads_to_seq,
+    seq_to_heads,
+)
 from usp_dit.distributed.mesh import USPMesh
 from usp_dit.sharding.partition import HeadPlan, head_plan
 
@@ -58,11 +65,23 @@ def ulysses_layout(mesh: USPMesh, num_heads: int, num_kv_heads: int, ring_block_
     return UlyssesLayout(heads, rank, q_plan, kv_plan)
 
 
-def scatter_heads(x: torch.Tensor, plan: A2APlan | None) -> torch.Tensor:
-    """(B, S_shard, H, D) -> (B, S_block, h_local, D); identity when U == 1."""
-    return x if plan is None else all_to_all_seq_to_heads(x, plan)
+def scatter_heads(x: torch.Tensor, plan: A2APlan | None, fp8: bool = False) -> torch.Tensor:
+    """(B, S_shard, H, D) -> (B, S_block, h_local, D); identity when U == 1. ``fp8``: it travels
+    in the FP8 wire format (Note [fp8 wire]; not differentiable: the caller refuses gradients)."""
+    if plan is None:
+        return x
+    if fp8:
+        return fp8_wire.decode(seq_to_heads(fp8_wire.encode(x), plan), x.dtype)
+    return all_to_all_seq_to_heads(x, plan)
 
 
-def gather_heads(y: torch.Tensor, plan: A2APlan | None) -> torch.Tensor:
-    """(B, S_block, h_local, *rest) -> (B, S_shard, H, *rest); identity when U == 1."""
-    return y if plan is None else all_to_all_heads_to_seq(y, plan)
+def gather_heads(y: torch.Tensor, plan: A2APlan | None, fp8: bool = False) -> torch.Tensor:
+    """(B, S_block, h_local, *rest) -> (B, S_shard, H, *rest); identity when U == 1. ``fp8``: an
+    output (rest = (D,)) travels in the FP8 wire format; its query heads tile H, so no received
+    piece is summed (which the wire's bytes could not be)."""
+    if plan is None:
+        return y
+    if fp8:
+        assert plan.heads_partition, "query head ranges tile the heads (partition.head_plan)"
+        return fp8_wire.decode(heads_to_seq(fp8_wire.encode(y), plan), y.dtype)
+    return all_to_all_heads_to_seq(y, plan)

@@ -49,6 +49,7 @@ from usp_dit.attention.ulysses import gather_heads, scatter_heads, ulysses_layou
 from usp_dit.distributed import traffic
 from usp_dit.distributed.comm import gather_uneven, heads_to_seq, seq_to_heads
 from usp_dit.distributed.config import canonical_schedule
+from usp_dit.distributed.fp8_wire import check_comm_dtype
 from usp_dit.distributed.handshake import agree, calls_verified
 from usp_dit.distributed.mesh import USPMesh, resolve_mesh
 from usp_dit.kernels import attend, select_backend
@@ -127,7 +128,7 @@ def _call_fields(q, k, call: _Call, mesh: USPMesh, seq_len) -> dict:
         "input check": "ok",
         "dtype": q.dtype, "batch": b, "heads": h, "kv_heads": k.shape[2], "head_dim": d,
         "joint tokens": None if call.joint is None else call.joint[0].shape[1],
-        "seq_len": seq_len, "ring_schedule": call.schedule,
+        "seq_len": seq_len, "ring_schedule": call.schedule, "comm_dtype": call.comm,
         "degrees (ulysses, ring)": (mesh.ulysses_degree, mesh.ring_degree),
         "backend returns LSE": call.kernel.caps.returns_lse, "needs grad": call.needs_grad,
         "return_lse": call.want_lse, "layout": call.layout, "mask frame (1: causal)": call.frame,
@@ -207,11 +208,13 @@ class _Call(NamedTuple):
     layout: str = "contiguous"  # where tokens sit (Note [sequence layouts] in usp_dit.sharding.layouts)
     frame: int | None = None  # the mask's frame length (1: causal), None: dense
     joint_mask: torch.Tensor | None = None  # (B, T) bool, the joint tokens that are keys (None: all)
+    comm: str = "model"  # what the Ulysses exchanges carry: "model" or "fp8" (Note [fp8 wire])
 
 
 def _prepare(
     q, k, v, joint_qkv, mesh: USPMesh, scale, backend: str, return_lse: bool, schedule: str | None,
     mask: tuple[bool, int | None, str] = (False, None, "contiguous"), joint_mask: torch.Tensor | None = None,
+    comm_dtype: str | None = None,
 ) -> _Call:
     """Validate the inputs and pick the kernel (this rank alone; no communication). ``mask``:
     ``(causal, block_causal, layout)`` as given to ``usp_attention``."""
@@ -249,7 +252,20 @@ def _prepare(
             "return_lse=True with gradients under torch.compile: the LSE is not differentiable; "
             "call with return_lse=False, or under torch.no_grad(), or eagerly"
         )
-    return _Call(joint, joint_empty, kernel, scale, needs_grad, schedule, return_lse, layout, frame, joint_mask)
+    comm = _check_comm(comm_dtype, mesh, needs_grad)
+    return _Call(joint, joint_empty, kernel, scale, needs_grad, schedule, return_lse, layout, frame, joint_mask, comm)
+
+
+def _check_comm(comm_dtype: str | None, mesh: USPMesh, needs_grad: bool) -> str:
+    """The call's wire dtype (the mesh's when ``None``); an FP8 exchange that would carry a
+    gradient is refused (Note [fp8 wire]: forward only)."""
+    comm = mesh.comm_dtype if comm_dtype is None else check_comm_dtype(comm_dtype)
+    if comm == "fp8" and needs_grad and mesh.ulysses_degree > 1:
+        raise NotImplementedError(
+            "comm_dtype='fp8' with gradients: the FP8 Ulysses exchange is forward only (its rounding has "
+            "no exact adjoint); train with comm_dtype='model', or call under torch.no_grad()"
+        )
+    return comm
 
 
 def _share_failure(exc: Exception, q, mesh: USPMesh, seq_len: int | None) -> None:
@@ -330,9 +346,10 @@ def _sharded_call(q, k, v, call: _Call, mesh: USPMesh, seq_len):
     joint, kernel, scale = call.joint, call.kernel, call.scale
     shards = _shard_sizes(q, k, call, mesh, seq_len)
     layout = ulysses_layout(mesh, q.shape[2], k.shape[2], shards[r * u_deg:(r + 1) * u_deg])
-    q_blk = scatter_heads(q, layout.q_plan)
+    fp8 = call.comm == "fp8"  # Q, V and the output travel in e4m3, K in its dtype (Note [fp8 wire])
+    q_blk = scatter_heads(q, layout.q_plan, fp8)
     k_blk = layout.local_kv(scatter_heads(k, layout.kv_plan))
-    v_blk = layout.local_kv(scatter_heads(v, layout.kv_plan))
+    v_blk = layout.local_kv(scatter_heads(v, layout.kv_plan, fp8))
     n_blk = q_blk.shape[1]
     jk = jv = None
     joint_sizes = [0] * r_deg
@@ -360,9 +377,9 @@ def _sharded_call(q, k, v, call: _Call, mesh: USPMesh, seq_len):
         lse_ext = None
     lse = None if lse_ext is None else gather_heads(lse_ext[:, :n_blk], layout.q_plan)
     if joint is None:
-        return (gather_heads(out_ext[:, :n_blk], layout.q_plan), lse), None
+        return (gather_heads(out_ext[:, :n_blk], layout.q_plan, fp8), lse), None
     pieces = JointPieces(joint_sizes, tuple(hi - lo for lo, hi in layout.heads.q_ranges), r, layout.rank)
-    out, joint_out = _GatherBack.apply(out_ext, n_blk, layout.q_plan, pieces, mesh)
+    out, joint_out = _GatherBack.apply(out_ext, n_blk, layout.q_plan, pieces, mesh, fp8)
     joint_lse = None
     if lse_ext is not None:  # not differentiable: a plain gather
         joint_lse = lse_ext[:, n_blk:]
@@ -419,11 +436,14 @@ class _GatherBack(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, out_ext, n_blk: int, q_plan, pieces: JointPieces, mesh: USPMesh):
+    def forward(ctx, out_ext, n_blk: int, q_plan, pieces: JointPieces, mesh: USPMesh, fp8: bool = False):
         ctx.n_blk, ctx.q_plan, ctx.pieces, ctx.group = n_blk, q_plan, pieces, mesh.seq_group
         main = out_ext[:, :n_blk]
         # One copy either way: outputs of a Function must be new tensors, not views of its input.
-        out = main.clone(memory_format=torch.contiguous_format) if q_plan is None else heads_to_seq(main, q_plan)
+        if q_plan is None:
+            out = main.clone(memory_format=torch.contiguous_format)
+        else:  # fp8: forward only (refused with gradients), so the backward below never sees it
+            out = gather_heads(main, q_plan, fp8) if fp8 else heads_to_seq(main, q_plan)
         joint = out_ext[:, n_blk:]
         if mesh.ring_group is not None:
             joint = gather_uneven(joint, list(pieces.token_sizes), 1, mesh.ring_group, kind="joint_gather")
@@ -437,7 +457,7 @@ class _GatherBack(torch.autograd.Function):
             traffic.record_all_reduce("joint_grad", traffic.nbytes(grad_joint), ctx.group.size())
         total = funcol.wait_tensor(funcol.all_reduce(grad_joint.contiguous(), "sum", ctx.group))
         grad_main = grad_out if ctx.q_plan is None else seq_to_heads(grad_out.contiguous(), ctx.q_plan)
-        return torch.cat([grad_main, ctx.pieces.of(total)], dim=1), None, None, None, None
+        return torch.cat([grad_main, ctx.pieces.of(total)], dim=1), None, None, None, None, None
 
 
 def usp_attention(
@@ -458,6 +478,7 @@ def usp_attention(
     block_causal: int | None = None,
     layout: str = "contiguous",
     joint_mask: torch.Tensor | None = None,
+    comm_dtype: str | None = None,
 ) -> AttentionOutput:
     """Attention of this rank's sequence shard against the whole sequence: dense, causal or
     block-causal.
@@ -495,6 +516,11 @@ def usp_attention(
         layout: "contiguous", "zigzag" or "stripe" (Note [sequence layouts] in
             ``usp_dit.sharding.layouts``): where the tokens of each rank sit; "zigzag" and "stripe" give
             every ring rank the same causal work. Shard and gather with the same layout.
+        comm_dtype: what the Ulysses all-to-alls carry: "model" (the inputs' dtype: exact) or
+            "fp8" (Q, V and the output in e4m3 with one scale per (token, head): lossy, about
+            half the bytes of bf16, forward only; Note [fp8 wire] in ``usp_dit.distributed.fp8_wire``
+            states its error). ``None`` takes the mesh's (``init_usp(comm_dtype=...)``). Nothing
+            changes where ``ulysses_degree`` is 1.
 
     Returns:
         An ``AttentionOutput``: ``.out`` (like q), ``.joint_out`` (with joint tokens), ``.lse`` and
@@ -517,7 +543,7 @@ def usp_attention(
     mesh = resolve_mesh(mesh)
     try:
         call = _prepare(q, k, v, (joint_q, joint_k, joint_v), mesh, scale, backend, return_lse, ring_schedule,
-                        (causal, block_causal, layout), joint_mask)
+                        (causal, block_causal, layout), joint_mask, comm_dtype)
     except (ValueError, NotImplementedError, RuntimeError) as exc:
         _share_failure(exc, q, mesh, seq_len)
         raise

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from usp_dit.distributed.fp8_wire import check_comm_dtype
+
 # How a ring's forward moves K/V blocks (Note [ring schedule] in usp_dit.attention.ring): "stream" passes
 # them round block by block, "gather_merge" gathers all of them while the local block computes and
 # merges the partial results, "gather_one_call" gathers all of them and makes one kernel call.
@@ -41,7 +43,9 @@ class USPConfig:
     "auto" (by block length; Note [ring schedule choice] in ``usp_dit.attention.ring``).
     ``tensor_degree`` ranks hold the same tokens and split each block's projections and MLPs
     (tensor parallelism, ``usp_dit.pipelines.tensor``): the innermost axis, since it all-reduces
-    activations twice a block.
+    activations twice a block. ``comm_dtype`` is what the Ulysses exchanges carry by default:
+    "model" (the tensors' own dtype, exact) or "fp8" (Q, V and the output in e4m3 with a scale per
+    (token, head), forward only: Note [fp8 wire] in ``usp_dit.distributed.fp8_wire``).
     """
 
     ulysses_degree: int = 1
@@ -49,6 +53,7 @@ class USPConfig:
     cfg_degree: int = 1
     ring_schedule: str = "auto"
     tensor_degree: int = 1
+    comm_dtype: str = "model"
 
     def __post_init__(self) -> None:
         for name in ("ulysses_degree", "ring_degree", "cfg_degree", "tensor_degree"):
@@ -56,6 +61,7 @@ class USPConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         object.__setattr__(self, "ring_schedule", canonical_schedule(self.ring_schedule))
+        check_comm_dtype(self.comm_dtype)
 
     @property
     def sequence_degree(self) -> int:

@@ -90,6 +90,10 @@ class USPMesh:
         return self.config.sequence_degree
 
     @property
+    def comm_dtype(self) -> str:
+        return self.config.comm_dtype
+
+    @property
     def tensor_degree(self) -> int:
         return self.config.tensor_degree
 
@@ -215,7 +219,7 @@ def _device_type() -> str:
 
 
 def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1, ring_schedule: str = "auto",
-             tensor_degree: int = 1) -> USPMesh:
+             tensor_degree: int = 1, comm_dtype: str = "model") -> USPMesh:
     """Build the USP rank grid over the default process group and make it the default mesh.
 
     Starts the default process group from torchrun's environment variables when needed (NCCL
@@ -224,7 +228,9 @@ def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1,
 
     ``ring_schedule`` ("auto", "stream", "gather" or "allgather") is how the ring's forward moves
     K/V blocks (Note [ring schedule] in ``usp_dit.attention.ring``). ``tensor_degree`` ranks split
-    each block's weights (tensor parallelism; Note [the tensor axis]).
+    each block's weights (tensor parallelism; Note [the tensor axis]). ``comm_dtype`` ("model" or
+    "fp8") is what the Ulysses exchanges of its calls carry by default (Note [fp8 wire]: lossy,
+    forward only, opt-in).
 
     The same degrees give the same mesh and process groups again (Note [one mesh per grid]), so
     calling it, or ``enable_usp``, in a loop opens no new groups.
@@ -233,7 +239,7 @@ def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1,
         ValueError: a degree is not a positive int, the degrees do not fit the world size, or
             ``ring_schedule`` is not one of ``usp_dit.distributed.config.RING_SCHEDULES``.
     """
-    config = USPConfig(ulysses_degree, ring_degree, cfg_degree, ring_schedule, tensor_degree)
+    config = USPConfig(ulysses_degree, ring_degree, cfg_degree, ring_schedule, tensor_degree, comm_dtype)
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if not dist.is_initialized() and env_world == 1:
         config.data_parallel_degree(1)
@@ -251,7 +257,7 @@ def init_usp(ulysses_degree: int = 1, ring_degree: int = 1, cfg_degree: int = 1,
 #     and disables USP in a loop (a sweep over grids, a test harness) would run out of file
 #     descriptors after a few hundred cycles. So init_usp keeps the meshes it built, one per grid
 #     shape, and hands out the same groups for the same shape again. Meshes that differ only in
-#     ring_schedule share their groups (the schedule is not a property of the groups). The cache
+#     ring_schedule or comm_dtype share their groups (neither is a property of the groups). The cache
 #     is dropped when the default group it was built on is destroyed, and by release_groups.
 _MESHES: dict[tuple, USPMesh] = {}
 

@@ -111,14 +111,17 @@ def _transformers_of(target: Any) -> tuple[list[torch.nn.Module], Any]:
 
 def _resolve_mesh(
     mesh: USPMesh | None, ulysses_degree: int, ring_degree: int, cfg_degree: int, ring_schedule: str = "auto",
-    tensor_degree: int = 1,
+    tensor_degree: int = 1, comm_dtype: str = "model",
 ) -> USPMesh:
     """``mesh`` if given (its degrees must agree with any degree passed), else ``init_usp(...)``."""
     if mesh is None:
         return init_usp(ulysses_degree=ulysses_degree, ring_degree=ring_degree, cfg_degree=cfg_degree,
-                        ring_schedule=ring_schedule, tensor_degree=tensor_degree)
+                        ring_schedule=ring_schedule, tensor_degree=tensor_degree, comm_dtype=comm_dtype)
     given = {"ulysses_degree": ulysses_degree, "ring_degree": ring_degree, "cfg_degree": cfg_degree,
              "tensor_degree": tensor_degree}
+    if comm_dtype != "model" and comm_dtype != mesh.comm_dtype:
+        raise ValueError(f"comm_dtype={comm_dtype!r} disagrees with mesh={mesh}: pass init_usp(comm_dtype=...) "
+                         f"to build the mesh, or leave comm_dtype out")
     for name, value in given.items():
         if value != 1 and value != getattr(mesh, name):
             raise ValueError(f"{name}={value} disagrees with mesh={mesh}: pass the degrees or a mesh, not both")
@@ -247,6 +250,7 @@ def enable_usp(
     shard_weights: bool = False,
     text_encoder: str | None = None,
     tensor_degree: int = 1,
+    comm_dtype: str = "model",
 ) -> USPMesh:
     """Run a Diffusers pipeline's transformers (or a bare transformer) on a USP grid, in place.
 
@@ -300,6 +304,10 @@ def enable_usp(
             ``tensor_degree * ulysses_degree`` (any count: Note [uneven tensor splits]). The
             family must declare its cuts; a rank then holds about 1/T of each block's weights.
             Ignored when ``mesh`` is given (``init_usp(tensor_degree=...)``).
+        comm_dtype: what the Ulysses all-to-alls carry: "model" (exact) or "fp8" (Q, V and the
+            attention output in e4m3 with a scale per (token, head): lossy and opt-in, for
+            inference only; Note [fp8 wire] in ``usp_dit.distributed.fp8_wire`` and docs/FP8.md
+            state its error). A training step under it is refused.
 
     Returns:
         The mesh in use.
@@ -324,7 +332,7 @@ def enable_usp(
             text_encoder = chosen.text_encoder  # explicit: a plan may shard weights yet replicate the encoder
     encoder_mode = _encoder_mode(text_encoder, shard_weights, pipe)
     adapters = [_checked_adapter(t) for t in transformers]  # every check before anything is patched
-    mesh = _resolve_mesh(mesh, ulysses_degree, ring_degree, cfg_degree, ring_schedule, tensor_degree)
+    mesh = _resolve_mesh(mesh, ulysses_degree, ring_degree, cfg_degree, ring_schedule, tensor_degree, comm_dtype)
     composition.check_enable(transformers, encoders.encoder_components(pipe) if pipe is not None else [],
                              shard_weights, encoder_mode, mesh.config.model_degree)  # offload, quantization
     if mesh.tensor_degree > 1:

@@ -211,9 +211,10 @@ def weight_gather_bytes(spec: ModelSpec, calls: int, replica: int) -> float:
 
 def predict(spec: ModelSpec, grid: Grid, schedule: str, *, batch: int = 1, cfg: bool = False,
             interconnect: str = "nvlink", gpu: GPU, backend: str = kernels.DEFAULT_BACKEND,
-            shard_weights: bool = False, text_encoder: str = "replicate") -> Prediction:
+            shard_weights: bool = False, text_encoder: str = "replicate", comm_dtype: str = "model") -> Prediction:
     """One step of ``spec`` on ``grid`` (Note [the cost model]) with its weights and text
-    encoders placed as given (Note [memory per rank], Note [sharded weights cost]).
+    encoders placed as given (Note [memory per rank], Note [sharded weights cost]); ``comm_dtype``
+    "fp8" prices the Ulysses exchanges in the FP8 wire format (Note [fp8 wire]).
 
     Raises:
         ValueError: a grid the model cannot run (more Ulysses ranks than heads, a cfg degree the
@@ -226,7 +227,7 @@ def predict(spec: ModelSpec, grid: Grid, schedule: str, *, batch: int = 1, cfg: 
     schedule = schedule if grid.ring > 1 else "none"
     u_link, r_link, s_link = _links(grid, interconnect)
     seq, joint = spec.sequence, spec.joint
-    shape = CallShape(b, seq, spec.heads, spec.kv_heads, spec.head_dim, joint, BF16)
+    shape = CallShape(b, seq, spec.heads, spec.kv_heads, spec.head_dim, joint, BF16, comm_dtype)
     traffic = max_traffic(shape, grid.ulysses, grid.ring, schedule if grid.ring > 1 else "stream") if grid.sequence > 1 else {}
     attn, ring_exposed = _attention_seconds(spec, grid, schedule, b, gpu, backend, traffic, r_link)
     a2a = u_link.seconds(max(traffic.get("ulysses_a2a", (0, 0))), calls=4) if grid.ulysses > 1 else 0.0

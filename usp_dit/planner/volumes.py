@@ -16,6 +16,8 @@ Note [predicted traffic]
         sequence -> heads (q, k, v; grad out):  sent w s_u (sum_v hq_v - hq_u), received w hq_u (N - s_u)
         heads -> sequence (out, LSE; grad q, k, v): the reverse
         K/V use their widths hk_v; the LSE goes forward only (it carries no gradient).
+        With ``comm_dtype="fp8"`` (forward only) q, v and out rows are B (D + 4) bytes (Note [fp8
+        wire]: e4m3 values and a float32 scale per (token, head)); k keeps w.
     ring_kv (R > 1, "stream", and every backward): R - 1 block rotations; a block of L tokens is
         2 B L hr D e (K and V stacked; hr = hk_u, or hq_u where the rank's query heads straddle K/V
         groups unevenly and get one K/V copy each). Rank r sends every block but r + 1's and
@@ -41,6 +43,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from usp_dit.distributed.fp8_wire import check_comm_dtype, wire_row_bytes
 from usp_dit.distributed.traffic import all_reduce_bytes
 from usp_dit.sharding.layouts import check_layout, shard_sizes
 from usp_dit.sharding.partition import HeadPlan, head_plan, ring_block_sizes, split_sizes
@@ -61,6 +64,7 @@ class CallShape:
     head_dim: int
     joint: int = 0
     dtype_bytes: int = 2
+    comm_dtype: str = "model"  # what the Ulysses exchanges carry (usp_dit.distributed.fp8_wire)
 
     @property
     def acc_bytes(self) -> int:
@@ -101,11 +105,13 @@ def _ulysses(t: _Tally, shape: CallShape, heads: HeadPlan, sizes: list[int], u: 
     hq = [hi - lo for lo, hi in heads.q_ranges]
     hk = [hi - lo for lo, hi in heads.kv_ranges]
     row = shape.batch * shape.head_dim * shape.dtype_bytes
-    moves = [(_seq_to_heads, hq), (_seq_to_heads, hk), (_seq_to_heads, hk), (_heads_to_seq, hq)]  # q, k, v, out
+    wire = shape.batch * wire_row_bytes(shape.head_dim) if shape.comm_dtype == "fp8" else row
+    moves = [(_seq_to_heads, hq, wire), (_seq_to_heads, hk, row), (_seq_to_heads, hk, wire),  # q, k, v
+             (_heads_to_seq, hq, wire)]  # out
     if backward:  # grad q, k, v go home; grad out comes in like q
-        moves += [(_heads_to_seq, hq), (_heads_to_seq, hk), (_heads_to_seq, hk), (_seq_to_heads, hq)]
-    for exchange, widths in moves:
-        t.add("ulysses_a2a", *exchange(widths, sizes, u, row))
+        moves += [(_heads_to_seq, hq, row), (_heads_to_seq, hk, row), (_heads_to_seq, hk, row), (_seq_to_heads, hq, row)]
+    for exchange, widths, nbytes in moves:
+        t.add("ulysses_a2a", *exchange(widths, sizes, u, nbytes))
     if return_lse:
         t.add("ulysses_a2a", *_heads_to_seq(hq, sizes, u, shape.batch * shape.acc_bytes))
 
@@ -149,6 +155,7 @@ def _check(shape: CallShape, ulysses: int, ring: int, schedule: str, rank: int |
             raise ValueError(f"shape.{name}={value!r} must be an int >= {0 if name in ('seq', 'joint') else 1}")
     if shape.dtype_bytes not in DTYPE_BYTES:
         raise ValueError(f"shape.dtype_bytes={shape.dtype_bytes!r}; use one of {list(DTYPE_BYTES)}")
+    check_comm_dtype(shape.comm_dtype)
     for name, degree in (("ulysses", ulysses), ("ring", ring)):
         if not isinstance(degree, int) or degree < 1:
             raise ValueError(f"{name}={degree!r} must be an int >= 1")
@@ -180,6 +187,9 @@ def attention_traffic(
             than heads included), naming the argument.
     """
     _check(shape, ulysses, ring, schedule, rank, layout)
+    if backward and shape.comm_dtype == "fp8":
+        raise ValueError("backward=True with shape.comm_dtype='fp8': the FP8 exchange is forward only "
+                         "(usp_attention refuses it with gradients)")
     t = _Tally()
     if ulysses * ring == 1:
         return t.result()
