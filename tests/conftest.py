@@ -15,6 +15,7 @@ import os
 import pytest
 
 from usp_dit.testing import FULL_ENV
+from usp_dit.testing.pool import POOL_ENV, close_pools
 
 _FILE_SECONDS: collections.Counter[str] = collections.Counter()
 
@@ -32,6 +33,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # Spawned ranks read it (usp_dit.testing.full_suite): they compute the slow cases only then.
     if _full(config):
         os.environ[FULL_ENV] = "1"
+    # Distributed tests share warm ranks (Note [warm pool] in usp_dit.testing.pool): process
+    # start-up was most of CI's time. USP_DIT_TEST_POOL=0 spawns fresh ranks for every job.
+    os.environ.setdefault(POOL_ENV, "1")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    close_pools()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

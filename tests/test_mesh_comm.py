@@ -123,7 +123,7 @@ def _worker():
 
 @pytest.fixture(scope="module")
 def results():
-    res = run_spawned(_worker, WORLD)
+    res = run_spawned(_worker, WORLD, fresh=True)  # it checks teardown (release_groups)
     assert_no_crash(res)
     return res
 

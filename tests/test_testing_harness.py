@@ -49,7 +49,7 @@ def test_a_rank_killed_by_a_signal_is_reported_with_its_stderr():
     after running the group once more (Note [a rank killed by a signal])."""
     with pytest.warns(RuntimeWarning, match="killed by a signal; running the group once more"):
         with pytest.raises(RuntimeError) as info:
-            run_spawned(_abort_on_rank_one, 2, check_groups=False)
+            run_spawned(_abort_on_rank_one, 2, check_groups=False, fresh=True)
     text = str(info.value)
     assert "SIGABRT" in text and "--- rank 1 stderr" in text and "rank one's last words" in text
 
@@ -70,10 +70,10 @@ def _raise_on_rank_one() -> int:
 
 def test_a_group_killed_once_by_a_signal_is_run_again(tmp_path):
     with pytest.warns(RuntimeWarning, match="SIGABRT"):
-        assert run_spawned(functools.partial(_abort_first_time, str(tmp_path / "died")), 2, check_groups=False) == [0, 1]
+        assert run_spawned(functools.partial(_abort_first_time, str(tmp_path / "died")), 2, check_groups=False, fresh=True) == [0, 1]
 
 
 def test_a_rank_that_raises_is_not_run_again(recwarn):
-    results = run_spawned(_raise_on_rank_one, 2, check_groups=False)
+    results = run_spawned(_raise_on_rank_one, 2, check_groups=False, fresh=True)
     assert "ValueError: a Python error" in results[1]["__error__"]
     assert not [w for w in recwarn if "running the group once more" in str(w.message)]

@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from usp_dit.distributed.mesh import release_groups
+from usp_dit.testing.pool import PoolBroken, pool_enabled, pool_for
 
 
 def _free_port() -> int:
@@ -113,13 +114,17 @@ def _log_tails(out_dir: str, world_size: int, lines: int = 30) -> str:
     return "\n".join(parts)
 
 
-def run_spawned(fn: Callable[[], Any], world_size: int, check_groups: bool = True) -> list[Any]:
+def run_spawned(fn: Callable[[], Any], world_size: int, check_groups: bool = True, fresh: bool = False) -> list[Any]:
     """Run ``fn()`` on ``world_size`` gloo ranks; returns each rank's return value, in rank order.
 
     ``fn`` must be importable (a module-level function). A rank that raised returns
     ``{"__error__": traceback}``; so does one that still runs gloo threads after
     ``destroy_process_group`` and usp_dit's exit hook when ``check_groups`` (a group left for
     interpreter teardown, which can abort a user's process at exit).
+
+    Under pytest the ranks come from a warm pool (Note [warm pool] in ``usp_dit.testing.pool``)
+    unless ``fresh``: a job that fails there is run once more in freshly spawned ranks, whose
+    result counts; the pool skips the ``check_groups`` check, which needs the job's teardown.
 
     Note [a rank killed by a signal]
         A rank that dies by a signal leaves no Python traceback, only its stderr. Such deaths
@@ -132,6 +137,10 @@ def run_spawned(fn: Callable[[], Any], world_size: int, check_groups: bool = Tru
         each rank's log gets every thread's Python stack at the fatal signal (``faulthandler``)
         and a line per teardown phase, and the result is written before teardown.
     """
+    if not fresh and pool_enabled(world_size):
+        pooled = _run_pooled(fn, world_size)
+        if pooled is not None:
+            return pooled
     try:
         return _spawn_once(fn, world_size, check_groups)
     except _KilledBySignal as first:
@@ -141,6 +150,24 @@ def run_spawned(fn: Callable[[], Any], world_size: int, check_groups: bool = Tru
             return _spawn_once(fn, world_size, check_groups)
         except _KilledBySignal as second:
             raise RuntimeError(str(second)) from second
+
+
+def _run_pooled(fn: Callable[[], Any], world_size: int) -> list[Any] | None:
+    """The pool's results, or None (with a warning) when the job failed or the pool broke: the
+    caller then runs it in fresh ranks (Note [warm pool])."""
+    try:
+        results = pool_for(world_size).run(fn)
+    except PoolBroken as exc:
+        warnings.warn(f"usp_dit.testing: the warm pool broke; running the job in fresh ranks:\n{exc}",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    crashed = [r["__error__"] for r in results if isinstance(r, dict) and "__error__" in r]
+    if crashed:
+        warnings.warn(f"usp_dit.testing: a job failed in the warm pool; running it in fresh ranks, whose result "
+                      f"counts (Note [warm pool]). The pool's first error:\n{crashed[0][-3000:]}",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return results
 
 
 class _KilledBySignal(RuntimeError):
