@@ -149,7 +149,7 @@ def mochi_case(device: torch.device, frames: int = 163, height: int = 480, width
 
 def _later(case: Callable) -> Callable:
     """A ``pipeline_cases`` case, given this module's ``build``."""
-    return lambda device: case(build, device)
+    return lambda device, **kwargs: case(build, device, **kwargs)
 
 
 CASES: dict[str, Callable] = {
