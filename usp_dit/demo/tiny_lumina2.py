@@ -38,7 +38,7 @@ def tiny_lumina2(
     model = Lumina2Transformer2DModel(
         sample_size=16, patch_size=2, in_channels=LATENT_CHANNELS, hidden_size=num_heads * head_dim,
         num_layers=num_layers, num_refiner_layers=2, num_attention_heads=num_heads, num_kv_heads=num_kv_heads,
-        multiple_of=16, norm_eps=1e-5, axes_dim_rope=(axis, rest, head_dim - axis - rest), axes_lens=(64, 32, 32),
+        multiple_of=16, norm_eps=1e-5, axes_dim_rope=(axis, rest, head_dim - axis - rest), axes_lens=(160, 64, 64),
         cap_feat_dim=TEXT_DIM,
     )
     _perturb(model, seed + 1)

@@ -72,7 +72,6 @@ Not under ``torch.compile(fullgraph=True)``: the stock forward reads the caption
 from __future__ import annotations
 
 import copy
-import types
 from dataclasses import dataclass
 from typing import Any
 
