@@ -31,6 +31,18 @@ SD35_LARGE = dict(
     joint_attention_dim=4096, caption_projection_dim=2432, pooled_projection_dim=2048, out_channels=16,
     pos_embed_max_size=192, qk_norm="rms_norm",
 )
+# CogView4-6B (THUDM/CogView4-6B, transformer/config.json).
+COGVIEW4_6B = dict(
+    patch_size=2, in_channels=16, out_channels=16, num_layers=28, attention_head_dim=128, num_attention_heads=32,
+    text_embed_dim=4096, time_embed_dim=512, condition_dim=256, pos_embed_max_size=128, sample_size=128,
+    rope_axes_dim=(256, 256),
+)
+# Lumina-Image 2.0 (Alpha-VLLM/Lumina-Image-2.0, transformer/config.json): Gemma-2-2B captions (2304).
+LUMINA2 = dict(
+    sample_size=128, patch_size=2, in_channels=16, hidden_size=2304, num_layers=26, num_refiner_layers=2,
+    num_attention_heads=24, num_kv_heads=8, multiple_of=256, norm_eps=1e-5, axes_dim_rope=(32, 32, 32),
+    axes_lens=(300, 512, 512), cap_feat_dim=2304,
+)
 # HunyuanVideo, Qwen-Image, LTX-Video 0.9 and Flux.2-dev: diffusers' defaults are the released configs.
 
 
@@ -212,3 +224,38 @@ def wan_vace_case(build, device: torch.device, frames: int = 81, height: int = 4
     kwargs = _on(device, inputs.kwargs())
     kwargs["return_dict"] = False
     return model, kwargs, f"{frames}x{height}x{width} ({f * (h // 2) * (w // 2)} tokens)"
+
+
+def cogview4_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """CogView4-6B: latents (1, 16, h/8, w/8), 2x2 patches; a GLM prompt of 128 tokens (the pipeline
+    pads it to a multiple of 16 and passes no mask); the conditional call of a step."""
+    from diffusers import CogView4Transformer2DModel
+
+    model = build(CogView4Transformer2DModel, COGVIEW4_6B if config is None else config, device)
+    g = torch.Generator(device).manual_seed(0)
+    size = torch.tensor([[height, width]], **_bf(device))
+    inputs = dict(
+        hidden_states=torch.randn(1, model.config.in_channels, height // 8, width // 8, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 128, model.config.text_embed_dim, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 500.0, **_bf(device)), original_size=size, target_size=size,
+        crop_coords=torch.zeros(1, 2, **_bf(device)), return_dict=False,
+    )
+    tokens = (height // 16) * (width // 16)
+    return model, inputs, f"{height}x{width} ({tokens} + 128 tokens)"
+
+
+def lumina2_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """Lumina-Image 2.0: latents (1, 16, h/8, w/8), 2x2 patches; 256 Gemma caption tokens (the
+    pipeline pads to max_sequence_length), 96 valid (system prompt and a typical prompt)."""
+    from diffusers import Lumina2Transformer2DModel
+
+    model = build(Lumina2Transformer2DModel, LUMINA2 if config is None else config, device)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, model.config.in_channels, height // 8, width // 8, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 0.5, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 256, model.config.cap_feat_dim, generator=g, **_bf(device)),
+        encoder_attention_mask=_prompt_mask(device, 256, 96), return_dict=False,
+    )
+    tokens = (height // 16) * (width // 16)
+    return model, inputs, f"{height}x{width} ({tokens} + 256 caption tokens, 96 valid)"

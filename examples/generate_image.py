@@ -1,4 +1,4 @@
-"""torchrun: generate an image with Flux, Flux.2, Qwen-Image, SD3 or Chroma on a Ulysses x Ring (x CFG) grid,
+"""torchrun: generate an image with Flux, Flux.2, Qwen-Image, SD3, Chroma, CogView4 or Lumina2 on a Ulysses x Ring (x CFG) grid,
 checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --ulysses 2 --ring 2
@@ -7,6 +7,8 @@ checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family flux2 --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family chroma --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family chroma --ring 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family cogview4 --ulysses 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family lumina2 --ulysses 4
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py \
         --model black-forest-labs/FLUX.1-dev --height 1024 --width 1024 --steps 28 --ulysses 4 --ring 2
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py --family sd3 \
@@ -14,11 +16,12 @@ checked against one rank.
 
 ``--family`` picks the model family (default ``flux``). With no ``--model`` it builds a tiny
 randomly initialised pipeline of that family in code (``usp_dit.demo.tiny_flux``, ``tiny_flux2``,
-``tiny_qwen_image``, ``tiny_sd3``, ``tiny_chroma``: tiny transformer, VAE, scheduler and text
-encoders (CLIP, T5, Qwen2.5-VL, Mistral-3) with character tokenizers; nothing is downloaded) and
+``tiny_qwen_image``, ``tiny_sd3``, ``tiny_chroma``, ``tiny_cogview4``, ``tiny_lumina2``: tiny transformer, VAE, scheduler and text
+encoders (CLIP, T5, Qwen2.5-VL, Mistral-3, GLM, Gemma 2) with character tokenizers; nothing is downloaded) and
 runs it in float32 on CPU with gloo. The tiny SD3 is an SD3.5 Medium-like transformer (QK norm,
 dual attention in its first layer). With ``--model`` it loads ``FluxPipeline``, ``Flux2Pipeline``,
-``QwenImagePipeline``, ``StableDiffusion3Pipeline`` or ``ChromaPipeline`` (bf16 on GPUs). Every
+``QwenImagePipeline``, ``StableDiffusion3Pipeline``, ``ChromaPipeline``, ``CogView4Pipeline`` or
+``Lumina2Pipeline`` (bf16 on GPUs). Every
 rank runs the pipeline's real ``__call__``; the transformer's tokens are split over the grid
 (``pipe.enable_usp``); rank 0 alone shows the progress bar and writes the PNG. Then
 ``pipe.disable_usp()`` and rank 0 runs the same pipeline alone, in the same process, and prints
@@ -26,7 +29,7 @@ the largest difference (max |diff| / max |one rank|) and MATCH or MISMATCH.
 
 Layout: images (batch, height, width, 3) in [0, 1], written side by side. ``--height``/``--width``
 must be multiples of the pixels per token: 16 for every real model (VAE: 8 pixels per latent
-pixel, 2x2 latent pixels per token) and for the tiny Flux and Qwen-Image; 4 for the tiny Flux.2,
+pixel, 2x2 latent pixels per token) and for the tiny Flux, Qwen-Image, CogView4 and Lumina2; 4 for the tiny Flux.2,
 SD3 and Chroma (their VAEs: 2 pixels per latent pixel). The tiny SD3's position table covers 16 x 16
 tokens, so its sides are at most 64. Defaults:
 
@@ -36,10 +39,13 @@ tokens, so its sides are at most 64. Defaults:
     qwen_image  144 x 240 -> 9 x 15 = 135           1024 x 1024     the two calls of a step (true CFG)
     sd3         44 x 60 -> 11 x 15 = 165            1024 x 1024     [uncond, cond] (batched CFG)
     chroma      60 x 100 -> 15 x 25 = 375           1024 x 1024     the two calls of a step (true CFG)
+    cogview4    144 x 240 -> 9 x 15 = 135           1024 x 1024     the two calls of a step (true CFG)
+    lumina2     144 x 240 -> 9 x 15 = 135           1024 x 1024     the two calls of a step (true CFG)
 
 (besides the text tokens of the tiny pipelines: 64 for Flux and Chroma, 64 + 64 for SD3 (CLIPs,
 then T5), 256 for Flux.2 (its chat template's system message is ~170), about one per character of
-the prompt for Qwen-Image.) No tiny image token count divides 2 or 4 ranks.
+the prompt for Qwen-Image, CogView4 (padded to a multiple of 16) and Lumina2 (its system prompt
+"draw" in front, padded to 128).) No tiny image token count divides 2 or 4 ranks.
 
 Guidance (``--guidance``): Flux (dev) and Flux.2 are guidance-distilled, the scale is embedded and
 each step is one transformer call of batch ``--num-images``; Qwen-Image runs true CFG, two calls per
@@ -111,6 +117,10 @@ FAMILIES = {
                        negative_prompt=True, tiny_max_side=64),
     "chroma": ImageFamily("ChromaPipeline", "Chroma", (60, 100), 4, "guidance_scale", two_call_cfg=True,
                           negative_prompt=True),
+    "cogview4": ImageFamily("CogView4Pipeline", "CogView4", (144, 240), 16, "guidance_scale", two_call_cfg=True,
+                            negative_prompt=True),
+    "lumina2": ImageFamily("Lumina2Pipeline", "Lumina2", (144, 240), 16, "guidance_scale", two_call_cfg=True,
+                           negative_prompt=True),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -118,6 +128,8 @@ FAMILIES = {
 TINY_TEXT_LEN = 64
 # The tiny Flux.2's Mistral tokens: its chat template's system message (~170) and the prompt.
 TINY_FLUX2_TEXT_LEN = 256
+# The tiny Lumina2's caption tokens: its (short) system prompt, " <Prompt Start> " and the prompt.
+TINY_LUMINA2_TEXT_LEN = 128
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 DEFAULT_NEGATIVE_PROMPT = "blurry, low quality"
 
@@ -228,7 +240,8 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
         module = importlib.import_module(f"usp_dit.demo.tiny_{args.family}")
         build = getattr(module, f"tiny_{args.family}_pipeline")
         kwargs = {"flux": dict(vae_blocks=4, max_text_len=TINY_TEXT_LEN), "sd3": dict(clip_len=TINY_TEXT_LEN),
-                  "chroma": dict(max_text_len=TINY_TEXT_LEN)}.get(args.family, {})
+                  "chroma": dict(max_text_len=TINY_TEXT_LEN), "cogview4": dict(max_text_len=TINY_TEXT_LEN),
+                  "lumina2": dict(max_text_len=TINY_LUMINA2_TEXT_LEN)}.get(args.family, {})
         return build(**kwargs).to(device)
     import diffusers
 
@@ -241,8 +254,11 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     """(num_images, height, width, 3) float32 in [0, 1]; the seeded generator is the same on every rank."""
     family = FAMILIES[args.family]
     kwargs = {}
-    if args.model is None and args.family in ("flux", "sd3", "chroma"):
+    if args.model is None and args.family in ("flux", "sd3", "chroma", "cogview4"):
         kwargs["max_sequence_length"] = TINY_TEXT_LEN
+    elif args.model is None and args.family == "lumina2":
+        # Lumina2Pipeline's default system prompt (~150 characters) would fill the tiny tokenizer.
+        kwargs.update(max_sequence_length=TINY_LUMINA2_TEXT_LEN, system_prompt="draw")
     elif args.model is None and args.family == "flux2":
         from usp_dit.demo.tiny_flux2 import MISTRAL_LAYERS
 

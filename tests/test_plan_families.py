@@ -35,7 +35,9 @@ from usp_dit.demo import (
     tiny_wan_vace,
 )
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
+from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
 from usp_dit.demo.tiny_helios import tiny_helios
+from usp_dit.demo.tiny_lumina2 import tiny_lumina2
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
 from usp_dit.pipelines.base import find_adapter, registered_adapters
@@ -63,6 +65,9 @@ BUILDERS = {
     "Kandinsky5": tiny_kandinsky5.tiny_kandinsky5,  # the text stream's local attention too
     "Cosmos3": lambda: tiny_cosmos3.tiny_cosmos3("nemotron-omni"),  # sound and action heads too
     "MiniMax-H3": tiny_minimax_h3,  # the text refiner's local attention too
+    "CogView4": tiny_cogview4,
+    "CogView3Plus": tiny_cogview3plus,
+    "Lumina2": tiny_lumina2,  # the context refiner's local attention too
 }
 
 

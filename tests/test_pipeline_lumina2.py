@@ -1,0 +1,203 @@
+"""Lumina-Image 2.0 adapter: sharded outputs and gradients equal one process's, on CPU gloo grids.
+
+One spawned group of 4 ranks runs every case (the 2-rank grids as two data-parallel replicas).
+Model: a tiny ``Lumina2Transformer2DModel`` (2 context-refiner, 2 noise-refiner and 2 joint layers;
+6 query heads and 2 kv heads of 16: Lumina-Image 2.0's 3:1 GQA, which Ulysses 4 splits unevenly and
+with fewer kv heads than ranks; every weight perturbed; ``usp_dit.demo.tiny_lumina2``). Shapes:
+3 x 5 = 15 patches with captions of 3 and 7 valid tokens out of 9 (Note [Lumina2's joint layout]:
+the image sits at offset 3 in one element and 7 in the other, the joint sequence padded and masked),
+and 3 x 3 = 9 patches with 9 and 9 (equal lengths: stock passes no mask). No token count divides 2
+or 4; batch 2 with different prompts and timesteps; the 3-D RoPE is the model's own.
+
+Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2), each ring grid also with the
+"stream" and "gather_merge" schedules forced. Each case: output vs stock, the first noise-refiner
+attention sees at most ceil(tokens / P) image tokens, after ``disable`` the output is bit-identical.
+Every parameter's gradient on 2 and 4 ranks per shape, and with gradient checkpointing (every layer
+recomputed with its forward's rearranged table). The tiny ``Lumina2Pipeline`` (Gemma 2 text encoder,
+prompts of different lengths padded to 64 and masked, true CFG: two calls of batch 2 a step) through
+``pipe.enable_usp()`` on (2,1,1), (2,2,1) and (1,2,2), 2 steps, and with one prompt and
+``cfg_degree=2`` (its two calls a step on the two cfg groups); bit-identical after ``disable_usp``.
+Not compiled: the stock forward reads the caption lengths with ``.tolist()`` (a graph break).
+
+Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients and the pipeline's latents:
+sharding only reorders float32 sums (attention blocks merged by log-sum-exp, masked captions per
+element, gradients summed over ranks). Decoded images: 1e-4 (an untrained random VAE's gain).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.adapter_parity import (
+    assert_within,
+    gradient_errors,
+    output_keys,
+    record,
+    run_grid_cases,
+    sharded_output_case,
+)
+from usp_dit import init_usp, single_rank_mesh
+from usp_dit.demo.tiny_lumina2 import lumina2_inputs, tiny_lumina2, tiny_lumina2_pipeline
+from usp_dit.pipelines import is_usp_enabled
+from usp_dit.pipelines.families.lumina2 import ADAPTER
+from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+
+TOL = 1e-5
+TOL_IMAGES = 1e-4
+WORLD = 4
+
+
+@dataclass(frozen=True)
+class Shape:
+    height: int  # patches
+    width: int
+    valid: tuple  # real caption tokens per element (of 9)
+
+    def __str__(self) -> str:
+        return f"s{self.height * self.width}-cap{'-'.join(map(str, self.valid))}"
+
+
+SHAPES = [Shape(3, 5, (3, 7)), Shape(3, 3, (9, 9))]
+
+
+def _build(shape: Shape, seed: int = 0):
+    return tiny_lumina2(seed=seed), lumina2_inputs(shape.height, shape.width, list(shape.valid))
+
+
+def _output_case(shape: Shape, mesh) -> dict[str, float]:
+    model, inputs = _build(shape)
+    return sharded_output_case(model, inputs, ADAPTER, mesh, model.noise_refiner[0].attn, shape.height * shape.width)
+
+
+def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str, float]:
+    model, inputs = _build(shape)
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    return gradient_errors(model, inputs, ADAPTER, mesh)
+
+
+PROMPTS = (["a red fox jumps over", "a cat"], ["blurry", "dark, dim, low quality"])
+
+
+def _generate(pipe, prompts: tuple = PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final latents, images) of 2 steps at 48 x 80 (3 x 5 = 15 image tokens), true CFG, seed 0."""
+    last = {}
+
+    def keep_latents(pipe, step, timestep, tensors):
+        last["latents"] = tensors["latents"]
+        return {}
+
+    prompt, negative_prompt = prompts
+    images = pipe(
+        prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.0, height=48, width=80,
+        num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt",
+        callback_on_step_end=keep_latents, system_prompt="draw", max_sequence_length=64,
+    ).images
+    return last["latents"], images
+
+
+def _pipeline_runs(pipe, grids: list, prompts: tuple = PROMPTS) -> dict[str, dict[str, float]]:
+    """Each grid's final latents and images against one process's (computed once), then the run
+    after ``disable_usp`` against it bit for bit."""
+    ref_latents, ref_images = _generate(pipe, prompts)
+    results = {}
+    for u, r, c in grids:
+        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
+        enabled = is_usp_enabled(pipe.transformer)
+        try:
+            latents, images = _generate(pipe, prompts)
+        finally:
+            pipe.disable_usp()
+        results[(u, r, c)] = {
+            "not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer)),
+            "latents": rel_err(latents, ref_latents),
+            "images": rel_err(images, ref_images),
+        }
+    again_latents, _ = _generate(pipe, prompts)
+    results[grids[-1]]["not_bit_identical_after_disable"] = float(not torch.equal(again_latents, ref_latents))
+    return results
+
+
+PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last: the first step's calls split over cfg
+
+
+def _pipeline_cases() -> dict[str, dict[str, float]]:
+    pipe = tiny_lumina2_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    runs = _pipeline_runs(pipe, PIPELINE_GRIDS)
+    results = {f"pipeline-u{u}r{r}cfg{c}": runs[(u, r, c)] for u, r, c in PIPELINE_GRIDS}
+    # one prompt: the two calls of a step (batch 1 each) on the two cfg groups (cfg_pair)
+    results["pipeline-cfg2"] = _pipeline_runs(pipe, [(1, 1, 2)], ("a red fox", "blurry and dark"))[(1, 1, 2)]
+    return results
+
+
+def _run_all() -> dict[str, dict | str]:
+    results = {}
+    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
+    record(results, "pipeline", _pipeline_cases, many=True)
+    return results
+
+
+@pytest.fixture(scope="module")
+def grid_results() -> list[dict]:
+    per_rank = run_spawned(_run_all, WORLD)
+    assert_no_crash(per_rank)
+    return per_rank
+
+
+@pytest.mark.parametrize("key", output_keys(SHAPES))
+def test_sharded_output_matches_one_process(grid_results, key: str):
+    assert_within(grid_results, key, TOL)
+
+
+@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
+def test_parameter_gradients_match_one_process(grid_results, key: str):
+    assert_within(grid_results, key, TOL)
+
+
+PIPELINE_KEYS = [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS] + ["pipeline-cfg2"]
+
+
+@pytest.mark.parametrize("key", PIPELINE_KEYS)
+def test_pipeline_matches_one_process_and_disable_restores_it(grid_results, key: str):
+    tols = {"images": TOL_IMAGES, "not_bit_identical_after_disable": 0.0, "not_enabled_then_restored": 0.0}
+    for rank, res in enumerate(grid_results):
+        errors = res.get(key) or res.get("pipeline", "no result")
+        assert not isinstance(errors, str), f"rank {rank}: {errors}"
+        worst = {name: v for name, v in errors.items() if not v <= tols.get(name, TOL)}
+        assert not worst, f"rank {rank}: {key}: above {tols} (else {TOL}): {worst}"
+
+
+# ---- single process: loud failures -----------------------------------------------------------------
+
+
+def test_a_model_without_refiner_layers_is_refused():
+    model = tiny_lumina2()
+    model.noise_refiner = torch.nn.ModuleList()
+    with pytest.raises(NotImplementedError, match="num_refiner_layers=0"):
+        ADAPTER.enable(model, single_rank_mesh(), "auto")
+
+
+def test_a_layer_called_with_a_table_of_no_forward_is_refused():
+    model = tiny_lumina2()
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    try:
+        x = torch.zeros(2, 22, model.config.hidden_size)
+        table = torch.ones(2, 22, 8, dtype=torch.complex64)
+        with pytest.raises(NotImplementedError, match="did not make"):
+            model.layers[0](x, None, table, torch.zeros(2, min(model.config.hidden_size, 1024)))
+    finally:
+        ADAPTER.disable(model)
+
+
+def test_the_image_example_builds_and_runs_the_tiny_lumina2():
+    """examples/generate_image.py --family lumina2: its tiny default pipeline on one process (1 step)."""
+    from tests.test_examples_cli import _example
+
+    ex = _example("generate_image")
+    args = ex.parse_args(["--family", "lumina2", "--steps", "1", "--height", "48", "--width", "80"])
+    images = ex.generate(ex.load_pipeline(args, torch.device("cpu")), args)
+    assert images.shape == (1, 48, 80, 3) and bool((images >= 0).all() and (images <= 1).all())
