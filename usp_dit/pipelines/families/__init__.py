@@ -15,6 +15,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     flux2,
     helios,
     hunyuan_video,
+    hunyuan_image,
     hunyuan_video15,
     kandinsky5,
     ltx2,
