@@ -18,6 +18,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     hunyuan_image,
     hunyuan_video15,
     kandinsky5,
+    krea2,
     ltx2,
     ltx_video,
     minimax_h3,
