@@ -36,6 +36,8 @@ from usp_dit.demo import (
 )
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_helios import tiny_helios
+from usp_dit.demo.tiny_hunyuan_image import tiny_hunyuan_image
+from usp_dit.demo.tiny_krea2 import tiny_krea2
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
 from usp_dit.pipelines.base import find_adapter, registered_adapters
@@ -63,6 +65,8 @@ BUILDERS = {
     "Kandinsky5": tiny_kandinsky5.tiny_kandinsky5,  # the text stream's local attention too
     "Cosmos3": lambda: tiny_cosmos3.tiny_cosmos3("nemotron-omni"),  # sound and action heads too
     "MiniMax-H3": tiny_minimax_h3,  # the text refiner's local attention too
+    "Krea2": tiny_krea2,  # the text fusion's local attention too
+    "HunyuanImage": tiny_hunyuan_image,  # the token refiner's local attention too
 }
 
 
