@@ -7,7 +7,8 @@
     PYTHONPATH=. python3 benchmarks/bench_pipelines.py --model wan,qwen_image,sd35   # several, in order
 
 Also: wan (Wan 2.1-14B 81x720x1280), hunyuan_video (720p x 129 frames), qwen_image (1328x1328),
-sd35 (SD3.5 Large 1024x1024), ltx_video (121x512x768), flux2 (Flux.2-dev 1024x1024): benchmarks/pipeline_cases.py.
+sd35 (SD3.5 Large 1024x1024), ltx_video (121x512x768), flux2 (Flux.2-dev 1024x1024), krea2 (1024x1024),
+hunyuan_image (HunyuanImage 2.1, 2048x2048): benchmarks/pipeline_cases.py.
 
 Full-size transformers with random weights (configs of the released checkpoints, written below),
 bf16, batch 1, ``torch.inference_mode``. One model is built per family; the two variants are timed
@@ -162,6 +163,7 @@ CASES: dict[str, Callable] = {
     "skyreels_df": _later(pipeline_cases.skyreels_df_case),
     "hunyuan_video15": _later(pipeline_cases.hunyuan_video15_case), "wan_vace": _later(pipeline_cases.wan_vace_case),
     "cogview4": _later(pipeline_cases.cogview4_case), "lumina2": _later(pipeline_cases.lumina2_case),
+    "krea2": _later(pipeline_cases.krea2_case), "hunyuan_image": _later(pipeline_cases.hunyuan_image_case),
 }
 
 

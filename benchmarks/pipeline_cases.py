@@ -259,3 +259,34 @@ def lumina2_case(build, device: torch.device, height: int = 1024, width: int = 1
     )
     tokens = (height // 16) * (width // 16)
     return model, inputs, f"{height}x{width} ({tokens} + 256 caption tokens, 96 valid)"
+def krea2_case(build, device: torch.device, height: int = 1024, width: int = 1024):
+    """Krea 2 (diffusers' defaults: the released 28 blocks, 48 query / 12 K/V heads x 128): packed
+    latents (1, (h/16)*(w/16), 64); 512 text tokens of 12 tapped Qwen3-VL layers, 120 real (a typical
+    prompt: [prompt | padding | 5 suffix tokens], the mask's hole in the middle)."""
+    from diffusers import Krea2Transformer2DModel
+
+    from usp_dit.demo.tiny_krea2 import krea2_inputs
+
+    model = build(Krea2Transformer2DModel, {}, device)
+    rows, cols = height // 16, width // 16
+    inputs = krea2_inputs(model, rows, cols, valid=(list(range(115)) + list(range(507, 512)),), text_len=512)
+    kwargs = _on(device, inputs.kwargs())
+    kwargs["return_dict"] = False
+    return model, kwargs, f"{height}x{width} ({rows * cols} + 512 tokens, 120 real)"
+
+
+def hunyuan_image_case(build, device: torch.device, height: int = 2048, width: int = 2048):
+    """HunyuanImage 2.1 (diffusers' defaults with the released ByT5 width 1472: 20 dual- and 40
+    single-stream blocks, 28 heads x 128): latents (1, 64, h/32, w/32), patch 1; 1000 Qwen prompt
+    tokens (120 real), 128 glyph tokens (none real)."""
+    from diffusers import HunyuanImageTransformer2DModel
+
+    from usp_dit.demo.tiny_hunyuan_image import hunyuan_image_inputs
+
+    model = build(HunyuanImageTransformer2DModel, dict(text_embed_2_dim=1472), device)
+    rows, cols = height // 32, width // 32
+    inputs = hunyuan_image_inputs(model, rows, cols, valid=(list(range(120)),), valid_2=([],), text_len=1000,
+                                  glyph_len=128)
+    kwargs = _on(device, inputs.kwargs())
+    kwargs["return_dict"] = False
+    return model, kwargs, f"{height}x{width} ({rows * cols} tokens + 1000/128 text)"

@@ -29,8 +29,9 @@ the largest difference (max |diff| / max |one rank|) and MATCH or MISMATCH.
 
 Layout: images (batch, height, width, 3) in [0, 1], written side by side. ``--height``/``--width``
 must be multiples of the pixels per token: 16 for every real model (VAE: 8 pixels per latent
-pixel, 2x2 latent pixels per token) and for the tiny Flux, Qwen-Image, CogView4 and Lumina2; 4 for the tiny Flux.2,
-SD3 and Chroma (their VAEs: 2 pixels per latent pixel). The tiny SD3's position table covers 16 x 16
+pixel, 2x2 latent pixels per token) but HunyuanImage (32: its VAE's 32x, patch 1) and for the tiny
+Flux, Qwen-Image, CogView4, Lumina2 and Krea 2; 4 for the tiny Flux.2, SD3 and Chroma (their VAEs: 2
+pixels per latent pixel); 8 for the tiny HunyuanImage (an 8x VAE, patch 1). The tiny SD3's position table covers 16 x 16
 tokens, so its sides are at most 64. Defaults:
 
     family      tiny default size -> image tokens   with --model   --cfg 2 splits
@@ -41,6 +42,8 @@ tokens, so its sides are at most 64. Defaults:
     chroma      60 x 100 -> 15 x 25 = 375           1024 x 1024     the two calls of a step (true CFG)
     cogview4    144 x 240 -> 9 x 15 = 135           1024 x 1024     the two calls of a step (true CFG)
     lumina2     144 x 240 -> 9 x 15 = 135           1024 x 1024     the two calls of a step (true CFG)
+    krea2       80 x 112 -> 5 x 7 = 35              1024 x 1024     the two calls of a step (true CFG)
+    hunyuan_image 40 x 56 -> 5 x 7 = 35             2048 x 2048     the two calls of a step (the guider)
 
 (besides the text tokens of the tiny pipelines: 64 for Flux and Chroma, 64 + 64 for SD3 (CLIPs,
 then T5), 256 for Flux.2 (its chat template's system message is ~170), about one per character of
@@ -102,9 +105,10 @@ class ImageFamily:
     negative_prompt: bool = False  # takes a negative prompt
     tiny_max_side: int | None = None  # the tiny transformer's position table, in pixels
     real_size: tuple[int, int] = (1024, 1024)  # default --height, --width with --model
+    real_pixels_per_token: int = 16  # with --model: 8 pixels per latent pixel (VAE), 2 x 2 latent pixels a token
+    patch: int = 2  # latent pixels a token has on a side
 
 
-REAL_PIXELS_PER_TOKEN = 16  # every real family: 8 pixels per latent pixel (VAE), 2 x 2 latent pixels per token
 PLANNER_MODELS = {"flux": "flux", "flux2": "flux2", "sd3": "sd35", "qwen_image": "qwen_image"}  # usp_dit.planner.models names
 FAMILIES = {
     # 1008 for the real model too, as before the other families came: 63 x 63 tokens.
@@ -121,6 +125,13 @@ FAMILIES = {
                             negative_prompt=True),
     "lumina2": ImageFamily("Lumina2Pipeline", "Lumina2", (144, 240), 16, "guidance_scale", two_call_cfg=True,
                            negative_prompt=True),
+    "krea2": ImageFamily("Krea2Pipeline", "Krea 2", (80, 112), 16, "guidance_scale", two_call_cfg=True,
+                         negative_prompt=True),
+    # HunyuanImage 2.1: a 32x VAE and patch 1 (the tiny one: 8x); CFG by the pipeline's guider (its
+    # own scale), --guidance the distilled checkpoint's embedded scale.
+    "hunyuan_image": ImageFamily("HunyuanImagePipeline", "HunyuanImage", (40, 56), 8, "distilled_guidance_scale",
+                                 two_call_cfg=True, negative_prompt=True, real_size=(2048, 2048),
+                                 real_pixels_per_token=32, patch=1),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -171,7 +182,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def pixels_per_token(args: argparse.Namespace) -> int:
     """``--height``/``--width`` must be multiples of this: the VAE's compression x the 2x2 patch."""
-    return FAMILIES[args.family].tiny_pixels_per_token if args.model is None else REAL_PIXELS_PER_TOKEN
+    family = FAMILIES[args.family]
+    return family.tiny_pixels_per_token if args.model is None else family.real_pixels_per_token
 
 
 def check_args(args: argparse.Namespace, world: int) -> None:
@@ -185,8 +197,8 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     args.guidance = args.guidance if args.guidance is not None else family.guidance
     args.output = args.output or f"{args.family}_usp.png"
     unit = pixels_per_token(args)
-    why = (f"{'tiny ' if args.model is None else ''}{family.name}: {unit // 2} pixels per latent pixel, "
-           f"2x2 per token")
+    why = (f"{'tiny ' if args.model is None else ''}{family.name}: {unit // family.patch} pixels per latent pixel, "
+           f"{family.patch}x{family.patch} per token")
     for flag, value in (("--height", args.height), ("--width", args.width)):
         launch.check_multiple(flag, value, unit, why)
         if args.model is None and family.tiny_max_side and value > family.tiny_max_side:
@@ -241,7 +253,8 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
         build = getattr(module, f"tiny_{args.family}_pipeline")
         kwargs = {"flux": dict(vae_blocks=4, max_text_len=TINY_TEXT_LEN), "sd3": dict(clip_len=TINY_TEXT_LEN),
                   "chroma": dict(max_text_len=TINY_TEXT_LEN), "cogview4": dict(max_text_len=TINY_TEXT_LEN),
-                  "lumina2": dict(max_text_len=TINY_LUMINA2_TEXT_LEN)}.get(args.family, {})
+                  "lumina2": dict(max_text_len=TINY_LUMINA2_TEXT_LEN),
+                  "hunyuan_image": dict(max_text_len=TINY_TEXT_LEN)}.get(args.family, {})
         return build(**kwargs).to(device)
     import diffusers
 
@@ -254,7 +267,7 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     """(num_images, height, width, 3) float32 in [0, 1]; the seeded generator is the same on every rank."""
     family = FAMILIES[args.family]
     kwargs = {}
-    if args.model is None and args.family in ("flux", "sd3", "chroma", "cogview4"):
+    if args.model is None and args.family in ("flux", "sd3", "chroma", "cogview4", "krea2"):
         kwargs["max_sequence_length"] = TINY_TEXT_LEN
     elif args.model is None and args.family == "lumina2":
         # Lumina2Pipeline's default system prompt (~150 characters) would fill the tiny tokenizer.

@@ -38,6 +38,8 @@ from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
 from usp_dit.demo.tiny_helios import tiny_helios
 from usp_dit.demo.tiny_lumina2 import tiny_lumina2
+from usp_dit.demo.tiny_hunyuan_image import tiny_hunyuan_image
+from usp_dit.demo.tiny_krea2 import tiny_krea2
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
 from usp_dit.pipelines.base import find_adapter, registered_adapters
@@ -68,6 +70,8 @@ BUILDERS = {
     "CogView4": tiny_cogview4,
     "CogView3Plus": tiny_cogview3plus,
     "Lumina2": tiny_lumina2,  # the context refiner's local attention too
+    "Krea2": tiny_krea2,  # the text fusion's local attention too
+    "HunyuanImage": tiny_hunyuan_image,  # the token refiner's local attention too
 }
 
 

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from usp_dit.kernels import fp8_quant
+from usp_dit.kernels.fp8_quant import channel_quant, row_quant
 from usp_dit.kernels.protocol import BackendCaps, import_optional
 from usp_dit.kernels.registry import register_backend
 
@@ -60,9 +60,9 @@ class FP8Backend:
         out = torch.empty_like(q)
         if k.shape[1] == 0:  # no key: out 0 and lse -inf, as every backend
             return out.zero_(), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
-        q8, sq = fp8_quant.row_quant(q.transpose(1, 2))
-        k8, sk = fp8_quant.row_quant(k.transpose(1, 2))
-        v8, sv = fp8_quant.channel_quant(v)
+        q8, sq = row_quant(q.transpose(1, 2))
+        k8, sk = row_quant(k.transpose(1, 2))
+        v8, sv = channel_quant(v)
         v8t = v8.permute(0, 2, 3, 1).contiguous()  # (B, Hk, D, Sk): the keys contiguous
         lse = _kernel().forward(q8.contiguous(), sq.contiguous(), k8.contiguous(), sk.contiguous(), v8t,
                                 sv.contiguous(), out, scale)

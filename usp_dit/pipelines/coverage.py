@@ -135,6 +135,13 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "CogView4": FamilyPipelines("CogView4-6B; CogView4 Control", ("CogView4Pipeline", "CogView4ControlPipeline")),
     "CogView3Plus": FamilyPipelines("CogView3-Plus-3B", ("CogView3PlusPipeline",)),
     "Lumina2": FamilyPipelines("Lumina-Image 2.0", ("Lumina2Pipeline",)),
+    "Krea2": FamilyPipelines("Krea 2 (base; distilled at guidance_scale=0)", ("Krea2Pipeline",),
+                             one_call="the distilled checkpoint (guidance_scale=0)"),
+    "HunyuanImage": FamilyPipelines(
+        "HunyuanImage 2.1, -Distilled; the refiner", ("HunyuanImagePipeline", "HunyuanImageRefinerPipeline"),
+        one_call="a pipeline without a guider (the distilled checkpoint, guidance embedded)",
+        whole_vae="no recipe yet (an exact one looks possible: convolutions, GroupNorms, one attention, "
+                  "pixel (un)shuffles)"),
     "CogVideoX": FamilyPipelines("2B, 5B, 1.5; text- and image-to-video",
                                  ("CogVideoXPipeline", "CogVideoXImageToVideoPipeline")),
     "Mochi": FamilyPipelines("Mochi 1", ("MochiPipeline",)),
@@ -192,7 +199,10 @@ def _classes(annotation: typing.Any) -> list[type]:
 
 
 def _components(pipeline: type, *names: str) -> list[type]:
-    params = inspect.signature(pipeline.__init__).parameters
+    try:  # a pipeline module with ``from __future__ import annotations`` (HunyuanImage's) has string annotations
+        params = inspect.signature(pipeline.__init__, eval_str=True).parameters
+    except (NameError, TypeError, SyntaxError):  # an annotation its module cannot resolve: read them as written
+        params = inspect.signature(pipeline.__init__).parameters
     return [c for name in names if name in params for c in _classes(params[name].annotation)]
 
 

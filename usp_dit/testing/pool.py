@@ -28,6 +28,7 @@ import faulthandler
 import gc
 import os
 import pickle
+import socket
 import sys
 import tempfile
 import time
@@ -48,6 +49,12 @@ _START_SEED = torch.initial_seed()  # the seed a fresh process starts with
 def pool_enabled(world_size: int) -> bool:
     """True when ``run_spawned`` should use a warm pool for a group of ``world_size`` ranks."""
     return os.environ.get(POOL_ENV) == "1" and world_size in POOL_WORLDS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class PoolBroken(RuntimeError):
@@ -108,8 +115,6 @@ class WarmPool:
     """``world_size`` gloo ranks waiting for jobs (Note [warm pool])."""
 
     def __init__(self, world_size: int) -> None:
-        from usp_dit.testing import _free_port
-
         self.world_size = world_size
         self.dir = tempfile.mkdtemp(prefix=f"usp_dit_pool{world_size}_")
         ctx = mp.get_context("spawn")
