@@ -7,7 +7,8 @@
     PYTHONPATH=. python3 benchmarks/bench_pipelines.py --model wan,qwen_image,sd35   # several, in order
 
 Also: wan (Wan 2.1-14B 81x720x1280), hunyuan_video (720p x 129 frames), qwen_image (1328x1328),
-sd35 (SD3.5 Large 1024x1024), ltx_video (121x512x768), flux2 (Flux.2-dev 1024x1024): benchmarks/pipeline_cases.py.
+sd35 (SD3.5 Large 1024x1024), ltx_video (121x512x768), flux2 (Flux.2-dev 1024x1024), zimage (Z-Image /
+Z-Image-Turbo 1024x1024): benchmarks/pipeline_cases.py.
 
 Full-size transformers with random weights (configs of the released checkpoints, written below),
 bf16, batch 1, ``torch.inference_mode``. One model is built per family; the two variants are timed
@@ -161,6 +162,7 @@ CASES: dict[str, Callable] = {
     "ltx_video": _later(pipeline_cases.ltx_video_case), "flux2": _later(pipeline_cases.flux2_case),
     "skyreels_df": _later(pipeline_cases.skyreels_df_case),
     "hunyuan_video15": _later(pipeline_cases.hunyuan_video15_case), "wan_vace": _later(pipeline_cases.wan_vace_case),
+    "zimage": _later(pipeline_cases.zimage_case),
 }
 
 
@@ -191,7 +193,8 @@ def bench(name: str, args: argparse.Namespace, device: torch.device) -> Row:
     print(f"# {name}: {params:.2f} B parameters built in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
     def forward() -> torch.Tensor:
-        return model(**inputs)[0]
+        out = model(**inputs)[0]
+        return torch.stack(out) if isinstance(out, list) else out  # Z-Image: one sample per element
 
     outputs, samples = {}, {"stock": [], "usp": []}
     with torch.inference_mode():

@@ -7,6 +7,7 @@ checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family flux2 --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family chroma --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family chroma --ring 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family zimage --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py \
         --model black-forest-labs/FLUX.1-dev --height 1024 --width 1024 --steps 28 --ulysses 4 --ring 2
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py --family sd3 \
@@ -14,7 +15,7 @@ checked against one rank.
 
 ``--family`` picks the model family (default ``flux``). With no ``--model`` it builds a tiny
 randomly initialised pipeline of that family in code (``usp_dit.demo.tiny_flux``, ``tiny_flux2``,
-``tiny_qwen_image``, ``tiny_sd3``, ``tiny_chroma``: tiny transformer, VAE, scheduler and text
+``tiny_qwen_image``, ``tiny_sd3``, ``tiny_chroma``, ``tiny_zimage``: tiny transformer, VAE, scheduler and text
 encoders (CLIP, T5, Qwen2.5-VL, Mistral-3) with character tokenizers; nothing is downloaded) and
 runs it in float32 on CPU with gloo. The tiny SD3 is an SD3.5 Medium-like transformer (QK norm,
 dual attention in its first layer). With ``--model`` it loads ``FluxPipeline``, ``Flux2Pipeline``,
@@ -36,6 +37,7 @@ tokens, so its sides are at most 64. Defaults:
     qwen_image  144 x 240 -> 9 x 15 = 135           1024 x 1024     the two calls of a step (true CFG)
     sd3         44 x 60 -> 11 x 15 = 165            1024 x 1024     [uncond, cond] (batched CFG)
     chroma      60 x 100 -> 15 x 25 = 375           1024 x 1024     the two calls of a step (true CFG)
+    zimage      60 x 100 -> 15 x 25 = 375 (384)     1024 x 1024     [cond, uncond] (batched CFG)
 
 (besides the text tokens of the tiny pipelines: 64 for Flux and Chroma, 64 + 64 for SD3 (CLIPs,
 then T5), 256 for Flux.2 (its chat template's system message is ~170), about one per character of
@@ -111,6 +113,8 @@ FAMILIES = {
                        negative_prompt=True, tiny_max_side=64),
     "chroma": ImageFamily("ChromaPipeline", "Chroma", (60, 100), 4, "guidance_scale", two_call_cfg=True,
                           negative_prompt=True),
+    "zimage": ImageFamily("ZImagePipeline", "Z-Image", (60, 100), 4, "guidance_scale", batched_cfg=True,
+                          negative_prompt=True),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -118,6 +122,8 @@ FAMILIES = {
 TINY_TEXT_LEN = 64
 # The tiny Flux.2's Mistral tokens: its chat template's system message (~170) and the prompt.
 TINY_FLUX2_TEXT_LEN = 256
+# The tiny Z-Image's Qwen3 tokens: its chat template (~20) and the prompt, one per character.
+TINY_ZIMAGE_TEXT_LEN = 128
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 DEFAULT_NEGATIVE_PROMPT = "blurry, low quality"
 
@@ -243,6 +249,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     kwargs = {}
     if args.model is None and args.family in ("flux", "sd3", "chroma"):
         kwargs["max_sequence_length"] = TINY_TEXT_LEN
+    elif args.model is None and args.family == "zimage":
+        kwargs["max_sequence_length"] = TINY_ZIMAGE_TEXT_LEN
     elif args.model is None and args.family == "flux2":
         from usp_dit.demo.tiny_flux2 import MISTRAL_LAYERS
 

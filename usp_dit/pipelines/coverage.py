@@ -132,6 +132,10 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
         ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline"),
     ),
     "SD3": FamilyPipelines("SD3 Medium; SD3.5 Large, Medium", ("StableDiffusion3Pipeline",)),
+    # Z-Image-Turbo runs guidance_scale=0: one call of the prompts' batch, which cfg_degree=2 splits
+    # (an odd batch is refused: no two-call fallback runs it whole), so no one_call entry.
+    "ZImage": FamilyPipelines("Z-Image, Z-Image-Turbo; text- and image-to-image",
+                              ("ZImagePipeline", "ZImageImg2ImgPipeline")),
     "CogVideoX": FamilyPipelines("2B, 5B, 1.5; text- and image-to-video",
                                  ("CogVideoXPipeline", "CogVideoXImageToVideoPipeline")),
     "Mochi": FamilyPipelines("Mochi 1", ("MochiPipeline",)),
