@@ -38,6 +38,7 @@ from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_helios import tiny_helios
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
+from usp_dit.demo.tiny_zimage import tiny_zimage
 from usp_dit.pipelines.base import find_adapter, registered_adapters
 from usp_dit.pipelines.plan import Parallel, PlanAdapter
 
@@ -63,6 +64,7 @@ BUILDERS = {
     "Kandinsky5": tiny_kandinsky5.tiny_kandinsky5,  # the text stream's local attention too
     "Cosmos3": lambda: tiny_cosmos3.tiny_cosmos3("nemotron-omni"),  # sound and action heads too
     "MiniMax-H3": tiny_minimax_h3,  # the text refiner's local attention too
+    "ZImage": tiny_zimage,  # the context refiner's local attention too
 }
 
 
