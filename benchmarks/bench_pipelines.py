@@ -8,7 +8,7 @@
 
 Also: wan (Wan 2.1-14B 81x720x1280), hunyuan_video (720p x 129 frames), qwen_image (1328x1328),
 sd35 (SD3.5 Large 1024x1024), ltx_video (121x512x768), flux2 (Flux.2-dev 1024x1024), krea2 (1024x1024),
-hunyuan_image (HunyuanImage 2.1, 2048x2048): benchmarks/pipeline_cases.py.
+hunyuan_image (HunyuanImage 2.1, 2048x2048), zimage (Z-Image / Z-Image-Turbo 1024x1024): benchmarks/pipeline_cases.py.
 
 Full-size transformers with random weights (configs of the released checkpoints, written below),
 bf16, batch 1, ``torch.inference_mode``. One model is built per family; the two variants are timed
@@ -164,6 +164,7 @@ CASES: dict[str, Callable] = {
     "hunyuan_video15": _later(pipeline_cases.hunyuan_video15_case), "wan_vace": _later(pipeline_cases.wan_vace_case),
     "cogview4": _later(pipeline_cases.cogview4_case), "lumina2": _later(pipeline_cases.lumina2_case),
     "krea2": _later(pipeline_cases.krea2_case), "hunyuan_image": _later(pipeline_cases.hunyuan_image_case),
+    "zimage": _later(pipeline_cases.zimage_case),
 }
 
 
@@ -194,7 +195,8 @@ def bench(name: str, args: argparse.Namespace, device: torch.device) -> Row:
     print(f"# {name}: {params:.2f} B parameters built in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
     def forward() -> torch.Tensor:
-        return model(**inputs)[0]
+        out = model(**inputs)[0]
+        return torch.stack(out) if isinstance(out, list) else out  # Z-Image: one sample per element
 
     outputs, samples = {}, {"stock": [], "usp": []}
     with torch.inference_mode():

@@ -127,6 +127,24 @@ def qwen_image_case(build, device: torch.device, height: int = 1328, width: int 
     return model, inputs, f"{height}x{width} ({rows * cols} + 128 tokens, 96 valid)"
 
 
+def zimage_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """Z-Image (diffusers' defaults are the released config: 30 layers, 30 heads x 128): latents
+    as the pipeline passes them, a list of (16, 1, h/8, w/8); one prompt of 100 Qwen3-4B tokens
+    (the pipeline drops the padding; the model pads it to 128). ``config``: overrides (a tiny
+    model to check the case builds on CPU)."""
+    from diffusers import ZImageTransformer2DModel
+
+    model = build(ZImageTransformer2DModel, config or {}, device)
+    channels, text_dim = model.config.in_channels, model.config.cap_feat_dim
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        x=[torch.randn(channels, 1, height // 8, width // 8, generator=g, **_bf(device))],
+        t=torch.full((1,), 0.5, **_bf(device)), cap_feats=[torch.randn(100, text_dim, generator=g, **_bf(device))],
+        return_dict=False,
+    )
+    return model, inputs, f"{height}x{width} ({(height // 16) * (width // 16)} + 128 tokens, 100 real)"
+
+
 def sd35_case(build, device: torch.device, height: int = 1024, width: int = 1024):
     """SD3.5 Large: latents (1, 16, h/8, w/8), 2x2 patches; 333 text tokens (77 CLIP + 256 T5)."""
     from diffusers import SD3Transformer2DModel

@@ -9,6 +9,7 @@ checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family chroma --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family cogview4 --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family lumina2 --ulysses 4
+    torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family zimage --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py \
         --model black-forest-labs/FLUX.1-dev --height 1024 --width 1024 --steps 28 --ulysses 4 --ring 2
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py --family sd3 \
@@ -16,8 +17,9 @@ checked against one rank.
 
 ``--family`` picks the model family (default ``flux``). With no ``--model`` it builds a tiny
 randomly initialised pipeline of that family in code (``usp_dit.demo.tiny_flux``, ``tiny_flux2``,
-``tiny_qwen_image``, ``tiny_sd3``, ``tiny_chroma``, ``tiny_cogview4``, ``tiny_lumina2``: tiny transformer, VAE, scheduler and text
-encoders (CLIP, T5, Qwen2.5-VL, Mistral-3, GLM, Gemma 2) with character tokenizers; nothing is downloaded) and
+``tiny_qwen_image``, ``tiny_sd3``, ``tiny_chroma``, ``tiny_cogview4``, ``tiny_lumina2``, ``tiny_zimage``: tiny transformer,
+VAE, scheduler and text encoders (CLIP, T5, Qwen2.5-VL, Mistral-3, GLM, Gemma 2, Qwen3) with character tokenizers;
+nothing is downloaded) and
 runs it in float32 on CPU with gloo. The tiny SD3 is an SD3.5 Medium-like transformer (QK norm,
 dual attention in its first layer). With ``--model`` it loads ``FluxPipeline``, ``Flux2Pipeline``,
 ``QwenImagePipeline``, ``StableDiffusion3Pipeline``, ``ChromaPipeline``, ``CogView4Pipeline`` or
@@ -44,6 +46,7 @@ tokens, so its sides are at most 64. Defaults:
     lumina2     144 x 240 -> 9 x 15 = 135           1024 x 1024     the two calls of a step (true CFG)
     krea2       80 x 112 -> 5 x 7 = 35              1024 x 1024     the two calls of a step (true CFG)
     hunyuan_image 40 x 56 -> 5 x 7 = 35             2048 x 2048     the two calls of a step (the guider)
+    zimage      60 x 100 -> 15 x 25 = 375 (384)     1024 x 1024     [cond, uncond] (batched CFG)
 
 (besides the text tokens of the tiny pipelines: 64 for Flux and Chroma, 64 + 64 for SD3 (CLIPs,
 then T5), 256 for Flux.2 (its chat template's system message is ~170), about one per character of
@@ -132,6 +135,8 @@ FAMILIES = {
     "hunyuan_image": ImageFamily("HunyuanImagePipeline", "HunyuanImage", (40, 56), 8, "distilled_guidance_scale",
                                  two_call_cfg=True, negative_prompt=True, real_size=(2048, 2048),
                                  real_pixels_per_token=32, patch=1),
+    "zimage": ImageFamily("ZImagePipeline", "Z-Image", (60, 100), 4, "guidance_scale", batched_cfg=True,
+                          negative_prompt=True),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -141,6 +146,8 @@ TINY_TEXT_LEN = 64
 TINY_FLUX2_TEXT_LEN = 256
 # The tiny Lumina2's caption tokens: its (short) system prompt, " <Prompt Start> " and the prompt.
 TINY_LUMINA2_TEXT_LEN = 128
+# The tiny Z-Image's Qwen3 tokens: its chat template (~20) and the prompt, one per character.
+TINY_ZIMAGE_TEXT_LEN = 128
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 DEFAULT_NEGATIVE_PROMPT = "blurry, low quality"
 
@@ -272,6 +279,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     elif args.model is None and args.family == "lumina2":
         # Lumina2Pipeline's default system prompt (~150 characters) would fill the tiny tokenizer.
         kwargs.update(max_sequence_length=TINY_LUMINA2_TEXT_LEN, system_prompt="draw")
+    elif args.model is None and args.family == "zimage":
+        kwargs["max_sequence_length"] = TINY_ZIMAGE_TEXT_LEN
     elif args.model is None and args.family == "flux2":
         from usp_dit.demo.tiny_flux2 import MISTRAL_LAYERS
 

@@ -80,6 +80,8 @@ def sharded_output_case(model, inputs, adapter, mesh, attention: torch.nn.Module
 
 def _param_grads(model, inputs, divisor: int) -> dict[str, torch.Tensor]:
     out = sample(model(**inputs.kwargs(), return_dict=False))
+    if isinstance(out, list):  # one sample per element (Z-Image): flattened into one vector, as ``forward``
+        out = torch.cat([t.flatten() for t in out])
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(123))
     loss = (out * weight).sum() / divisor
     params = dict(model.named_parameters())

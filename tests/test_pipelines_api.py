@@ -117,6 +117,20 @@ def test_cfg_split_takes_this_ranks_half_of_declared_args():
         assert args["ids"].shape == (4, 3)  # not declared: untouched although its dim 0 is 4
 
 
+def test_cfg_split_takes_this_ranks_entries_of_list_args():
+    """Z-Image's call: latents and prompt embeddings are lists of one tensor per row (prompts of
+    different lengths), the timestep a tensor; a list of the wrong length is refused."""
+    xs, caps = [torch.full((2, 3), float(i)) for i in range(4)], [torch.zeros(i + 1, 2) for i in range(4)]
+    for cfg_rank, lo in ((0, 0), (1, 2)):
+        args = {"x": list(xs), "t": torch.arange(4.0), "cap_feats": list(caps)}
+        assert split_cfg_batch(args, _cfg_mesh(cfg_rank), ("t",), ("x", "cap_feats")) == 4
+        assert [a is b for a, b in zip(args["x"], xs[lo:lo + 2])] == [True, True]
+        assert [c.shape[0] for c in args["cap_feats"]] == [lo + 1, lo + 2]
+        assert torch.equal(args["t"], torch.arange(4.0)[lo:lo + 2])
+    with pytest.raises(ValueError, match="'x' lists 3 rows but the batch is 4"):
+        split_cfg_batch({"t": torch.zeros(4), "x": xs[:3]}, _cfg_mesh(0), ("t",), ("x",))
+
+
 def test_cfg_split_errors():
     with pytest.raises(NotImplementedError, match="batch is 3"):
         split_cfg_batch({"hidden_states": torch.zeros(3, 2)}, _cfg_mesh(0), None)

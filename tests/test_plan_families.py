@@ -42,6 +42,7 @@ from usp_dit.demo.tiny_hunyuan_image import tiny_hunyuan_image
 from usp_dit.demo.tiny_krea2 import tiny_krea2
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
+from usp_dit.demo.tiny_zimage import tiny_zimage
 from usp_dit.pipelines.base import find_adapter, registered_adapters
 from usp_dit.pipelines.plan import Parallel, PlanAdapter
 
@@ -72,6 +73,7 @@ BUILDERS = {
     "Lumina2": tiny_lumina2,  # the context refiner's local attention too
     "Krea2": tiny_krea2,  # the text fusion's local attention too
     "HunyuanImage": tiny_hunyuan_image,  # the token refiner's local attention too
+    "ZImage": tiny_zimage,  # the context refiner's local attention too
 }
 
 

@@ -63,6 +63,9 @@ Note [cfg parallel]
     batched: the adapter's ``cfg_batch_args`` names when it has them (their tensors, or lists of
     tensors, with dim 0 == B are split; size-1 or 0-dim ones broadcast and stay whole); otherwise
     every top-level tensor argument whose dim 0 equals the batch of the first tensor argument.
+    Its ``cfg_list_args`` are Python lists with one entry per row (Z-Image's latents and prompt
+    embeddings, each prompt its own length): split by index; a first output that is such a list
+    (of equal-shaped tensors) is gathered back into one.
     A family whose pipelines call the transformer once per guidance branch (``cfg_branch_args``)
     runs a step's two calls on the two cfg groups at once instead, falling back to this split
     (Note [two calls a step] in ``usp_dit.pipelines.cfg_pair``).
@@ -157,11 +160,16 @@ def _take_rows(value: Any, batch: int, lo: int, hi: int, name: str, strict: bool
     return value
 
 
-def split_cfg_batch(arguments: dict[str, Any], mesh: USPMesh, batch_args: tuple[str, ...] | None) -> int:
+def split_cfg_batch(
+    arguments: dict[str, Any], mesh: USPMesh, batch_args: tuple[str, ...] | None, list_args: tuple[str, ...] = (),
+) -> int:
     """Keep this cfg rank's rows of every batched argument, in place; returns the full batch size.
+
+    ``list_args``: arguments that are lists (or tuples) of one entry per row: this rank's entries.
 
     Raises:
         NotImplementedError: the batch does not split evenly over the cfg ranks.
+        ValueError: a list argument's length is not the batch.
     """
     batch, cfg = batch_size(arguments), mesh.cfg_degree
     if batch % cfg:
@@ -175,6 +183,12 @@ def split_cfg_batch(arguments: dict[str, Any], mesh: USPMesh, batch_args: tuple[
     for name in names:
         if name in arguments:
             arguments[name] = _take_rows(arguments[name], batch, lo, lo + rows, name, batch_args is not None)
+    for name in list_args:
+        value = arguments.get(name)
+        if isinstance(value, (list, tuple)):
+            if len(value) != batch:
+                raise ValueError(f"argument {name!r} lists {len(value)} rows but the batch is {batch}")
+            arguments[name] = type(value)(value[lo:lo + rows])
     return batch
 
 
@@ -184,11 +198,13 @@ def _gather_rows(x: torch.Tensor, batch: int, mesh: USPMesh) -> torch.Tensor:
 
 
 def gather_cfg_output(out: Any, batch: int, mesh: USPMesh) -> Any:
-    """The first output (the sample, batch/cfg rows here) all-gathered over "cfg": full batch, every
-    rank; so is every later output tensor with batch/cfg rows (LTX-2's audio sample beside its video)."""
+    """The first output (the sample, batch/cfg rows here; or a list of batch/cfg equal-shaped
+    tensors, one per row) all-gathered over "cfg": full batch, every rank; so is every later output tensor with batch/cfg rows (LTX-2's audio sample beside its video)."""
     rows = batch // mesh.cfg_degree
 
     def gather(i: int, x: Any) -> Any:
+        if i == 0 and isinstance(x, list):  # one tensor per row (Z-Image): equal shapes, stacked
+            return list(_gather_rows(torch.stack(x), batch, mesh).unbind(0))
         if i == 0 or (torch.is_tensor(x) and x.dim() > 0 and x.shape[0] == rows):
             return _gather_rows(x, batch, mesh)
         return x
@@ -337,5 +353,6 @@ class ReplicaForward(MethodWrapper):
         batch_args = getattr(self.state.adapter, "cfg_batch_args", None)
         if batch_args == ():  # no batched argument (one packed sequence): the whole call on both groups
             return self.inner(*bound.args, **bound.kwargs)
-        batch = split_cfg_batch(bound.arguments, mesh, batch_args)
+        list_args = getattr(self.state.adapter, "cfg_list_args", ())
+        batch = split_cfg_batch(bound.arguments, mesh, batch_args, list_args)
         return gather_cfg_output(self.inner(*bound.args, **bound.kwargs), batch, mesh)

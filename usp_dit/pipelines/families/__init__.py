@@ -31,4 +31,5 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     wan,
     wan_animate,
     wan_vace,
+    zimage,
 )
