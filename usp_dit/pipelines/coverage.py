@@ -131,6 +131,11 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
         "Qwen-Image, -Edit, -Edit-2511, -Layered",
         ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline"),
     ),
+    "QwenImage21": FamilyPipelines("Qwen-Image 2.1; text-to-image, image-conditioned (block-causal prefix)",
+                                   ("QwenImage21Pipeline",),
+                                   one_call="Qwen-Image 2.1 (true_cfg_scale=1 by default; its true-CFG calls, over prompts "
+                                            "of different lengths, return outputs of different shapes and are not paired)",
+                                   whole_vae="no recipe yet"),
     "SD3": FamilyPipelines("SD3 Medium; SD3.5 Large, Medium", ("StableDiffusion3Pipeline",)),
     "CogVideoX": FamilyPipelines("2B, 5B, 1.5; text- and image-to-video",
                                  ("CogVideoXPipeline", "CogVideoXImageToVideoPipeline")),
