@@ -126,6 +126,9 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                             one_call="Flux.1-dev without true CFG (guidance-distilled)"),
     "Flux2": FamilyPipelines("FLUX.2-dev, FLUX.2-klein", ("Flux2Pipeline", "Flux2KleinPipeline"),
                              one_call="FLUX.2-dev (guidance-distilled) and the step-distilled Klein"),
+    "Flux3": FamilyPipelines("FLUX.3 (guided; step-distilled flow map): text-, image-to-image", (),
+                             whole_vae="no DiffusionPipeline: Diffusers ships FLUX.3 as modular blocks "
+                                       "(Flux3ModularPipeline, Flux3DistilledModularPipeline)"),
     "Chroma": FamilyPipelines("Chroma1-HD, -Base, -Flash", ("ChromaPipeline",)),
     "QwenImage": FamilyPipelines(
         "Qwen-Image, -Edit, -Edit-2511, -Layered",

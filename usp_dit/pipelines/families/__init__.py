@@ -13,6 +13,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     cosmos3,
     flux,
     flux2,
+    flux3,
     helios,
     hunyuan_video,
     hunyuan_video15,
