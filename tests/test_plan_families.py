@@ -36,11 +36,13 @@ from usp_dit.demo import (
 )
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
+from usp_dit.demo.tiny_flux3 import tiny_flux3
 from usp_dit.demo.tiny_helios import tiny_helios
 from usp_dit.demo.tiny_lumina2 import tiny_lumina2
 from usp_dit.demo.tiny_hunyuan_image import tiny_hunyuan_image
 from usp_dit.demo.tiny_krea2 import tiny_krea2
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
+from usp_dit.demo.tiny_qwen_image21 import tiny_qwen_image21
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
 from usp_dit.demo.tiny_zimage import tiny_zimage
 from usp_dit.pipelines.base import find_adapter, registered_adapters
@@ -56,6 +58,8 @@ BUILDERS = {
     "LTX-Video": tiny_ltx_video.tiny_ltx_video,
     "LTX-2": lambda: tiny_ltx2.tiny_ltx2("2.3"),  # perturbed processors (spatio-temporal guidance) too
     "QwenImage": tiny_qwen_image.tiny_qwen_image,
+    "QwenImage21": tiny_qwen_image21,
+    "Flux3": tiny_flux3,
     "SD3": lambda: tiny_sd3.tiny_sd3("sd3.5-medium"),  # SD3.5's dual attention (attn2) too
     "Flux": tiny_flux.tiny_flux_transformer,
     "Flux2": tiny_flux2.tiny_flux2,

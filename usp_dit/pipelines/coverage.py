@@ -126,11 +126,19 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                             one_call="Flux.1-dev without true CFG (guidance-distilled)"),
     "Flux2": FamilyPipelines("FLUX.2-dev, FLUX.2-klein", ("Flux2Pipeline", "Flux2KleinPipeline"),
                              one_call="FLUX.2-dev (guidance-distilled) and the step-distilled Klein"),
+    "Flux3": FamilyPipelines("FLUX.3 (guided; step-distilled flow map): text-, image-to-image", (),
+                             whole_vae="no DiffusionPipeline: Diffusers ships FLUX.3 as modular blocks "
+                                       "(Flux3ModularPipeline, Flux3DistilledModularPipeline)"),
     "Chroma": FamilyPipelines("Chroma1-HD, -Base, -Flash", ("ChromaPipeline",)),
     "QwenImage": FamilyPipelines(
         "Qwen-Image, -Edit, -Edit-2511, -Layered",
         ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline"),
     ),
+    "QwenImage21": FamilyPipelines("Qwen-Image 2.1; text-to-image, image-conditioned (block-causal prefix)",
+                                   ("QwenImage21Pipeline",),
+                                   one_call="Qwen-Image 2.1 (true_cfg_scale=1 by default; its true-CFG calls, over prompts "
+                                            "of different lengths, return outputs of different shapes and are not paired)",
+                                   whole_vae="no recipe yet"),
     "SD3": FamilyPipelines("SD3 Medium; SD3.5 Large, Medium", ("StableDiffusion3Pipeline",)),
     "CogView4": FamilyPipelines("CogView4-6B; CogView4 Control", ("CogView4Pipeline", "CogView4ControlPipeline")),
     "CogView3Plus": FamilyPipelines("CogView3-Plus-3B", ("CogView3PlusPipeline",)),

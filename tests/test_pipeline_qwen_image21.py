@@ -1,0 +1,231 @@
+"""Qwen-Image 2.1 adapter: sharded transformer outputs and gradients equal one process's, on CPU gloo grids.
+
+One spawned group of 4 ranks runs every case. Models: tiny 2-layer ``QwenImage21Transformer2DModel`` s
+(4 heads x 16 head_dim, every weight perturbed: ``usp_dit.demo.tiny_qwen_image21``), with
+``causal_condition`` (the release: prefix tokens modulated from t = 0) and without. Shapes: t2i (7
+text positions, a 4 x 6 target: prefix 7 + target 24 = 31 tokens) and edit (9 positions holding
+the 2 slots of a 2 x 4 condition image: prefix 7 + 8 = 15, target 24: 39 tokens). The target's
+token count is a multiple of 4 by the model's construction (one vision slot is 2 x 2 tokens), so it
+splits evenly over 2 and 4 ranks; the joint sequence and the prefix have odd lengths. Batch 2 with
+a different prompt and timestep per element; prompt masks with different valid counts per element,
+with a hole (t2i: 6 and 4 valid; edit: 9 and 5). RoPE positions are the model's own.
+
+Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2), each ring grid also with
+the "stream" and "gather_merge" schedules forced. Each case: output vs stock, block 0's attention
+sees at most prefix + ceil(target / P) tokens (Note [block-causal prefix, full target]: the prefix
+is replicated, the target split), bit-identical output after ``disable``. Per shape, on 2 and on 4
+ranks: every parameter's gradient (tests/adapter_parity.gradient_errors), and once with gradient
+checkpointing. The KV cache (``"extract"`` then ``"cached"``, as QwenImage21Pipeline runs it) on
+(2,2) through the adapter and on (1,2,2) through ``enable_usp`` (the batch split over cfg, each
+group's cache its rows). Tensor parallel (T2) on (1,2,1,2). Ulysses above the heads raises.
+
+Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs and gradients: sharding only reorders
+float32 sums (attention blocks merged by log-sum-exp, gradients summed over ranks; masked prompt
+keys handled per element as separate calls).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_qwenimage21 import (
+    QwenImage21FlexAttnProcessor,
+    QwenImage21KVCache,
+)
+
+import usp_dit
+from tests.adapter_parity import (
+    assert_within,
+    forward,
+    gradient_errors,
+    output_keys,
+    record,
+    run_grid_cases,
+    ulysses_above_heads_case,
+)
+from usp_dit import init_usp, single_rank_mesh
+from usp_dit.demo.tiny_qwen_image21 import qwen_image21_inputs, qwen_image21_lengths, tiny_qwen_image21
+from usp_dit.pipelines.families import qwen_image21
+from usp_dit.pipelines.families.qwen_image21 import ADAPTER
+from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+
+TOL = 1e-5
+WORLD = 4
+
+
+@dataclass(frozen=True)
+class Shape:
+    variant: str  # "t2i" / "edit" (causal_condition) or "t2i-nocc" (without)
+    images: tuple  # (1, h, w) of each condition image, then of the target
+    masks: tuple  # per element: 0/1 per vision-language text position
+
+    def __str__(self) -> str:
+        return f"{self.variant}-s{sum(qwen_image21_lengths(list(self.images), len(self.masks[0])))}"
+
+
+SHAPES = [
+    Shape("t2i", ((1, 4, 6),), ((1, 1, 0, 1, 1, 1, 1), (1, 1, 1, 1, 0, 0, 0))),
+    Shape("edit", ((1, 2, 4), (1, 4, 6)), ((1,) * 9, (1,) * 5 + (0,) * 4)),
+    Shape("t2i-nocc", ((1, 4, 6),), ((1,) * 7, (1, 1, 1, 0, 0, 0, 0))),
+]
+
+
+def _build(shape: Shape, seed: int = 0):
+    model = tiny_qwen_image21(causal_condition=not shape.variant.endswith("nocc"), seed=seed)
+    return model, qwen_image21_inputs(model, list(shape.images), [list(m) for m in shape.masks])
+
+
+# ---- what each rank runs ---------------------------------------------------------------------------
+
+
+def _output_case(shape: Shape, mesh) -> dict[str, float]:
+    """Output vs stock, block 0's attention length vs prefix + ceil(target / P), bit-identity after disable."""
+    model, inputs = _build(shape)
+    prefix, target = qwen_image21_lengths(list(shape.images), len(shape.masks[0]))
+    ref = forward(model, inputs)
+    lengths = []
+    hook = model.transformer_blocks[0].attn.register_forward_pre_hook(
+        lambda m, args, kwargs: lengths.append((kwargs.get("hidden_states", args[0] if args else None)).shape[1]),
+        with_kwargs=True)
+    ADAPTER.enable(model, mesh, "auto")
+    try:
+        out = forward(model, inputs)
+    finally:
+        hook.remove()
+        ADAPTER.disable(model)
+    return {
+        "out": rel_err(out, ref),
+        "block0_tokens_above": float(not lengths or max(lengths) > prefix + math.ceil(target / mesh.sequence_degree)),
+        "disable_not_bit_identical": float(not torch.equal(forward(model, inputs), ref)),
+    }
+
+
+class _Args:
+    """Keyword arguments in the shape ``adapter_parity.forward`` takes."""
+
+    def __init__(self, **kwargs) -> None:
+        self._kwargs = kwargs
+
+    def kwargs(self) -> dict:
+        return dict(self._kwargs)
+
+
+def _kv_calls(model, inputs) -> list[torch.Tensor]:
+    """QwenImage21Pipeline's two cache modes: a prefill that extracts the prefix's K/V, then a
+    decode of the target from them (at another timestep)."""
+    cache = QwenImage21KVCache(len(model.transformer_blocks))
+    first = forward(model, _Args(**inputs.kwargs(), kv_cache=cache, kv_cache_mode="extract"))
+    later = dict(inputs.kwargs(), timestep=inputs.timestep * 0.5)
+    return [first, forward(model, _Args(**later, kv_cache=cache, kv_cache_mode="cached"))]
+
+
+def _kv_cache_case(mesh, through_enable_usp: bool) -> dict[str, float]:
+    model, inputs = _build(SHAPES[1])
+    refs = _kv_calls(model, inputs)
+    if through_enable_usp:
+        usp_dit.enable_usp(model, mesh=mesh)
+    else:
+        ADAPTER.enable(model, mesh, "auto")
+    try:
+        outs = _kv_calls(model, inputs)
+    finally:
+        usp_dit.disable_usp(model) if through_enable_usp else ADAPTER.disable(model)
+    return {"extract": rel_err(outs[0], refs[0]), "cached": rel_err(outs[1], refs[1])}
+
+
+def _checkpointed_gradient_case(mesh) -> dict[str, float]:
+    """Gradients with gradient checkpointing (block 0's recompute re-cuts its saved full input)."""
+    model, inputs = _build(SHAPES[1])
+    model.enable_gradient_checkpointing()
+    return gradient_errors(model, inputs, ADAPTER, mesh)
+
+
+def _tensor_case() -> dict[str, float]:
+    """Tensor parallel (Diffusers' own _tp_plan cuts) on (U, R, cfg, T) = (1, 2, 1, 2), 5 heads (uneven)."""
+    model = tiny_qwen_image21(num_heads=5)
+    inputs = qwen_image21_inputs(model, list(SHAPES[0].images), [list(m) for m in SHAPES[0].masks])
+    ref = forward(model, inputs)
+    usp_dit.enable_usp(model, mesh=init_usp(ulysses_degree=1, ring_degree=2, tensor_degree=2))
+    try:
+        out = forward(model, inputs)
+    finally:
+        usp_dit.disable_usp(model)
+    return {"out": rel_err(out, ref), "disable_not_bit_identical": float(not torch.equal(forward(model, inputs), ref))}
+
+
+def _run_all() -> dict[str, dict | str]:
+    results = {}
+    run_grid_cases(results, SHAPES, _output_case,
+                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
+    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    record(results, "kv-cache", lambda: _kv_cache_case(init_usp(2, 2), False))
+    record(results, "kv-cache-cfg", lambda: _kv_cache_case(init_usp(1, 2, 2), True))
+    record(results, "tensor-t2", _tensor_case)
+    two_heads = tiny_qwen_image21(num_heads=2, head_dim=32)
+    record(results, "ulysses-above-heads",
+           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    return results
+
+
+@pytest.fixture(scope="module")
+def grid_results() -> list[dict]:
+    per_rank = run_spawned(_run_all, WORLD)
+    assert_no_crash(per_rank)
+    return per_rank
+
+
+@pytest.mark.parametrize("key", output_keys(SHAPES))
+def test_sharded_output_matches_one_process(grid_results, key: str):
+    assert_within(grid_results, key, TOL)
+
+
+@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
+def test_parameter_gradients_match_one_process(grid_results, key: str):
+    assert_within(grid_results, key, TOL)
+
+
+@pytest.mark.parametrize("key", ["kv-cache", "kv-cache-cfg"])
+def test_kv_cache_prefill_and_decode_match_one_process(grid_results, key: str):
+    assert_within(grid_results, key, TOL)
+
+
+def test_tensor_parallel_matches_one_process(grid_results):
+    assert_within(grid_results, "tensor-t2", TOL)
+
+
+def test_ulysses_above_heads_raises_at_enable(grid_results):
+    assert_within(grid_results, "ulysses-above-heads", 0.0)
+
+
+# ---- single process: registration, refusals ---------------------------------------------------
+
+
+def test_matched_by_exact_class():
+    model = tiny_qwen_image21(num_layers=1)
+    assert ADAPTER.matches(model)
+
+
+def test_flex_processor_is_refused():
+    model = tiny_qwen_image21(num_layers=1)
+    model.transformer_blocks[0].attn.set_processor(QwenImage21FlexAttnProcessor())
+    with pytest.raises(NotImplementedError, match="QwenImage21FlexAttnProcessor"):
+        ADAPTER.enable(model, single_rank_mesh(), "auto")
+
+
+def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
+    monkeypatch.setattr(qwen_image21, "_ROUTED_CALL", None)
+    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
+        ADAPTER.enable(tiny_qwen_image21(num_layers=1), single_rank_mesh(), "auto")
+
+
+def test_img_shapes_with_more_target_tokens_than_the_sequence_are_refused():
+    model, inputs = _build(SHAPES[0])
+    inputs.img_shapes = [[(1, 8, 8)]] * 2  # 64 target tokens in a 31-token sequence
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    try:
+        with pytest.raises((ValueError, RuntimeError)):
+            forward(model, inputs)
+    finally:
+        ADAPTER.disable(model)
