@@ -38,16 +38,17 @@ def forward(model, inputs) -> torch.Tensor:
     return torch.cat([t.flatten() for t in out]) if isinstance(out, list) else out
 
 
-def compiled_case(model, inputs, mesh) -> dict[str, float]:
+def compiled_case(model, inputs, mesh, backend: str = "aot_eager") -> dict[str, float]:
     """``model`` enabled on ``mesh``, then ``torch.compile(fullgraph=True)`` through a graph counter
-    (the "aot_eager" backend: forward and backward traced as inductor sees them, no C++ build)
-    against the eager enabled model: ``{"err": rel. error, "graphs_not_1": 0.0 for one graph}``."""
+    against the eager enabled model: ``{"err": rel. error, "graphs_not_1": 0.0 for one graph}``.
+    ``backend``: "aot_eager" (forward and backward traced as inductor sees them, no C++ build) or
+    "eager" (Dynamo's graph alone: a graph break still fails ``fullgraph``; about half the time)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     enable_usp(model, mesh=mesh)
     ref = forward(model, inputs)
     torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend(backend)
     got = forward(torch.compile(model, backend=counter, fullgraph=True), inputs)
     return {"err": rel_err(got, ref), "graphs_not_1": float(counter.frame_count != 1)}
 

@@ -16,7 +16,8 @@ would see them, without spending minutes compiling C++ on two cores, and counts 
   causal function: one graph per length (the plan specialises it), outputs equal to eager.
 - Dynamic shapes: four sequence lengths through one compiled function: two graphs in all (the
   first static, the second dynamic, then no recompile), outputs equal to eager.
-- Adapters (``enable_usp`` then ``torch.compile(model, fullgraph=True)``): tiny Flux (2 x 2 and
+- Adapters (``enable_usp`` then ``torch.compile(model, fullgraph=True)``; through AOTAutograd for
+  ``AOT_FAMILIES``, Dynamo alone for the rest unless ``--full``): tiny Flux (2 x 2 and
   the cfg grid (1,2,2)), CogVideoX, Flux.2, Wan, LTX-Video, SD3, and the prompt-masked families
   Mochi, HunyuanVideo, Qwen-Image and Chroma with padded prompts (Mochi's parameter gradients
   too, summed over the group), SkyReels-V2 diffusion forcing (block-causal)
@@ -192,9 +193,16 @@ def _model(family: str, shape: int = 0):
     return module._build(module.SHAPES[shape])
 
 
+# Families traced through AOTAutograd too (as inductor sees them); the others through Dynamo alone,
+# which catches every graph break (fullgraph) at about half the time: what AOT adds (fake tensors,
+# functionalization) concerns usp_dit's own ops, which the core cases and these trace with aot_eager.
+AOT_FAMILIES = {"flux", "wan", "mochi", "hunyuan_video", "ltx2"}
+
+
 def _adapter_case(family: str, grid: tuple[int, int, int], shape: int = 0) -> dict[str, float]:
     u, r, c = grid
-    return compiled_case(*_model(family, shape), init_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c))
+    backend = "aot_eager" if family in AOT_FAMILIES or full_suite() else "eager"
+    return compiled_case(*_model(family, shape), init_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c), backend)
 
 
 def _param_grads(model, inputs) -> list[torch.Tensor]:
