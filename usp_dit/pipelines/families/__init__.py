@@ -22,6 +22,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     minimax_h3,
     mochi,
     qwen_image,
+    sana,
     sd3,
     skyreels_v2,
     wan,
