@@ -1,4 +1,4 @@
-"""torchrun: generate an image with Flux, Flux.2, Qwen-Image, SD3 or Chroma on a Ulysses x Ring (x CFG) grid,
+"""torchrun: generate an image with Flux, Flux.2, Qwen-Image, SD3, Chroma or Sana on a Ulysses x Ring (x CFG) grid,
 checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --ulysses 2 --ring 2
@@ -7,6 +7,7 @@ checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family flux2 --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family chroma --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family chroma --ring 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family sana --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py \
         --model black-forest-labs/FLUX.1-dev --height 1024 --width 1024 --steps 28 --ulysses 4 --ring 2
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py --family sd3 \
@@ -14,7 +15,7 @@ checked against one rank.
 
 ``--family`` picks the model family (default ``flux``). With no ``--model`` it builds a tiny
 randomly initialised pipeline of that family in code (``usp_dit.demo.tiny_flux``, ``tiny_flux2``,
-``tiny_qwen_image``, ``tiny_sd3``, ``tiny_chroma``: tiny transformer, VAE, scheduler and text
+``tiny_qwen_image``, ``tiny_sd3``, ``tiny_chroma``, ``tiny_sana``: tiny transformer, VAE, scheduler and text
 encoders (CLIP, T5, Qwen2.5-VL, Mistral-3) with character tokenizers; nothing is downloaded) and
 runs it in float32 on CPU with gloo. The tiny SD3 is an SD3.5 Medium-like transformer (QK norm,
 dual attention in its first layer). With ``--model`` it loads ``FluxPipeline``, ``Flux2Pipeline``,
@@ -36,6 +37,11 @@ tokens, so its sides are at most 64. Defaults:
     qwen_image  144 x 240 -> 9 x 15 = 135           1024 x 1024     the two calls of a step (true CFG)
     sd3         44 x 60 -> 11 x 15 = 165            1024 x 1024     [uncond, cond] (batched CFG)
     chroma      60 x 100 -> 15 x 25 = 375           1024 x 1024     the two calls of a step (true CFG)
+    sana        160 x 224 -> 5 x 7 = 35             1024 x 1024     [uncond, cond] (batched CFG)
+
+Sana's sides are multiples of 32, tiny or real (its DC-AE: 32 pixels per latent pixel, patch 1);
+its self-attention is linear (the summaries are all-reduced over the grid, no ring) and its
+Mix-FFN's conv fetches a halo row from the neighbouring ranks (usp_dit.pipelines.families.sana).
 
 (besides the text tokens of the tiny pipelines: 64 for Flux and Chroma, 64 + 64 for SD3 (CLIPs,
 then T5), 256 for Flux.2 (its chat template's system message is ~170), about one per character of
@@ -96,9 +102,10 @@ class ImageFamily:
     negative_prompt: bool = False  # takes a negative prompt
     tiny_max_side: int | None = None  # the tiny transformer's position table, in pixels
     real_size: tuple[int, int] = (1024, 1024)  # default --height, --width with --model
+    real_pixels_per_token: int = 16  # 8 pixels per latent pixel (VAE), 2 x 2 latent pixels per token
+    patch: int = 2  # latent pixels a token spans per side
 
 
-REAL_PIXELS_PER_TOKEN = 16  # every real family: 8 pixels per latent pixel (VAE), 2 x 2 latent pixels per token
 PLANNER_MODELS = {"flux": "flux", "flux2": "flux2", "sd3": "sd35", "qwen_image": "qwen_image"}  # usp_dit.planner.models names
 FAMILIES = {
     # 1008 for the real model too, as before the other families came: 63 x 63 tokens.
@@ -111,6 +118,9 @@ FAMILIES = {
                        negative_prompt=True, tiny_max_side=64),
     "chroma": ImageFamily("ChromaPipeline", "Chroma", (60, 100), 4, "guidance_scale", two_call_cfg=True,
                           negative_prompt=True),
+    # DC-AE: 32 pixels per latent pixel, one latent pixel a token (tiny and real alike).
+    "sana": ImageFamily("SanaPipeline", "Sana", (160, 224), 32, "guidance_scale", batched_cfg=True,
+                        negative_prompt=True, real_pixels_per_token=32, patch=1),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -159,7 +169,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def pixels_per_token(args: argparse.Namespace) -> int:
     """``--height``/``--width`` must be multiples of this: the VAE's compression x the 2x2 patch."""
-    return FAMILIES[args.family].tiny_pixels_per_token if args.model is None else REAL_PIXELS_PER_TOKEN
+    family = FAMILIES[args.family]
+    return family.tiny_pixels_per_token if args.model is None else family.real_pixels_per_token
 
 
 def check_args(args: argparse.Namespace, world: int) -> None:
@@ -173,8 +184,8 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     args.guidance = args.guidance if args.guidance is not None else family.guidance
     args.output = args.output or f"{args.family}_usp.png"
     unit = pixels_per_token(args)
-    why = (f"{'tiny ' if args.model is None else ''}{family.name}: {unit // 2} pixels per latent pixel, "
-           f"2x2 per token")
+    why = (f"{'tiny ' if args.model is None else ''}{family.name}: {unit // family.patch} pixels per latent pixel, "
+           f"{family.patch}x{family.patch} per token")
     for flag, value in (("--height", args.height), ("--width", args.width)):
         launch.check_multiple(flag, value, unit, why)
         if args.model is None and family.tiny_max_side and value > family.tiny_max_side:
@@ -228,7 +239,8 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
         module = importlib.import_module(f"usp_dit.demo.tiny_{args.family}")
         build = getattr(module, f"tiny_{args.family}_pipeline")
         kwargs = {"flux": dict(vae_blocks=4, max_text_len=TINY_TEXT_LEN), "sd3": dict(clip_len=TINY_TEXT_LEN),
-                  "chroma": dict(max_text_len=TINY_TEXT_LEN)}.get(args.family, {})
+                  "chroma": dict(max_text_len=TINY_TEXT_LEN),
+                  "sana": dict(max_text_len=TINY_TEXT_LEN)}.get(args.family, {})
         return build(**kwargs).to(device)
     import diffusers
 
@@ -241,8 +253,11 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     """(num_images, height, width, 3) float32 in [0, 1]; the seeded generator is the same on every rank."""
     family = FAMILIES[args.family]
     kwargs = {}
-    if args.model is None and args.family in ("flux", "sd3", "chroma"):
+    if args.model is None and args.family in ("flux", "sd3", "chroma", "sana"):
         kwargs["max_sequence_length"] = TINY_TEXT_LEN
+    if args.model is None and args.family == "sana":
+        # Sana's default chat instruction is ~1000 characters (tokens here); its size bins are the real model's.
+        kwargs.update(complex_human_instruction=None, use_resolution_binning=False)
     elif args.model is None and args.family == "flux2":
         from usp_dit.demo.tiny_flux2 import MISTRAL_LAYERS
 

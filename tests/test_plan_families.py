@@ -28,6 +28,7 @@ from usp_dit.demo import (
     tiny_ltx2,
     tiny_ltx_video,
     tiny_qwen_image,
+    tiny_sana,
     tiny_sd3,
     tiny_video,
     tiny_wan,
@@ -63,6 +64,7 @@ BUILDERS = {
     "Kandinsky5": tiny_kandinsky5.tiny_kandinsky5,  # the text stream's local attention too
     "Cosmos3": lambda: tiny_cosmos3.tiny_cosmos3("nemotron-omni"),  # sound and action heads too
     "MiniMax-H3": tiny_minimax_h3,  # the text refiner's local attention too
+    "Sana": lambda: tiny_sana.tiny_sana("sprint"),  # linear attention, the Mix-FFN's conv hooks, QK norms
 }
 
 
