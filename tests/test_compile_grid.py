@@ -422,6 +422,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("kandinsky5", (2, 2, 1), 0),
     ("cosmos3", (2, 2, 1), 0),  # the packed two-stream call, cut at the model's seams; replicated text as joint K/V
     ("minimax_h3", (2, 2, 1), 0),  # one packed sequence: per-row vectors cut at each block, two heads gathered
+    ("sana", (2, 2, 1), 1),  # linear attention's all-reduced summaries, the Mix-FFN conv's halo exchange
 ]
 
 
