@@ -165,6 +165,7 @@ CASES: dict[str, Callable] = {
     "cogview4": _later(pipeline_cases.cogview4_case), "lumina2": _later(pipeline_cases.lumina2_case),
     "krea2": _later(pipeline_cases.krea2_case), "hunyuan_image": _later(pipeline_cases.hunyuan_image_case),
     "zimage": _later(pipeline_cases.zimage_case),
+    "sana": _later(pipeline_cases.sana_case),
 }
 
 

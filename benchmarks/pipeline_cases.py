@@ -308,3 +308,19 @@ def hunyuan_image_case(build, device: torch.device, height: int = 2048, width: i
     kwargs = _on(device, inputs.kwargs())
     kwargs["return_dict"] = False
     return model, kwargs, f"{height}x{width} ({rows * cols} tokens + 1000/128 text)"
+def sana_case(build, device: torch.device, height: int = 1024, width: int = 1024):
+    """Sana 1600M (diffusers' defaults are its released config): latents (1, 32, h/32, w/32), patch 1
+    (DC-AE 32x); 300 prompt tokens (Gemma-2), 120 valid. Linear self-attention (an all-reduce of
+    summaries under usp_dit), the Mix-FFN's conv with its halo rows."""
+    from diffusers import SanaTransformer2DModel
+
+    model = build(SanaTransformer2DModel, {}, device)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, 32, height // 32, width // 32, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 300, 2304, generator=g, **_bf(device)),
+        encoder_attention_mask=_prompt_mask(device, 300, 120).long(),
+        timestep=torch.full((1,), 500.0, **_bf(device)), return_dict=False,
+    )
+    tokens = (height // 32) * (width // 32)
+    return model, inputs, f"{height}x{width} ({tokens} tokens + 300 text, 120 valid)"

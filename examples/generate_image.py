@@ -1,4 +1,5 @@
-"""torchrun: generate an image with Flux, Flux.2, Qwen-Image, SD3, Chroma, CogView4 or Lumina2 on a Ulysses x Ring (x CFG) grid,
+"""torchrun: generate an image with Flux, Flux.2, Qwen-Image, SD3, Chroma, CogView4, Lumina2, Krea 2, HunyuanImage, Z-Image
+or Sana on a Ulysses x Ring (x CFG) grid,
 checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --ulysses 2 --ring 2
@@ -10,6 +11,7 @@ checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family cogview4 --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family lumina2 --ulysses 4
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family zimage --ulysses 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family sana --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py \
         --model black-forest-labs/FLUX.1-dev --height 1024 --width 1024 --steps 28 --ulysses 4 --ring 2
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py --family sd3 \
@@ -17,9 +19,9 @@ checked against one rank.
 
 ``--family`` picks the model family (default ``flux``). With no ``--model`` it builds a tiny
 randomly initialised pipeline of that family in code (``usp_dit.demo.tiny_flux``, ``tiny_flux2``,
-``tiny_qwen_image``, ``tiny_sd3``, ``tiny_chroma``, ``tiny_cogview4``, ``tiny_lumina2``, ``tiny_zimage``: tiny transformer,
-VAE, scheduler and text encoders (CLIP, T5, Qwen2.5-VL, Mistral-3, GLM, Gemma 2, Qwen3) with character tokenizers;
-nothing is downloaded) and
+``tiny_qwen_image``, ``tiny_sd3``, ``tiny_chroma``, ``tiny_cogview4``, ``tiny_lumina2``, ``tiny_zimage``, ``tiny_sana``: tiny
+transformer, VAE, scheduler and text encoders (CLIP, T5, Qwen2.5-VL, Mistral-3, GLM, Gemma 2, Qwen3) with character
+tokenizers; nothing is downloaded) and
 runs it in float32 on CPU with gloo. The tiny SD3 is an SD3.5 Medium-like transformer (QK norm,
 dual attention in its first layer). With ``--model`` it loads ``FluxPipeline``, ``Flux2Pipeline``,
 ``QwenImagePipeline``, ``StableDiffusion3Pipeline``, ``ChromaPipeline``, ``CogView4Pipeline`` or
@@ -47,6 +49,11 @@ tokens, so its sides are at most 64. Defaults:
     krea2       80 x 112 -> 5 x 7 = 35              1024 x 1024     the two calls of a step (true CFG)
     hunyuan_image 40 x 56 -> 5 x 7 = 35             2048 x 2048     the two calls of a step (the guider)
     zimage      60 x 100 -> 15 x 25 = 375 (384)     1024 x 1024     [cond, uncond] (batched CFG)
+    sana        160 x 224 -> 5 x 7 = 35             1024 x 1024     [uncond, cond] (batched CFG)
+
+Sana's sides are multiples of 32, tiny or real (its DC-AE: 32 pixels per latent pixel, patch 1);
+its self-attention is linear (the summaries are all-reduced over the grid, no ring) and its
+Mix-FFN's conv fetches a halo row from the neighbouring ranks (usp_dit.pipelines.families.sana).
 
 (besides the text tokens of the tiny pipelines: 64 for Flux and Chroma, 64 + 64 for SD3 (CLIPs,
 then T5), 256 for Flux.2 (its chat template's system message is ~170), about one per character of
@@ -137,6 +144,9 @@ FAMILIES = {
                                  real_pixels_per_token=32, patch=1),
     "zimage": ImageFamily("ZImagePipeline", "Z-Image", (60, 100), 4, "guidance_scale", batched_cfg=True,
                           negative_prompt=True),
+    # DC-AE: 32 pixels per latent pixel, one latent pixel a token (tiny and real alike).
+    "sana": ImageFamily("SanaPipeline", "Sana", (160, 224), 32, "guidance_scale", batched_cfg=True,
+                        negative_prompt=True, real_pixels_per_token=32, patch=1),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -261,7 +271,8 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
         kwargs = {"flux": dict(vae_blocks=4, max_text_len=TINY_TEXT_LEN), "sd3": dict(clip_len=TINY_TEXT_LEN),
                   "chroma": dict(max_text_len=TINY_TEXT_LEN), "cogview4": dict(max_text_len=TINY_TEXT_LEN),
                   "lumina2": dict(max_text_len=TINY_LUMINA2_TEXT_LEN),
-                  "hunyuan_image": dict(max_text_len=TINY_TEXT_LEN)}.get(args.family, {})
+                  "hunyuan_image": dict(max_text_len=TINY_TEXT_LEN),
+                  "sana": dict(max_text_len=TINY_TEXT_LEN)}.get(args.family, {})
         return build(**kwargs).to(device)
     import diffusers
 
@@ -274,13 +285,16 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     """(num_images, height, width, 3) float32 in [0, 1]; the seeded generator is the same on every rank."""
     family = FAMILIES[args.family]
     kwargs = {}
-    if args.model is None and args.family in ("flux", "sd3", "chroma", "cogview4", "krea2"):
+    if args.model is None and args.family in ("flux", "sd3", "chroma", "cogview4", "krea2", "sana"):
         kwargs["max_sequence_length"] = TINY_TEXT_LEN
     elif args.model is None and args.family == "lumina2":
         # Lumina2Pipeline's default system prompt (~150 characters) would fill the tiny tokenizer.
         kwargs.update(max_sequence_length=TINY_LUMINA2_TEXT_LEN, system_prompt="draw")
     elif args.model is None and args.family == "zimage":
         kwargs["max_sequence_length"] = TINY_ZIMAGE_TEXT_LEN
+    if args.model is None and args.family == "sana":
+        # Sana's default chat instruction is ~1000 characters (tokens here); its size bins are the real model's.
+        kwargs.update(complex_human_instruction=None, use_resolution_binning=False)
     elif args.model is None and args.family == "flux2":
         from usp_dit.demo.tiny_flux2 import MISTRAL_LAYERS
 

@@ -28,6 +28,7 @@ from usp_dit.demo import (
     tiny_ltx2,
     tiny_ltx_video,
     tiny_qwen_image,
+    tiny_sana,
     tiny_sd3,
     tiny_video,
     tiny_wan,
@@ -78,6 +79,7 @@ BUILDERS = {
     "Krea2": tiny_krea2,  # the text fusion's local attention too
     "HunyuanImage": tiny_hunyuan_image,  # the token refiner's local attention too
     "ZImage": tiny_zimage,  # the context refiner's local attention too
+    "Sana": lambda: tiny_sana.tiny_sana("sprint"),  # linear attention, the Mix-FFN's conv hooks, QK norms
 }
 
 

@@ -154,6 +154,10 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     # (an odd batch is refused: no two-call fallback runs it whole), so no one_call entry.
     "ZImage": FamilyPipelines("Z-Image, Z-Image-Turbo; text- and image-to-image",
                               ("ZImagePipeline", "ZImageImg2ImgPipeline")),
+    "Sana": FamilyPipelines("Sana 600M, 1600M; Sana 1.5; Sana-Sprint (linear attention)",
+                            ("SanaPipeline", "SanaSprintPipeline"),
+                            one_call="Sana-Sprint (guidance embedded, step-distilled)",
+                            whole_vae="no recipe yet (DC-AE: its own blocks and linear attention)"),
     "CogVideoX": FamilyPipelines("2B, 5B, 1.5; text- and image-to-video",
                                  ("CogVideoXPipeline", "CogVideoXImageToVideoPipeline")),
     "Mochi": FamilyPipelines("Mochi 1", ("MochiPipeline",)),

@@ -28,6 +28,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     mochi,
     qwen_image,
     qwen_image21,
+    sana,
     sd3,
     skyreels_v2,
     wan,
