@@ -125,6 +125,8 @@ class SanaGridHooks:
     handles: list[RemovableHandle] = field(default_factory=list)
 
     def install(self) -> None:
+        if self.state.mesh.sequence_degree == 1:
+            return  # every token on this rank: the stock conv over the whole grid is already right
         for block in self.transformer.transformer_blocks:
             self.handles.append(block.register_forward_pre_hook(self._enter_block, with_kwargs=True))
             conv = block.ff.conv_depth
