@@ -105,6 +105,8 @@ class ModelPlan:
     block_lists: tuple[str, ...]  # ModuleLists of blocks: FSDP2's units; empty ones have nothing to split
     tables: tuple[Table, ...] = ()
     cfg_batch_args: tuple[str, ...] = ()  # batched on dim 0, split over "cfg" by enable_usp
+    # ... or on another dim, named here (HiDream's Llama states, (layers, B, L, C): {name: 1})
+    cfg_batch_dims: dict[str, int] = field(default_factory=dict)
     # Two-call families (a pipeline calls the transformer once per guidance branch): the arguments in
     # which the branches differ (the text conditioning). Non-empty: cfg_degree=2 runs a step's two
     # calls on the two cfg groups at once (usp_dit.pipelines.cfg_pair Note [two calls a step]).
@@ -310,6 +312,7 @@ class PlanAdapter(PatchingAdapter):
         self.name = plan.name
         self.model_class = plan.model_class
         self.cfg_batch_args = plan.cfg_batch_args
+        self.cfg_batch_dims = plan.cfg_batch_dims
         self.cfg_branch_args = plan.cfg_branch_args
 
     def num_heads(self, transformer: torch.nn.Module) -> int:

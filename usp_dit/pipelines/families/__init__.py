@@ -14,6 +14,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     flux,
     flux2,
     helios,
+    hidream,
     hunyuan_video,
     hunyuan_video15,
     kandinsky5,
