@@ -1,4 +1,4 @@
-"""torchrun: generate an image with Flux, Flux.2, Qwen-Image, SD3 or Chroma on a Ulysses x Ring (x CFG) grid,
+"""torchrun: generate an image with Flux, Flux.2, Qwen-Image, SD3, Chroma or HiDream on a Ulysses x Ring (x CFG) grid,
 checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --ulysses 2 --ring 2
@@ -7,6 +7,7 @@ checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family flux2 --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family chroma --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family chroma --ring 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family hidream --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py \
         --model black-forest-labs/FLUX.1-dev --height 1024 --width 1024 --steps 28 --ulysses 4 --ring 2
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py --family sd3 \
@@ -36,6 +37,12 @@ tokens, so its sides are at most 64. Defaults:
     qwen_image  144 x 240 -> 9 x 15 = 135           1024 x 1024     the two calls of a step (true CFG)
     sd3         44 x 60 -> 11 x 15 = 165            1024 x 1024     [uncond, cond] (batched CFG)
     chroma      60 x 100 -> 15 x 25 = 375           1024 x 1024     the two calls of a step (true CFG)
+    hidream     20 x 20 -> 5 x 5 = 25               1024 x 1024     [uncond, cond] (batched CFG)
+
+(HiDream's pipeline rescales every image to its default area, keeping the aspect ratio: the tiny
+one's is 20 x 20 pixels, the real one's 1024 x 1024; a non-square image's tokens are padded to the
+transformer's max_seq. With ``--model`` the folder must hold the Llama 3.1 text encoder and
+tokenizer as ``text_encoder_4`` / ``tokenizer_4``, which HiDream's own repositories do not ship.)
 
 (besides the text tokens of the tiny pipelines: 64 for Flux and Chroma, 64 + 64 for SD3 (CLIPs,
 then T5), 256 for Flux.2 (its chat template's system message is ~170), about one per character of
@@ -111,6 +118,8 @@ FAMILIES = {
                        negative_prompt=True, tiny_max_side=64),
     "chroma": ImageFamily("ChromaPipeline", "Chroma", (60, 100), 4, "guidance_scale", two_call_cfg=True,
                           negative_prompt=True),
+    "hidream": ImageFamily("HiDreamImagePipeline", "HiDream", (20, 20), 4, "guidance_scale", batched_cfg=True,
+                           negative_prompt=True),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -228,7 +237,8 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
         module = importlib.import_module(f"usp_dit.demo.tiny_{args.family}")
         build = getattr(module, f"tiny_{args.family}_pipeline")
         kwargs = {"flux": dict(vae_blocks=4, max_text_len=TINY_TEXT_LEN), "sd3": dict(clip_len=TINY_TEXT_LEN),
-                  "chroma": dict(max_text_len=TINY_TEXT_LEN)}.get(args.family, {})
+                  "chroma": dict(max_text_len=TINY_TEXT_LEN), "hidream": dict(max_text_len=TINY_TEXT_LEN)
+                  }.get(args.family, {})
         return build(**kwargs).to(device)
     import diffusers
 
@@ -241,7 +251,7 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     """(num_images, height, width, 3) float32 in [0, 1]; the seeded generator is the same on every rank."""
     family = FAMILIES[args.family]
     kwargs = {}
-    if args.model is None and args.family in ("flux", "sd3", "chroma"):
+    if args.model is None and args.family in ("flux", "sd3", "chroma", "hidream"):
         kwargs["max_sequence_length"] = TINY_TEXT_LEN
     elif args.model is None and args.family == "flux2":
         from usp_dit.demo.tiny_flux2 import MISTRAL_LAYERS

@@ -132,6 +132,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
         ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline"),
     ),
     "SD3": FamilyPipelines("SD3 Medium; SD3.5 Large, Medium", ("StableDiffusion3Pipeline",)),
+    "HiDream": FamilyPipelines("HiDream-I1 Full, Dev, Fast (MoE feed-forward)", ("HiDreamImagePipeline",),
+                               one_call="HiDream-I1 Dev and Fast (guidance-distilled, run at guidance_scale=0)"),
     "CogVideoX": FamilyPipelines("2B, 5B, 1.5; text- and image-to-video",
                                  ("CogVideoXPipeline", "CogVideoXImageToVideoPipeline")),
     "Mochi": FamilyPipelines("Mochi 1", ("MochiPipeline",)),

@@ -75,7 +75,7 @@ from diffusers import HiDreamImageTransformer2DModel
 from diffusers.models.transformers.transformer_hidream_image import HiDreamAttnProcessor, MOEFeedForwardSwiGLU
 from torch.utils.hooks import RemovableHandle
 
-import usp_dit.pipelines.families.sd3 as sd3
+import usp_dit.pipelines.families.sd3 as sd3  # noqa: PLR0402  (the module, not the package: no import circle)
 from usp_dit.pipelines._routing import Route, with_global
 from usp_dit.pipelines._token_sharding import ShardState, _get_arg, _set_arg
 from usp_dit.pipelines.base import register_adapter
