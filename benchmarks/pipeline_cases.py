@@ -44,6 +44,15 @@ LUMINA2 = dict(
     axes_lens=(300, 512, 512), cap_feat_dim=2304,
 )
 # HunyuanVideo, Qwen-Image, LTX-Video 0.9 and Flux.2-dev: diffusers' defaults are the released configs.
+# HiDream-I1 Full (HiDream-ai/HiDream-I1-Full, transformer/config.json; Dev and Fast are the same
+# architecture): 16 double- + 32 single-stream blocks, MoE of 4 routed experts (2 active), one Llama
+# 3.1 layer per block (layers 0..31, then 31 for the last 16 blocks).
+HIDREAM_I1 = dict(
+    patch_size=2, in_channels=16, out_channels=16, num_layers=16, num_single_layers=32, attention_head_dim=128,
+    num_attention_heads=20, caption_channels=[4096, 4096], text_emb_dim=2048, num_routed_experts=4,
+    num_activated_experts=2, axes_dims_rope=(64, 32, 32), max_resolution=(128, 128),
+    llama_layers=list(range(32)) + [31] * 16,
+)
 
 
 def _bf(device: torch.device) -> dict:
@@ -159,6 +168,25 @@ def sd35_case(build, device: torch.device, height: int = 1024, width: int = 1024
     )
     tokens = (height // 16) * (width // 16)
     return model, inputs, f"{height}x{width} ({tokens} + 333 tokens)"
+
+
+def hidream_case(build, device: torch.device, height: int = 1024, width: int = 1024):
+    """HiDream-I1 Full: latents (1, 16, h/8, w/8), 2x2 patches; 128 T5 tokens and Llama 3.1 8B's 32
+    hidden states of 128 tokens, stacked (32, 1, 128, 4096) as the pipeline passes them: 128 + 2 x 128
+    = 384 text tokens beside the image's; pooled CLIP-L + CLIP-G (1, 2048)."""
+    from diffusers import HiDreamImageTransformer2DModel
+
+    model = build(HiDreamImageTransformer2DModel, HIDREAM_I1, device)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, height // 8, width // 8, generator=g, **_bf(device)),
+        timesteps=torch.full((1,), 500, device=device, dtype=torch.long),
+        encoder_hidden_states_t5=torch.randn(1, 128, 4096, generator=g, **_bf(device)),
+        encoder_hidden_states_llama3=torch.randn(32, 1, 128, 4096, generator=g, **_bf(device)),
+        pooled_embeds=torch.randn(1, 2048, generator=g, **_bf(device)), return_dict=False,
+    )
+    tokens = (height // 16) * (width // 16) if height == width else model.max_seq
+    return model, inputs, f"{height}x{width} ({tokens} + 384 tokens)"
 
 
 def ltx_video_case(build, device: torch.device, frames: int = 121, height: int = 512, width: int = 768):

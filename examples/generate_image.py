@@ -1,5 +1,5 @@
-"""torchrun: generate an image with Flux, Flux.2, Qwen-Image, SD3, Chroma, CogView4, Lumina2, Krea 2, HunyuanImage, Z-Image
-or Sana on a Ulysses x Ring (x CFG) grid,
+"""torchrun: generate an image with Flux, Flux.2, Qwen-Image, SD3, Chroma, CogView4, Lumina2, Krea 2, HunyuanImage, Z-Image,
+Sana or HiDream on a Ulysses x Ring (x CFG) grid,
 checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --ulysses 2 --ring 2
@@ -12,6 +12,7 @@ checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family lumina2 --ulysses 4
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family zimage --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family sana --ulysses 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_image.py --family hidream --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py \
         --model black-forest-labs/FLUX.1-dev --height 1024 --width 1024 --steps 28 --ulysses 4 --ring 2
     torchrun --standalone --nproc-per-node 8 examples/generate_image.py --family sd3 \
@@ -54,6 +55,12 @@ tokens, so its sides are at most 64. Defaults:
 Sana's sides are multiples of 32, tiny or real (its DC-AE: 32 pixels per latent pixel, patch 1);
 its self-attention is linear (the summaries are all-reduced over the grid, no ring) and its
 Mix-FFN's conv fetches a halo row from the neighbouring ranks (usp_dit.pipelines.families.sana).
+    hidream     20 x 20 -> 5 x 5 = 25               1024 x 1024     [uncond, cond] (batched CFG)
+
+(HiDream's pipeline rescales every image to its default area, keeping the aspect ratio: the tiny
+one's is 20 x 20 pixels, the real one's 1024 x 1024; a non-square image's tokens are padded to the
+transformer's max_seq. With ``--model`` the folder must hold the Llama 3.1 text encoder and
+tokenizer as ``text_encoder_4`` / ``tokenizer_4``, which HiDream's own repositories do not ship.)
 
 (besides the text tokens of the tiny pipelines: 64 for Flux and Chroma, 64 + 64 for SD3 (CLIPs,
 then T5), 256 for Flux.2 (its chat template's system message is ~170), about one per character of
@@ -147,6 +154,8 @@ FAMILIES = {
     # DC-AE: 32 pixels per latent pixel, one latent pixel a token (tiny and real alike).
     "sana": ImageFamily("SanaPipeline", "Sana", (160, 224), 32, "guidance_scale", batched_cfg=True,
                         negative_prompt=True, real_pixels_per_token=32, patch=1),
+    "hidream": ImageFamily("HiDreamImagePipeline", "HiDream", (20, 20), 4, "guidance_scale", batched_cfg=True,
+                           negative_prompt=True),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -272,7 +281,8 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
                   "chroma": dict(max_text_len=TINY_TEXT_LEN), "cogview4": dict(max_text_len=TINY_TEXT_LEN),
                   "lumina2": dict(max_text_len=TINY_LUMINA2_TEXT_LEN),
                   "hunyuan_image": dict(max_text_len=TINY_TEXT_LEN),
-                  "sana": dict(max_text_len=TINY_TEXT_LEN)}.get(args.family, {})
+                  "sana": dict(max_text_len=TINY_TEXT_LEN), "hidream": dict(max_text_len=TINY_TEXT_LEN),
+                  }.get(args.family, {})
         return build(**kwargs).to(device)
     import diffusers
 
@@ -285,7 +295,7 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     """(num_images, height, width, 3) float32 in [0, 1]; the seeded generator is the same on every rank."""
     family = FAMILIES[args.family]
     kwargs = {}
-    if args.model is None and args.family in ("flux", "sd3", "chroma", "cogview4", "krea2", "sana"):
+    if args.model is None and args.family in ("flux", "sd3", "chroma", "cogview4", "krea2", "sana", "hidream"):
         kwargs["max_sequence_length"] = TINY_TEXT_LEN
     elif args.model is None and args.family == "lumina2":
         # Lumina2Pipeline's default system prompt (~150 characters) would fill the tiny tokenizer.

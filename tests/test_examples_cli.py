@@ -432,6 +432,8 @@ NEGATIVE = "blurry, low quality"  # the image example's default negative prompt 
     (["--family", "chroma", "--cfg", "2", "--guidance", "1"], (60, 100, 1.0, NEGATIVE, "chroma_usp.png", (1, 1, 2), 2)),
     # Z-Image batches CFG ([cond, uncond] of one call): the cfg axis splits it, one image uses both
     (["--family", "zimage", "--cfg", "2"], (60, 100, None, NEGATIVE, "zimage_usp.png", (1, 1, 2), 1)),
+    # HiDream batches CFG, as SD3: the cfg axis splits [uncond, cond] of a single image.
+    (["--family", "hidream", "--cfg", "2"], (20, 20, None, NEGATIVE, "hidream_usp.png", (1, 1, 2), 1)),
 ])
 def test_image_example_fills_each_familys_defaults(argv, expected, two_ranks):
     a = _example("generate_image").parse_args(argv)

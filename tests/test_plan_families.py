@@ -22,6 +22,7 @@ from usp_dit.demo import (
     tiny_cosmos3,
     tiny_flux,
     tiny_flux2,
+    tiny_hidream,
     tiny_hunyuan_video,
     tiny_hunyuan_video15,
     tiny_kandinsky5,
@@ -65,6 +66,7 @@ BUILDERS = {
     "Flux": tiny_flux.tiny_flux_transformer,
     "Flux2": tiny_flux2.tiny_flux2,
     "Chroma": tiny_chroma.tiny_chroma,
+    "HiDream": tiny_hidream.tiny_hidream,
     "SkyReels-V2": lambda: tiny_skyreels_v2(num_frame_per_block=2),  # diffusion forcing's block-causal mask
     "ChronoEdit": tiny_chronoedit,  # Wan I2V's attention with ChronoEdit's own processor class
     "Helios": lambda: tiny_helios("amplify"),  # the history's key scales too

@@ -158,6 +158,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                             ("SanaPipeline", "SanaSprintPipeline"),
                             one_call="Sana-Sprint (guidance embedded, step-distilled)",
                             whole_vae="no recipe yet (DC-AE: its own blocks and linear attention)"),
+    "HiDream": FamilyPipelines("HiDream-I1 Full, Dev, Fast (MoE feed-forward)", ("HiDreamImagePipeline",),
+                               one_call="HiDream-I1 Dev and Fast (guidance-distilled, run at guidance_scale=0)"),
     "CogVideoX": FamilyPipelines("2B, 5B, 1.5; text- and image-to-video",
                                  ("CogVideoXPipeline", "CogVideoXImageToVideoPipeline")),
     "Mochi": FamilyPipelines("Mochi 1", ("MochiPipeline",)),

@@ -107,6 +107,8 @@ class ModelPlan:
     cfg_batch_args: tuple[str, ...] = ()  # batched on dim 0, split over "cfg" by enable_usp
     # Python lists of one entry per batch row (Z-Image's latents and prompts), split by index over "cfg".
     cfg_list_args: tuple[str, ...] = ()
+    # ... or on another dim, named here (HiDream's Llama states, (layers, B, L, C): {name: 1})
+    cfg_batch_dims: dict[str, int] = field(default_factory=dict)
     # Two-call families (a pipeline calls the transformer once per guidance branch): the arguments in
     # which the branches differ (the text conditioning). Non-empty: cfg_degree=2 runs a step's two
     # calls on the two cfg groups at once (usp_dit.pipelines.cfg_pair Note [two calls a step]).
@@ -313,6 +315,7 @@ class PlanAdapter(PatchingAdapter):
         self.model_class = plan.model_class
         self.cfg_batch_args = plan.cfg_batch_args
         self.cfg_list_args = plan.cfg_list_args
+        self.cfg_batch_dims = plan.cfg_batch_dims
         self.cfg_branch_args = plan.cfg_branch_args
 
     def num_heads(self, transformer: torch.nn.Module) -> int:

@@ -66,6 +66,8 @@ Note [cfg parallel]
     Its ``cfg_list_args`` are Python lists with one entry per row (Z-Image's latents and prompt
     embeddings, each prompt its own length): split by index; a first output that is such a list
     (of equal-shaped tensors) is gathered back into one.
+    An argument batched on another dim is named in the adapter's ``cfg_batch_dims`` (HiDream's
+    stacked Llama states, (layers, B, L, C)).
     A family whose pipelines call the transformer once per guidance branch (``cfg_branch_args``)
     runs a step's two calls on the two cfg groups at once instead, falling back to this split
     (Note [two calls a step] in ``usp_dit.pipelines.cfg_pair``).
@@ -144,26 +146,30 @@ def batch_size(arguments: dict[str, Any], default: int | None = None) -> int:
     raise ValueError("cfg_degree > 1 needs a tensor argument with a batch dimension; the transformer got none")
 
 
-def _take_rows(value: Any, batch: int, lo: int, hi: int, name: str, strict: bool) -> Any:
-    """Rows [lo, hi) of a batched tensor (or, for a declared argument, of each tensor of a list/tuple);
-    broadcastable ones stay."""
+def _take_rows(value: Any, batch: int, lo: int, hi: int, name: str, strict: bool, dim: int = 0) -> Any:
+    """Rows [lo, hi) on ``dim`` of a batched tensor (or, for a declared argument, of each tensor of a
+    list/tuple: a stack of tensors on a leading axis, so each item's batch is on ``dim - 1`` when
+    ``dim`` > 0); broadcastable ones stay."""
     if isinstance(value, (list, tuple)):
         if not strict:  # undeclared containers (e.g. RoPE tables (seq, dim)) are not batched
             return value
-        return type(value)(_take_rows(v, batch, lo, hi, name, strict) for v in value)
-    if not torch.is_tensor(value) or value.dim() == 0:
+        return type(value)(_take_rows(v, batch, lo, hi, name, strict, max(dim - 1, 0)) for v in value)
+    if not torch.is_tensor(value) or value.dim() <= dim:
         return value
-    if value.shape[0] == batch:
-        return value[lo:hi]
-    if strict and value.shape[0] != 1:
-        raise ValueError(f"argument {name!r} has {value.shape[0]} rows but the batch is {batch}")
+    if value.shape[dim] == batch:
+        return value.narrow(dim, lo, hi - lo)
+    if strict and value.shape[dim] != 1:
+        raise ValueError(f"argument {name!r} has {value.shape[dim]} rows on dim {dim} but the batch is {batch}")
     return value
 
 
 def split_cfg_batch(
     arguments: dict[str, Any], mesh: USPMesh, batch_args: tuple[str, ...] | None, list_args: tuple[str, ...] = (),
+    batch_dims: dict[str, int] | None = None,
 ) -> int:
     """Keep this cfg rank's rows of every batched argument, in place; returns the full batch size.
+    ``batch_dims``: the batch dimension of arguments whose batch is not on dim 0 (the adapter's
+    ``cfg_batch_dims``).
 
     ``list_args``: arguments that are lists (or tuples) of one entry per row: this rank's entries.
 
@@ -182,7 +188,8 @@ def split_cfg_batch(
     names = batch_args if batch_args is not None else tuple(arguments)
     for name in names:
         if name in arguments:
-            arguments[name] = _take_rows(arguments[name], batch, lo, lo + rows, name, batch_args is not None)
+            dim = (batch_dims or {}).get(name, 0)
+            arguments[name] = _take_rows(arguments[name], batch, lo, lo + rows, name, batch_args is not None, dim)
     for name in list_args:
         value = arguments.get(name)
         if isinstance(value, (list, tuple)):
@@ -354,5 +361,6 @@ class ReplicaForward(MethodWrapper):
         if batch_args == ():  # no batched argument (one packed sequence): the whole call on both groups
             return self.inner(*bound.args, **bound.kwargs)
         list_args = getattr(self.state.adapter, "cfg_list_args", ())
-        batch = split_cfg_batch(bound.arguments, mesh, batch_args, list_args)
+        batch = split_cfg_batch(bound.arguments, mesh, batch_args, list_args,
+                                getattr(self.state.adapter, "cfg_batch_dims", None))
         return gather_cfg_output(self.inner(*bound.args, **bound.kwargs), batch, mesh)

@@ -16,6 +16,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     flux2,
     flux3,
     helios,
+    hidream,
     hunyuan_video,
     hunyuan_image,
     hunyuan_video15,
