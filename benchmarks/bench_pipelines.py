@@ -161,6 +161,7 @@ CASES: dict[str, Callable] = {
     "ltx_video": _later(pipeline_cases.ltx_video_case), "flux2": _later(pipeline_cases.flux2_case),
     "skyreels_df": _later(pipeline_cases.skyreels_df_case),
     "hunyuan_video15": _later(pipeline_cases.hunyuan_video15_case), "wan_vace": _later(pipeline_cases.wan_vace_case),
+    "longcat_image": _later(pipeline_cases.longcat_image_case), "ovis_image": _later(pipeline_cases.ovis_image_case),
 }
 
 

@@ -36,6 +36,11 @@ tokens, so its sides are at most 64. Defaults:
     qwen_image  144 x 240 -> 9 x 15 = 135           1024 x 1024     the two calls of a step (true CFG)
     sd3         44 x 60 -> 11 x 15 = 165            1024 x 1024     [uncond, cond] (batched CFG)
     chroma      60 x 100 -> 15 x 25 = 375           1024 x 1024     the two calls of a step (true CFG)
+    longcat_image 384 x 640 -> 3 x 5 = 15           1024 x 1024     the two calls of a step (true CFG)
+    ovis_image  60 x 100 -> 15 x 25 = 375           1024 x 1024     the two calls of a step (true CFG)
+
+(LongCat-Image's tiny VAE has 7 levels, 128 pixels per token: its edit pipeline works at about
+1024 x 1024 pixels; the tiny example runs the text-to-image pipeline without its prompt rewrite.)
 
 (besides the text tokens of the tiny pipelines: 64 for Flux and Chroma, 64 + 64 for SD3 (CLIPs,
 then T5), 256 for Flux.2 (its chat template's system message is ~170), about one per character of
@@ -99,7 +104,8 @@ class ImageFamily:
 
 
 REAL_PIXELS_PER_TOKEN = 16  # every real family: 8 pixels per latent pixel (VAE), 2 x 2 latent pixels per token
-PLANNER_MODELS = {"flux": "flux", "flux2": "flux2", "sd3": "sd35", "qwen_image": "qwen_image"}  # usp_dit.planner.models names
+PLANNER_MODELS = {"flux": "flux", "flux2": "flux2", "sd3": "sd35", "qwen_image": "qwen_image",
+                  "longcat_image": "longcat_image", "ovis_image": "ovis_image"}  # usp_dit.planner.models names
 FAMILIES = {
     # 1008 for the real model too, as before the other families came: 63 x 63 tokens.
     "flux": ImageFamily("FluxPipeline", "Flux", (1008, 1008), 16, "guidance_scale", guidance=3.5,
@@ -111,6 +117,10 @@ FAMILIES = {
                        negative_prompt=True, tiny_max_side=64),
     "chroma": ImageFamily("ChromaPipeline", "Chroma", (60, 100), 4, "guidance_scale", two_call_cfg=True,
                           negative_prompt=True),
+    "longcat_image": ImageFamily("LongCatImagePipeline", "LongCat-Image", (384, 640), 128, "guidance_scale",
+                                 two_call_cfg=True, negative_prompt=True),
+    "ovis_image": ImageFamily("OvisImagePipeline", "Ovis-Image", (60, 100), 4, "guidance_scale", two_call_cfg=True,
+                              negative_prompt=True),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -243,6 +253,10 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     kwargs = {}
     if args.model is None and args.family in ("flux", "sd3", "chroma"):
         kwargs["max_sequence_length"] = TINY_TEXT_LEN
+    elif args.model is None and args.family == "longcat_image":
+        kwargs["enable_prompt_rewrite"] = False  # the tiny processor has no chat template to rewrite with
+    elif args.model is None and args.family == "ovis_image":
+        kwargs["max_sequence_length"] = 256  # the pipeline's most: its system prompt is ~150 characters
     elif args.model is None and args.family == "flux2":
         from usp_dit.demo.tiny_flux2 import MISTRAL_LAYERS
 

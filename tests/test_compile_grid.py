@@ -421,6 +421,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("wan_animate", (1, 4, 1), 1),  # face attention by frame: every rank's tokens start or end mid-frame
     ("kandinsky5", (2, 2, 1), 0),
     ("cosmos3", (2, 2, 1), 0),  # the packed two-stream call, cut at the model's seams; replicated text as joint K/V
+    ("longcat_image", (2, 2, 1), 2), ("ovis_image", (1, 4, 1), 0),  # Flux-like joint split; 2: the edit call
     ("minimax_h3", (2, 2, 1), 0),  # one packed sequence: per-row vectors cut at each block, two heads gathered
 ]
 

@@ -430,6 +430,8 @@ NEGATIVE = "blurry, low quality"  # the image example's default negative prompt 
     (["--family", "chroma", "--cfg", "2"], (60, 100, None, NEGATIVE, "chroma_usp.png", (1, 1, 2), 1)),
     # unguided (one call a step): the cfg axis splits the images, as for Flux
     (["--family", "chroma", "--cfg", "2", "--guidance", "1"], (60, 100, 1.0, NEGATIVE, "chroma_usp.png", (1, 1, 2), 2)),
+    (["--family", "longcat_image", "--cfg", "2"], (384, 640, None, NEGATIVE, "longcat_image_usp.png", (1, 1, 2), 1)),
+    (["--family", "ovis_image", "--cfg", "2"], (60, 100, None, NEGATIVE, "ovis_image_usp.png", (1, 1, 2), 1)),
 ])
 def test_image_example_fills_each_familys_defaults(argv, expected, two_ranks):
     a = _example("generate_image").parse_args(argv)

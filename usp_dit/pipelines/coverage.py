@@ -127,6 +127,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "Flux2": FamilyPipelines("FLUX.2-dev, FLUX.2-klein", ("Flux2Pipeline", "Flux2KleinPipeline"),
                              one_call="FLUX.2-dev (guidance-distilled) and the step-distilled Klein"),
     "Chroma": FamilyPipelines("Chroma1-HD, -Base, -Flash", ("ChromaPipeline",)),
+    "LongCatImage": FamilyPipelines("LongCat-Image, -Edit", ("LongCatImagePipeline", "LongCatImageEditPipeline")),
+    "OvisImage": FamilyPipelines("Ovis-Image-7B", ("OvisImagePipeline",)),
     "QwenImage": FamilyPipelines(
         "Qwen-Image, -Edit, -Edit-2511, -Layered",
         ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline"),
