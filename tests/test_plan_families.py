@@ -36,7 +36,9 @@ from usp_dit.demo import (
 )
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_helios import tiny_helios
+from usp_dit.demo.tiny_longcat_image import tiny_longcat_image
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
+from usp_dit.demo.tiny_ovis_image import tiny_ovis_image
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
 from usp_dit.pipelines.base import find_adapter, registered_adapters
 from usp_dit.pipelines.plan import Parallel, PlanAdapter
@@ -55,6 +57,8 @@ BUILDERS = {
     "Flux": tiny_flux.tiny_flux_transformer,
     "Flux2": tiny_flux2.tiny_flux2,
     "Chroma": tiny_chroma.tiny_chroma,
+    "LongCatImage": tiny_longcat_image,
+    "OvisImage": tiny_ovis_image,
     "SkyReels-V2": lambda: tiny_skyreels_v2(num_frame_per_block=2),  # diffusion forcing's block-causal mask
     "ChronoEdit": tiny_chronoedit,  # Wan I2V's attention with ChronoEdit's own processor class
     "Helios": lambda: tiny_helios("amplify"),  # the history's key scales too

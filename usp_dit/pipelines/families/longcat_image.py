@@ -52,10 +52,10 @@ from __future__ import annotations
 from diffusers import LongCatImageTransformer2DModel
 from diffusers.models.transformers.transformer_longcat_image import LongCatImageAttnProcessor
 
+import usp_dit.pipelines.families.flux as flux  # noqa: PLR0402  (the module, not the package: no import circle)
 from usp_dit.pipelines._joint_split import JointSplitForward, JointSplitPlanAdapter
 from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class
 from usp_dit.pipelines.base import register_adapter
-from usp_dit.pipelines.families import flux
 from usp_dit.pipelines.plan import ModelPlan, Parallel
 
 # Note [routing a stock processor's attention call] (usp_dit.pipelines._routing): the stock code,
