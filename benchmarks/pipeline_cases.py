@@ -53,6 +53,8 @@ HIDREAM_I1 = dict(
     num_activated_experts=2, axes_dims_rope=(64, 32, 32), max_resolution=(128, 128),
     llama_layers=list(range(32)) + [31] * 16,
 )
+# HunyuanVideo, Qwen-Image, LTX-Video 0.9, Flux.2-dev, LongCat-Image and Ovis-Image: diffusers' defaults
+# are the released configs.
 
 
 def _bf(device: torch.device) -> dict:
@@ -352,3 +354,44 @@ def sana_case(build, device: torch.device, height: int = 1024, width: int = 1024
     )
     tokens = (height // 32) * (width // 32)
     return model, inputs, f"{height}x{width} ({tokens} tokens + 300 text, 120 valid)"
+def _image_ids(height: int, width: int, modality: float, start: int, device: torch.device) -> torch.Tensor:
+    """(tokens, 3) ids (modality, start + row, start + col) of the packed 2x2 patches of a
+    ``height x width`` image (8 pixels per latent pixel)."""
+    r, c = torch.meshgrid(torch.arange(height // 16), torch.arange(width // 16), indexing="ij")
+    return torch.stack([torch.full_like(r, 0) + modality, r + start, c + start], -1).reshape(-1, 3).float().to(device)
+
+
+def longcat_image_case(build, device: torch.device, height: int = 1024, width: int = 1024):
+    """LongCat-Image: packed latents (1, (h/16)*(w/16), 64); 512 text tokens (Qwen2.5-VL, padded,
+    no mask); ids as ``LongCatImagePipeline`` makes them: text (0, i, i), image (1, 512 + h, 512 + w)."""
+    from diffusers import LongCatImageTransformer2DModel
+
+    model = build(LongCatImageTransformer2DModel, {}, device)
+    img_ids = _image_ids(height, width, 1.0, 512, device)
+    txt_ids = torch.arange(512, device=device).float()[:, None].repeat(1, 3)
+    txt_ids[:, 0] = 0
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, img_ids.shape[0], 64, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 512, 3584, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 0.5, **_bf(device)), img_ids=img_ids, txt_ids=txt_ids, return_dict=False,
+    )
+    return model, inputs, f"{height}x{width} ({img_ids.shape[0]} + 512 tokens)"
+
+
+def ovis_image_case(build, device: torch.device, height: int = 1024, width: int = 1024):
+    """Ovis-Image-7B: packed latents (1, (h/16)*(w/16), 64); 256 text tokens (Qwen3, padded, no
+    mask); ids as ``OvisImagePipeline`` makes them: text (0, i, i), image (0, h, w)."""
+    from diffusers import OvisImageTransformer2DModel
+
+    model = build(OvisImageTransformer2DModel, {}, device)
+    img_ids = _image_ids(height, width, 0.0, 0, device)
+    txt_ids = torch.arange(256, device=device).float()[:, None].repeat(1, 3)
+    txt_ids[:, 0] = 0
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, img_ids.shape[0], 64, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 256, 2048, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 0.5, **_bf(device)), img_ids=img_ids, txt_ids=txt_ids, return_dict=False,
+    )
+    return model, inputs, f"{height}x{width} ({img_ids.shape[0]} + 256 tokens)"

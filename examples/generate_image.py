@@ -61,6 +61,11 @@ Mix-FFN's conv fetches a halo row from the neighbouring ranks (usp_dit.pipelines
 one's is 20 x 20 pixels, the real one's 1024 x 1024; a non-square image's tokens are padded to the
 transformer's max_seq. With ``--model`` the folder must hold the Llama 3.1 text encoder and
 tokenizer as ``text_encoder_4`` / ``tokenizer_4``, which HiDream's own repositories do not ship.)
+    longcat_image 384 x 640 -> 3 x 5 = 15           1024 x 1024     the two calls of a step (true CFG)
+    ovis_image  60 x 100 -> 15 x 25 = 375           1024 x 1024     the two calls of a step (true CFG)
+
+(LongCat-Image's tiny VAE has 7 levels, 128 pixels per token: its edit pipeline works at about
+1024 x 1024 pixels; the tiny example runs the text-to-image pipeline without its prompt rewrite.)
 
 (besides the text tokens of the tiny pipelines: 64 for Flux and Chroma, 64 + 64 for SD3 (CLIPs,
 then T5), 256 for Flux.2 (its chat template's system message is ~170), about one per character of
@@ -126,7 +131,8 @@ class ImageFamily:
     patch: int = 2  # latent pixels a token has on a side
 
 
-PLANNER_MODELS = {"flux": "flux", "flux2": "flux2", "sd3": "sd35", "qwen_image": "qwen_image"}  # usp_dit.planner.models names
+PLANNER_MODELS = {"flux": "flux", "flux2": "flux2", "sd3": "sd35", "qwen_image": "qwen_image",
+                  "longcat_image": "longcat_image", "ovis_image": "ovis_image"}  # usp_dit.planner.models names
 FAMILIES = {
     # 1008 for the real model too, as before the other families came: 63 x 63 tokens.
     "flux": ImageFamily("FluxPipeline", "Flux", (1008, 1008), 16, "guidance_scale", guidance=3.5,
@@ -156,6 +162,10 @@ FAMILIES = {
                         negative_prompt=True, real_pixels_per_token=32, patch=1),
     "hidream": ImageFamily("HiDreamImagePipeline", "HiDream", (20, 20), 4, "guidance_scale", batched_cfg=True,
                            negative_prompt=True),
+    "longcat_image": ImageFamily("LongCatImagePipeline", "LongCat-Image", (384, 640), 128, "guidance_scale",
+                                 two_call_cfg=True, negative_prompt=True),
+    "ovis_image": ImageFamily("OvisImagePipeline", "Ovis-Image", (60, 100), 4, "guidance_scale", two_call_cfg=True,
+                              negative_prompt=True),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -302,6 +312,10 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         kwargs.update(max_sequence_length=TINY_LUMINA2_TEXT_LEN, system_prompt="draw")
     elif args.model is None and args.family == "zimage":
         kwargs["max_sequence_length"] = TINY_ZIMAGE_TEXT_LEN
+    elif args.model is None and args.family == "longcat_image":
+        kwargs["enable_prompt_rewrite"] = False  # the tiny processor has no chat template to rewrite with
+    elif args.model is None and args.family == "ovis_image":
+        kwargs["max_sequence_length"] = 256  # the pipeline's most: its system prompt is ~150 characters
     if args.model is None and args.family == "sana":
         # Sana's default chat instruction is ~1000 characters (tokens here); its size bins are the real model's.
         kwargs.update(complex_human_instruction=None, use_resolution_binning=False)

@@ -79,6 +79,32 @@ def sharded_output_case(model, inputs, adapter, mesh, attention: torch.nn.Module
     }
 
 
+def joint_output_case(model, inputs, adapter, mesh, attention: torch.nn.Module, tokens: int) -> dict[str, float]:
+    """``sharded_output_case`` for a model whose text is split with its image (Flux-like: Note
+    [joint token split]): the tokens ``attention`` (block 0's double-stream attention) sees are
+    its ``hidden_states`` (image part) and ``encoder_hidden_states`` (text part) together, at most
+    ceil(tokens / P) with ``tokens`` = text + image."""
+    ref = forward(model, inputs)
+    lengths = []
+
+    def seen(module, args, kwargs):
+        lengths.append(kwargs["hidden_states"].shape[1] + kwargs["encoder_hidden_states"].shape[1])
+
+    adapter.enable(model, mesh, "auto")
+    hook = attention.register_forward_pre_hook(seen, with_kwargs=True)
+    try:
+        out = forward(model, inputs)
+    finally:
+        hook.remove()
+        adapter.disable(model)
+    again = forward(model, inputs)
+    return {
+        "out": rel_err(out, ref),
+        "block0_tokens_above_ceil": float(not lengths or max(lengths) > math.ceil(tokens / mesh.sequence_degree)),
+        "disable_not_bit_identical": float(not torch.equal(again, ref)),
+    }
+
+
 def _param_grads(model, inputs, divisor: int) -> dict[str, torch.Tensor]:
     out = sample(model(**inputs.kwargs(), return_dict=False))
     if isinstance(out, list):  # one sample per element (Z-Image): flattened into one vector, as ``forward``

@@ -45,6 +45,9 @@ from usp_dit.demo.tiny_hunyuan_image import tiny_hunyuan_image
 from usp_dit.demo.tiny_krea2 import tiny_krea2
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
 from usp_dit.demo.tiny_qwen_image21 import tiny_qwen_image21
+from usp_dit.demo.tiny_longcat_image import tiny_longcat_image
+from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
+from usp_dit.demo.tiny_ovis_image import tiny_ovis_image
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
 from usp_dit.demo.tiny_zimage import tiny_zimage
 from usp_dit.pipelines.base import find_adapter, registered_adapters
@@ -67,6 +70,8 @@ BUILDERS = {
     "Flux2": tiny_flux2.tiny_flux2,
     "Chroma": tiny_chroma.tiny_chroma,
     "HiDream": tiny_hidream.tiny_hidream,
+    "LongCatImage": tiny_longcat_image,
+    "OvisImage": tiny_ovis_image,
     "SkyReels-V2": lambda: tiny_skyreels_v2(num_frame_per_block=2),  # diffusion forcing's block-causal mask
     "ChronoEdit": tiny_chronoedit,  # Wan I2V's attention with ChronoEdit's own processor class
     "Helios": lambda: tiny_helios("amplify"),  # the history's key scales too

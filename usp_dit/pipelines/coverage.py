@@ -130,6 +130,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                              whole_vae="no DiffusionPipeline: Diffusers ships FLUX.3 as modular blocks "
                                        "(Flux3ModularPipeline, Flux3DistilledModularPipeline)"),
     "Chroma": FamilyPipelines("Chroma1-HD, -Base, -Flash", ("ChromaPipeline",)),
+    "LongCatImage": FamilyPipelines("LongCat-Image, -Edit", ("LongCatImagePipeline", "LongCatImageEditPipeline")),
+    "OvisImage": FamilyPipelines("Ovis-Image-7B", ("OvisImagePipeline",)),
     "QwenImage": FamilyPipelines(
         "Qwen-Image, -Edit, -Edit-2511, -Layered",
         ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline"),
