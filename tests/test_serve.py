@@ -386,7 +386,7 @@ def test_sigterm_drains_then_exits_0(ready):
 
 
 def test_a_killed_rank_fails_requests_and_the_job_exits_nonzero(tmp_path):
-    srv = Server(tmp_path / "server2.log", 2, "--ulysses", "2", "--steps", "2")
+    srv = Server(tmp_path / "server2.log", 2, "--ulysses", "2", "--steps", "2", "--max-steps", "1000")
     try:
         srv.wait_ready()
         workers = srv.rank_pids()
@@ -394,7 +394,7 @@ def test_a_killed_rank_fails_requests_and_the_job_exits_nonzero(tmp_path):
 
         def long_request():
             try:
-                outcome["answer"] = _post(srv.url + "/v1/images/generations", _image_body("slow", seed=0, steps=400))
+                outcome["answer"] = _post(srv.url + "/v1/images/generations", _image_body("slow", seed=0, steps=1000))
             except OSError as err:  # the connection closed: an error too, never silence
                 outcome["answer"] = (None, repr(err))
             outcome["at"] = time.monotonic()
@@ -402,7 +402,8 @@ def test_a_killed_rank_fails_requests_and_the_job_exits_nonzero(tmp_path):
         client = threading.Thread(target=long_request)
         client.start()
         deadline = time.monotonic() + 30
-        while json.loads(_get(srv.url + "/health")[1])["running"] == 0 and time.monotonic() < deadline:
+        while json.loads(_get(srv.url + "/health")[1])["running"] == 0:
+            assert time.monotonic() < deadline and client.is_alive(), outcome
             time.sleep(0.05)
         killed_at = time.monotonic()
         os.kill(workers[1], signal.SIGKILL)

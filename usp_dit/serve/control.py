@@ -55,6 +55,12 @@ class Control:
             self.heartbeat_group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=heartbeat_timeout_s))
 
+    def barrier(self) -> None:
+        """Every rank is here (no deadline): before the heartbeats start, so that a rank still loading
+        its weights does not miss the first beats' deadline."""
+        if self.world > 1:
+            dist.barrier(group=self.group)
+
     def broadcast(self, message: Any = None) -> Any:
         """Rank 0's ``message`` on every rank (a small picklable object)."""
         if self.world == 1:

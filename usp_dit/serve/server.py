@@ -31,7 +31,6 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from usp_dit.cli import launch  # noqa: E402
 from usp_dit.serve.control import Control, Heartbeat  # noqa: E402
@@ -277,6 +276,7 @@ class Leader:
 def serve_leader(pipe, args: argparse.Namespace, control: Control) -> None:
     leader = Leader(pipe, args, control)
     leader.start_http()
+    control.barrier()
     heartbeat = Heartbeat(control, leader.fatal, leader.hang_check)
     heartbeat.start()
     signal.signal(signal.SIGTERM, leader.drain)
@@ -291,6 +291,7 @@ def serve_leader(pipe, args: argparse.Namespace, control: Control) -> None:
 
 def serve_peer(pipe, args: argparse.Namespace, control: Control) -> None:
     """A rank other than 0: run what rank 0 broadcasts until it says stop."""
+    control.barrier()
     heartbeat = Heartbeat(control, lambda message: (_log(f"failed: {message}; exiting"), _exit(EXIT_FAILED)))
     heartbeat.start()
     for signum in (signal.SIGTERM, signal.SIGINT):  # Note [shutting down]: rank 0 decides
@@ -313,8 +314,7 @@ def serve_peer(pipe, args: argparse.Namespace, control: Control) -> None:
 
 def _stop_together(control: Control) -> None:
     """Every rank has stopped its heartbeat before any leaves (else a peer's beat would fail)."""
-    if control.world > 1:
-        dist.barrier(group=control.group)
+    control.barrier()
 
 
 def main(argv: list[str] | None = None) -> None:
