@@ -13,7 +13,8 @@ Measures, for the same request (prompt, size, steps, seed):
      sending its requests back to back (every request a different seed, so each is real work);
   3. memory: the server process's resident set after 10 requests and after 200 (a leak shows as growth).
 
-The direct calls run before the server starts, so the two never share the CPU. Prints a Markdown
+Direct calls and served requests alternate, one at a time (the other side idle), so that a loaded
+machine slows both alike; on a GPU both share the card, the pipeline loaded twice. Prints a Markdown
 table (docs/PERFORMANCE.md has the figures).
 """
 from __future__ import annotations
@@ -45,6 +46,14 @@ def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as resp:
         return json.loads(resp.read())
+
+
+def _batch_seconds(port: int) -> tuple[float, float]:
+    """(sum, count) of the server's ``usp_dit_batch_seconds``: its own pipeline time."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    value = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in lines if ln.startswith("usp_dit_batch_seconds_")}
+    return value["usp_dit_batch_seconds_sum"], value["usp_dit_batch_seconds_count"]
 
 
 def _rss_mib(pid: int) -> float:
@@ -82,8 +91,8 @@ def save_random_flux_dev(path: str) -> None:
     pipe.save_pretrained(path)
 
 
-def direct_latency(args) -> float:
-    """Median seconds of the pipeline called in this process (after one warm-up call)."""
+def direct_caller(args):
+    """A function running the request with a seed on the pipeline loaded in this process; seconds."""
     import torch
 
     from usp_dit.serve.families import TINY_TEXT_LEN, load_pipeline
@@ -92,26 +101,18 @@ def direct_latency(args) -> float:
     pipe = load_pipeline(args.family, args.model, device)
     pipe.set_progress_bar_config(disable=True)
     width, height = map(int, args.size.split("x"))
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(os.cpu_count() or 1)  # as the server's one rank (usp_dit.cli.launch.init_distributed)
     extra = {"max_sequence_length": TINY_TEXT_LEN} if args.model is None else {}
 
-    def call(seed: int):
-        out = pipe(prompt=[PROMPT], height=height, width=width, num_inference_steps=args.steps,
-                   generator=[torch.Generator().manual_seed(seed)], output_type="np", **extra)
+    def call(seed: int) -> float:
+        start = time.perf_counter()
+        pipe(prompt=[PROMPT], height=height, width=width, num_inference_steps=args.steps,
+             generator=[torch.Generator().manual_seed(seed)], output_type="np", **extra)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return out
+        return time.perf_counter() - start
 
-    call(0)
-    times = []
-    for i in range(args.requests):
-        start = time.perf_counter()
-        call(i)
-        times.append(time.perf_counter() - start)
-    del pipe
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return statistics.median(times)
+    return call
 
 
 def start_server(args, port: int) -> subprocess.Popen:
@@ -138,9 +139,9 @@ def main() -> None:
     p.add_argument("--family", default="flux")
     p.add_argument("--size", default="256x256", help="WIDTHxHEIGHT")
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--requests", type=int, default=20, help="requests timed for the latency")
+    p.add_argument("--requests", type=int, default=10, help="requests timed for the latency, each way")
     p.add_argument("--max-batch", type=int, default=4)
-    p.add_argument("--throughput-requests", type=int, default=24, help="requests per client count")
+    p.add_argument("--throughput-requests", type=int, default=16, help="requests per client count")
     p.add_argument("--model", default=None, help="a checkpoint folder (default: the tiny random pipeline)")
     p.add_argument("--random-flux-dev", default=None, metavar="DIR",
                    help="save FLUX.1-dev-shaped random weights to DIR first and serve them (--model DIR)")
@@ -151,19 +152,26 @@ def main() -> None:
             save_random_flux_dev(args.random_flux_dev)
         args.family, args.model = "flux", args.random_flux_dev
 
-    direct = direct_latency(args)
+    call_direct = direct_caller(args)
     port = _free_port()
     server = start_server(args, port)
     url = f"http://127.0.0.1:{port}/v1/images/generations"
     body = {"prompt": PROMPT, "size": args.size, "steps": args.steps}
     try:
+        call_direct(0)
         _post(url, {**body, "seed": 0})
-        times = []
+        # Alternated, one at a time: a shared or loaded machine slows both alike.
+        direct_s, served_s = [], []
+        inside_before = _batch_seconds(port)
         for i in range(args.requests):
+            direct_s.append(call_direct(i))
             start = time.perf_counter()
             _post(url, {**body, "seed": i})
-            times.append(time.perf_counter() - start)
-        served = statistics.median(times)
+            served_s.append(time.perf_counter() - start)
+        direct, served = statistics.median(direct_s), statistics.median(served_s)
+        inside_after = _batch_seconds(port)
+        served_mean = statistics.mean(served_s)
+        inside = (inside_after[0] - inside_before[0]) / (inside_after[1] - inside_before[1])
         throughput = {}
         for clients in (1, 2, 4):
             per_client = args.throughput_requests // clients
@@ -189,7 +197,11 @@ def main() -> None:
     print("| measure | value |\n| --- | --- |")
     print(f"| direct pipeline call, median of {args.requests} | {direct * 1000:.1f} ms |")
     print(f"| through the server (HTTP, queue, PNG), median of {args.requests} | {served * 1000:.1f} ms |")
-    print(f"| overhead (server / direct) | {served / direct:.3f}x |")
+    print(f"| server / direct (two processes: the machine's load moves both) | {served / direct:.3f}x |")
+    print(f"| the server's own pipeline call (mean, its /metrics), and the served mean | "
+          f"{inside * 1000:.1f} ms, {served_mean * 1000:.1f} ms |")
+    print(f"| what the server adds (HTTP, queue, control plane, PNG): served / its pipeline call | "
+          f"{served_mean / inside:.3f}x ({(served_mean - inside) * 1000:.1f} ms) |")
     for clients, rate in throughput.items():
         print(f"| throughput, {clients} client(s), --max-batch {args.max_batch} | {rate:.2f} images/s |")
     print(f"| server RSS after 10 / {args.memory_requests} requests (64x64, 1 step) | {rss_10:.0f} MiB / {rss_200:.0f} MiB |")

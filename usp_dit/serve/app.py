@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 
 from usp_dit.serve.encode import npy_b64, png_b64
 from usp_dit.serve.jobs import Job, Scheduler, ServeError

@@ -5,6 +5,7 @@ Layout: an image (height, width, 3) float32 in [0, 1]; a video (frames, height, 
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 
 import numpy as np
@@ -30,7 +31,7 @@ def npy_b64(array: np.ndarray) -> str:
 
 
 def mp4_bytes(frames: np.ndarray, fps: int) -> bytes:
-    """H.264 MP4 via imageio's ffmpeg plugin (``pip install 'usp-dit[video]'``)."""
+    """H.264 MP4 via imageio's ffmpeg plugin (``pip install 'usp-dit[serve]'``)."""
     import imageio.v3 as iio
 
     # yuv420p halves the chroma: the sides must be even; macro_block_size=1 keeps them as they are.
@@ -38,12 +39,8 @@ def mp4_bytes(frames: np.ndarray, fps: int) -> bytes:
 
 
 def video_supported() -> str | None:
-    """None when MP4s can be written here, else why not."""
-    try:
-        import imageio.v3  # noqa: F401
-        import imageio_ffmpeg
-
-        imageio_ffmpeg.get_ffmpeg_exe()
-    except (ImportError, RuntimeError) as err:
-        return f"MP4 output needs imageio and imageio-ffmpeg (pip install 'usp-dit[video]'): {err}"
+    """None when MP4s can be written here (imageio and its ffmpeg binary package), else why not."""
+    missing = [m for m in ("imageio", "imageio_ffmpeg") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"MP4 output needs {' and '.join(missing)}, not installed here: pip install 'usp-dit[serve]'"
     return None

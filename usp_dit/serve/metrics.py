@@ -20,6 +20,8 @@ class Metrics:
                                  ["kind"], buckets=LATENCY_BUCKETS, registry=r)
         self.step_time = Histogram("usp_dit_step_seconds", "Wall time of one denoising step (rank 0)",
                                    buckets=STEP_BUCKETS, registry=r)
+        self.batch_time = Histogram("usp_dit_batch_seconds", "Wall time of a batch's pipeline call on rank 0 "
+                                    "(control plane included)", buckets=LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("usp_dit_batch_images", "Images or videos per batch",
                                     buckets=(1, 2, 4, 8, 16, 32), registry=r)
         self.requests = Counter("usp_dit_requests", "Answered requests, by kind and HTTP status",

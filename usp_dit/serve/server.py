@@ -241,7 +241,9 @@ class Leader:
                               self.control, lambda: any(j.cancel for j in batch), on_step)
         except RankFailure as err:
             self.fatal(str(err))
-        self.state.mean_batch_s = 0.8 * self.state.mean_batch_s + 0.2 * (time.monotonic() - started)
+        took = time.monotonic() - started
+        self.metrics.batch_time.observe(took)
+        self.state.mean_batch_s = 0.8 * self.state.mean_batch_s + 0.2 * took
         self.metrics.running.set(0)
         if outcome.cancelled:
             self.sched.finish(batch, "cancelled", error=ServeError(409, "cancelled", "cancelled"))
