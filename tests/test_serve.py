@@ -192,6 +192,37 @@ def ready(server, reference):
 
 
 # ---------------------------------------------------------------------------------------------
+# The queue alone (no process): 429 when full, batching by call shape up to --max-batch, FIFO
+
+
+def test_queue_is_bounded_and_batches_compatible_requests_in_order():
+    from usp_dit.serve.families import CallShape
+    from usp_dit.serve.jobs import Job, Scheduler, ServeError
+    from usp_dit.serve.protocol import Params
+
+    small, large = CallShape(80, 48, 1, 2, None, None), CallShape(160, 48, 1, 2, None, None)
+    sched = Scheduler(max_queue=5, max_batch=4)
+    sched.start_accepting()
+    jobs = [Job("image", Params(shape, f"p{i}", i, n)) for i, (shape, n) in
+            enumerate([(small, 1), (large, 1), (small, 2), (small, 2), (small, 1)])]
+    for job in jobs:
+        sched.submit(job)
+    with pytest.raises(ServeError) as full:
+        sched.submit(Job("image", Params(small, "one too many", 9, 1)), retry_after=3)
+    assert full.value.status == 429 and full.value.retry_after == 3
+    first = sched.next_batch(timeout=0)
+    assert first == [jobs[0], jobs[2], jobs[4]]  # 1 + 2 + 1 images; jobs[3]'s 2 would make 6 > 4
+    assert {j.batch_size for j in first} == {4}
+    sched.finish(first, "completed", result=lambda job: job.params.prompt)
+    assert [j.future.result() for j in first] == ["p0", "p2", "p4"]
+    assert sched.next_batch(timeout=0) == [jobs[1]]  # the head goes first, whatever its shape
+    sched.stop_accepting(ServeError(503, "draining"))
+    with pytest.raises(ServeError, match="draining"):
+        sched.submit(Job("image", Params(small, "late", 0, 1)))
+    assert sched.fail_queued(ServeError(503, "stopped")) == 1 and jobs[3].future.exception().status == 503
+
+
+# ---------------------------------------------------------------------------------------------
 # The 4-rank server, in file order
 
 
