@@ -10,7 +10,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 # Checked from / so that this folder's own usp_dit/ does not count as installed.
 here=$PWD
-installed=$(cd / && "$PY" -c "import usp_dit, diffusers, transformers, accelerate, numpy, safetensors, peft, pytest, PIL, tqdm, torchao, gguf, os; print(os.path.dirname(os.path.dirname(usp_dit.__file__)))" 2>/dev/null || true)
+installed=$(cd / && "$PY" -c "import usp_dit, diffusers, transformers, accelerate, numpy, safetensors, peft, pytest, PIL, tqdm, torchao, gguf, fastapi, uvicorn, prometheus_client, openai, imageio, imageio_ffmpeg, os; print(os.path.dirname(os.path.dirname(usp_dit.__file__)))" 2>/dev/null || true)
 if [ "$installed" != "$here" ]; then
   "$PY" -m pip install -q -e ".[test]"
 fi

@@ -6,7 +6,7 @@ import is still a dependency), is checked:
   * the layer order: a module imports only its own layer and those below it,
         distributed < kernels < sharding < attention < planner < pipelines (machinery, vae)
         < pipelines.families < pipelines (package, coverage) < training < llm < cli
-        < demo, testing < usp_dit (the public names);
+        < demo, testing < serve < usp_dit (the public names);
   * no import circle anywhere in usp_dit, within a layer too;
   * kernels (``usp_dit.kernels.*``) import nothing of usp_dit outside ``usp_dit.kernels``: no
     ring, no mesh, no communication;
@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("usp_dit.llm",),
     ("usp_dit.cli",),
     ("usp_dit.demo", "usp_dit.testing"),
+    ("usp_dit.serve",),  # the server: FastAPI, uvicorn, prometheus-client are imported here only
     ("usp_dit",),
 )
 
@@ -251,3 +252,14 @@ def test_the_circle_finder_finds_circles():
     assert sorted(_circles(graph)) == [["a", "b", "c"], ["d", "e"]]
     assert _layer("usp_dit.pipelines.api") < _layer("usp_dit.pipelines.families.flux") < _layer("usp_dit.pipelines")
     assert _layer("usp_dit.pipelines.coverage") == _layer("usp_dit.pipelines")
+
+
+SERVER_STACK = ("fastapi", "uvicorn", "starlette", "prometheus_client", "openai")
+
+
+@pytest.mark.parametrize("path", [p for p in PACKAGE.rglob("*.py") if not _module_name(p).startswith("usp_dit.serve")],
+                         ids=lambda p: _module_name(p))
+def test_only_the_server_imports_the_http_stack(path):
+    """FastAPI, uvicorn and prometheus-client are the ``[serve]`` extra: nothing below the server needs them."""
+    stack = sorted(n for n in _imports(path) if _top(n) in SERVER_STACK)
+    assert not stack, f"{_module_name(path)} imports {stack}"

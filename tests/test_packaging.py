@@ -35,6 +35,7 @@ BUILD_INPUTS = ("pyproject.toml", "README.md", "LICENSE", "usp_dit")
 OPTIONAL_MODULES = {
     "imageio": "video",  # video files in fine-tuning data, MP4 output
     "triton": None,  # ships with CUDA builds of torch; the fused ring merge runs on CUDA only
+    "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "pydantic": "serve",  # usp_dit.serve
 }
 # Base dependencies; accelerate is imported by no one here, but without it from_pretrained loads slowly.
 EXPECTED_BASE = ("torch", "diffusers", "transformers", "accelerate", "numpy", "safetensors", "pillow", "tqdm")
@@ -126,7 +127,7 @@ def test_wheel_declares_what_usp_dit_and_the_examples_import(metadata):
     for module in sorted(_imported_modules()):
         if module in OPTIONAL_MODULES:
             extra = OPTIONAL_MODULES[module]
-            assert extra is None or module in _extra_requirements(metadata, extra), (module, extra)
+            assert extra is None or module.replace("_", "-") in _extra_requirements(metadata, extra), (module, extra)
             continue
         names = {d.lower() for d in distributions.get(module, [module])}
         assert names & set(base), f"usp_dit or an example imports {module} ({names}); not a base dependency"

@@ -1,0 +1,459 @@
+"""The server (``usp_dit.serve``) under torchrun, over real HTTP on 127.0.0.1, against the pipeline
+run in one process.
+
+Two process start-ups: one server of 4 ranks (tiny Wan, Ulysses 2 x Ring 2, gloo) serves every case
+in file order and ends with the SIGTERM drain; one of 2 ranks is killed (SIGKILL of rank 1) mid-request.
+
+Tolerances (max |diff| / max |one process|):
+  * 1e-4 for a served image against the same request run by the stock pipeline in this process:
+    the grid's float32 rounding (~1e-6 in the transformer) grows through the denoising steps and
+    the tiny random VAE, whose gain is large (usp_dit.cli.launch.MATCH_TOLERANCE, the examples' check);
+  * 1e-5 for a request served in a batch of 4 against the same request served alone: the same
+    grid, only the batched matmuls' rounding differs;
+  * PNGs through the official openai client: at most 1 level of 255 from the reference rounded the
+    same way (a value within float rounding of a rounding boundary may land on either side).
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT = 240  # s: four ranks import torch, Diffusers and build the tiny pipeline on a shared 2-core machine
+SIZE = (80, 48)  # width, height: 5 x 3 = 15 tokens a frame, divided by neither 2 nor 4
+FAULT_RANK = 2
+FAULT_SENTINEL = "usp-dit-fault"  # usp_dit.serve.worker.FAULT_SENTINEL
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: a free port, a server under torchrun, HTTP with the standard library
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Server:
+    def __init__(self, log: Path, ranks: int, *flags: str, env: dict | None = None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               "-m", "usp_dit.serve", "--family", "wan", "--port", str(self.port), *flags]
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}:\n{self.tail()}"
+            try:
+                if _get(self.url + "/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"the server was not ready within {START_TIMEOUT} s:\n{self.tail()}")
+
+    def tail(self) -> str:
+        return "\n".join(self.log.read_text().splitlines()[-40:])
+
+    def rank_pids(self) -> dict[int, int]:
+        ranks = {}
+        for pid in _children(self.proc.pid):
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = [e for e in env if e.startswith(b"RANK=")]
+            if rank:
+                ranks[int(rank[0][5:])] = pid
+        return ranks
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: torchrun and its workers
+            self.proc.wait(30)
+
+
+def _request(method: str, url: str, body: object = None, raw: bytes | None = None, timeout: float = 120):
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read(), dict(resp.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, err.read(), dict(err.headers)
+
+
+def _get(url: str, timeout: float = 10):
+    return _request("GET", url, timeout=timeout)
+
+
+def _post(url: str, body: object, timeout: float = 120) -> tuple[int, dict]:
+    status, payload, _ = _request("POST", url, body, timeout=timeout)
+    return status, json.loads(payload)
+
+
+def _npy(item: dict) -> np.ndarray:
+    return np.load(io.BytesIO(base64.b64decode(item["b64_json"])))
+
+
+def _rel(a: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(a.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-12))
+
+
+def _image_body(prompt: str, seed: int, steps: int = 2, **extra) -> dict:
+    return {"prompt": prompt, "seed": seed, "steps": steps, "size": f"{SIZE[0]}x{SIZE[1]}", "guidance": 3.0,
+            "output_format": "npy", **extra}
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures: the 4-rank server, and the stock pipeline in this process
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("serve") / "server4.log", 4, "--ulysses", "2", "--ring", "2",
+                 "--max-batch", "4", "--queue-size", "80", "--warmup", f"{SIZE[0]}x{SIZE[1]}", "--steps", "2",
+                 env={"USP_DIT_SERVE_FAULT_RANK": str(FAULT_RANK)})
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The stock WanPipeline of the same seeded tiny weights, one process: request -> image(s)."""
+    import torch
+
+    from usp_dit.demo.tiny_wan import tiny_wan_pipeline
+    from usp_dit.serve.families import TINY_TEXT_LEN
+
+    pipe = tiny_wan_pipeline(max_text_len=TINY_TEXT_LEN)
+    pipe.set_progress_bar_config(disable=True)
+
+    def run(prompt: str, seed: int, steps: int = 2, frames: int = 1) -> np.ndarray:
+        out = pipe(prompt=prompt, height=SIZE[1], width=SIZE[0], num_frames=frames, num_inference_steps=steps,
+                   guidance_scale=3.0, generator=torch.Generator().manual_seed(seed),
+                   max_sequence_length=TINY_TEXT_LEN, output_type="np")
+        return out.frames[0, 0] if frames == 1 else out.frames[0]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def ready(server, reference):
+    """The server, once it answers /health with 200 (the reference pipeline built meanwhile)."""
+    server.wait_ready()
+    return server
+
+
+# ---------------------------------------------------------------------------------------------
+# The queue alone (no process): 429 when full, batching by call shape up to --max-batch, FIFO
+
+
+def test_queue_is_bounded_and_batches_compatible_requests_in_order():
+    from usp_dit.serve.families import CallShape
+    from usp_dit.serve.jobs import Job, Scheduler, ServeError
+    from usp_dit.serve.protocol import Params
+
+    small, large = CallShape(80, 48, 1, 2, None, None), CallShape(160, 48, 1, 2, None, None)
+    sched = Scheduler(max_queue=5, max_batch=4)
+    sched.start_accepting()
+    jobs = [Job("image", Params(shape, f"p{i}", i, n)) for i, (shape, n) in
+            enumerate([(small, 1), (large, 1), (small, 2), (small, 2), (small, 1)])]
+    for job in jobs:
+        sched.submit(job)
+    with pytest.raises(ServeError) as full:
+        sched.submit(Job("image", Params(small, "one too many", 9, 1)), retry_after=3)
+    assert full.value.status == 429 and full.value.retry_after == 3
+    first = sched.next_batch(timeout=0)
+    assert first == [jobs[0], jobs[2], jobs[4]]  # 1 + 2 + 1 images; jobs[3]'s 2 would make 6 > 4
+    assert {j.batch_size for j in first} == {4}
+    sched.finish(first, "completed", result=lambda job: job.params.prompt)
+    assert [j.future.result() for j in first] == ["p0", "p2", "p4"]
+    assert sched.next_batch(timeout=0) == [jobs[1]]  # the head goes first, whatever its shape
+    sched.stop_accepting(ServeError(503, "draining"))
+    with pytest.raises(ServeError, match="draining"):
+        sched.submit(Job("image", Params(small, "late", 0, 1)))
+    assert sched.fail_queued(ServeError(503, "stopped")) == 1 and jobs[3].future.exception().status == 503
+
+
+# ---------------------------------------------------------------------------------------------
+# The 4-rank server, in file order
+
+
+def test_health_models_and_metrics(ready):
+    status, body, _ = _get(ready.url + "/health")
+    assert status == 200 and json.loads(body)["status"] == "ready"
+    status, body, _ = _get(ready.url + "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "usp-dit-wan-tiny"
+    status, body, _ = _get(ready.url + "/metrics")
+    text = body.decode()
+    for name in ("usp_dit_queue_depth", "usp_dit_running_requests", "usp_dit_request_latency_seconds",
+                 "usp_dit_step_seconds_bucket", "usp_dit_failures_total", "usp_dit_ready 1.0"):
+        assert name in text, name
+
+
+def test_image_over_http_equals_one_process(ready, reference):
+    status, body = _post(ready.url + "/v1/images/generations", _image_body("a red fox in snow", seed=7, n=2))
+    assert status == 200, body
+    assert body["seed"] == 7 and len(body["data"]) == 2
+    first, second = (_npy(item) for item in body["data"])
+    assert first.shape == (SIZE[1], SIZE[0], 3)
+    assert _rel(first, reference("a red fox in snow", 7)) <= 1e-4
+    assert _rel(second, reference("a red fox in snow", 8)) <= 1e-4  # image i of a request: seed + i
+
+
+def test_image_through_the_openai_client(ready, reference):
+    openai = pytest.importorskip("openai")
+    from PIL import Image
+
+    client = openai.OpenAI(base_url=ready.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == ["usp-dit-wan-tiny"]
+    result = client.images.generate(model="usp-dit-wan-tiny", prompt="a lighthouse", n=1, size=f"{SIZE[0]}x{SIZE[1]}",
+                                    response_format="b64_json", extra_body={"seed": 11, "steps": 2, "guidance": 3.0})
+    png = np.asarray(Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json))).convert("RGB"), dtype=np.int16)
+    ref = (np.clip(reference("a lighthouse", 11), 0, 1) * 255).round().astype(np.int16)
+    assert png.shape == ref.shape and int(np.abs(png - ref).max()) <= 1
+    with pytest.raises(openai.BadRequestError, match="steps 0"):
+        client.images.generate(prompt="x", size=f"{SIZE[0]}x{SIZE[1]}", extra_body={"steps": 0})
+
+
+BAD_REQUESTS = [  # (endpoint, body, the field the 400 names)
+    ("images", {"prompt": "x", "size": "81x48"}, "size"),  # not a multiple of 16 pixels
+    ("images", {"prompt": "x", "size": "80x4096"}, "size"),  # beyond the tiny model's side
+    ("images", {"prompt": "x", "size": "big"}, "size"),
+    ("images", {"prompt": "x", "steps": 0}, "steps"),
+    ("images", {"prompt": "x", "steps": -3}, "steps"),
+    ("images", {"prompt": "x", "steps": "two"}, "steps"),
+    ("images", {"prompt": "x", "n": 5}, "n"),  # above --max-batch 4
+    ("images", {"prompt": "x", "n": 0}, "n"),
+    ("images", {"prompt": "x" * 65}, "prompt"),  # the tiny text encoder takes 64 characters
+    ("images", {"prompt": ""}, "prompt"),
+    ("images", {"prompt": 3}, "prompt"),
+    ("images", {"size": "80x48"}, "prompt"),
+    ("images", {"prompt": "x", "stpes": 2}, "stpes"),  # an unknown field: no silent default
+    ("images", {"prompt": "x", "response_format": "url"}, "response_format"),
+    ("images", {"prompt": "x", "seed": -1}, "seed"),
+    ("images", {"prompt": "x", "guidance": "high"}, "guidance"),
+    ("images", {"prompt": "x", "model": "dall-e-3"}, "model"),
+    ("images", ["not", "an", "object"], None),
+    ("videos", {"prompt": "x", "num_frames": 4}, "num_frames"),  # Wan: 4k + 1 frames
+    ("videos", {"prompt": "x", "seconds": "long"}, "seconds"),
+]
+
+
+def test_bad_input_is_refused_before_any_rank(ready):
+    before = _metric(ready, 'usp_dit_batch_images_count')
+    for endpoint, body, param in BAD_REQUESTS:
+        url = ready.url + ("/v1/images/generations" if endpoint == "images" else "/v1/videos")
+        status, answer = _post(url, body)
+        assert status == 400, (body, answer)
+        assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
+        assert answer["error"]["param"] == param, (body, answer)
+    status, payload, _ = _request("POST", ready.url + "/v1/images/generations", raw=b"{not json")
+    assert status == 400 and b"not JSON" in payload
+    assert _metric(ready, 'usp_dit_batch_images_count') == before  # no batch ran
+
+
+def _metric(server: Server, name: str) -> float:
+    for line in _get(server.url + "/metrics")[1].decode().splitlines():
+        if line.split(" ")[0] == name:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_64_requests_8_in_flight_answered_once_each(ready):
+    key = 'usp_dit_requests_total{kind="image",status="200"}'
+    before = _metric(ready, key)
+
+    def one(i: int):
+        return _post(ready.url + "/v1/images/generations", _image_body(f"prompt {i}", seed=1000 + i, steps=1))
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(one, range(64)))
+    assert all(status == 200 for status, _ in answers), [b for s, b in answers if s != 200][:2]
+    assert sorted(body["seed"] for _, body in answers) == list(range(1000, 1064))
+    assert all(len(body["data"]) == 1 for _, body in answers)
+    assert _metric(ready, key) - before == 64
+    assert max(body["batch_size"] for _, body in answers) > 1  # the queue filled and batches formed
+
+
+def _wait_status(server: Server, video_id: str, wanted: set[str], timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status, body, _ = _get(f"{server.url}/v1/videos/{video_id}")
+        assert status == 200, body
+        job = json.loads(body)
+        if job["status"] in wanted:
+            return job
+        time.sleep(0.1)
+    raise AssertionError(f"video {video_id} still {job['status']} after {timeout} s")
+
+
+def test_batched_equals_unbatched_and_a_video_is_cancelled(ready):
+    # A long video holds the ranks while four compatible image requests queue up behind it; cancelling
+    # it between two denoising steps lets the four run as one batch.
+    status, video = _post(ready.url + "/v1/videos", {"prompt": "a long one", "steps": 200, "num_frames": 5,
+                                                     "size": f"{SIZE[0]}x{SIZE[1]}"})
+    assert status == 200 and video["status"] == "queued"
+    _wait_status(ready, video["id"], {"in_progress"})
+    bodies = [_image_body(f"batch {i}", seed=50 + i) for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(_post, ready.url + "/v1/images/generations", b) for b in bodies]
+        deadline = time.monotonic() + 30
+        while json.loads(_get(ready.url + "/health")[1])["queue"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status, _, _ = _request("DELETE", f"{ready.url}/v1/videos/{video['id']}")
+        assert status == 200
+        batched = [f.result() for f in futures]
+    cancelled = _wait_status(ready, video["id"], {"cancelled", "completed", "failed"})
+    assert cancelled["status"] == "cancelled" and cancelled["progress"] < 100
+    assert _get(f"{ready.url}/v1/videos/{video['id']}/content")[0] == 409
+    assert all(status == 200 and body["batch_size"] == 4 for status, body in batched), batched
+    for body, (status, answer) in zip(bodies, batched):
+        alone = _post(ready.url + "/v1/images/generations", body)[1]
+        assert alone["batch_size"] == 1
+        assert _rel(_npy(answer["data"][0]), _npy(alone["data"][0])) <= 1e-5
+
+
+def test_a_fault_on_one_rank_fails_that_request_only(ready, reference):
+    status, body = _post(ready.url + "/v1/images/generations", _image_body(f"{FAULT_SENTINEL} here", seed=1))
+    assert status == 500
+    assert f"injected fault on rank {FAULT_RANK}" in body["error"]["message"]
+    assert _metric(ready, 'usp_dit_failures_total{reason="pipeline"}') == 1
+    status, body = _post(ready.url + "/v1/images/generations", _image_body("a red fox in snow", seed=7))
+    assert status == 200
+    assert _rel(_npy(body["data"][0]), reference("a red fox in snow", 7)) <= 1e-4
+    assert _get(ready.url + "/health")[0] == 200
+
+
+def test_video_job_polled_and_downloaded(ready, reference):
+    import imageio.v3 as iio
+
+    status, video = _post(ready.url + "/v1/videos", {"prompt": "waves", "steps": 3, "num_frames": 5, "seed": 4,
+                                                     "size": f"{SIZE[0]}x{SIZE[1]}", "guidance": 3.0})
+    assert status == 200
+    seen = set()
+    deadline = time.monotonic() + 60
+    while (job := json.loads(_get(f"{ready.url}/v1/videos/{video['id']}")[1]))["status"] != "completed":
+        assert job["status"] in ("queued", "in_progress") and time.monotonic() < deadline, job
+        seen.add(job["progress"])
+        time.sleep(0.02)
+    assert job["progress"] == 100 and any(0 < p < 100 for p in seen), seen  # progress between steps
+    status, mp4, headers = _get(f"{ready.url}/v1/videos/{video['id']}/content")
+    assert status == 200 and headers["content-type"] == "video/mp4" and mp4[4:8] == b"ftyp"
+    frames = iio.imread(mp4, extension=".mp4")
+    assert frames.shape == (5, SIZE[1], SIZE[0], 3)
+    ref = (reference("waves", 4, steps=3, frames=5) * 255).astype(np.float64)
+    assert np.abs(frames - ref).mean() < 8  # H.264 is lossy: a mean error of a few levels of 255
+    assert _get(f"{ready.url}/v1/videos/nonexistent")[0] == 404
+
+
+def test_sigterm_drains_then_exits_0(ready):
+    workers = ready.rank_pids()
+    rank0 = workers[0]
+    status, video = _post(ready.url + "/v1/videos", {"prompt": "last", "steps": 20, "num_frames": 5,
+                                                     "size": f"{SIZE[0]}x{SIZE[1]}"})
+    _wait_status(ready, video["id"], {"in_progress"})
+    with ThreadPoolExecutor(2) as pool:
+        queued = [pool.submit(_post, ready.url + "/v1/images/generations", _image_body(f"q{i}", seed=i)) for i in range(2)]
+        time.sleep(0.3)
+        os.kill(rank0, signal.SIGTERM)
+        time.sleep(0.3)
+        status, body = _post(ready.url + "/v1/images/generations", _image_body("too late", seed=0))
+        assert status == 503, body
+        assert all(f.result()[0] == 200 for f in queued)  # the queue was answered
+    assert ready.proc.wait(60) == 0, ready.tail()
+    assert not [p for p in workers.values() if _alive(p)]
+
+
+# ---------------------------------------------------------------------------------------------
+# A second, 2-rank server: a rank killed mid-request
+
+
+def test_a_killed_rank_fails_requests_and_the_job_exits_nonzero(tmp_path):
+    srv = Server(tmp_path / "server2.log", 2, "--ulysses", "2", "--steps", "2", "--max-steps", "1000")
+    try:
+        srv.wait_ready()
+        workers = srv.rank_pids()
+        outcome: dict = {}
+
+        def long_request():
+            try:
+                outcome["answer"] = _post(srv.url + "/v1/images/generations", _image_body("slow", seed=0, steps=1000))
+            except OSError as err:  # the connection closed: an error too, never silence
+                outcome["answer"] = (None, repr(err))
+            outcome["at"] = time.monotonic()
+
+        client = threading.Thread(target=long_request)
+        client.start()
+        deadline = time.monotonic() + 30
+        while json.loads(_get(srv.url + "/health")[1])["running"] == 0:
+            assert time.monotonic() < deadline and client.is_alive(), outcome
+            time.sleep(0.05)
+        killed_at = time.monotonic()
+        os.kill(workers[1], signal.SIGKILL)
+        while time.monotonic() - killed_at < 10:  # /health fails within 10 s
+            try:
+                if _get(srv.url + "/health", timeout=2)[0] != 200:
+                    break
+            except OSError:
+                break
+            time.sleep(0.1)
+        assert time.monotonic() - killed_at < 10, "/health still answered 200 after 10 s"
+        client.join(30)
+        assert not client.is_alive(), "no answer within 30 s"
+        status, body = outcome["answer"]
+        assert status in (None, 500, 503), body
+        assert outcome["at"] - killed_at < 30
+        assert srv.proc.wait(30) != 0
+        assert not [p for p in workers.values() if _alive(p)], "orphan ranks"
+        with pytest.raises(OSError):
+            _get(srv.url + "/health", timeout=2)
+    finally:
+        srv.stop()

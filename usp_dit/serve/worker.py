@@ -1,0 +1,127 @@
+"""One batch on every rank: the pipeline call wrapped in the control plane's agreement.
+
+Layout: the batch's output, float32 in [0, 1]: (batch, height, width, 3) images or
+(batch, frames, height, width, 3) videos, returned on every rank (rank 0 answers with it).
+
+Every rank runs ``execute`` with the same ``BatchSpec`` (broadcast by rank 0) and gets the same
+``Outcome`` kind: done, failed (with the first failing rank's message) or cancelled (Note [control
+plane] in ``usp_dit.serve.control``).
+"""
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from usp_dit.serve.control import Control
+from usp_dit.serve.families import CallShape, run_batch
+
+# A test-only fault: with USP_DIT_SERVE_FAULT_RANK=r in the environment, rank r raises at the end of
+# the first denoising step of a batch whose prompt contains FAULT_SENTINEL (tests/test_serve.py).
+FAULT_ENV = "USP_DIT_SERVE_FAULT_RANK"
+FAULT_SENTINEL = "usp-dit-fault"
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """What rank 0 broadcasts for one batch: the shared call shape and each element's prompt and seed."""
+
+    shape: CallShape
+    prompts: tuple[str, ...]
+    seeds: tuple[int, ...]
+
+
+@dataclass
+class Outcome:
+    output: np.ndarray | None = None
+    error: str | None = None  # "rank r: Type: message" of the lowest failing rank
+    cancelled: bool = False
+
+
+class Cancelled(Exception):
+    """Raised on every rank at the same step end when rank 0 asked to cancel."""
+
+
+class PeerFailed(Exception):
+    """Raised on the ranks that did not fail when another rank's pipeline raised."""
+
+
+class RankFailure(RuntimeError):
+    """The control plane itself failed: a rank is gone. Fatal for the server."""
+
+
+def _inject_fault(rank: int, prompts: tuple[str, ...], step: int) -> None:
+    wanted = os.environ.get(FAULT_ENV)
+    if wanted is not None and int(wanted) == rank and step == 0 and any(FAULT_SENTINEL in p for p in prompts):
+        raise RuntimeError(f"injected fault on rank {rank} ({FAULT_ENV})")
+
+
+def execute(pipe, family: str, tiny: bool, spec: BatchSpec, control: Control,
+            cancel_requested: Callable[[], bool] = lambda: False,
+            on_step: Callable[[int], None] = lambda step: None) -> Outcome:
+    """Run ``spec`` on this rank, agreeing with the others after each step and at the end.
+
+    ``cancel_requested`` is read on rank 0 only; ``on_step(i)`` runs at the end of step i, before
+    the agreement. Raises ``RankFailure`` when the control plane fails (a peer is gone).
+    """
+    closed = False
+
+    def agree(failed: bool, cancel: bool, done: bool) -> tuple[bool, bool, bool]:
+        nonlocal closed
+        try:
+            flags = control.agree(failed, cancel, done)
+        except Exception as err:
+            raise RankFailure(f"the control plane failed: {type(err).__name__}: {err}") from err
+        closed = any(flags)
+        return flags
+
+    def step_end(step: int) -> None:
+        on_step(step)
+        _inject_fault(control.rank, spec.prompts, step)
+        failed, cancel, _ = agree(False, control.rank == 0 and cancel_requested(), False)
+        if failed:
+            raise PeerFailed()
+        if cancel:
+            raise Cancelled()
+
+    error = None
+    try:
+        output = run_batch(pipe, family, tiny, spec.shape, list(spec.prompts), list(spec.seeds), step_end)
+    except RankFailure:
+        raise
+    except Cancelled:
+        _release_memory()
+        return Outcome(cancelled=True)
+    except PeerFailed:
+        output = None
+    except Exception as err:  # the pipeline raised here: tell the others, once
+        output, error = None, f"rank {control.rank}: {type(err).__name__}: {err}"
+        del err  # its traceback holds the failed call's frames and their tensors
+    if output is None:
+        _release_memory()
+    if not closed:
+        failed, _, _ = agree(error is not None, False, True)
+    else:
+        failed = True  # closed by a step's agreement without a cancel: a failure
+    if not failed:
+        return Outcome(output=output)
+    errors = [e for e in _gather(control, error) if e is not None]
+    return Outcome(error=errors[0] if errors else "a rank failed")
+
+
+def _gather(control: Control, value):
+    try:
+        return control.gather(value)
+    except Exception as err:
+        raise RankFailure(f"the control plane failed: {type(err).__name__}: {err}") from err
+
+
+def _release_memory() -> None:
+    """A failed call's tensors go now (Note: no GPU memory held after a failed request)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
