@@ -73,6 +73,7 @@ def save_random_flux_dev(path: str) -> None:
     from usp_dit.demo.tiny_flux import _tokenizers
 
     clip_tok, t5_tok = _tokenizers(77)[0], _tokenizers(512)[1]
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: 17 B parameters in float32 would not fit an 80 GB card
     with torch.device("cuda"):
         transformer = FluxTransformer2DModel(guidance_embeds=True)
         vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2,
@@ -84,6 +85,7 @@ def save_random_flux_dev(path: str) -> None:
                                             projection_dim=768, bos_token_id=0, eos_token_id=1, pad_token_id=1))
         t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), d_model=4096, d_kv=64, d_ff=10240, num_layers=24,
                                      num_heads=64, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1))
+    torch.set_default_dtype(torch.float32)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                                                 base_image_seq_len=256, max_image_seq_len=4096)
     pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tok, text_encoder_2=t5,
