@@ -122,7 +122,8 @@ def start_server(args, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "usp_dit.serve", "--family", args.family, "--port", str(port),
            "--max-batch", str(args.max_batch), "--queue-size", "256", "--warmup", args.size,
            "--max-side", "2048", "--steps", str(args.steps)] + (["--model", args.model] if args.model else [])
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(os.environ.get("BENCH_SERVE_LOG", "/tmp/bench_serve_server.log"), "w")  # noqa: SIM115 -- the server's lifetime
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/health"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -133,7 +134,8 @@ def start_server(args, port: int) -> subprocess.Popen:
         except OSError:
             time.sleep(0.5)
     proc.kill()
-    raise RuntimeError("the server did not start")
+    tail = Path(log.name).read_text(errors="replace").splitlines()[-30:]
+    raise RuntimeError("the server did not start; its last lines:\n" + "\n".join(tail))
 
 
 def main() -> None:
