@@ -131,8 +131,7 @@ class ImageFamily:
     patch: int = 2  # latent pixels a token has on a side
 
 
-PLANNER_MODELS = {"flux": "flux", "flux2": "flux2", "sd3": "sd35", "qwen_image": "qwen_image",
-                  "longcat_image": "longcat_image", "ovis_image": "ovis_image"}  # usp_dit.planner.models names
+PLANNER_MODELS = {"flux": "flux", "flux2": "flux2", "sd3": "sd35", "qwen_image": "qwen_image"}  # usp_dit.planner.models names
 FAMILIES = {
     # 1008 for the real model too, as before the other families came: 63 x 63 tokens.
     "flux": ImageFamily("FluxPipeline", "Flux", (1008, 1008), 16, "guidance_scale", guidance=3.5,

@@ -136,8 +136,7 @@ def test_the_planners_classes_are_the_adapters_classes():
     by_class = {getattr(a, "model_class", type(None)).__name__: a.name for a in registered_adapters()}
     family_spec = {"Flux": "flux", "Flux2": "flux2", "SD3": "sd35", "QwenImage": "qwen_image",
                    "CogVideoX": "cogvideox", "Mochi": "mochi", "Wan": "wan", "HunyuanVideo": "hunyuan_video",
-                   "HunyuanVideo15": "hunyuan_video15", "LTX-Video": "ltx_video",
-                   "LongCatImage": "longcat_image", "OvisImage": "ovis_image"}
+                   "HunyuanVideo15": "hunyuan_video15", "LTX-Video": "ltx_video"}
     assert {name: family_spec[by_class[name]] for name in CLASSES} == CLASSES
     # wan22 (Wan 2.2 A14B) is two WanTransformer3DModels: the "wan" class, both experts counted.
     assert set(CLASSES.values()) == set(RUNNABLE) - {"wan22"}

@@ -327,21 +327,6 @@ def qwen_image(height=1328, width=1328, num_frames=None) -> ModelSpec:
                      out_channels=64, memory=memory, output_size=(1, height, width), label="Qwen-Image")
 
 
-def longcat_image(height=1024, width=1024, num_frames=None) -> ModelSpec:
-    # LongCat-Image: Flux.1's blocks (19 double + 38 single, 24 x 128) and its other_rate; 512 text
-    # tokens (Qwen2.5-VL, padded), split with the image; true CFG, two calls a step. Memory: the
-    # stand-in from the parameter count (``usp_dit.planner.memory``).
-    return ModelSpec("longcat_image", _patches(height, width, 16), 512, "split", 24, 24, 128, 57, 11.9e9, "two_call",
-                     736e12, 64, None, (1, height, width), "LongCat-Image")
-
-
-def ovis_image(height=1024, width=1024, num_frames=None) -> ModelSpec:
-    # Ovis-Image-7B's transformer: 6 double + 27 single blocks, 24 x 128; 256 text tokens (Qwen3),
-    # split with the image; true CFG, two calls a step.
-    return ModelSpec("ovis_image", _patches(height, width, 16), 256, "split", 24, 24, 128, 33, 7.4e9, "two_call",
-                     736e12, 64, None, (1, height, width), "Ovis-Image-7B")
-
-
 def cogvideox(height=480, width=720, num_frames=49) -> ModelSpec:
     frames = (num_frames - 1) // 4 + 1
     memory = _one_list("transformer_blocks", 42, 5552300544, 132197632, 3072, 12288, 17982528, 12785664,
@@ -415,7 +400,7 @@ def ltx_video(height=512, width=768, num_frames=121) -> ModelSpec:
 SPECS: dict[str, Callable[..., ModelSpec]] = {
     "flux": flux, "flux2": flux2, "sd35": sd35, "qwen_image": qwen_image, "cogvideox": cogvideox, "mochi": mochi,
     "wan": wan, "wan22": wan22, "hunyuan_video": hunyuan_video, "hunyuan_video15": hunyuan_video15,
-    "kandinsky6": kandinsky6, "ltx_video": ltx_video, "longcat_image": longcat_image, "ovis_image": ovis_image,
+    "kandinsky6": kandinsky6, "ltx_video": ltx_video,
 }
 # The Diffusers transformer class -> the spec builder that knows its sizes. By class name, so that
 # the planner needs neither Diffusers nor the adapters above it (tests/test_planner.py checks that
@@ -428,7 +413,6 @@ CLASSES = {
     "MochiTransformer3DModel": "mochi", "WanTransformer3DModel": "wan",
     "HunyuanVideoTransformer3DModel": "hunyuan_video", "LTXVideoTransformer3DModel": "ltx_video",
     "HunyuanVideo15Transformer3DModel": "hunyuan_video15",
-    "LongCatImageTransformer2DModel": "longcat_image", "OvisImageTransformer2DModel": "ovis_image",
 }
 
 
