@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -24,10 +23,11 @@ from diffusers import DiffusionPipeline, PixArtTransformer2DModel
 
 import usp_dit
 from usp_dit import USPConfig, USPMesh, disable_usp, enable_usp
-from usp_dit.pipelines import is_usp_enabled
-from usp_dit.pipelines.api import split_cfg_batch
 from usp_dit.demo.tiny_flux import flux_inputs, tiny_flux_pipeline, tiny_flux_transformer
 from usp_dit.demo.tiny_video import tiny_cogvideox, tiny_mochi
+from usp_dit.pipelines import is_usp_enabled
+from usp_dit.pipelines.api import split_cfg_batch
+from usp_dit.testing.pool import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,11 +139,6 @@ def test_cfg_split_errors():
                         ("hidden_states", "timestep"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", OMP_NUM_THREADS="1")
@@ -153,7 +148,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def test_failing_rank_ends_every_rank_within_seconds():
-    world, fail_rank, port = 4, 1, _free_port()
+    world, fail_rank, port = 4, 1, free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "_failing_rank_job.py")],
@@ -227,7 +222,7 @@ def test_a_job_leaves_no_process_group_for_interpreter_teardown():
     """init_usp's groups outlive destroy_process_group while the default mesh holds them; usp_dit's
     exit hook lets go of them, so no gloo thread meets interpreter teardown (where it can abort
     the process after the work is done). Without the hook this job left 18 threads per rank."""
-    world, port = 2, _free_port()
+    world, port = 2, free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "_exit_hook_job.py")],

@@ -20,7 +20,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from usp_dit.testing.pool import free_port
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -47,11 +48,6 @@ FAULT_SENTINEL = "usp-dit-fault"  # usp_dit.serve.worker.FAULT_SENTINEL
 # ---------------------------------------------------------------------------------------------
 # Helpers: a free port, a server under torchrun, HTTP with the standard library
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children(pid: int) -> list[int]:
@@ -78,7 +74,7 @@ def _alive(pid: int) -> bool:
 
 class Server:
     def __init__(self, log: Path, ranks: int, *flags: str, env: dict | None = None):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",

@@ -11,7 +11,6 @@ import faulthandler
 import functools
 import os
 import pickle
-import socket
 import sys
 import tempfile
 import traceback
@@ -25,13 +24,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from usp_dit.distributed.mesh import release_groups
-from usp_dit.testing.pool import PoolBroken, pool_enabled, pool_for
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from usp_dit.testing.pool import PoolBroken, free_port, log_tails, pool_enabled, pool_for
 
 
 def _gloo_threads() -> int:
@@ -101,19 +94,6 @@ def _write_result(out_dir: str, rank: int, result: Any) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _log_tails(out_dir: str, world_size: int, lines: int = 30) -> str:
-    """The last ``lines`` lines of each rank's stderr."""
-    parts = []
-    for rank in range(world_size):
-        try:
-            with open(os.path.join(out_dir, f"rank{rank}.log"), errors="replace") as f:
-                tail = f.read().splitlines()[-lines:]
-        except OSError:
-            tail = ["(no log)"]
-        parts.append(f"--- rank {rank} stderr (last {lines} lines) ---\n" + "\n".join(tail))
-    return "\n".join(parts)
-
-
 def run_spawned(fn: Callable[[], Any], world_size: int, check_groups: bool = True, fresh: bool = False) -> list[Any]:
     """Run ``fn()`` on ``world_size`` gloo ranks; returns each rank's return value, in rank order.
 
@@ -177,12 +157,12 @@ class _KilledBySignal(RuntimeError):
 def _spawn_once(fn: Callable[[], Any], world_size: int, check_groups: bool) -> list[Any]:
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.spawn(_entry, args=(world_size, _free_port(), out_dir, fn, check_groups), nprocs=world_size, join=True)
+            mp.spawn(_entry, args=(world_size, free_port(), out_dir, fn, check_groups), nprocs=world_size, join=True)
         except ProcessExitedException as exc:
             error = _KilledBySignal if exc.signal_name else RuntimeError
-            raise error(f"{exc}\n{_log_tails(out_dir, world_size)}") from exc
+            raise error(f"{exc}\n{log_tails(out_dir, world_size)}") from exc
         except ProcessException as exc:
-            raise RuntimeError(f"{exc}\n{_log_tails(out_dir, world_size)}") from exc
+            raise RuntimeError(f"{exc}\n{log_tails(out_dir, world_size)}") from exc
         results = []
         for rank in range(world_size):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:

@@ -51,10 +51,24 @@ def pool_enabled(world_size: int) -> bool:
     return os.environ.get(POOL_ENV) == "1" and world_size in POOL_WORLDS
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a group's store or a test server)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def log_tails(directory: str, world_size: int, lines: int = 30) -> str:
+    """The last ``lines`` lines of each rank's stderr, ``directory/rank{r}.log``."""
+    parts = []
+    for rank in range(world_size):
+        try:
+            with open(os.path.join(directory, f"rank{rank}.log"), errors="replace") as f:
+                tail = f.read().splitlines()[-lines:]
+        except OSError:
+            tail = ["(no log)"]
+        parts.append(f"--- rank {rank} stderr (last {lines} lines) ---\n" + "\n".join(tail))
+    return "\n".join(parts)
 
 
 class PoolBroken(RuntimeError):
@@ -118,7 +132,7 @@ class WarmPool:
         self.world_size = world_size
         self.dir = tempfile.mkdtemp(prefix=f"usp_dit_pool{world_size}_")
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
@@ -159,15 +173,7 @@ class WarmPool:
         return results
 
     def tails(self, lines: int = 30) -> str:
-        parts = []
-        for rank in range(self.world_size):
-            try:
-                with open(self.log(rank), errors="replace") as f:
-                    tail = f.read().splitlines()[-lines:]
-            except OSError:
-                tail = ["(no log)"]
-            parts.append(f"--- rank {rank} stderr (last {lines} lines) ---\n" + "\n".join(tail))
-        return "\n".join(parts)
+        return log_tails(self.dir, self.world_size, lines)
 
     def close(self) -> None:
         for conn in self.conns:
