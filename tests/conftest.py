@@ -51,6 +51,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    # A failed test whose fixture values offer ``failure_context()`` (a server under test: its log,
+    # its ranks' state) gets that text as a section of its report: CI shows it beside the traceback.
+    report = yield
+    if report.failed:
+        seen: set[int] = set()
+        for name, value in getattr(item, "funcargs", {}).items():
+            context = getattr(value, "failure_context", None)
+            if callable(context) and id(value) not in seen:
+                seen.add(id(value))
+                try:
+                    report.sections.append((f"{name}: failure context", context()))
+                except Exception as err:  # noqa: BLE001 -- the context is a help, never a second failure
+                    report.sections.append((f"{name}: failure context", f"unavailable: {err!r}"))
+    return report
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # setup + call + teardown: a module's spawned process group is set up (and torn down) in its
     # first (last) test's fixtures, and that is most of a distributed file's time.

@@ -95,8 +95,23 @@ class Server:
             time.sleep(0.5)
         raise AssertionError(f"the server was not ready within {START_TIMEOUT} s:\n{self.tail()}")
 
-    def tail(self) -> str:
-        return "\n".join(self.log.read_text().splitlines()[-40:])
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text().splitlines()[-lines:])
+
+    def failure_context(self) -> str:
+        """For a failed test's report (tests/conftest.py): each rank's state and memory, the machine's
+        free memory, and the log's tail (every rank's stacks are in it when a batch stalled)."""
+        rows = []
+        for rank, pid in sorted(self.rank_pids().items()):
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                          if ":" in line)
+            rows.append(f"rank {rank} pid {pid}: {status['State'].strip()}, RSS {status['VmRSS'].strip()}, "
+                        f"threads {status['Threads'].strip()}")
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        free = [line for line in meminfo if line.startswith(("MemTotal", "MemAvailable"))]
+        noise = ("Warning", "warn(", "W1", "torchao")
+        log = [line for line in self.log.read_text().splitlines() if not line.lstrip().startswith(noise)]
+        return "\n".join([*rows, *free, "--- server log (last 200 lines) ---", *log[-200:]])
 
     def rank_pids(self) -> dict[int, int]:
         ranks = {}
@@ -153,6 +168,7 @@ def _image_body(prompt: str, seed: int, steps: int = 2, **extra) -> dict:
 def server(tmp_path_factory):
     srv = Server(tmp_path_factory.mktemp("serve") / "server4.log", 4, "--ulysses", "2", "--ring", "2",
                  "--max-batch", "4", "--queue-size", "80", "--warmup", f"{SIZE[0]}x{SIZE[1]}", "--steps", "2",
+                 "--hang-timeout", "90",  # a stalled batch: stacks logged at 45 s, everything answered at 90
                  env={"USP_DIT_SERVE_FAULT_RANK": str(FAULT_RANK)})
     try:
         yield srv
@@ -216,6 +232,24 @@ def test_queue_is_bounded_and_batches_compatible_requests_in_order():
     with pytest.raises(ServeError, match="draining"):
         sched.submit(Job("image", Params(small, "late", 0, 1)))
     assert sched.fail_queued(ServeError(503, "stopped")) == 1 and jobs[3].future.exception().status == 503
+
+
+def test_a_stalled_batch_logs_every_threads_stack_and_a_rearmed_one_does_not(capfd):
+    import time as _time
+
+    from usp_dit.serve.worker import _stall_dump
+
+    with _stall_dump(0.3) as rearm:
+        for _ in range(4):  # steps that end in time: each re-arms the clock
+            _time.sleep(0.15)
+            rearm()
+    assert "Thread" not in capfd.readouterr().err
+    with _stall_dump(0.2):
+        _time.sleep(0.6)  # a step that never ends
+    err = capfd.readouterr().err
+    assert "Timeout (0:00:00.200000)!" in err and "test_a_stalled_batch_logs_every_threads_stack" in err
+    with _stall_dump(None):  # off
+        _time.sleep(0.05)
 
 
 # ---------------------------------------------------------------------------------------------

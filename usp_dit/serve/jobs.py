@@ -41,6 +41,7 @@ class Job:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: float = field(default_factory=time.time)
     started: float | None = None
+    picked: float = 0.0  # time.monotonic() when the serving loop took it (the hang deadline's start)
     future: Future = field(default_factory=Future)
     status: str = "queued"
     progress: float = 0.0  # in [0, 1]: denoising steps done / steps
@@ -131,9 +132,10 @@ class Scheduler:
                         self._queue.remove(job)
                         batch.append(job)
                         room -= job.images
-            now = time.time()
+            now, picked = time.time(), time.monotonic()
             for job in batch:
                 job.status, job.started, job.batch_size = "in_progress", now, sum(j.images for j in batch)
+                job.picked = picked
             self.running = batch
             return batch
 

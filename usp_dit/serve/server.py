@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-frames", type=int, default=129)
     p.add_argument("--max-prompt-chars", type=int, default=None, help="default: 64 tiny (its text length), else 2000")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds before a silent rank is dead")
-    p.add_argument("--hang-timeout", type=float, default=300.0, help="seconds a batch may go without a step")
+    p.add_argument("--hang-timeout", type=float, default=300.0,
+                   help="seconds a batch may go without a step (every rank logs its stacks at half of it)")
     p.add_argument("--drain-timeout", type=float, default=25.0, help="seconds to run the queue after SIGTERM")
     args = p.parse_args(argv)
     check_args(args, launch.env_world_size())
@@ -185,8 +186,13 @@ class Leader:
         _exit(EXIT_FAILED)
 
     def hang_check(self) -> str | None:
-        idle_for = time.monotonic() - self.last_progress
-        if self.sched.running and idle_for > self.args.hang_timeout:
+        running = self.sched.running
+        if not running:
+            return None
+        # From the later of the last step end and when this batch was taken: an idle spell before
+        # the batch is no hang.
+        idle_for = time.monotonic() - max(self.last_progress, running[0].picked)
+        if idle_for > self.args.hang_timeout:
             return f"no denoising step for {idle_for:.0f} s (--hang-timeout {self.args.hang_timeout:g})"
         return None
 
@@ -238,7 +244,8 @@ class Leader:
 
         try:
             outcome = execute(self.pipe, self.args.family, self.args.model is None, BatchSpec(shape, prompts, seeds),
-                              self.control, lambda: any(j.cancel for j in batch), on_step)
+                              self.control, lambda: any(j.cancel for j in batch), on_step,
+                              stall_dump_s=self.args.hang_timeout / 2)
         except RankFailure as err:
             self.fatal(str(err))
         took = time.monotonic() - started
@@ -305,7 +312,8 @@ def serve_peer(pipe, args: argparse.Namespace, control: Control) -> None:
             break
         if message[0] == "run":
             try:
-                execute(pipe, args.family, args.model is None, message[1], control)
+                execute(pipe, args.family, args.model is None, message[1], control,
+                        stall_dump_s=args.hang_timeout / 2)
             except RankFailure as err:
                 _log(f"failed: {err}; exiting")
                 _exit(EXIT_FAILED)

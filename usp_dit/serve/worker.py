@@ -9,8 +9,10 @@ plane] in ``usp_dit.serve.control``).
 """
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,12 +64,40 @@ def _inject_fault(rank: int, prompts: tuple[str, ...], step: int) -> None:
 
 def execute(pipe, family: str, tiny: bool, spec: BatchSpec, control: Control,
             cancel_requested: Callable[[], bool] = lambda: False,
-            on_step: Callable[[int], None] = lambda step: None) -> Outcome:
+            on_step: Callable[[int], None] = lambda step: None, stall_dump_s: float | None = None) -> Outcome:
     """Run ``spec`` on this rank, agreeing with the others after each step and at the end.
 
     ``cancel_requested`` is read on rank 0 only; ``on_step(i)`` runs at the end of step i, before
     the agreement. Raises ``RankFailure`` when the control plane fails (a peer is gone).
+    ``stall_dump_s``: when this rank goes that long without a step end, every thread's Python
+    stack goes to its stderr (``faulthandler``), so a hang's log says where each rank waits.
     """
+    with _stall_dump(stall_dump_s) as rearm:
+        return _execute(pipe, family, tiny, spec, control, cancel_requested, on_step, rearm)
+
+
+class _stall_dump:
+    """Arms ``faulthandler.dump_traceback_later`` for the batch; ``rearm()`` restarts its clock."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+
+    def rearm(self) -> None:
+        if self.seconds:
+            faulthandler.dump_traceback_later(self.seconds, repeat=False, file=sys.__stderr__)
+
+    def __enter__(self) -> Callable[[], None]:
+        self.rearm()
+        return self.rearm
+
+    def __exit__(self, *exc) -> None:
+        if self.seconds:
+            faulthandler.cancel_dump_traceback_later()
+
+
+def _execute(pipe, family: str, tiny: bool, spec: BatchSpec, control: Control,
+             cancel_requested: Callable[[], bool], on_step: Callable[[int], None],
+             rearm: Callable[[], None]) -> Outcome:
     closed = False
 
     def agree(failed: bool, cancel: bool, done: bool) -> tuple[bool, bool, bool]:
@@ -80,6 +110,7 @@ def execute(pipe, family: str, tiny: bool, spec: BatchSpec, control: Control,
         return flags
 
     def step_end(step: int) -> None:
+        rearm()
         on_step(step)
         _inject_fault(control.rank, spec.prompts, step)
         failed, cancel, _ = agree(False, control.rank == 0 and cancel_requested(), False)
