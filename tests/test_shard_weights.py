@@ -1,9 +1,9 @@
 """``enable_usp(..., shard_weights=True)``: FSDP2 over the model replica, every family, on CPU gloo.
 
 One spawned group of 4 ranks runs every case (Note [sharded weights] in
-``usp_dit.pipelines.weights``). For each of the eleven families (its file's model builder and one
-of its harder shapes: masked prompts, ControlNet residuals, per-token timesteps, reference images,
-dual attention, diffusion forcing) on the grids (U, R, cfg) = (2,2,1), (1,4,1), (4,1,1) and
+``usp_dit.pipelines.weights``). For every family (its file's model builder and one of its harder
+shapes where it has them: masked prompts, ControlNet residuals, per-token timesteps, reference
+images, dual attention, diffusion forcing, interleaved block lists) on the grids (U, R, cfg) = (2,2,1), (1,4,1), (4,1,1) and
 (1,2,2) (the cfg groups share the shards: every rank of the replica holds 1/4; CI runs each
 family on one of them, the grids in turn, and ``--full`` every pair):
   * the output equals the one-process output (max|err| / max|ref| <= 1e-5, float32: the grid
@@ -13,6 +13,8 @@ family on one of them, the grids in turn, and ``--full`` every pair):
     ``weights.resident_parameter_bytes``) right after each block (its parameters freed, the next
     block's prefetched) <= model / 4 + the largest block + the transformer's direct parameters
     + FSDP2's padding; after the call, only the shards (<= model / 4 + padding);
+  * the second call, in which each block prefetches the block that ran after it in the first
+    (FSDP2's prefetch lists are checked against that order), gives the same output again;
   * ``disable_usp`` gives back every parameter bit for bit as a plain tensor, the model's own
     class, no hook; the output is then bit-identical to stock, and sharding again works.
 Then: the tiny Wan 2.2 pipeline (two experts, guidance as two calls a step) on (1,2,2) with
@@ -45,6 +47,10 @@ GRIDS = [(2, 2, 1), (1, 4, 1), (4, 1, 1), (1, 2, 2)]
 FAMILIES = {
     "chroma": 0, "cogvideox": "GRAD_SHAPE", "flux": 3, "flux2": 1, "hunyuan_video": 2, "ltx_video": 1,
     "mochi": "GRAD_SHAPE", "qwen_image": 0, "sd3": 2, "skyreels_v2": "df", "wan": 2,
+    # The families added since: their first shape (masked prompts where the family takes them).
+    "chronoedit": 0, "cogview4": 0, "cosmos3": 0, "flux3": 0, "helios": 0, "hidream": 0, "hunyuan_image": 0,
+    "hunyuan_video15": 0, "kandinsky5": 0, "krea2": 0, "longcat_image": 0, "ltx2": 0, "lumina2": 0,
+    "minimax_h3": 0, "ovis_image": 0, "qwen_image21": 0, "sana": 0, "wan_animate": 0, "wan_vace": 0, "zimage": 0,
 }
 
 
@@ -63,8 +69,9 @@ def _build(family: str):
     which = FAMILIES[family]
     if family == "skyreels_v2":
         return module._build(which)  # its builder takes the shape's name
-    shape = getattr(module, which) if which == "GRAD_SHAPE" else module.SHAPES[which]
-    return module._build(shape)
+    shapes = getattr(module, "SHAPE_IDS", module.SHAPES)  # HunyuanImage's builder takes the shape's id
+    shape = getattr(module, which) if which == "GRAD_SHAPE" else shapes[which]
+    return module._build(shape)[:2]  # some builders also return the token count
 
 
 def _nbytes(tensors) -> int:
@@ -92,6 +99,11 @@ def _fsdp_left(model: torch.nn.Module) -> int:
     return left
 
 
+def _prefetched(unit: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules FSDP2 prefetches when ``unit`` starts its forward (FSDP2's state, read for the test)."""
+    return [state._modules[0] for state in unit._get_fsdp_state()._states_to_forward_prefetch]
+
+
 def _live_dtensors() -> int:
     return sum(1 for o in gc.get_objects() if isinstance(o, DTensor))
 
@@ -109,12 +121,18 @@ def _family_case(family: str, mesh) -> dict[str, float]:
     enable_usp(model, mesh=mesh, shard_weights=True)
     blocks = weights.blocks_in_order(model, find_adapter(model).plan.block_lists)
     after_block, between_calls = _bound(_build(family)[0], blocks, mesh.config.model_degree)
-    seen: list[int] = []
-    hooks = [b.register_forward_hook(lambda *_: seen.append(weights.resident_parameter_bytes(model))) for b in blocks]
-    sharded = forward(model, inputs)
+    seen: list[tuple[torch.nn.Module, int]] = []  # (block, resident bytes right after it ran)
+    hooks = [b.register_forward_hook(lambda block, *_: seen.append((block, weights.resident_parameter_bytes(model))))
+             for b in blocks]
+    sharded = forward(model, inputs)  # the first call: no prefetch, the blocks' run order recorded
+    first_call = list(seen)
+    prefetching = forward(model, inputs)  # each block prefetches the block that ran after it
     for hook in hooks:
         hook.remove()
     idle = weights.resident_parameter_bytes(model)
+    run = [block for block, _ in first_call]
+    chain = [model, *run]
+    wrong_prefetch = sum(_prefetched(a) != [b] for a, b in zip(chain, run)) + (_prefetched(run[-1]) != [])
     sharded_classes = float(all(isinstance(u, FSDPModule) for u in [model, *blocks]))
     disable_usp(model)
 
@@ -129,15 +147,17 @@ def _family_case(family: str, mesh) -> dict[str, float]:
         "dtensors_alive_after_disable": float(left_alive),
         "out": rel_err(sharded, stock),
         "vs_unsharded_grid": (sharded - grid).abs().max().item(),
-        "resident_after_block_over_bound": float(max(seen) > after_block),
+        "prefetching_vs_unsharded_grid": (prefetching - grid).abs().max().item(),
+        "wrong_prefetch": float(wrong_prefetch),
+        "resident_after_block_over_bound": float(max(n for _, n in seen) > after_block),
         "resident_between_calls_over_bound": float(idle > between_calls),
-        "blocks_ran": float(len(seen) < len(blocks)),  # 1.0 if a block did not run
+        "blocks_ran": float(len(first_call) != len(blocks)),  # 1.0 if a block did not run, or ran twice
         "not_sharded": 1.0 - sharded_classes,
         "not_restored": float(not restored),
         "fsdp_left": float(_fsdp_left(model)),
         "disable_not_bit_identical": float(not torch.equal(again, stock)),
         "reshard_vs_grid": (third - grid).abs().max().item(),
-        "block_bytes_seen_max": float(max(seen)),
+        "block_bytes_seen_max": float(max(n for _, n in seen)),
         "bound_after_block": float(after_block),
     }
 
@@ -235,8 +255,9 @@ def test_sharded_weights_give_the_same_output_in_a_quarter_of_the_memory(results
     for rank, case in enumerate(_case(results, f"{family}-{grid}")):
         assert case["out"] <= TOL, (rank, case)
         assert case["vs_unsharded_grid"] == 0.0, (rank, case)
+        assert case["prefetching_vs_unsharded_grid"] == 0.0, (rank, case)
         assert case["reshard_vs_grid"] == 0.0, (rank, case)
-        for flag in ("resident_after_block_over_bound", "resident_between_calls_over_bound", "blocks_ran",
+        for flag in ("wrong_prefetch", "resident_after_block_over_bound", "resident_between_calls_over_bound", "blocks_ran",
                      "not_sharded", "not_restored", "fsdp_left", "disable_not_bit_identical",
                      "dtensors_alive_after_disable"):
             assert case[flag] == 0.0, (rank, flag, case)

@@ -7,16 +7,22 @@ Note [sharded weights]
     Sequence parallelism splits activations; every rank still holds every weight. With
     ``enable_usp(..., shard_weights=True)`` each block of the family's plan (``block_lists``),
     each child of the transformer outside those lists that holds parameters (embedders, final
-    norm and projection), and the transformer itself (its own few direct parameters, e.g. Wan's
+    norm and projection; the members of a ModuleList or ModuleDict, which has no forward of its
+    own to hook), and the transformer itself (its own few direct parameters, e.g. Wan's
     ``scale_shift_table``) become ``fully_shard`` units over the ranks of the model replica, so
     that between blocks a rank holds its shards, the block running, the next one, and those
     direct parameters:
       * a rank keeps 1/P of each unit (P = cfg x ring x ulysses); a unit's parameters are
         all-gathered just before it runs and freed after (``reshard_after_forward=True``, the root
         included: between two calls a rank holds only its shards);
-      * while block i runs, block i+1's all-gather is already issued
-        (``set_modules_to_forward_prefetch``, in the order of the plan's block lists), so on a GPU
-        it overlaps block i's compute; the transformer prefetches block 0 likewise;
+      * while block i runs, the all-gather of the block that runs next is already issued
+        (``set_modules_to_forward_prefetch``), so on a GPU it overlaps block i's compute; the
+        transformer prefetches the first block likewise. "Next" is the order blocks run in, which
+        is not always the order of the plan's lists: Wan Animate runs a face-adapter block after
+        every few transformer blocks. The first call gathers each block when it starts (no
+        prefetch) and records the order the blocks run in; from the second call each block
+        prefetches the one that ran after it (``_RunOrder``). A block prefetched out of order
+        would be gathered after it ran and stay gathered between calls;
       * every rank of the replica runs every block in the same order, as the sequence split
         already requires (the cfg groups too: Note [two calls a step] makes every rank take the
         same decisions, and a step cache's skip is agreed over the replica), so the all-gathers
@@ -60,6 +66,40 @@ class ShardedWeights:
 
     units: list[torch.nn.Module] = field(default_factory=list)
     classes: dict[int, type] = field(default_factory=dict)  # id(unit) -> its class before fully_shard
+    run_order: _RunOrder | None = None  # records the blocks' order on the first calls
+
+
+class _RunOrder:
+    """Note [sharded weights]: the order the blocks run in, recorded by forward pre-hooks until a
+    call runs every block exactly once; then each block prefetches the one that ran after it.
+
+    Every rank of the replica runs the same blocks in the same order, so every rank switches its
+    prefetch (whose all-gathers are collectives) after the same call.
+    """
+
+    def __init__(self, transformer: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
+        self.transformer, self.blocks, self.seen = transformer, blocks, []
+        self.handles = [b.register_forward_pre_hook(self._ran) for b in blocks]
+        self.handles.append(transformer.register_forward_hook(self._call_ended))
+        self.settled = False
+
+    def _ran(self, block: torch.nn.Module, args) -> None:
+        self.seen.append(block)
+
+    def _call_ended(self, module, args, output) -> None:
+        order, self.seen = self.seen, []
+        if len(order) != len(self.blocks) or len({id(b) for b in order}) != len(order):
+            return  # a block skipped (a step cache) or run twice: no prefetch yet, look again
+        for current, following in zip([self.transformer, *order], order):
+            current.set_modules_to_forward_prefetch([following])
+        order[-1].set_modules_to_forward_prefetch([])
+        self.remove()
+        self.settled = True
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
 
 
 def replica_device_mesh(mesh: USPMesh) -> DeviceMesh | None:
@@ -128,7 +168,9 @@ def dtype_subunits(unit: torch.nn.Module, name: str, units: set[int], keep: torc
         kinds, label = _dtypes(child, units), f"{name}.{child_name}"
         if not kinds or kinds == {keep}:
             continue
-        if _dtypes(child, units, recurse=False) - {keep} or len(kinds) == 1:
+        if _is_container(child):  # no forward to hook: its members are the units
+            subunits.extend(dtype_subunits(child, label, units, keep))
+        elif _dtypes(child, units, recurse=False) - {keep} or len(kinds) == 1:
             subunits.extend(dtype_subunits(child, label, units))  # a unit of its own dtype
             subunits.append(child)
             units.add(id(child))
@@ -137,12 +179,25 @@ def dtype_subunits(unit: torch.nn.Module, name: str, units: set[int], keep: torc
     return subunits
 
 
+def _is_container(module: torch.nn.Module) -> bool:
+    """A ModuleList or ModuleDict (no ``forward`` of its own): FSDP2 cannot hook it, so its members
+    are the units."""
+    return type(module).forward is torch.nn.Module.forward
+
+
+def _runnable(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` itself, or for a container its members with parameters (containers unrolled)."""
+    if not _is_container(module):
+        return [module]
+    return [unit for child in module.children() if any(True for _ in child.parameters()) for unit in _runnable(child)]
+
+
 def outer_modules(transformer: torch.nn.Module, block_lists: Iterable[str]) -> list[torch.nn.Module]:
     """The transformer's children outside its block lists that hold parameters (embedders, final
-    norm and projection): units of their own, gathered only while they run."""
+    norm and projection; a container's members): units of their own, gathered only while they run."""
     lists = set(block_lists)
-    return [child for name, child in transformer.named_children()
-            if name not in lists and any(True for _ in child.parameters())]
+    return [unit for name, child in transformer.named_children()
+            if name not in lists and any(True for _ in child.parameters()) for unit in _runnable(child)]
 
 
 def shard_weights(transformer: torch.nn.Module, mesh: USPMesh, block_lists: Iterable[str]) -> ShardedWeights | None:
@@ -162,8 +217,8 @@ def shard_weights(transformer: torch.nn.Module, mesh: USPMesh, block_lists: Iter
     blocks = blocks_in_order(transformer, block_lists)
     record = ShardedWeights()
     shard_units(record, [*blocks, *outer_modules(transformer, block_lists), transformer], device_mesh)
-    for current, following in zip([transformer, *blocks], blocks):
-        current.set_modules_to_forward_prefetch([following])
+    if blocks:  # no prefetch until a call has shown the order the blocks run in (_RunOrder)
+        record.run_order = _RunOrder(transformer, blocks)
     return record
 
 
@@ -224,6 +279,8 @@ def _forget_fsdp(unit: torch.nn.Module, cls: type) -> None:
 
 def unshard_weights(transformer: torch.nn.Module, record: ShardedWeights) -> None:
     """Undo ``shard_weights``: full local parameters, no FSDP2 hook, state or class left."""
+    if record.run_order is not None:
+        record.run_order.remove()
     for unit in record.units:
         unit.reshard()  # a known state: every parameter its sharded DTensor
     _full_local_parameters(transformer)
