@@ -124,7 +124,15 @@ class Server:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: torchrun and its workers
+            # torchrun starts each worker in a session of its own: killing torchrun's group alone
+            # would leave the ranks running, orphaned (seen: idle servers heartbeating for hours).
+            workers = list(self.rank_pids().values())
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in workers:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self.proc.wait(30)
 
 
