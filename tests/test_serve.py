@@ -1,8 +1,10 @@
 """The server (``usp_dit.serve``) under torchrun, over real HTTP on 127.0.0.1, against the pipeline
 run in one process.
 
-Two process start-ups: one server of 4 ranks (tiny Wan, Ulysses 2 x Ring 2, gloo) serves every case
-in file order and ends with the SIGTERM drain; one of 2 ranks is killed (SIGKILL of rank 1) mid-request.
+Three process start-ups: one server of 4 ranks (tiny Wan, Ulysses 2 x Ring 2, gloo) serves every case
+in file order and ends with the SIGTERM drain; one of 4 ranks as two replicas of Ulysses 2 (Note
+[replicas]) serves images, videos, cancellations and faults on both; one of 2 ranks is killed
+(SIGKILL of rank 1) mid-request.
 
 Tolerances (max |diff| / max |one process|):
   * 1e-4 for a served image against the same request run by the stock pipeline in this process:
@@ -495,3 +497,63 @@ def test_a_killed_rank_fails_requests_and_the_job_exits_nonzero(tmp_path):
             _get(srv.url + "/health", timeout=2)
     finally:
         srv.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# A third server: two replicas of two ranks (Note [replicas] in usp_dit.serve.control)
+
+
+@pytest.fixture
+def replica_server(tmp_path):
+    srv = Server(tmp_path / "replicas.log", 4, "--replicas", "2", "--ulysses", "2", "--steps", "2", "--max-batch", "2",
+                 "--hang-timeout", "90", env={"USP_DIT_SERVE_FAULT_RANK": "1,3"})  # a rank of each replica
+    try:
+        yield srv  # a fixture value: a failure's report carries its log (tests/conftest.py)
+    finally:
+        srv.stop()
+
+
+def test_two_replicas_share_the_queue_cancel_and_fail_apart(replica_server, reference):
+    srv = replica_server
+    srv.wait_ready()
+    workers = srv.rank_pids()
+    # Images: both replicas serve the one queue, each answer equals one process.
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda i: _post(srv.url + "/v1/images/generations", _image_body(f"r{i}", seed=i)),
+                                range(12)))
+    assert all(status == 200 for status, _ in answers), answers[:2]
+    assert {body["replica"] for _, body in answers} == {0, 1}
+    for i in (0, 11):
+        assert _rel(_npy(answers[i][1]["data"][0]), reference(f"r{i}", i)) <= 1e-4
+    # Videos: one runs on each replica (the first holds one, the second takes the other), with
+    # progress; a DELETE cancels each between two steps, the remote one through its link.
+    long = {"prompt": "long", "steps": 200, "num_frames": 5, "size": f"{SIZE[0]}x{SIZE[1]}"}
+    first = _post(srv.url + "/v1/videos", long)[1]
+    first = _wait_status(srv, first["id"], {"in_progress"})
+    second = _post(srv.url + "/v1/videos", long)[1]
+    second = _wait_status(srv, second["id"], {"in_progress"})
+    assert {first["replica"], second["replica"]} == {0, 1}
+    deadline = time.monotonic() + 30
+    while json.loads(_get(f"{srv.url}/v1/videos/{second['id']}")[1])["progress"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    for video in (first, second):
+        assert _request("DELETE", f"{srv.url}/v1/videos/{video['id']}")[0] == 200
+    for video in (first, second):
+        done = _wait_status(srv, video["id"], {"cancelled", "completed", "failed"})
+        assert done["status"] == "cancelled" and done["progress"] < 100, done  # 1 step of 200 shows as 0 %
+    # A pipeline fault fails that request alone, whichever replica ran it; both keep serving.
+    with ThreadPoolExecutor(2) as pool:
+        faults = list(pool.map(lambda i: _post(srv.url + "/v1/images/generations",
+                                               _image_body(f"{FAULT_SENTINEL} {i}", seed=i)), range(2)))
+    for status, body in faults:
+        assert status == 500 and "injected fault on rank" in body["error"]["message"], body
+    with ThreadPoolExecutor(4) as pool:
+        after = list(pool.map(lambda i: _post(srv.url + "/v1/images/generations", _image_body("after", seed=3)),
+                              range(4)))
+    assert all(status == 200 for status, _ in after)
+    assert _rel(_npy(after[0][1]["data"][0]), reference("after", 3)) <= 1e-4
+    # SIGTERM: every replica stops, the job exits 0.
+    os.kill(workers[0], signal.SIGTERM)
+    assert srv.proc.wait(60) == 0, srv.tail()
+    assert not [p for p in workers.values() if _alive(p)]

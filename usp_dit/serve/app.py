@@ -60,7 +60,7 @@ def _video_object(job: Job, limits: Limits) -> dict:
         "id": job.id, "object": "video", "model": limits.model_id, "status": job.status,
         "progress": round(100 * job.progress), "created_at": int(job.created),
         "size": f"{shape.width}x{shape.height}", "num_frames": shape.num_frames,
-        "seconds": str(round(shape.num_frames / job.params.fps, 3)), "seed": job.params.seed,
+        "seconds": str(round(shape.num_frames / job.params.fps, 3)), "seed": job.params.seed, "replica": job.replica,
         "error": None if job.error is None else {"message": job.error},
     }
 
@@ -99,7 +99,7 @@ def build_app(state: ServerState) -> FastAPI:
         metrics.latency.labels("image").observe(time.perf_counter() - arrived)
         metrics.requests.labels("image", "200").inc()
         return {"created": int(job.created), "data": data, "output_format": params.output_format,
-                "seed": params.seed, "batch_size": job.batch_size}
+                "seed": params.seed, "batch_size": job.batch_size, "replica": job.replica}
 
     @app.post("/v1/videos")
     async def create_video(request: Request):

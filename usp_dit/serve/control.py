@@ -28,6 +28,24 @@ Note [control plane]
 
     A rank that raises while its peers wait in a data-plane collective (inside the transformer)
     leaves them waiting there: that is a hang, caught by rank 0's progress deadline (``--hang-timeout``).
+
+Note [replicas]
+    ``--replicas K`` splits the world into K model replicas of N / K ranks (the USP mesh's
+    data-parallel axis), each running its own batches on its own grid; the queue stays on rank 0.
+    Rank 0 leads replica 0 from its main thread, as with one replica; for each other replica r a
+    thread of rank 0 (``usp_dit.serve.server.RemoteReplica``) takes batches from the same queue and
+    talks to replica r's first rank over a two-rank ``Link``:
+
+        rank 0 (thread r)                     replica r's first rank      its other ranks
+        ("run", batch)         ------------>  broadcast in the replica -> run the batch
+        <- ("step", i) / cancel flag ->       after each denoising step (progress, cancellation)
+        <------------  ("done", outcome)      (the images travel back pickled)
+        ("stop",)              ------------>  broadcast, then every rank of the job leaves together
+
+    So every replica serves images and videos alike, with progress, cancellation and the same
+    fault agreement inside it; a pipeline failure in replica r fails that batch alone. The
+    heartbeat still spans every rank: a dead or frozen rank anywhere fails the job. Rank 0 sees
+    replica r's step ends, so the progress deadline covers every replica.
 """
 from __future__ import annotations
 
@@ -44,45 +62,90 @@ CONTROL_TIMEOUT = datetime.timedelta(days=30)  # an idle server waits here: no t
 
 
 class Control:
-    """The control and heartbeat groups of one job (every rank builds it, in the same order)."""
+    """The control groups of one job (every rank builds them, in the same order).
 
-    def __init__(self, heartbeat_timeout_s: float = 5.0):
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.group = self.heartbeat_group = None
-        if self.world > 1:
-            self.group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-            self.heartbeat_group = dist.new_group(
-                backend="gloo", timeout=datetime.timedelta(seconds=heartbeat_timeout_s))
+    With ``replicas`` K > 1 (Note [replicas]) the world's ranks form K model replicas of
+    ``world / K`` ranks each, replica r being ranks [r m, (r + 1) m) (the data-parallel axis is
+    the outermost of the USP mesh). ``rank`` and ``world`` are then this rank's place in its replica
+    and the replica's size; ``broadcast``, ``agree`` and ``gather`` stay within the replica, while
+    ``barrier`` and the heartbeat span every rank.
+    """
+
+    def __init__(self, heartbeat_timeout_s: float = 5.0, replicas: int = 1):
+        self.total = dist.get_world_size() if dist.is_initialized() else 1
+        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
+        if replicas < 1 or self.total % replicas:
+            raise ValueError(f"replicas={replicas}: must be a positive divisor of the world size {self.total}")
+        self.replicas, size = replicas, self.total // replicas
+        self.replica, self.rank, self.world = divmod(self.global_rank, size) + (size,)
+        self.group = self.everyone = self.heartbeat_group = None
+        self.links: dict[int, Link] = {}  # rank 0: replica r -> its link; replica r's first rank: {r: link}
+        if self.total == 1:
+            return
+        self.everyone = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        self.heartbeat_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=heartbeat_timeout_s))
+        for r in range(replicas):  # every rank creates every group, in the same order
+            ranks = list(range(r * size, (r + 1) * size))
+            group = self.everyone if replicas == 1 else dist.new_group(ranks, backend="gloo", timeout=CONTROL_TIMEOUT)
+            if r == self.replica:
+                self.group = group
+        for r in range(1, replicas):
+            link = Link(r, [0, r * size])
+            if self.global_rank in (0, r * size):
+                self.links[r] = link
+
+    @property
+    def leads_replica(self) -> bool:
+        """The first rank of its replica (rank 0 of the world leads replica 0)."""
+        return self.rank == 0
 
     def barrier(self) -> None:
-        """Every rank is here (no deadline): before the heartbeats start, so that a rank still loading
-        its weights does not miss the first beats' deadline."""
-        if self.world > 1:
-            dist.barrier(group=self.group)
+        """Every rank of the job is here (no deadline): before the heartbeats start, so that a rank
+        still loading its weights does not miss the first beats' deadline."""
+        if self.total > 1:
+            dist.barrier(group=self.everyone)
 
     def broadcast(self, message: Any = None) -> Any:
-        """Rank 0's ``message`` on every rank (a small picklable object)."""
+        """The replica's first rank's ``message`` on every rank of the replica (a small picklable object)."""
         if self.world == 1:
             return message
         box = [message]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]
 
     def agree(self, failed: bool, cancel: bool, done: bool) -> tuple[bool, bool, bool]:
-        """The MAX over ranks of the three flags (Note [control plane])."""
+        """The MAX over the replica's ranks of the three flags (Note [control plane])."""
         flags = torch.tensor([int(failed), int(cancel), int(done)], dtype=torch.int64)
         if self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flags[0]), bool(flags[1]), bool(flags[2])
 
     def gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value`` (small, picklable), in rank order, on every rank."""
+        """Every replica rank's ``value`` (small, picklable), in rank order, on every rank of the replica."""
         if self.world == 1:
             return [value]
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, value, group=self.group)
         return out
+
+
+class Link:
+    """Note [replicas]: rank 0 and the first rank of replica r, over a group of their own (no
+    deadline). Each message is a broadcast from one side; the two sides take turns as the
+    protocol says, so every send meets its receive."""
+
+    def __init__(self, replica: int, ranks: list[int]):
+        self.replica = replica
+        self.group = dist.new_group(ranks, backend="gloo", timeout=CONTROL_TIMEOUT)
+        self.side = 0 if dist.get_rank() == ranks[0] else 1
+
+    def send(self, message: Any) -> None:
+        dist.broadcast_object_list([message], group=self.group, group_src=self.side)
+
+    def receive(self) -> Any:
+        box = [None]
+        dist.broadcast_object_list(box, group=self.group, group_src=1 - self.side)
+        return box[0]
 
 
 class Heartbeat:
@@ -106,7 +169,7 @@ class Heartbeat:
     def _run(self) -> None:
         while not self.stopping.is_set():
             problem = self.check()
-            if problem is None and self.control.world > 1:
+            if problem is None and self.control.total > 1:
                 try:
                     dist.all_reduce(torch.ones(1), group=self.control.heartbeat_group)
                     self.beats += 1

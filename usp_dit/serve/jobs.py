@@ -48,6 +48,7 @@ class Job:
     cancel: bool = False
     error: str | None = None
     batch_size: int = 0  # the images of the batch it ran in
+    replica: int | None = None  # the model replica that ran it (Note [replicas])
     content: bytes | None = None  # a finished video's MP4
 
     @property
@@ -118,8 +119,9 @@ class Scheduler:
 
     # -- the serving loop ----------------------------------------------------------------------
 
-    def next_batch(self, timeout: float) -> list[Job] | None:
-        """The next batch (moved to ``running``), or None after ``timeout`` seconds with none queued."""
+    def next_batch(self, timeout: float, replica: int | None = None) -> list[Job] | None:
+        """The next batch (moved to ``running``, marked as run by ``replica``), or None after
+        ``timeout`` seconds with none queued."""
         with self._lock:
             if not self._queue and not self._lock.wait_for(lambda: bool(self._queue), timeout):
                 return None
@@ -135,8 +137,8 @@ class Scheduler:
             now, picked = time.time(), time.monotonic()
             for job in batch:
                 job.status, job.started, job.batch_size = "in_progress", now, sum(j.images for j in batch)
-                job.picked = picked
-            self.running = batch
+                job.picked, job.replica = picked, replica
+            self.running.extend(batch)  # with replicas, several batches run at once
             return batch
 
     def finish(self, batch: list[Job], status: str, result=None, error: ServeError | None = None) -> None:

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -37,7 +38,8 @@ from usp_dit.serve.control import Control, Heartbeat  # noqa: E402
 from usp_dit.serve.families import FAMILIES, CallShape, load_pipeline, pixels_per_token  # noqa: E402
 from usp_dit.serve.jobs import Job, Scheduler, ServeError  # noqa: E402
 from usp_dit.serve.protocol import Limits  # noqa: E402
-from usp_dit.serve.worker import BatchSpec, RankFailure, execute  # noqa: E402
+from usp_dit.serve.replicas import RemoteReplica  # noqa: E402
+from usp_dit.serve.worker import BatchSpec, Outcome, RankFailure, execute  # noqa: E402
 
 EXIT_FAILED = 1
 
@@ -59,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=4, help="images per batch (and per request's n) at most")
     p.add_argument("--queue-size", type=int, default=64, help="requests waiting at most; then 429")
     p.add_argument("--warmup", default="", help="sizes to run once before /health is ready: 1024x1024,768x1344")
-    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--replicas", type=int, default=1,
+                   help="model replicas (data parallel): N / K ranks each, one queue (Note [replicas])")
     p.add_argument("--steps", type=int, default=None, help="default denoising steps (default: 4 tiny, 28 real)")
     p.add_argument("--max-steps", type=int, default=200)
     p.add_argument("--max-side", type=int, default=None, help="pixels (default: the tiny model's table, else 2048)")
@@ -76,15 +79,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace, world: int) -> None:
     """Fill defaults; ``launch.UsageError`` for a value that would fail later."""
-    if args.replicas != 1:
-        raise launch.UsageError(f"--replicas {args.replicas}: data-parallel replicas are not implemented yet; "
-                                f"run one server per group of ranks behind a load balancer")
+    launch.check_at_least("--replicas", args.replicas, 1)
+    if world % args.replicas:
+        raise launch.UsageError(f"--replicas {args.replicas} on {world} rank(s): the replicas must split the ranks "
+                                f"evenly (a divisor of {world})")
     launch.check_model_path("--model", args.model)
     launch.check_backend("--backend", args.backend)
     for flag, value in (("--max-batch", args.max_batch), ("--queue-size", args.queue_size),
                         ("--max-steps", args.max_steps), ("--max-frames", args.max_frames)):
         launch.check_at_least(flag, value, 1)
-    args.degrees = launch.check_degrees(world, args.ulysses, args.ring, args.cfg)
+    args.degrees = launch.check_degrees(world // args.replicas, args.ulysses, args.ring, args.cfg)
     tiny = args.model is None
     spec = FAMILIES[args.family]
     args.steps = args.steps or (4 if tiny else 28)
@@ -127,8 +131,17 @@ def _exit(code: int) -> None:
     os._exit(code)  # no process-group teardown: it may wait for peers that are gone
 
 
+@dataclass
+class Progress:
+    """One replica's running batch, for the progress deadline (``Leader.hang_check``)."""
+
+    batch: list[Job] | None = None
+    since: float = 0.0  # time.monotonic() of the batch's start or its last step end
+
+
 class Leader:
-    """Rank 0: the HTTP server, the queue and the serving loop."""
+    """Rank 0: the HTTP server, the queue, the serving loop of replica 0 and the threads that
+    serve the other replicas (Note [replicas])."""
 
     def __init__(self, pipe, args: argparse.Namespace, control: Control):
         from usp_dit.serve.app import ServerState
@@ -142,7 +155,8 @@ class Leader:
         else:
             self.state.video_error = video_supported()
         self.draining_since: float | None = None
-        self.last_progress = time.monotonic()
+        self.progress = [Progress() for _ in range(control.replicas)]
+        self.remotes = [RemoteReplica(self, control.links[r]) for r in range(1, control.replicas)]
         self._fatal = threading.Lock()
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="usp_dit-encode")
 
@@ -186,14 +200,17 @@ class Leader:
         _exit(EXIT_FAILED)
 
     def hang_check(self) -> str | None:
-        running = self.sched.running
-        if not running:
-            return None
-        # From the later of the last step end and when this batch was taken: an idle spell before
-        # the batch is no hang.
-        idle_for = time.monotonic() - max(self.last_progress, running[0].picked)
-        if idle_for > self.args.hang_timeout:
-            return f"no denoising step for {idle_for:.0f} s (--hang-timeout {self.args.hang_timeout:g})"
+        now = time.monotonic()
+        for replica, progress in enumerate(self.progress):
+            batch = progress.batch
+            if batch is None:
+                continue
+            # From the later of the last step end and when this batch was taken: an idle spell
+            # before the batch is no hang.
+            idle_for = now - max(progress.since, batch[0].picked)
+            if idle_for > self.args.hang_timeout:
+                where = f" on replica {replica}" if self.control.replicas > 1 else ""
+                return f"no denoising step{where} for {idle_for:.0f} s (--hang-timeout {self.args.hang_timeout:g})"
         return None
 
     # -- the serving loop ----------------------------------------------------------------------
@@ -203,16 +220,20 @@ class Leader:
         self.metrics.ready.set(1)
         if self.draining_since is None:
             self.sched.start_accepting()
+        for remote in self.remotes:
+            remote.start()
         while True:
             if self.draining_since is not None and time.monotonic() - self.draining_since > self.args.drain_timeout:
                 self.sched.fail_queued(ServeError(503, "the server stopped before this request ran", "unavailable"))
-            batch = self.sched.next_batch(timeout=1.0)
+            batch = self.sched.next_batch(timeout=1.0, replica=0)
             if batch is None:
                 if self.draining_since is not None and self.sched.idle():
                     break
                 self._send(("heartbeat",))
                 continue
             self.run(batch)
+        for remote in self.remotes:  # each has told its replica to stop
+            remote.join()
         self._send(("stop",))
         self._encoder.shutdown(wait=True)
         time.sleep(0.2)  # the last answers leave
@@ -225,43 +246,57 @@ class Leader:
         except Exception as err:
             self.fatal(f"the control plane failed: {type(err).__name__}: {err}")
 
-    def run(self, batch: list[Job]) -> None:
-        shape = batch[0].params.shape
+    # -- one batch, on replica 0 here or on another replica through its thread --------------------
+
+    def spec_of(self, batch: list[Job]) -> BatchSpec:
+        """Image i of a request runs with seed + i (each keeps its own noise in a batch)."""
         prompts = tuple(j.params.prompt for j in batch for _ in range(j.images))
         seeds = tuple(j.params.seed + i for j in batch for i in range(j.images))
-        self._send(("run", BatchSpec(shape, prompts, seeds)))
-        self.metrics.running.set(len(batch))
-        self.metrics.batch_size.observe(len(prompts))
-        started = last = self.last_progress = time.monotonic()
+        return BatchSpec(batch[0].params.shape, prompts, seeds)
 
-        def on_step(step: int) -> None:
-            nonlocal last
-            now = self.last_progress = time.monotonic()
-            self.metrics.step_time.observe(now - last)
-            last = now
-            for job in batch:
-                job.progress = (step + 1) / shape.steps
+    def started(self, replica: int, batch: list[Job]) -> None:
+        self.progress[replica] = Progress(batch, time.monotonic())
+        self.metrics.running.set(len(self.sched.running))
+        self.metrics.batch_size.observe(sum(j.images for j in batch))
 
+    def stepped(self, replica: int, batch: list[Job], step: int) -> None:
+        progress, now = self.progress[replica], time.monotonic()
+        self.metrics.step_time.observe(now - progress.since)
+        progress.since = now
+        for job in batch:
+            job.progress = (step + 1) / job.params.shape.steps
+
+    def run(self, batch: list[Job]) -> None:
+        """``batch`` on replica 0 (this rank's)."""
+        spec = self.spec_of(batch)
+        self._send(("run", spec))
+        self.started(0, batch)
         try:
-            outcome = execute(self.pipe, self.args.family, self.args.model is None, BatchSpec(shape, prompts, seeds),
-                              self.control, lambda: any(j.cancel for j in batch), on_step,
+            outcome = execute(self.pipe, self.args.family, self.args.model is None, spec, self.control,
+                              lambda: any(j.cancel for j in batch), lambda step: self.stepped(0, batch, step),
                               stall_dump_s=self.args.hang_timeout / 2)
         except RankFailure as err:
             self.fatal(str(err))
-        took = time.monotonic() - started
+        self.conclude(0, batch, outcome)
+
+    def conclude(self, replica: int, batch: list[Job], outcome: Outcome) -> None:
+        """Answer ``batch``'s requests with ``outcome`` (any thread)."""
+        took = time.monotonic() - batch[0].picked
+        self.progress[replica] = Progress()
         self.metrics.batch_time.observe(took)
         self.state.mean_batch_s = 0.8 * self.state.mean_batch_s + 0.2 * took
-        self.metrics.running.set(0)
         if outcome.cancelled:
             self.sched.finish(batch, "cancelled", error=ServeError(409, "cancelled", "cancelled"))
         elif outcome.error is not None:
             self.metrics.failures.labels("pipeline").inc()
-            _log(f"a batch of {len(batch)} request(s) failed: {outcome.error}")
+            where = f" on replica {replica}" if self.control.replicas > 1 else ""
+            _log(f"a batch of {len(batch)} request(s) failed{where}: {outcome.error}")
             self.sched.finish(batch, "failed", error=ServeError(500, f"the pipeline failed: {outcome.error}"))
         elif batch[0].kind == "video":
             self._encoder.submit(self._finish_video, batch[0], outcome.output[0])
         else:
             self._finish_images(batch, outcome.output)
+        self.metrics.running.set(len(self.sched.running))
 
     def _finish_images(self, batch: list[Job], output: np.ndarray) -> None:
         if output.ndim == 5:  # a video family: one-frame videos
@@ -291,7 +326,8 @@ def serve_leader(pipe, args: argparse.Namespace, control: Control) -> None:
     signal.signal(signal.SIGTERM, leader.drain)
     signal.signal(signal.SIGINT, leader.drain)
     warm_up(pipe, args, control)
-    _log(f"ready: {args.model_id} ({args.family}) on {control.world} rank(s), grid {args.degrees}")
+    replicas = f", {control.replicas} replicas" if control.replicas > 1 else ""
+    _log(f"ready: {args.model_id} ({args.family}) on {control.total} rank(s), grid {args.degrees}{replicas}")
     leader.serve()
     heartbeat.stopping.set()
     _stop_together(control)
@@ -299,7 +335,10 @@ def serve_leader(pipe, args: argparse.Namespace, control: Control) -> None:
 
 
 def serve_peer(pipe, args: argparse.Namespace, control: Control) -> None:
-    """A rank other than 0: run what rank 0 broadcasts until it says stop."""
+    """A rank other than 0: run what its replica's first rank broadcasts until it says stop. The
+    first rank of replica r >= 1 gets its messages from rank 0 over the replica's link, reports
+    each step end there and sends the outcome back (Note [replicas])."""
+    link = control.links.get(control.replica) if control.leads_replica else None
     control.barrier()
     heartbeat = Heartbeat(control, lambda message: (_log(f"failed: {message}; exiting"), _exit(EXIT_FAILED)))
     heartbeat.start()
@@ -307,16 +346,20 @@ def serve_peer(pipe, args: argparse.Namespace, control: Control) -> None:
         signal.signal(signum, lambda s, f: None)
     warm_up(pipe, args, control)
     while True:
-        message = control.broadcast()
+        message = control.broadcast(None if link is None else link.receive())
         if message[0] == "stop":
             break
         if message[0] == "run":
+            hooks = {} if link is None else {"on_step": lambda step: link.send(("step", step)),
+                                             "cancel_requested": link.receive}
             try:
-                execute(pipe, args.family, args.model is None, message[1], control,
-                        stall_dump_s=args.hang_timeout / 2)
+                outcome = execute(pipe, args.family, args.model is None, message[1], control,
+                                  stall_dump_s=args.hang_timeout / 2, **hooks)
             except RankFailure as err:
                 _log(f"failed: {err}; exiting")
                 _exit(EXIT_FAILED)
+            if link is not None:
+                link.send(("done", outcome))
     heartbeat.stopping.set()
     _stop_together(control)
     _exit(0)
@@ -337,12 +380,12 @@ def _main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)  # before the process group and the weights: a bad value ends here
     from usp_dit.pipelines import install_failure_handler
 
-    rank, world, device = launch.init_distributed()
+    rank, _, device = launch.init_distributed()
     install_failure_handler()  # an uncaught exception on any rank ends that process at once
-    control = Control(args.heartbeat_timeout)
+    control = Control(args.heartbeat_timeout, args.replicas)
     pipe = load_pipeline(args.family, args.model, device)
     pipe.set_progress_bar_config(disable=True)
-    if world > 1:
+    if args.degrees != (1, 1, 1):  # replicas of one rank each run the pipeline as it is
         ulysses, ring, cfg = args.degrees
         pipe.enable_usp(ulysses_degree=ulysses, ring_degree=ring, cfg_degree=cfg, backend=args.backend,
                         shard_weights=args.shard_weights)

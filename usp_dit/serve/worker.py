@@ -22,8 +22,9 @@ import torch
 from usp_dit.serve.control import Control
 from usp_dit.serve.families import CallShape, run_batch
 
-# A test-only fault: with USP_DIT_SERVE_FAULT_RANK=r in the environment, rank r raises at the end of
-# the first denoising step of a batch whose prompt contains FAULT_SENTINEL (tests/test_serve.py).
+# A test-only fault: with USP_DIT_SERVE_FAULT_RANK=r (or r1,r2,...) in the environment, global rank r
+# raises at the end of the first denoising step of a batch whose prompt contains FAULT_SENTINEL
+# (tests/test_serve.py).
 FAULT_ENV = "USP_DIT_SERVE_FAULT_RANK"
 FAULT_SENTINEL = "usp-dit-fault"
 
@@ -40,7 +41,7 @@ class BatchSpec:
 @dataclass
 class Outcome:
     output: np.ndarray | None = None
-    error: str | None = None  # "rank r: Type: message" of the lowest failing rank
+    error: str | None = None  # "rank r: Type: message" of the replica's lowest failing rank (r: the global rank)
     cancelled: bool = False
 
 
@@ -58,7 +59,7 @@ class RankFailure(RuntimeError):
 
 def _inject_fault(rank: int, prompts: tuple[str, ...], step: int) -> None:
     wanted = os.environ.get(FAULT_ENV)
-    if wanted is not None and int(wanted) == rank and step == 0 and any(FAULT_SENTINEL in p for p in prompts):
+    if wanted and str(rank) in wanted.split(",") and step == 0 and any(FAULT_SENTINEL in p for p in prompts):
         raise RuntimeError(f"injected fault on rank {rank} ({FAULT_ENV})")
 
 
@@ -112,7 +113,7 @@ def _execute(pipe, family: str, tiny: bool, spec: BatchSpec, control: Control,
     def step_end(step: int) -> None:
         rearm()
         on_step(step)
-        _inject_fault(control.rank, spec.prompts, step)
+        _inject_fault(control.global_rank, spec.prompts, step)
         failed, cancel, _ = agree(False, control.rank == 0 and cancel_requested(), False)
         if failed:
             raise PeerFailed()
@@ -130,7 +131,7 @@ def _execute(pipe, family: str, tiny: bool, spec: BatchSpec, control: Control,
     except PeerFailed:
         output = None
     except Exception as err:  # the pipeline raised here: tell the others, once
-        output, error = None, f"rank {control.rank}: {type(err).__name__}: {err}"
+        output, error = None, f"rank {control.global_rank}: {type(err).__name__}: {err}"
         del err  # its traceback holds the failed call's frames and their tensors
     if output is None:
         _release_memory()
