@@ -525,29 +525,32 @@ def test_two_replicas_share_the_queue_cancel_and_fail_apart(replica_server, refe
     assert {body["replica"] for _, body in answers} == {0, 1}
     for i in (0, 11):
         assert _rel(_npy(answers[i][1]["data"][0]), reference(f"r{i}", i)) <= 1e-4
-    # Videos: one runs on each replica (the first holds one, the second takes the other), with
-    # progress; a DELETE cancels each between two steps, the remote one through its link.
+    # Videos and faults, placed for certain: while video 1 holds one replica, a faulty request runs
+    # on the other and fails alone (500 naming a rank of that replica); video 2 then takes that
+    # replica; video 1 is cancelled between two steps, and the second faulty request runs where it
+    # was. Video 2 is cancelled last: a DELETE works on the replica rank 0 runs and on the remote one.
     long = {"prompt": "long", "steps": 200, "num_frames": 5, "size": f"{SIZE[0]}x{SIZE[1]}"}
-    first = _post(srv.url + "/v1/videos", long)[1]
-    first = _wait_status(srv, first["id"], {"in_progress"})
-    second = _post(srv.url + "/v1/videos", long)[1]
-    second = _wait_status(srv, second["id"], {"in_progress"})
-    assert {first["replica"], second["replica"]} == {0, 1}
-    deadline = time.monotonic() + 30
-    while json.loads(_get(f"{srv.url}/v1/videos/{second['id']}")[1])["progress"] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    for video in (first, second):
+
+    def fault(i: int) -> str:
+        status, body = _post(srv.url + "/v1/images/generations", _image_body(f"{FAULT_SENTINEL} {i}", seed=i))
+        assert status == 500 and "injected fault on rank" in body["error"]["message"], body
+        return body["error"]["message"]
+
+    def cancel(video: dict) -> None:
         assert _request("DELETE", f"{srv.url}/v1/videos/{video['id']}")[0] == 200
-    for video in (first, second):
         done = _wait_status(srv, video["id"], {"cancelled", "completed", "failed"})
         assert done["status"] == "cancelled" and done["progress"] < 100, done  # 1 step of 200 shows as 0 %
-    # A pipeline fault fails that request alone, whichever replica ran it; both keep serving.
-    with ThreadPoolExecutor(2) as pool:
-        faults = list(pool.map(lambda i: _post(srv.url + "/v1/images/generations",
-                                               _image_body(f"{FAULT_SENTINEL} {i}", seed=i)), range(2)))
-    for status, body in faults:
-        assert status == 500 and "injected fault on rank" in body["error"]["message"], body
+
+    first = _wait_status(srv, _post(srv.url + "/v1/videos", long)[1]["id"], {"in_progress"})
+    faults = [fault(0)]
+    second = _wait_status(srv, _post(srv.url + "/v1/videos", long)[1]["id"], {"in_progress"})
+    assert {first["replica"], second["replica"]} == {0, 1}
+    cancel(first)
+    faults.append(fault(1))
+    cancel(second)
+    ranks_of = {0: ("rank 0", "rank 1"), 1: ("rank 2", "rank 3")}  # each replica's global ranks
+    for message, replica in zip(faults, (second["replica"], first["replica"])):
+        assert any(rank in message for rank in ranks_of[replica]), (replica, message)
     with ThreadPoolExecutor(4) as pool:
         after = list(pool.map(lambda i: _post(srv.url + "/v1/images/generations", _image_body("after", seed=3)),
                               range(4)))
