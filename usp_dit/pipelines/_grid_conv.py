@@ -43,6 +43,7 @@ Note [a per-frame conv over sharded video tokens]
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -175,7 +176,7 @@ def window_tokens(x: torch.Tensor, grid: GridShards, mesh: USPMesh) -> torch.Ten
 def _row_pieces(rows: int, starts: list[int]) -> list[int]:
     """The sizes of the runs of ``rows`` rows cut at ``starts``."""
     edges = [0, *starts, rows]
-    return [e - s for s, e in zip(edges, edges[1:])]
+    return [e - s for s, e in itertools.pairwise(edges)]
 
 
 def window_rows(x: torch.Tensor, grid: GridShards, rank: int) -> torch.Tensor:
