@@ -24,7 +24,8 @@ equals stock; ``SanaImageToVideoPipeline``'s per-token timestep (0 on the condit
 fullgraph-compiled grid is tests/test_compile_grid.py's "sana_video" case, on (2,2,1).)
 The tiny ``SanaVideoPipeline`` (Gemma-2, Wan VAE; two prompts of different lengths, batched CFG
 [uncond, cond] in one call) through ``pipe.enable_usp()`` on (2,1,1), (2,2,1) and (1,2,2) (the cfg
-split of the batched halves), 2 steps, equal to one process's; after ``disable_usp`` bit-identical.
+split of the batched halves), 2 steps, equal to one process's; after ``disable_usp`` bit-identical;
+``SanaImageToVideoPipeline`` (the same components, a per-token timestep) on (2,2,1), its latents.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, conv outputs and the pipeline's
 final latents: sharding only reorders float32 sums (each rank's part of the two summaries, then
@@ -270,7 +271,39 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
         results[f"pipeline-u{u}r{r}cfg{c}"] = errors
     again_latents, _ = _generate(pipe, "latent")
     results["pipeline-after-disable"] = {"not_bit_identical": float(not torch.equal(again_latents, ref_latents))}
+    results["pipeline-i2v-u2r2cfg1"] = _image_to_video_case(pipe)
     return results
+
+
+def _image_to_video_case(t2v) -> dict[str, float]:
+    """``SanaImageToVideoPipeline`` of the same components (a gradient image as the first frame:
+    the per-token timestep, 0 on it), batched CFG, 2 steps, on (2,2,1): final latents equal."""
+    from diffusers import SanaImageToVideoPipeline
+
+    from usp_dit.demo.tiny_video import gradient_image
+
+    pipe = SanaImageToVideoPipeline(**t2v.components)
+    pipe.set_progress_bar_config(disable=True)
+
+    def latents() -> torch.Tensor:
+        last = {}
+
+        def keep(pipe, step, timestep, tensors):
+            last["latents"] = tensors["latents"]
+            return {}
+
+        pipe(image=gradient_image(32, 96), prompt=PROMPTS[0][:1], negative_prompt=PROMPTS[1][:1], guidance_scale=4.5,
+             height=32, width=96, frames=9, num_inference_steps=2, max_sequence_length=16,
+             complex_human_instruction=None, use_resolution_binning=False, generator=torch.Generator().manual_seed(0),
+             output_type="latent", callback_on_step_end=keep)
+        return last["latents"]
+
+    ref = latents()
+    pipe.enable_usp(ulysses_degree=2, ring_degree=2)
+    try:
+        return {"latents": rel_err(latents(), ref)}
+    finally:
+        pipe.disable_usp()
 
 
 def _run_all() -> dict[str, dict | str]:
@@ -319,7 +352,7 @@ def test_per_token_timestep_of_image_to_video_matches_one_process(grid_results):
     assert_within(grid_results, "per-token-timestep", TOL)
 
 
-@pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c, _ in PIPELINE_GRIDS])
+@pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c, _ in PIPELINE_GRIDS] + ["pipeline-i2v-u2r2cfg1"])
 def test_pipeline_matches_one_process(grid_results, key: str):
     for rank, res in enumerate(grid_results):
         errors = res.get(key) or res.get("pipeline", "no result")
