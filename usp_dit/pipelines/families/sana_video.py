@@ -32,8 +32,11 @@ token mixer is softmax attention over the tokens:
 mask per element): local, its stock processor stays. The tokens are split at block 0's input and
 gathered at ``proj_out``'s output (``_token_sharding`` Note [where the sequence is split]). SANA-
 Video 2B at 480 x 832 x 81 frames: 21 x 30 x 52 = 32760 tokens (4095 a rank on 8), 300 Gemma-2
-text tokens replicated; the summaries are B x 20 x 113 x 112 float32 a layer, whatever the length;
-the temporal conv's halo is at most 2 frames (3120 tokens) a rank and layer.
+text tokens replicated; the summaries are B x 20 x 113 x 112 float32 a layer, whatever the length.
+The halos, a rank and layer on 8 ranks: the spatial conv fetches 2-3 rows (about 150 tokens); the
+temporal conv's window is whole frames (its tokens' frames and one either side: up to 6 frames,
+about 5300 tokens fetched, where the conv reads 2 frames' worth, 3120: a token-exact window would
+halve it, a possible refinement of ``_grid_conv``).
 
 The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a plan]).
 ``SanaVideoPipeline`` and ``SanaImageToVideoPipeline`` batch [uncond, cond] in one call:
