@@ -166,6 +166,7 @@ CASES: dict[str, Callable] = {
     "krea2": _later(pipeline_cases.krea2_case), "hunyuan_image": _later(pipeline_cases.hunyuan_image_case),
     "zimage": _later(pipeline_cases.zimage_case),
     "sana": _later(pipeline_cases.sana_case),
+    "sana_video": _later(pipeline_cases.sana_video_case),
     "hidream": _later(pipeline_cases.hidream_case),
     "longcat_image": _later(pipeline_cases.longcat_image_case), "ovis_image": _later(pipeline_cases.ovis_image_case),
 }

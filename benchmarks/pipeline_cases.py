@@ -354,6 +354,26 @@ def sana_case(build, device: torch.device, height: int = 1024, width: int = 1024
     )
     tokens = (height // 32) * (width // 32)
     return model, inputs, f"{height}x{width} ({tokens} tokens + 300 text, 120 valid)"
+def sana_video_case(build, device: torch.device, frames: int = 81, height: int = 480, width: int = 832):
+    """SANA-Video 2B 480p (diffusers' defaults are its released config: 20 layers, 20 heads x 112):
+    latents (1, 16, (f-1)/4+1, h/8, w/8) (Wan 2.1's VAE), 1x2x2 patches; 300 prompt tokens
+    (Gemma-2), 120 valid. Linear self-attention with RoPE (an all-reduce of summaries under
+    usp_dit), the Mix-FFN's spatial and temporal convs with their halo rows and frames."""
+    from diffusers import SanaVideoTransformer3DModel
+
+    model = build(SanaVideoTransformer3DModel, {}, device)
+    lat = ((frames - 1) // 4 + 1, height // 8, width // 8)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, *lat, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 300, 2304, generator=g, **_bf(device)),
+        encoder_attention_mask=_prompt_mask(device, 300, 120).long(),
+        timestep=torch.full((1,), 500.0, **_bf(device)), return_dict=False,
+    )
+    tokens = lat[0] * (lat[1] // 2) * (lat[2] // 2)
+    return model, inputs, f"{frames}x{height}x{width} ({tokens} tokens + 300 text, 120 valid)"
+
+
 def _image_ids(height: int, width: int, modality: float, start: int, device: torch.device) -> torch.Tensor:
     """(tokens, 3) ids (modality, start + row, start + col) of the packed 2x2 patches of a
     ``height x width`` image (8 pixels per latent pixel)."""

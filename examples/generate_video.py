@@ -1,5 +1,6 @@
 """torchrun: generate a video with any video family of usp_dit (CogVideoX, Mochi, Wan, Wan VACE, HunyuanVideo,
-HunyuanVideo 1.5, Kandinsky 5, LTX-Video, LTX-2, ChronoEdit, Helios, Cosmos 3) on a Ulysses x Ring (x CFG) grid,
+HunyuanVideo 1.5, Kandinsky 5, LTX-Video, LTX-2, ChronoEdit, Helios, Cosmos 3, Sana-Video) on a Ulysses x Ring
+(x CFG) grid,
 checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cogvideox --ulysses 2 --ring 2
@@ -13,6 +14,7 @@ checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model helios --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cosmos3 --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model ltx2 --ulysses 2 --ring 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model sana_video --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model cogvideox \
         --model-path THUDM/CogVideoX-5b --height 480 --width 720 --frames 49 --steps 50 --ulysses 2 --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model ltx_video \
@@ -53,6 +55,7 @@ pipelines compress as the real ones do):
     helios         16            4k + 1    96 x 144, 17 -> 2 chunks of 3 x 6 x 9    yes (two calls a step)
     cosmos3        16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     ltx2           32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45 (+18 audio) yes (CFG only, below)
+    sana_video     16 (x 32)     4k + 1    64 x 96, 9   -> 3 x 4 x 6 = 72           yes (batched CFG)
 
 Helios generates chunk after chunk, each attending to the history of the earlier ones (short,
 mid, long memory: 162 + 108 + 15 + 6 = 291 tokens a call for the tiny default); the tiny pipeline
@@ -75,7 +78,10 @@ Wan and HunyuanVideo compress 4, LTX-Video 8. HunyuanVideo 1.5 (``tiny_hunyuan_v
 ByT5 text encoders, 16 pixels per latent pixel, patch 1) guides by its pipeline's guider, one call
 per branch (``--guidance`` sets its scale, default 4 in the tiny pipeline). ``pipe.enable_usp()`` enables both of Wan 2.2's
 experts (``transformer`` and ``transformer_2``) on one mesh. None of the default token counts is
-divided by 4 ranks.
+divided by 4 ranks, but Sana-Video's: ``SanaVideoPipeline`` takes sizes in multiples of 32 pixels
+(2 tokens), so its token counts are. Sana-Video (``tiny_sana_video``: Gemma-2 text encoder, Wan's
+VAE) runs linear attention (an all-reduce of summaries, no ring) and a Mix-FFN whose convolutions
+fetch halo rows and frames from the neighbouring ranks.
 
 LTX-2 generates video and audio; the example writes the frames only (the audio is dropped, and the
 one-rank check compares the frames). Its transformer splits the video tokens and keeps the audio
@@ -133,6 +139,7 @@ class VideoFamily:
     latent_pixels: int  # pixels per latent pixel (VAE), each side
     pixels_per_token: int  # latent_pixels x the transformer's spatial patch: --height/--width multiple
     size: tuple[int, int] = (96, 144)  # default --height, --width
+    size_multiple: int = 0  # --height/--width multiple when the pipeline needs more than pixels_per_token
     min_steps: tuple[int, str] = (1, "")  # (minimum --steps, why)
     # How the pipeline runs classifier-free guidance, which --cfg 2 spreads over two groups of ranks:
     # "batched" ([uncond, cond] in one call of batch 2: the cfg axis splits it) or "two calls" (one
@@ -180,6 +187,10 @@ FAMILIES = {
         cfg="two calls"),
     "ltx2": VideoFamily(
         "LTX2Pipeline", 17, 8, 8, "LTX-2's VAE: 8 frames per latent frame", 32, 32, size=(96, 160)),
+    # Batched CFG; the pipeline checks sizes in multiples of 32 pixels (the tiny VAE is Wan's, 8x).
+    "sana_video": VideoFamily(
+        "SanaVideoPipeline", 9, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, size=(64, 96),
+        size_multiple=32),
 }
 # Families whose pipeline cleans prompts with ftfy unconditionally (diffusers 0.42): without ftfy
 # the example passes embeds made by Wan's T5 encoding (ftfy only when installed) instead.
@@ -242,8 +253,10 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     launch.check_frames("--frames", args.frames, family.frame_step, family.frame_why)
     why = (f"{args.model}: {family.latent_pixels} pixels per latent pixel, "
            + ("2x2 per token" if family.pixels_per_token != family.latent_pixels else "1 per token"))
+    if family.size_multiple:
+        why += f"; {family.pipeline} takes multiples of {family.size_multiple}"
     for flag, value in (("--height", args.height), ("--width", args.width)):
-        launch.check_multiple(flag, value, family.pixels_per_token, why)
+        launch.check_multiple(flag, value, family.size_multiple or family.pixels_per_token, why)
     launch.check_at_least("--steps", args.steps, *family.min_steps)
     launch.check_at_least("--fps", args.fps, 1)
     launch.check_model_path("--model-path", args.model_path)
@@ -309,6 +322,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             tiny_kandinsky5,
             tiny_ltx2,
             tiny_ltx_video,
+            tiny_sana_video,
             tiny_video,
             tiny_wan,
             tiny_wan_vace,
@@ -328,6 +342,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             # Cosmos 3 has no text encoder (the transformer embeds the token ids): no text length to set.
             "cosmos3": lambda max_text_len: tiny_cosmos3.tiny_cosmos3_pipeline(),
             "ltx2": tiny_ltx2.tiny_ltx2_pipeline,
+            "sana_video": tiny_sana_video.tiny_sana_video_pipeline,
         }
         return builders[args.model](max_text_len=TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)).to(device)
     import diffusers
@@ -354,6 +369,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
             # The default template is the real model's chat template, cropped by Llama token counts
             # that a one-character-a-token tokenizer does not share.
             kwargs["prompt_template"] = TINY_PROMPT_TEMPLATE
+        if args.model == "sana_video":  # the default chat instruction and resolution bins are the real model's
+            kwargs.update(complex_human_instruction=None, use_resolution_binning=False)
     if args.guidance is not None:
         kwargs["guidance_scale"] = args.guidance
     if args.model == "ltx2":
@@ -365,9 +382,9 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     prompts = dict(prompt=args.prompt, negative_prompt=args.negative_prompt)
     if args.model in EMBEDS_FAMILIES and importlib.util.find_spec("ftfy") is None:
         prompts = embedded_prompts(pipe, args, kwargs.get("max_sequence_length", 512))
+    kwargs["frames" if args.model == "sana_video" else "num_frames"] = args.frames  # SanaVideoPipeline's name
     out = pipe(
-        **prompts, height=args.height, width=args.width,
-        num_frames=args.frames, num_inference_steps=args.steps, output_type="np",
+        **prompts, height=args.height, width=args.width, num_inference_steps=args.steps, output_type="np",
         generator=torch.Generator("cpu").manual_seed(args.seed), **kwargs,
     )
     if args.model == "cosmos3":  # Cosmos3OmniPipelineOutput.video: the one video, (frames, height, width, 3)

@@ -434,6 +434,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("minimax_h3", (2, 2, 1), 0),  # one packed sequence: per-row vectors cut at each block, two heads gathered
     ("zimage", (2, 2, 1), 0),  # single stream [image shard; masked text], RoPE cut per layer, list inputs
     ("sana", (2, 2, 1), 1),  # linear attention's all-reduced summaries, the Mix-FFN conv's halo exchange
+    ("sana_video", (2, 2, 1), 0),  # the same with RoPE, per-frame rows and a temporal conv's halo frames
 ]
 
 

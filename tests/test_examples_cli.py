@@ -288,6 +288,7 @@ def one_rank(monkeypatch):
     (["--model", "mochi", "--frames", "9"], "--frames 9 must be 6k + 1"),
     (["--model", "mochi", "--steps", "1"], "--steps 1 must be at least 2"),
     (["--width", "100"], "--width 100 must be a positive multiple of 16"),
+    (["--model", "sana_video", "--width", "80"], "--width 80 must be a positive multiple of 32"),
     (["--output", "clip.avi"], "--output clip.avi must end in one of .webp, .gif, .mp4"),
     (["--ring-schedule", "sideways"], "argument --ring-schedule: invalid choice"),
 ])
@@ -364,6 +365,7 @@ def test_video_example_rejects_what_the_new_families_cannot_take(argv, message, 
     (["--model", "hunyuan_video", "--true-cfg", "4", "--cfg", "2"], (9, 96, 144, (1, 1, 2))),
     (["--model", "wan", "--cfg", "2"], (9, 96, 144, (1, 1, 2))),
     (["--model", "ltx2", "--cfg", "2"], (17, 96, 160, (1, 1, 2))),
+    (["--model", "sana_video", "--cfg", "2"], (9, 64, 96, (1, 1, 2))),
     (["--model", "hunyuan_video15"], (9, 48, 96, (2, 1, 1))),
     (["--model", "hunyuan_video15", "--cfg", "2"], (9, 48, 96, (1, 1, 2))),
 ])

@@ -48,6 +48,7 @@ from usp_dit.demo.tiny_qwen_image21 import tiny_qwen_image21
 from usp_dit.demo.tiny_longcat_image import tiny_longcat_image
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
 from usp_dit.demo.tiny_ovis_image import tiny_ovis_image
+from usp_dit.demo.tiny_sana_video import tiny_sana_video
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
 from usp_dit.demo.tiny_zimage import tiny_zimage
 from usp_dit.pipelines.base import find_adapter, registered_adapters
@@ -87,6 +88,7 @@ BUILDERS = {
     "HunyuanImage": tiny_hunyuan_image,  # the token refiner's local attention too
     "ZImage": tiny_zimage,  # the context refiner's local attention too
     "Sana": lambda: tiny_sana.tiny_sana("sprint"),  # linear attention, the Mix-FFN's conv hooks, QK norms
+    "SanaVideo": tiny_sana_video,  # linear attention with RoPE, the Mix-FFN's spatial and temporal conv hooks
 }
 
 

@@ -2,7 +2,8 @@
 sequence group: exact, by fetching the halo tokens it reads from the ranks that hold them.
 
 Layout: the grid is (height, width), token t at row t // width, column t % width (as ``PatchEmbed``
-flattens a latent); sequence rank i holds the tokens [off_i, off_i + n_i) of the contiguous layout
+flattens a latent), or, with ``frame_rows`` set, a stack of frames of ``frame_rows`` rows each
+(a video's (frames, rows, width) tokens, frame-major: height = frames x rows); sequence rank i holds the tokens [off_i, off_i + n_i) of the contiguous layout
 (``usp_dit.sharding.partition.split_sizes``). Tokens travel as (batch, channels, n) (a conv's
 channels-first layout, the grid flattened); a conv runs on (batch, channels, rows, width).
 
@@ -28,9 +29,21 @@ Note [a conv over sharded tokens]
 
     The extra work is at most 2 (p + 1) rows of the conv per rank. Backward: the adjoint exchange
     sends each fetched piece's gradient home, where it is added to the owner's rows.
+
+Note [a per-frame conv over sharded video tokens]
+    A video's spatial conv (Sana-Video's Mix-FFN: k x k over each frame's (rows, width), frames as
+    the batch) must not read across frames: each frame has its own zero padding at its top and
+    bottom. The grid is then the frames' rows stacked, height = frames x frame_rows, and the window
+    is built as above; where a frame starts inside the window, ``p`` zero rows are put between the
+    two frames' rows before the conv, and taken out of its output after. A row beside a frame
+    boundary then reads zeros where one process reads the frame's zero padding: the same sum of
+    the same products. (The rows fetched across a boundary are read by no kept output.) A conv
+    along time (k x 1 over (frames, rows x width)) needs no such rows: it is the plain case with
+    height = frames, width = rows x width, its window whole frames.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +63,11 @@ class GridShards:
     width: int
     parts: int
     halo: int
+    frame_rows: int = 0  # rows per frame (Note [a per-frame conv over sharded video tokens]); 0: one image
+
+    def __post_init__(self) -> None:
+        if self.frame_rows and self.height % self.frame_rows:
+            raise ValueError(f"frame_rows={self.frame_rows} does not divide height={self.height}")
 
     @property
     def sizes(self) -> list[int]:
@@ -76,6 +94,13 @@ class GridShards:
         lo, hi = self.window(dst)
         s, e = max(a, lo), min(b, hi)
         return (s, e) if s < e else (0, 0)
+
+    def frame_starts(self, i: int) -> list[int]:
+        """The rows of rank ``i``'s window (counted from its first) where a frame starts, its first row excluded."""
+        if not self.frame_rows:
+            return []
+        lo, hi = (t // self.width for t in self.window(i))
+        return [r - lo for r in range(lo + 1, hi) if r % self.frame_rows == 0]
 
 
 def _to_send(x: torch.Tensor, grid: GridShards, rank: int) -> tuple[list[torch.Tensor], list[tuple[int, ...]]]:
@@ -145,12 +170,38 @@ def window_tokens(x: torch.Tensor, grid: GridShards, mesh: USPMesh) -> torch.Ten
     if group is not None:
         call = _fetch_call if torch.compiler.is_compiling() else _fetch_eager
         x = call(x, grid, rank, group)
+    return window_rows(x, grid, rank)
+
+
+def _row_pieces(rows: int, starts: list[int]) -> list[int]:
+    """The sizes of the runs of ``rows`` rows cut at ``starts``."""
+    edges = [0, *starts, rows]
+    return [e - s for s, e in itertools.pairwise(edges)]
+
+
+def window_rows(x: torch.Tensor, grid: GridShards, rank: int) -> torch.Tensor:
+    """(B, C, hi - lo) rank ``rank``'s window tokens -> (B, C, rows, width) its rows, with ``grid.halo``
+    zero rows between two frames (Note [a per-frame conv over sharded video tokens])."""
     lo, hi = grid.window(rank)
-    return x.unflatten(-1, ((hi - lo) // grid.width, grid.width))
+    x = x.unflatten(-1, ((hi - lo) // grid.width, grid.width))
+    starts = grid.frame_starts(rank)
+    if not starts:
+        return x
+    zeros = x.new_zeros(*x.shape[:-2], grid.halo, grid.width)
+    pieces = x.split(_row_pieces(x.shape[-2], starts), dim=-2)
+    return torch.cat([t for piece in pieces for t in (piece, zeros)][:-1], dim=-2)
 
 
-def own_tokens(y: torch.Tensor, grid: GridShards, mesh: USPMesh) -> torch.Tensor:
-    """(B, C, rows, width) a conv's output over this rank's window -> (B, C, n_local), its own tokens."""
-    a, b = grid.span(mesh.seq_rank)
-    lo = grid.window(mesh.seq_rank)[0]
+def own_tokens(y: torch.Tensor, grid: GridShards, mesh: USPMesh | int) -> torch.Tensor:
+    """(B, C, rows, width) a conv's output over this rank's window (``window_tokens``' rows) -> (B, C,
+    n_local), its own tokens. ``mesh``: the mesh, or the sequence rank itself."""
+    rank = mesh if isinstance(mesh, int) else mesh.seq_rank
+    starts = grid.frame_starts(rank)
+    if starts:  # drop the zero rows put between frames
+        lo, hi = grid.window(rank)
+        sizes = _row_pieces((hi - lo) // grid.width, starts)
+        split = [n for size in sizes for n in (size, grid.halo)][:-1]
+        y = torch.cat(y.split(split, dim=-2)[::2], dim=-2)
+    a, b = grid.span(rank)
+    lo = grid.window(rank)[0]
     return y.flatten(-2)[..., a - lo:b - lo]

@@ -32,6 +32,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     qwen_image,
     qwen_image21,
     sana,
+    sana_video,
     sd3,
     skyreels_v2,
     wan,
