@@ -37,6 +37,7 @@ from usp_dit.demo import (
     tiny_wan_vace,
 )
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
+from usp_dit.demo.tiny_consisid import tiny_consisid
 from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
 from usp_dit.demo.tiny_flux3 import tiny_flux3
 from usp_dit.demo.tiny_helios import tiny_helios
@@ -87,6 +88,7 @@ BUILDERS = {
     "HunyuanImage": tiny_hunyuan_image,  # the token refiner's local attention too
     "ZImage": tiny_zimage,  # the context refiner's local attention too
     "Sana": lambda: tiny_sana.tiny_sana("sprint"),  # linear attention, the Mix-FFN's conv hooks, QK norms
+    "ConsisID": tiny_consisid,  # the perceiver cross-attention (not an Attention: no processor) stays
 }
 
 

@@ -11,6 +11,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     chronoedit,
     cogvideox,
     cogview4,
+    consisid,
     cosmos3,
     flux,
     flux2,
