@@ -437,3 +437,28 @@ def consisid_case(build, device: torch.device, frames: int = 49, height: int = 4
     )
     tokens = lat_f * grid[0] * grid[1]
     return model, inputs, f"{frames}x{height}x{width} ({tokens} + 226 tokens, 32 identity tokens)"
+
+
+# AuraFlow v0.3 (fal/AuraFlow-v0.3, transformer/config.json, as recalled; not checked against the hub here):
+# Diffusers' defaults (4 MMDiT + 32 single-stream blocks, 12 heads x 256, UMT5-XXL's 2048 projected
+# to 3072) with a position table of 96 x 96 patches (the default's 32 x 32 cannot hold 1024 x 1024).
+AURAFLOW_V03 = dict(pos_embed_max_size=9216)
+
+
+def auraflow_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """AuraFlow: latents (1, 4, h/8, w/8), 2x2 patches; 256 UMT5 tokens (the pipeline pads to
+    max_sequence_length and zeroes the padding; the model takes no mask) + 8 register tokens.
+    ``config``: overrides (a tiny model to check the case builds on CPU)."""
+    from diffusers import AuraFlowTransformer2DModel
+
+    model = build(AuraFlowTransformer2DModel, AURAFLOW_V03 if config is None else config, device)
+    cfg = model.config
+    g = torch.Generator(device).manual_seed(0)
+    text = torch.randn(1, 256, cfg.joint_attention_dim, generator=g, **_bf(device))
+    inputs = dict(
+        hidden_states=torch.randn(1, cfg.in_channels, height // 8, width // 8, generator=g, **_bf(device)),
+        encoder_hidden_states=text * _prompt_mask(device, 256, 96)[..., None],
+        timestep=torch.full((1,), 0.5, **_bf(device)), return_dict=False,
+    )
+    tokens = (height // 16) * (width // 16)
+    return model, inputs, f"{height}x{width} ({tokens} + 8 register + 256 text tokens, 96 real)"

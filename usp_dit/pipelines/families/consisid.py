@@ -43,7 +43,7 @@ import dataclasses
 
 from diffusers import ConsisIDTransformer3DModel
 
-import usp_dit.pipelines.families.cogvideox as cogvideox
+import usp_dit.pipelines.families.cogvideox as cogvideox  # noqa: PLR0402  (the module, not the package: no import circle)
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import ModelPlan, PlanAdapter
 
