@@ -15,7 +15,10 @@ position table included) summed over the sequence group equal the one-process gr
 stock ``AuraFlowPipeline`` (two Euler steps, batched [uncond, cond] guidance, two prompts of
 different lengths, 20 x 28 pixels = 35 tokens) through ``pipe.enable_usp()`` on (2,1), (2,2) and
 (2,1,cfg 2) equals one process; ``disable_usp`` gives the bit-identical images back. ulysses_degree
-4 on a 2-head model raises at enable; fused QKV projections are refused.
+4 on a 2-head model raises at enable; fused QKV projections are refused. Tensor parallelism (issue
+28) on a 5-head model (uneven over 2 tensor ranks): T=2 alone, with U=2, with R=2 (gather_merge),
+outputs and the restored parameters; gradients on (R=2, T=2), each cut parameter's gathered back
+(tests/test_tensor_parallel.py's cases, reused).
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32, the issue's bar) on outputs, gradients and the
 pipeline's final latents: sharding only reorders float32 sums (attention merged by log-sum-exp,
@@ -114,8 +117,23 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
     return results
 
 
+# Tensor parallelism (issue 28), 5 heads (uneven over 2 tensor ranks): (U, R, cfg, T, schedule).
+TENSOR_GRIDS = [(1, 1, 1, 2, "auto"), (2, 1, 1, 2, "auto"), (1, 2, 1, 2, "gather_merge")]
+
+
+def _tensor_cases() -> dict[str, dict[str, float]]:
+    from tests import test_tensor_parallel as tp
+
+    model = tiny_auraflow(num_heads=5)
+    args = tp.Args(auraflow_inputs(model, 10, 14, valid=[9, 4]).kwargs())
+    results = {f"tensor-{g}": tp._output_case(model, args, g) for g in TENSOR_GRIDS}
+    results["grad-tensor-(1,2,1,2)"] = tp._grad_case(model, args, (1, 2, 1, 2, "stream"))
+    return results
+
+
 def _run_all() -> dict[str, dict | str]:
     results = {}
+    record(results, "tensor", _tensor_cases, many=True)
     run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh),
                    {2: [SHAPES[0]], 4: [SHAPES[0]]})
     record(results, "ulysses-above-heads",
@@ -140,6 +158,15 @@ def test_sharded_output_matches_one_process(grid_results, key: str):
 @pytest.mark.parametrize("key", [f"grad-p{p}-{SHAPES[0]}" for p in (2, 4)])
 def test_parameter_gradients_match_one_process(grid_results, key: str):
     assert_within(grid_results, key, TOL)
+
+
+@pytest.mark.parametrize("key", [f"tensor-{g}" for g in TENSOR_GRIDS] + ["grad-tensor-(1,2,1,2)"])
+def test_tensor_parallel_matches_one_process(grid_results, key: str):
+    for rank, res in enumerate(grid_results):
+        errors = res.get(key) or res.get("tensor", "no result")
+        assert not isinstance(errors, str), f"rank {rank}: {errors}"
+        worst = {k: v for k, v in errors.items() if k != "local_heads" and not k.startswith("worst_is_") and not v <= TOL}
+        assert not worst, f"rank {rank}: above {TOL}: {worst}"
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):

@@ -51,6 +51,7 @@ from usp_dit.pipelines._routing import Route, with_global
 from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter
+from usp_dit.pipelines.tensor import BlockCuts, Split, TensorPlan
 
 _ROUTED_GLOBAL = "F"  # AuraFlowAttnProcessor2_0 calls F.scaled_dot_product_attention
 
@@ -96,6 +97,25 @@ def _routed_call_missing(transformer: AuraFlowTransformer2DModel) -> str | None:
 
 _STOCK = (AuraFlowAttnProcessor2_0,)
 
+# Tensor parallelism (usp_dit.pipelines.tensor Note [tensor plans]): the attention's heads (image
+# and text projections, both outputs) and the gated MLPs' hidden widths (silu(linear_1) * linear_2,
+# two column-parallel Linears, out_projection row-parallel). Every Linear is bias-free; the QK
+# norms are LayerNorms over head_dim, per head: exact on a rank's heads (the processor reads the
+# head count from ``attn.heads``); the AdaLN modulation and the pre-MLP LayerNorms stay whole.
+_ATTN = ("attn.to_q", "attn.to_k", "attn.to_v")
+_TENSOR = TensorPlan((
+    BlockCuts("joint_transformer_blocks", splits=(
+        Split(columns=(*_ATTN, "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+              rows=("attn.to_out.0", "attn.to_add_out"), heads="attn"),
+        Split(columns=("ff.linear_1", "ff.linear_2"), rows=("ff.out_projection",)),
+        Split(columns=("ff_context.linear_1", "ff_context.linear_2"), rows=("ff_context.out_projection",)),
+    )),
+    BlockCuts("single_transformer_blocks", splits=(
+        Split(columns=_ATTN, rows=("attn.to_out.0",), heads="attn"),
+        Split(columns=("ff.linear_1", "ff.linear_2"), rows=("ff.out_projection",)),
+    )),
+))
+
 PLAN = ModelPlan(
     name="AuraFlow",
     model_class=AuraFlowTransformer2DModel,
@@ -111,6 +131,7 @@ PLAN = ModelPlan(
     # Batched on dim 0, split over the "cfg" axis by enable_usp: AuraFlowPipeline batches [uncond, cond].
     cfg_batch_args=("hidden_states", "encoder_hidden_states", "timestep"),
     refuse=(_routed_call_missing,),
+    tensor=_TENSOR,
 )
 
 ADAPTER = register_adapter(PlanAdapter(PLAN, __name__))
