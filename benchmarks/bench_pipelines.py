@@ -169,6 +169,8 @@ CASES: dict[str, Callable] = {
     "sana_video": _later(pipeline_cases.sana_video_case),
     "hidream": _later(pipeline_cases.hidream_case),
     "longcat_image": _later(pipeline_cases.longcat_image_case), "ovis_image": _later(pipeline_cases.ovis_image_case),
+    "consisid": _later(pipeline_cases.consisid_case),
+    "auraflow": _later(pipeline_cases.auraflow_case),
 }
 
 

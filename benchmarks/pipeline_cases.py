@@ -415,3 +415,70 @@ def ovis_image_case(build, device: torch.device, height: int = 1024, width: int 
         timestep=torch.full((1,), 0.5, **_bf(device)), img_ids=img_ids, txt_ids=txt_ids, return_dict=False,
     )
     return model, inputs, f"{height}x{width} ({img_ids.shape[0]} + 256 tokens)"
+
+
+# ConsisID-preview (BestWishYsh/ConsisID-preview, transformer/config.json, as Diffusers documents it; not
+# checked against the hub here): CogVideoX-5B I2V's transformer (48 heads x 64, 42 layers, image latents
+# on channels) with face conditioning, a perceiver cross-attention after every 2nd block; the local
+# facial extractor's sizes are Diffusers' defaults (1280-d face embedding, 5 EVA-CLIP scales of 1024).
+CONSISID = dict(
+    num_attention_heads=48, attention_head_dim=64, in_channels=32, out_channels=16, time_embed_dim=512,
+    text_embed_dim=4096, num_layers=42, use_rotary_positional_embeddings=True, is_train_face=True, is_kps=False,
+    cross_attn_interval=2,
+)
+
+
+def consisid_case(build, device: torch.device, frames: int = 49, height: int = 480, width: int = 720,
+                  config: dict | None = None):
+    """ConsisID: latents (1, (frames-1)/4+1, 2 x 16, h/8, w/8) (noise + image latents), 2x2 patches;
+    226 T5 tokens; the RoPE table as ConsisIDPipeline makes it; one face: ``id_cond`` (1, 1280) and
+    5 ViT scales of (1, 577, 1024). ``config``: overrides (a tiny model to check the case builds on CPU)."""
+    from diffusers import ConsisIDTransformer3DModel
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+    model = build(ConsisIDTransformer3DModel, CONSISID if config is None else config, device)
+    cfg = model.config
+    lat_f, lat_h, lat_w = (frames - 1) // 4 + 1, height // 8, width // 8
+    grid = (lat_h // 2, lat_w // 2)  # at the model's native 480x720 the pipeline's crop is the whole grid
+    cos, sin = get_3d_rotary_pos_embed(
+        embed_dim=cfg.attention_head_dim, crops_coords=((0, 0), grid), grid_size=grid, temporal_size=lat_f,
+        device=device,
+    )
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, lat_f, cfg.in_channels, lat_h, lat_w, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 226, cfg.text_embed_dim, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 500, device=device, dtype=torch.long),
+        image_rotary_emb=(cos.to(device), sin.to(device)),
+        id_cond=torch.randn(1, cfg.LFE_id_dim, generator=g, **_bf(device)),
+        id_vit_hidden=[torch.randn(1, 577, cfg.LFE_vit_dim, generator=g, **_bf(device))
+                       for _ in range(cfg.LFE_num_scale)],
+        return_dict=False,
+    )
+    tokens = lat_f * grid[0] * grid[1]
+    return model, inputs, f"{frames}x{height}x{width} ({tokens} + 226 tokens, 32 identity tokens)"
+
+
+# AuraFlow v0.3 (fal/AuraFlow-v0.3, transformer/config.json, as recalled; not checked against the hub here):
+# Diffusers' defaults (4 MMDiT + 32 single-stream blocks, 12 heads x 256, UMT5-XXL's 2048 projected
+# to 3072) with a position table of 96 x 96 patches (the default's 32 x 32 cannot hold 1024 x 1024).
+AURAFLOW_V03 = dict(pos_embed_max_size=9216)
+
+
+def auraflow_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """AuraFlow: latents (1, 4, h/8, w/8), 2x2 patches; 256 UMT5 tokens (the pipeline pads to
+    max_sequence_length and zeroes the padding; the model takes no mask) + 8 register tokens.
+    ``config``: overrides (a tiny model to check the case builds on CPU)."""
+    from diffusers import AuraFlowTransformer2DModel
+
+    model = build(AuraFlowTransformer2DModel, AURAFLOW_V03 if config is None else config, device)
+    cfg = model.config
+    g = torch.Generator(device).manual_seed(0)
+    text = torch.randn(1, 256, cfg.joint_attention_dim, generator=g, **_bf(device))
+    inputs = dict(
+        hidden_states=torch.randn(1, cfg.in_channels, height // 8, width // 8, generator=g, **_bf(device)),
+        encoder_hidden_states=text * _prompt_mask(device, 256, 96)[..., None],
+        timestep=torch.full((1,), 0.5, **_bf(device)), return_dict=False,
+    )
+    tokens = (height // 16) * (width // 16)
+    return model, inputs, f"{height}x{width} ({tokens} + 8 register + 256 text tokens, 96 real)"

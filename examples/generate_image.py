@@ -20,7 +20,7 @@ checked against one rank.
 
 ``--family`` picks the model family (default ``flux``). With no ``--model`` it builds a tiny
 randomly initialised pipeline of that family in code (``usp_dit.demo.tiny_flux``, ``tiny_flux2``,
-``tiny_qwen_image``, ``tiny_sd3``, ``tiny_chroma``, ``tiny_cogview4``, ``tiny_lumina2``, ``tiny_zimage``, ``tiny_sana``: tiny
+``tiny_qwen_image``, ``tiny_sd3``, ``tiny_chroma``, ``tiny_cogview4``, ``tiny_lumina2``, ``tiny_zimage``, ``tiny_sana``, ``tiny_auraflow``: tiny
 transformer, VAE, scheduler and text encoders (CLIP, T5, Qwen2.5-VL, Mistral-3, GLM, Gemma 2, Qwen3) with character
 tokenizers; nothing is downloaded) and
 runs it in float32 on CPU with gloo. The tiny SD3 is an SD3.5 Medium-like transformer (QK norm,
@@ -51,6 +51,7 @@ tokens, so its sides are at most 64. Defaults:
     hunyuan_image 40 x 56 -> 5 x 7 = 35             2048 x 2048     the two calls of a step (the guider)
     zimage      60 x 100 -> 15 x 25 = 375 (384)     1024 x 1024     [cond, uncond] (batched CFG)
     sana        160 x 224 -> 5 x 7 = 35             1024 x 1024     [uncond, cond] (batched CFG)
+    auraflow    20 x 28 -> 5 x 7 = 35               1024 x 1024     [uncond, cond] (batched CFG)
 
 Sana's sides are multiples of 32, tiny or real (its DC-AE: 32 pixels per latent pixel, patch 1);
 its self-attention is linear (the summaries are all-reduced over the grid, no ring) and its
@@ -165,6 +166,9 @@ FAMILIES = {
                                  two_call_cfg=True, negative_prompt=True),
     "ovis_image": ImageFamily("OvisImagePipeline", "Ovis-Image", (60, 100), 4, "guidance_scale", two_call_cfg=True,
                               negative_prompt=True),
+    # The tiny AuraFlow's learned position table covers 16 x 16 tokens (the release's 32 x 32).
+    "auraflow": ImageFamily("AuraFlowPipeline", "AuraFlow", (20, 28), 4, "guidance_scale", batched_cfg=True,
+                            negative_prompt=True, tiny_max_side=64),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -291,6 +295,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
                   "lumina2": dict(max_text_len=TINY_LUMINA2_TEXT_LEN),
                   "hunyuan_image": dict(max_text_len=TINY_TEXT_LEN),
                   "sana": dict(max_text_len=TINY_TEXT_LEN), "hidream": dict(max_text_len=TINY_TEXT_LEN),
+                  "auraflow": dict(max_text_len=TINY_TEXT_LEN),
                   }.get(args.family, {})
         return build(**kwargs).to(device)
     import diffusers
@@ -304,7 +309,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     """(num_images, height, width, 3) float32 in [0, 1]; the seeded generator is the same on every rank."""
     family = FAMILIES[args.family]
     kwargs = {}
-    if args.model is None and args.family in ("flux", "sd3", "chroma", "cogview4", "krea2", "sana", "hidream"):
+    if args.model is None and args.family in ("flux", "sd3", "chroma", "cogview4", "krea2", "sana", "hidream",
+                                                   "auraflow"):
         kwargs["max_sequence_length"] = TINY_TEXT_LEN
     elif args.model is None and args.family == "lumina2":
         # Lumina2Pipeline's default system prompt (~150 characters) would fill the tiny tokenizer.

@@ -1,5 +1,5 @@
 """torchrun: generate a video with any video family of usp_dit (CogVideoX, Mochi, Wan, Wan VACE, HunyuanVideo,
-HunyuanVideo 1.5, Kandinsky 5, LTX-Video, LTX-2, ChronoEdit, Helios, Cosmos 3, Sana-Video) on a Ulysses x Ring
+HunyuanVideo 1.5, Kandinsky 5, LTX-Video, LTX-2, ChronoEdit, Helios, Cosmos 3, Sana-Video, ConsisID) on a Ulysses x Ring
 (x CFG) grid,
 checked against one rank.
 
@@ -15,6 +15,7 @@ checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cosmos3 --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model ltx2 --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model sana_video --ring 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model consisid --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model cogvideox \
         --model-path THUDM/CogVideoX-5b --height 480 --width 720 --frames 49 --steps 50 --ulysses 2 --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model ltx_video \
@@ -56,6 +57,7 @@ pipelines compress as the real ones do):
     cosmos3        16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     ltx2           32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45 (+18 audio) yes (CFG only, below)
     sana_video     16 (x 32)     4k + 1    64 x 96, 9   -> 3 x 4 x 6 = 72           yes (batched CFG)
+    consisid       16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
 
 Helios generates chunk after chunk, each attending to the history of the earlier ones (short,
 mid, long memory: 162 + 108 + 15 + 6 = 291 tokens a call for the tiny default); the tiny pipeline
@@ -68,6 +70,11 @@ the first half of the steps (``enable_temporal_reasoning``), then keeps the firs
 frames. Its stock processor takes the last 512 text tokens for the prompt, so the tiny pipeline
 encodes 512; its Diffusers pipeline cleans prompts with ftfy unconditionally, so without ftfy the
 example encodes them with Wan's identical T5 encoding (which uses ftfy only when installed).
+
+ConsisID (CogVideoX's transformer with face conditioning) animates an image (``--image``, default a
+colour gradient) keeping a face's identity; the tiny pipeline takes seeded random face embeddings
+(``usp_dit.demo.tiny_consisid.face_inputs``) in place of those its face models (InsightFace,
+EVA-CLIP) would extract, so it runs without ``--model-path`` only.
 
 Pixels per token: the VAEs have 8 pixels per latent pixel and the transformers 2 x 2 latent pixels
 per token, except LTX-Video's VAE (32 pixels per latent pixel, patch 1), so ``--height``/``--width``
@@ -191,11 +198,13 @@ FAMILIES = {
     "sana_video": VideoFamily(
         "SanaVideoPipeline", 9, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, size=(64, 96),
         size_multiple=32),
+    "consisid": VideoFamily(
+        "ConsisIDPipeline", 9, 4, 4, "ConsisID's VAE (CogVideoX's): 4 frames per latent frame", 8, 16),
 }
 # Families whose pipeline cleans prompts with ftfy unconditionally (diffusers 0.42): without ftfy
 # the example passes embeds made by Wan's T5 encoding (ftfy only when installed) instead.
 EMBEDS_FAMILIES = ("wan_vace", "chronoedit", "helios")
-IMAGE_FAMILIES = ("chronoedit",)  # conditioned on --image
+IMAGE_FAMILIES = ("chronoedit", "consisid")  # conditioned on --image
 PLANNED = ("cogvideox", "mochi", "wan", "hunyuan_video", "ltx_video")  # families usp_dit.plan has a cost model for
 TINY_TEXT_LENS = {"chronoedit": 512}  # the stock processor's fixed text length (image tokens come first)
 TINY_HELIOS_CHUNKS = {"history_sizes": [4, 2, 1], "num_latent_frames_per_chunk": 3}  # the release's: [16, 2, 1], 9
@@ -266,6 +275,9 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         raise launch.UsageError(f"--image with --model {args.model}: only {', '.join(IMAGE_FAMILIES)} take an image")
     if args.image is not None and not os.path.isfile(args.image):
         raise launch.UsageError(f"--image {args.image}: no such file")
+    if args.model == "consisid" and args.model_path is not None:
+        raise launch.UsageError("--model-path with --model consisid: the example has no face models (InsightFace, "
+                                "EVA-CLIP) to embed a face with; it runs the tiny pipeline only")
     if args.true_cfg is not None and args.model != "hunyuan_video":
         raise launch.UsageError(f"--true-cfg with --model {args.model}: only HunyuanVideo (guidance-distilled) has a "
                                 f"separate true CFG scale; use --guidance")
@@ -315,6 +327,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
     if args.model_path is None:
         from usp_dit.demo import (
             tiny_chronoedit,
+            tiny_consisid,
             tiny_cosmos3,
             tiny_helios,
             tiny_hunyuan_video,
@@ -343,6 +356,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             "cosmos3": lambda max_text_len: tiny_cosmos3.tiny_cosmos3_pipeline(),
             "ltx2": tiny_ltx2.tiny_ltx2_pipeline,
             "sana_video": tiny_sana_video.tiny_sana_video_pipeline,
+            "consisid": tiny_consisid.tiny_consisid_pipeline,
         }
         return builders[args.model](max_text_len=TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)).to(device)
     import diffusers
@@ -379,6 +393,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         kwargs["true_cfg_scale"] = args.true_cfg
     if args.model == "chronoedit":
         kwargs.update(chronoedit_kwargs(args))
+    if args.model == "consisid":
+        kwargs.update(consisid_kwargs(args))
     prompts = dict(prompt=args.prompt, negative_prompt=args.negative_prompt)
     if args.model in EMBEDS_FAMILIES and importlib.util.find_spec("ftfy") is None:
         prompts = embedded_prompts(pipe, args, kwargs.get("max_sequence_length", 512))
@@ -404,6 +420,20 @@ def chronoedit_kwargs(args: argparse.Namespace) -> dict:
     if args.frames > 5:
         kwargs.update(enable_temporal_reasoning=True, num_temporal_reasoning_steps=max(1, args.steps // 2))
     return kwargs
+
+
+def consisid_kwargs(args: argparse.Namespace) -> dict:
+    """The image to animate (``--image``, or a colour gradient of the output's size) and the tiny
+    model's seeded face embeddings (``id_cond``, ``id_vit_hidden``: one face, shared by both
+    guidance branches as the pipeline passes them)."""
+    from PIL import ImageOps
+
+    from usp_dit.demo.tiny_consisid import face_inputs
+    from usp_dit.demo.tiny_video import gradient_image
+
+    image = gradient_image(args.height, args.width) if args.image is None else Image.open(args.image).convert("RGB")
+    id_cond, id_vit_hidden = face_inputs(1, args.seed)
+    return {"image": ImageOps.fit(image, (args.width, args.height)), "id_cond": id_cond, "id_vit_hidden": id_vit_hidden}
 
 
 def embedded_prompts(pipe, args: argparse.Namespace, max_sequence_length: int) -> dict:

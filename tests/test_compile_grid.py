@@ -435,6 +435,8 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("zimage", (2, 2, 1), 0),  # single stream [image shard; masked text], RoPE cut per layer, list inputs
     ("sana", (2, 2, 1), 1),  # linear attention's all-reduced summaries, the Mix-FFN conv's halo exchange
     ("sana_video", (2, 2, 1), 0),  # the same with RoPE, per-frame rows and a temporal conv's halo frames
+    ("consisid", (2, 2, 1), 0),  # CogVideoX's plan + perceiver cross-attention of the shard to identity tokens
+    ("auraflow", (1, 4, 1), 1),  # SD3's routed F namespace, text first; [text; shard] in the single-stream blocks
 ]
 
 

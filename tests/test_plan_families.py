@@ -36,7 +36,9 @@ from usp_dit.demo import (
     tiny_wan_animate,
     tiny_wan_vace,
 )
+from usp_dit.demo.tiny_auraflow import tiny_auraflow
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
+from usp_dit.demo.tiny_consisid import tiny_consisid
 from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
 from usp_dit.demo.tiny_flux3 import tiny_flux3
 from usp_dit.demo.tiny_helios import tiny_helios
@@ -89,6 +91,8 @@ BUILDERS = {
     "ZImage": tiny_zimage,  # the context refiner's local attention too
     "Sana": lambda: tiny_sana.tiny_sana("sprint"),  # linear attention, the Mix-FFN's conv hooks, QK norms
     "SanaVideo": tiny_sana_video,  # linear attention with RoPE, the Mix-FFN's spatial and temporal conv hooks
+    "ConsisID": tiny_consisid,  # the perceiver cross-attention (not an Attention: no processor) stays
+    "AuraFlow": tiny_auraflow,  # joint and single-stream blocks, one processor class
 }
 
 

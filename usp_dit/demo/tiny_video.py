@@ -68,7 +68,7 @@ def cogvideox_rope(model: CogVideoXTransformer3DModel, frames: int, height: int,
     cfg = model.config
     if not cfg.use_rotary_positional_embeddings:
         return None
-    p, p_t = cfg.patch_size, cfg.patch_size_t or 1
+    p, p_t = cfg.patch_size, getattr(cfg, "patch_size_t", None) or 1  # ConsisID has no patch_size_t
     grid = (height // p, width // p)
     return get_3d_rotary_pos_embed(
         embed_dim=cfg.attention_head_dim, crops_coords=((0, 0), grid), grid_size=grid,

@@ -156,6 +156,7 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     # (an odd batch is refused: no two-call fallback runs it whole), so no one_call entry.
     "ZImage": FamilyPipelines("Z-Image, Z-Image-Turbo; text- and image-to-image",
                               ("ZImagePipeline", "ZImageImg2ImgPipeline")),
+    "AuraFlow": FamilyPipelines("AuraFlow v0.1 - v0.3", ("AuraFlowPipeline",)),
     "Sana": FamilyPipelines("Sana 600M, 1600M; Sana 1.5; Sana-Sprint (linear attention)",
                             ("SanaPipeline", "SanaSprintPipeline"),
                             one_call="Sana-Sprint (guidance embedded, step-distilled)",
@@ -164,6 +165,7 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                one_call="HiDream-I1 Dev and Fast (guidance-distilled, run at guidance_scale=0)"),
     "CogVideoX": FamilyPipelines("2B, 5B, 1.5; text- and image-to-video",
                                  ("CogVideoXPipeline", "CogVideoXImageToVideoPipeline")),
+    "ConsisID": FamilyPipelines("ConsisID-preview (identity-preserving image-to-video)", ("ConsisIDPipeline",)),
     "Mochi": FamilyPipelines("Mochi 1", ("MochiPipeline",)),
     "Wan": FamilyPipelines("Wan 2.1 T2V, I2V, FLF2V; Wan 2.2 A14B (both experts on one mesh), TI2V-5B",
                            ("WanPipeline", "WanImageToVideoPipeline")),
@@ -260,6 +262,21 @@ def _vae_mode(vaes: list[type], whole_vae: str = "") -> str:
     return "; ".join(cells)
 
 
+# Pipelines that Diffusers exports as a placeholder when an optional backend is missing, by module:
+# ConsisIDPipeline's module needs OpenCV only to draw face keypoints (``kps_cond``).
+_OPTIONAL_BACKEND_MODULES = {"ConsisIDPipeline": "diffusers.pipelines.consisid.pipeline_consisid"}
+
+
+def _pipeline_class(diffusers: types.ModuleType, name: str) -> type:
+    """Diffusers' pipeline class ``name``: its own module's class where the top-level export is the
+    placeholder of a missing optional backend (whose ``__init__`` annotates no components)."""
+    if name in _OPTIONAL_BACKEND_MODULES:
+        import importlib
+
+        return getattr(importlib.import_module(_OPTIONAL_BACKEND_MODULES[name]), name)
+    return getattr(diffusers, name)
+
+
 def supported_families() -> list[FamilyRow]:
     """The supported families, in ``FAMILY_PIPELINES`` order; raises ``ValueError`` when the table and
     the code disagree (a registered family without an entry, an entry without a family, a pipeline
@@ -278,7 +295,7 @@ def supported_families() -> list[FamilyRow]:
         for pipeline_name in info.pipelines:
             if pipeline_name not in dir(diffusers):
                 raise ValueError(f"{name}: Diffusers {diffusers.__version__} exports no {pipeline_name}")
-            pipeline = getattr(diffusers, pipeline_name)
+            pipeline = _pipeline_class(diffusers, pipeline_name)
             transformers = _components(pipeline, "transformer", "transformer_2")
             if adapter.model_class not in transformers:
                 raise ValueError(f"{name}: {pipeline_name}'s transformer is {[c.__name__ for c in transformers]}, "

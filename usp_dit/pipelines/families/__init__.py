@@ -7,10 +7,12 @@ the machinery imports a family. docs/ADDING_A_MODEL.md: how a family is added.
 from __future__ import annotations
 
 from usp_dit.pipelines.families import (  # noqa: F401  (each module calls register_adapter on import)
+    auraflow,
     chroma,
     chronoedit,
     cogvideox,
     cogview4,
+    consisid,
     cosmos3,
     flux,
     flux2,
