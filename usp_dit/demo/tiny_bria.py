@@ -1,0 +1,107 @@
+"""Tiny randomly initialised Bria transformers and a ``BriaPipeline``, built in code for tests and examples.
+
+Layout: packed latents (batch, tokens, 4 * latent_channels), ``tokens = (height / 4) * (width / 4)``
+with the tiny 2x VAE (``BriaPipeline``'s ``vae_scale_factor`` is ``2 ** len(block_out_channels)``
+= 4 for it), row-major; text embeddings (batch, text_len, TEXT_DIM); position ids as
+``BriaPipeline`` makes them: image (tokens, 3) = (0, row, col), text (text_len, 3) = zeros;
+timestep (batch,) in [0, 1000) (the pipeline passes the scheduler's t unscaled).
+
+Nothing is downloaded: the T5 tokenizer is a character vocabulary (``usp_dit.demo.tiny_chroma.tiny_t5``),
+the T5 encoder, VAE and transformer are built from small configs and seeded. Every process that
+calls a builder with the same arguments gets bit-identical weights and inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from diffusers import BriaTransformer2DModel
+
+from usp_dit.demo.tiny_chroma import TEXT_DIM, tiny_t5
+from usp_dit.demo.tiny_video import _perturb
+
+LATENT_CHANNELS = 4  # the tiny VAE's (the real one: 16)
+
+
+def tiny_bria(
+    num_heads: int = 4, head_dim: int = 16, num_layers: int = 2, num_single_layers: int = 2, seed: int = 0,
+) -> BriaTransformer2DModel:
+    """A small ``BriaTransformer2DModel`` (``num_heads * head_dim`` wide), float32, eval mode.
+
+    RoPE axes (0, h, w) split ``head_dim`` 1:3:3 as Bria's (16, 56, 56) of 128. Every parameter is
+    perturbed (``tiny_video._perturb``).
+
+    Raises:
+        ValueError: ``head_dim`` is not a multiple of 16.
+    """
+    if head_dim % 16:
+        raise ValueError(f"head_dim must be a multiple of 16 (three even RoPE axes, 1:3:3), got {head_dim}")
+    torch.manual_seed(seed)
+    model = BriaTransformer2DModel(
+        patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=num_layers, num_single_layers=num_single_layers,
+        attention_head_dim=head_dim, num_attention_heads=num_heads, joint_attention_dim=TEXT_DIM,
+        axes_dims_rope=[head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8],
+    )
+    _perturb(model, seed + 1)
+    return model.eval()
+
+
+@dataclass
+class BriaInputs:
+    """Keyword arguments of one ``BriaTransformer2DModel.forward`` call."""
+
+    hidden_states: torch.Tensor  # (B, N, 4 * latent_channels)
+    encoder_hidden_states: torch.Tensor  # (B, T, TEXT_DIM)
+    timestep: torch.Tensor  # (B,)
+    img_ids: torch.Tensor  # (N, 3)
+    txt_ids: torch.Tensor  # (T, 3)
+    controlnet_block_samples: list[torch.Tensor] | None = None  # each (B, N, inner_dim)
+
+    def kwargs(self) -> dict:
+        return dict(self.__dict__)
+
+
+def bria_inputs(
+    height: int, width: int, text_len: int, batch: int = 2, seed: int = 0, controlnet_width: int | None = None,
+) -> BriaInputs:
+    """Seeded inputs for a ``height x width`` grid of packed latent tokens, a different prompt,
+    latent and timestep per batch element; ids as the pipeline makes them. ``controlnet_width``:
+    the model's inner width, to add one ControlNet residual for the double blocks (else none)."""
+    g = torch.Generator().manual_seed(seed)
+    num_image = height * width
+    rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(num_image, 3).float()
+    inputs = BriaInputs(
+        hidden_states=torch.randn(batch, num_image, 4 * LATENT_CHANNELS, generator=g),
+        encoder_hidden_states=torch.randn(batch, text_len, TEXT_DIM, generator=g),
+        timestep=torch.rand(batch, generator=g) * 1000, img_ids=img_ids, txt_ids=torch.zeros(text_len, 3),
+    )
+    if controlnet_width is not None:
+        inputs.controlnet_block_samples = [torch.randn(batch, num_image, controlnet_width, generator=g)]
+    return inputs
+
+
+# ---- the whole pipeline ---------------------------------------------------------------------------
+
+
+def tiny_bria_pipeline(max_text_len: int = 16, seed: int = 0):
+    """A ``BriaPipeline`` of tiny random models (T5, VAE, transformer), float32 on CPU.
+
+    VAE 2x compression and 2x2 patches: ``height x width`` gives ``(height / 4) * (width / 4)``
+    image tokens (12 x 20 -> 15; the pipeline warns that such sizes are not multiples of 8 and
+    runs them). Call it with ``max_sequence_length <= max_text_len``; the pipeline zero-pads each
+    prompt's embeddings to ``max_sequence_length`` and attends them all.
+    """
+    from diffusers import BriaPipeline, FlowMatchEulerDiscreteScheduler
+
+    from usp_dit.demo.tiny_flux import tiny_vae
+
+    tokenizer, text_encoder = tiny_t5(max_text_len, seed + 10)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=16,
+        max_image_seq_len=4096,
+    )
+    return BriaPipeline(
+        transformer=tiny_bria(seed=seed + 30), scheduler=scheduler, vae=tiny_vae(2, seed + 20),
+        text_encoder=text_encoder, tokenizer=tokenizer,
+    )
