@@ -63,6 +63,7 @@ transformer's max_seq. With ``--model`` the folder must hold the Llama 3.1 text 
 tokenizer as ``text_encoder_4`` / ``tokenizer_4``, which HiDream's own repositories do not ship.)
     longcat_image 384 x 640 -> 3 x 5 = 15           1024 x 1024     the two calls of a step (true CFG)
     ovis_image  60 x 100 -> 15 x 25 = 375           1024 x 1024     the two calls of a step (true CFG)
+    bria        60 x 100 -> 15 x 25 = 375           1024 x 1024     [uncond, cond] (batched CFG)
 
 (LongCat-Image's tiny VAE has 7 levels, 128 pixels per token: its edit pipeline works at about
 1024 x 1024 pixels; the tiny example runs the text-to-image pipeline without its prompt rewrite.)
@@ -165,6 +166,7 @@ FAMILIES = {
                                  two_call_cfg=True, negative_prompt=True),
     "ovis_image": ImageFamily("OvisImagePipeline", "Ovis-Image", (60, 100), 4, "guidance_scale", two_call_cfg=True,
                               negative_prompt=True),
+    "bria": ImageFamily("BriaPipeline", "Bria", (60, 100), 4, "guidance_scale", batched_cfg=True, negative_prompt=True),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -291,6 +293,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
                   "lumina2": dict(max_text_len=TINY_LUMINA2_TEXT_LEN),
                   "hunyuan_image": dict(max_text_len=TINY_TEXT_LEN),
                   "sana": dict(max_text_len=TINY_TEXT_LEN), "hidream": dict(max_text_len=TINY_TEXT_LEN),
+                  "bria": dict(max_text_len=TINY_TEXT_LEN),
                   }.get(args.family, {})
         return build(**kwargs).to(device)
     import diffusers
@@ -304,7 +307,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     """(num_images, height, width, 3) float32 in [0, 1]; the seeded generator is the same on every rank."""
     family = FAMILIES[args.family]
     kwargs = {}
-    if args.model is None and args.family in ("flux", "sd3", "chroma", "cogview4", "krea2", "sana", "hidream"):
+    if args.model is None and args.family in ("flux", "sd3", "chroma", "cogview4", "krea2", "sana", "hidream",
+                                                "bria"):
         kwargs["max_sequence_length"] = TINY_TEXT_LEN
     elif args.model is None and args.family == "lumina2":
         # Lumina2Pipeline's default system prompt (~150 characters) would fill the tiny tokenizer.
