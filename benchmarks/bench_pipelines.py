@@ -168,6 +168,7 @@ CASES: dict[str, Callable] = {
     "sana": _later(pipeline_cases.sana_case),
     "hidream": _later(pipeline_cases.hidream_case),
     "longcat_image": _later(pipeline_cases.longcat_image_case), "ovis_image": _later(pipeline_cases.ovis_image_case),
+    "bria": _later(pipeline_cases.bria_case),
 }
 
 
