@@ -49,10 +49,11 @@ from tests.adapter_parity import (
     run_grid_cases,
 )
 from usp_dit import init_usp, single_rank_mesh
-from usp_dit.demo.tiny_bria import bria_inputs, tiny_bria, tiny_bria_pipeline
+from usp_dit.demo.tiny_bria import bria_fibo_inputs, bria_inputs, tiny_bria, tiny_bria_fibo, tiny_bria_pipeline
 from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.bria import ADAPTER, USPBriaAttnProcessor
+from usp_dit.pipelines.families.bria_fibo import ADAPTER as FIBO
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5
@@ -66,26 +67,39 @@ class Shape:
     height: int
     width: int
     text_len: int
-    controlnet: bool = False  # one ControlNet residual for the double blocks
+    controlnet: bool = False  # one ControlNet residual for the double blocks (Bria 3.x)
+    fibo: tuple[int, ...] | None = None  # FIBO: each element's real text tokens (the key mask)
 
     @property
     def tokens(self) -> int:
         return self.text_len + self.height * self.width
 
     def __str__(self) -> str:
-        return f"s{self.tokens}"
+        return f"{'fibo-' if self.fibo else ''}s{self.tokens}"
 
 
 SHAPES = [
     Shape(3, 5, 6),  # 6 + 15 = 21
     Shape(3, 7, 6, controlnet=True),  # 6 + 21 = 27
-    Shape(5, 5, 8),  # 8 + 25 = 33
+    # FIBO, padded prompts of different lengths. 16 + 15 = 31: on 4 ranks (8, 8, 8, 7) rank 1's
+    # piece is text 8..15, all padding: a ring block of masked keys only.
+    Shape(3, 5, 16, fibo=(5, 8)),
+    Shape(3, 7, 6, fibo=(6, 2)),  # 6 + 21 = 27; element 0 unpadded
 ]
 
 
+GRAD_SHAPES = {2: [SHAPES[0], SHAPES[2]], 4: SHAPES}  # the gradient cases' shapes per sequence-group size
+
+
 def _build(shape: Shape, seed: int = 0):
+    if shape.fibo:
+        return tiny_bria_fibo(seed=seed), bria_fibo_inputs(shape.height, shape.width, shape.text_len, list(shape.fibo))
     inputs = bria_inputs(shape.height, shape.width, shape.text_len, controlnet_width=INNER if shape.controlnet else None)
     return tiny_bria(seed=seed), inputs
+
+
+def _adapter(shape: Shape):
+    return FIBO if shape.fibo else ADAPTER
 
 
 # ---- what each rank runs ---------------------------------------------------------------------------
@@ -93,7 +107,11 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return joint_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, shape.tokens)
+    return joint_output_case(model, inputs, _adapter(shape), mesh, model.transformer_blocks[0].attn, shape.tokens)
+
+
+def _gradient_case(shape: Shape, mesh) -> dict[str, float]:
+    return gradient_errors(*_build(shape), _adapter(shape), mesh)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
@@ -171,10 +189,10 @@ def _run_all() -> dict[str, dict | str]:
 
     diffusers_logging.set_verbosity_error()  # the tiny pipeline's size and truncation warnings, per call
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
+    run_grid_cases(results, SHAPES, _output_case, _gradient_case, grad_shapes=GRAD_SHAPES)
     record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
     record(results, "cfg-split", lambda: _enabled_case(init_usp(1, 2, 2)))
+    record(results, "fibo-cfg-split", lambda: _enabled_case(init_usp(1, 2, 2), SHAPES[2]))
     record(results, "tensor-t2", lambda: _enabled_case(init_usp(tensor_degree=2), SHAPES[0]))
     record(results, "pipeline", _pipeline_cases, many=True)
     return results
@@ -192,12 +210,13 @@ def test_sharded_output_matches_one_process(grid_results, key: str):
     assert_within(grid_results, key, TOL)
 
 
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
+@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p, shapes in GRAD_SHAPES.items() for s in shapes]
+                         + ["grad-ckpt-p4"])
 def test_parameter_gradients_match_one_process(grid_results, key: str):
     assert_within(grid_results, key, TOL)
 
 
-@pytest.mark.parametrize("key", ["cfg-split", "tensor-t2"])
+@pytest.mark.parametrize("key", ["cfg-split", "fibo-cfg-split", "tensor-t2"])
 def test_cfg_split_and_tensor_parallel_match_stock(grid_results, key: str):
     assert_within(grid_results, key, TOL)
 
@@ -279,3 +298,46 @@ def test_single_block_controlnet_residuals_are_refused():
             model(**kwargs)
     finally:
         ADAPTER.disable(model)
+
+
+# ---- FIBO, single process ---------------------------------------------------------------------------
+
+
+def test_find_adapter_finds_bria_fibo():
+    assert find_adapter(tiny_bria_fibo()) is FIBO
+
+
+def test_fibo_disable_restores_processors_forward_and_hooks():
+    model, inputs = _build(SHAPES[2])
+    before = [m.processor for m in model.modules() if hasattr(m, "processor")]
+    FIBO.enable(model, single_rank_mesh(), "auto")
+    forward(model, inputs)
+    FIBO.disable(model)
+    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
+    assert "forward" not in model.__dict__
+    assert not [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+
+
+@pytest.mark.parametrize("mask, message", [
+    (torch.ones(2, 1, 31, 31, dtype=torch.bool), "runs a bool key mask"),  # varies over queries
+    (torch.zeros(2, 1, 1, 31), "runs a bool key mask"),  # additive float
+    (torch.ones(2, 1, 1, 31, dtype=torch.bool).index_fill(3, torch.tensor([20]), False),
+     "does not run a mask over image tokens"),
+], ids=["query-mask", "float-mask", "image-key-masked"])
+def test_fibo_masks_other_than_the_pipelines_are_refused(mask, message):
+    model, inputs = _build(SHAPES[2])
+    kwargs = {**inputs.kwargs(), "joint_attention_kwargs": {"attention_mask": mask}}
+    FIBO.enable(model, single_rank_mesh(), "auto")
+    try:
+        with pytest.raises(NotImplementedError, match=message):
+            model(**kwargs)
+    finally:
+        FIBO.disable(model)
+
+
+def test_fibo_tensor_parallelism_is_refused_by_name():
+    from usp_dit.pipelines.tensor import check_tensor_plan
+
+    assert FIBO.plan.tensor is None
+    with pytest.raises(NotImplementedError, match="usp_dit's BriaFibo plan declares no tensor-parallel cuts"):
+        check_tensor_plan(tiny_bria_fibo(), FIBO.plan.tensor, FIBO.name, 2)

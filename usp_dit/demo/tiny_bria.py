@@ -1,10 +1,13 @@
-"""Tiny randomly initialised Bria transformers and a ``BriaPipeline``, built in code for tests and examples.
+"""Tiny randomly initialised Bria (3.x and FIBO) transformers and a ``BriaPipeline``, built in code
+for tests and examples.
 
 Layout: packed latents (batch, tokens, 4 * latent_channels), ``tokens = (height / 4) * (width / 4)``
 with the tiny 2x VAE (``BriaPipeline``'s ``vae_scale_factor`` is ``2 ** len(block_out_channels)``
 = 4 for it), row-major; text embeddings (batch, text_len, TEXT_DIM); position ids as
 ``BriaPipeline`` makes them: image (tokens, 3) = (0, row, col), text (text_len, 3) = zeros;
-timestep (batch,) in [0, 1000) (the pipeline passes the scheduler's t unscaled).
+timestep (batch,) in [0, 1000) (the pipeline passes the scheduler's t unscaled). FIBO besides:
+``text_encoder_layers``, one (batch, text_len, FIBO_LAYER_DIM) tensor per block, and the key mask
+(batch, 1, 1, text_len + tokens) bool as ``BriaFiboPipeline`` passes it in ``joint_attention_kwargs``.
 
 Nothing is downloaded: the T5 tokenizer is a character vocabulary (``usp_dit.demo.tiny_chroma.tiny_t5``),
 the T5 encoder, VAE and transformer are built from small configs and seeded. Every process that
@@ -15,12 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from diffusers import BriaTransformer2DModel
+from diffusers import BriaFiboTransformer2DModel, BriaTransformer2DModel
 
 from usp_dit.demo.tiny_chroma import TEXT_DIM, tiny_t5
 from usp_dit.demo.tiny_video import _perturb
 
 LATENT_CHANNELS = 4  # the tiny VAE's (the real one: 16)
+FIBO_LAYER_DIM = 24  # FIBO's text_encoder_dim (its SmolLM3's 2048)
 
 
 def tiny_bria(
@@ -79,6 +83,68 @@ def bria_inputs(
     if controlnet_width is not None:
         inputs.controlnet_block_samples = [torch.randn(batch, num_image, controlnet_width, generator=g)]
     return inputs
+
+
+def tiny_bria_fibo(
+    num_heads: int = 4, head_dim: int = 16, num_layers: int = 2, num_single_layers: int = 2, seed: int = 0,
+) -> BriaFiboTransformer2DModel:
+    """A small ``BriaFiboTransformer2DModel`` (``num_heads * head_dim`` wide), float32, eval mode,
+    every parameter perturbed; RoPE axes as ``tiny_bria``'s.
+
+    Raises:
+        ValueError: ``head_dim`` is not a multiple of 16.
+    """
+    if head_dim % 16:
+        raise ValueError(f"head_dim must be a multiple of 16 (three even RoPE axes, 1:3:3), got {head_dim}")
+    torch.manual_seed(seed)
+    model = BriaFiboTransformer2DModel(
+        patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=num_layers, num_single_layers=num_single_layers,
+        attention_head_dim=head_dim, num_attention_heads=num_heads, joint_attention_dim=TEXT_DIM,
+        axes_dims_rope=[head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8], text_encoder_dim=FIBO_LAYER_DIM,
+    )
+    _perturb(model, seed + 1)
+    return model.eval()
+
+
+@dataclass
+class BriaFiboInputs:
+    """Keyword arguments of one ``BriaFiboTransformer2DModel.forward`` call."""
+
+    hidden_states: torch.Tensor  # (B, N, 4 * latent_channels)
+    encoder_hidden_states: torch.Tensor  # (B, T, TEXT_DIM)
+    text_encoder_layers: list[torch.Tensor]  # one (B, T, FIBO_LAYER_DIM) per block
+    timestep: torch.Tensor  # (B,)
+    img_ids: torch.Tensor  # (N, 3)
+    txt_ids: torch.Tensor  # (T, 3)
+    joint_attention_kwargs: dict | None  # {"attention_mask": (B, 1, 1, T + N) bool} or None
+
+    def kwargs(self) -> dict:
+        return dict(self.__dict__)
+
+
+def bria_fibo_inputs(
+    height: int, width: int, text_len: int, prompt_lengths: list[int] | None, num_blocks: int = 4,
+    batch: int = 2, seed: int = 0,
+) -> BriaFiboInputs:
+    """Seeded inputs as ``bria_inputs``'s, with ``num_blocks`` text encoder layers;
+    ``prompt_lengths[b]``: element b's real text tokens (its padding rows zeroed and masked as
+    keys, as the pipeline pads), ``None``: no mask (no prompt padded)."""
+    base = bria_inputs(height, width, text_len, batch, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    layers = [torch.randn(batch, text_len, FIBO_LAYER_DIM, generator=g) for _ in range(num_blocks)]
+    kwargs = None
+    if prompt_lengths is not None:
+        text = torch.arange(text_len)[None, :] < torch.tensor(prompt_lengths)[:, None]  # (B, T)
+        padding = (~text)[:, :, None]
+        base.encoder_hidden_states = base.encoder_hidden_states.masked_fill(padding, 0.0)
+        layers = [t.masked_fill(padding, 0.0) for t in layers]
+        mask = torch.cat([text, torch.ones(batch, height * width, dtype=torch.bool)], dim=1)
+        kwargs = {"attention_mask": mask[:, None, None, :]}
+    return BriaFiboInputs(
+        hidden_states=base.hidden_states, encoder_hidden_states=base.encoder_hidden_states,
+        text_encoder_layers=layers, timestep=base.timestep, img_ids=base.img_ids, txt_ids=base.txt_ids,
+        joint_attention_kwargs=kwargs,
+    )
 
 
 # ---- the whole pipeline ---------------------------------------------------------------------------
