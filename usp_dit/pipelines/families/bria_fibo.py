@@ -100,7 +100,7 @@ def fibo_attention(
     """
     route = parallel_config
     if not isinstance(route, Route):
-        raise RuntimeError(f"usp_dit's FIBO processor got parallel_config={type(route).__name__}, not its Route")
+        raise TypeError(f"usp_dit's FIBO processor got parallel_config={type(route).__name__}, not its Route")
     if dropout_p or is_causal or attention_kwargs:
         raise NotImplementedError(
             f"usp_dit routes plain attention only, got dropout_p={dropout_p}, is_causal={is_causal}, "
