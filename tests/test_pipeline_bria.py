@@ -53,7 +53,7 @@ from usp_dit.demo.tiny_bria import bria_fibo_inputs, bria_inputs, tiny_bria, tin
 from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.bria import ADAPTER, USPBriaAttnProcessor
-from usp_dit.pipelines.families.bria_fibo import ADAPTER as FIBO
+from usp_dit.pipelines.families.bria import FIBO_ADAPTER as FIBO
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5

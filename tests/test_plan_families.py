@@ -36,6 +36,7 @@ from usp_dit.demo import (
     tiny_wan_animate,
     tiny_wan_vace,
 )
+from usp_dit.demo.tiny_bria import tiny_bria, tiny_bria_fibo
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
 from usp_dit.demo.tiny_flux3 import tiny_flux3
@@ -72,6 +73,8 @@ BUILDERS = {
     "HiDream": tiny_hidream.tiny_hidream,
     "LongCatImage": tiny_longcat_image,
     "OvisImage": tiny_ovis_image,
+    "Bria": tiny_bria,
+    "BriaFibo": tiny_bria_fibo,
     "SkyReels-V2": lambda: tiny_skyreels_v2(num_frame_per_block=2),  # diffusion forcing's block-causal mask
     "ChronoEdit": tiny_chronoedit,  # Wan I2V's attention with ChronoEdit's own processor class
     "Helios": lambda: tiny_helios("amplify"),  # the history's key scales too

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from usp_dit.pipelines.families import (  # noqa: F401  (each module calls register_adapter on import)
     bria,
-    bria_fibo,
     chroma,
     chronoedit,
     cogvideox,
