@@ -1,34 +1,43 @@
-"""Bria adapter: sharded transformer outputs and gradients equal one process's, on CPU gloo grids;
-the stock ``BriaPipeline`` through ``pipe.enable_usp()``.
+"""Bria adapters (``usp_dit.pipelines.families.bria``: Bria 3.x and FIBO): sharded transformer
+outputs and gradients equal one process's, on CPU gloo grids; the stock ``BriaPipeline`` through
+``pipe.enable_usp()``.
 
 One spawned group of 4 ranks runs every case; the 2-rank grids run on it as two data-parallel
-replicas. Model: a tiny ``BriaTransformer2DModel`` (2 double + 2 single blocks, 4 heads x 16,
-every weight perturbed; ``usp_dit.demo.tiny_bria``). The text is split with the image
-(``usp_dit.pipelines.families.bria``): shapes 6 text + 15 image = 21 tokens, 6 + 21 = 27 (with a
-ControlNet residual for the double blocks, cut like the image) and 8 + 25 = 33; no joint count
-divides 2 or 4; on 4 ranks rank 0 of the first holds the 6 text tokens beside none or few image
-tokens. Batch 2 with different prompts, latents and timesteps; ids as the pipeline makes them, so
-RoPE rotates real positions. The model takes no mask (the pipeline zero-pads each prompt's
-embeddings and attends them all), so there is no mask case; an ``attention_mask`` is refused.
+replicas. Models: a tiny ``BriaTransformer2DModel`` and ``BriaFiboTransformer2DModel`` (2 double +
+2 single blocks, 4 heads x 16, every weight perturbed; ``usp_dit.demo.tiny_bria``). The text is
+split with the image. Bria 3.x shapes: 6 text + 15 image = 21 tokens, and 6 + 21 = 27 with a
+ControlNet residual for the double blocks (cut like the image). FIBO shapes, each with
+``text_encoder_layers`` and the pipeline's bool key mask over prompts padded to different
+lengths: 16 + 15 = 31 (prompts of 5 and 8 tokens: on 4 ranks rank 1's piece is all padding, a
+ring block of masked keys only) and 6 + 21 = 27 (6 and 2: one element unpadded). No joint count
+divides 2 or 4. Batch 2 with different prompts, latents and timesteps; ids as the pipelines make
+them, so RoPE rotates real positions. Bria 3.x takes no mask (its pipeline zero-pads the prompt
+embeddings and attends them all); an ``attention_mask`` is refused, as are FIBO masks other than
+the pipeline's.
 
 Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2) (tests/adapter_parity.GRIDS);
 each ring grid also with the "stream" and "gather_merge" schedules forced. Each case: output vs
 stock, block 0's attention sees at most ceil((T + N) / P) tokens (text + image), after
-``disable`` the output is bit-identical. Per shape, on 2 and 4 ranks: every parameter's gradient,
-and once with gradient checkpointing. The transformer enabled through ``usp_dit.enable_usp`` with
-cfg_degree=2 on a batch of 2, and with tensor_degree=2 (Flux.1's cuts), equals stock and leaves
-its weights as found. The fullgraph-compiled case is in tests/test_compile_grid.py (ADAPTER_CASES).
+``disable`` the output is bit-identical. Every parameter's gradient on 4 ranks for every shape, on
+2 ranks for one shape of each model, and once with gradient checkpointing. The transformers
+enabled through ``usp_dit.enable_usp`` with cfg_degree=2 on a batch of 2 (FIBO's mask inside
+``joint_attention_kwargs`` split with it), and Bria 3.x with tensor_degree=2 (Flux.1's cuts),
+equal stock and leave their weights as found. The fullgraph-compiled case (FIBO's masked shape on
+(1,4)) is in tests/test_compile_grid.py (ADAPTER_CASES).
 
 Pipeline: the tiny ``BriaPipeline`` (character T5 tokenizer, a 2-layer T5, a 2x VAE, all built
 in code), two prompts of different lengths (different zero padding) and negative prompts
 (batched CFG: one transformer call a step on [uncond; cond]), 11 text tokens, 12 x 20 (15 image
 tokens), 2 steps, on (2,1,1), (2,2,1) and (1,2,2) (the cfg groups each take one half of the
-batch), equal to one process's, and bit-identical after ``disable_usp``.
+batch), equal to one process's, and bit-identical after ``disable_usp``. ``BriaFiboPipeline``
+(SmolLM3, a Wan VAE) is not run here.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients and the pipeline's final
 latents: sharding only reorders float32 sums (attention blocks merged by log-sum-exp, gradients
-summed over ranks, tensor-parallel partial products all-reduced). Decoded images: 1e-4 (an
-untrained random VAE's gain).
+summed over ranks, tensor-parallel partial products all-reduced; FIBO's padded keys get
+probability exactly 0, as stock's). Decoded images: 1e-4 (an untrained random VAE's gain).
+Measured (2026-12-05, 2 cores shared with other jobs, load ~11): every case within the
+tolerances above, 56 s for this file.
 """
 from __future__ import annotations
 
