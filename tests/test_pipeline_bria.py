@@ -29,15 +29,17 @@ Pipeline: the tiny ``BriaPipeline`` (character T5 tokenizer, a 2-layer T5, a 2x 
 in code), two prompts of different lengths (different zero padding) and negative prompts
 (batched CFG: one transformer call a step on [uncond; cond]), 11 text tokens, 12 x 20 (15 image
 tokens), 2 steps, on (2,1,1), (2,2,1) and (1,2,2) (the cfg groups each take one half of the
-batch), equal to one process's, and bit-identical after ``disable_usp``. ``BriaFiboPipeline``
-(SmolLM3, a Wan VAE) is not run here.
+batch), equal to one process's, and bit-identical after ``disable_usp``. The same for the tiny
+``BriaFiboPipeline`` (a character tokenizer, a 3-layer SmolLM3, a Wan VAE): 80 x 112 (35 image
+tokens), the two prompts padded to the longer one's 11 tokens and masked as keys (the mask in
+``joint_attention_kwargs``, split over the cfg groups with the batch).
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients and the pipeline's final
 latents: sharding only reorders float32 sums (attention blocks merged by log-sum-exp, gradients
 summed over ranks, tensor-parallel partial products all-reduced; FIBO's padded keys get
 probability exactly 0, as stock's). Decoded images: 1e-4 (an untrained random VAE's gain).
-Measured (2026-12-05, 2 cores shared with other jobs, load ~11): every case within the
-tolerances above, 56 s for this file.
+Measured (2026-12-05, 2 cores shared with other jobs): every case within the tolerances above;
+this file 56 s at load ~11 before the FIBO pipeline cases, 246 s with them at load ~35.
 """
 from __future__ import annotations
 
@@ -58,7 +60,14 @@ from tests.adapter_parity import (
     run_grid_cases,
 )
 from usp_dit import init_usp, single_rank_mesh
-from usp_dit.demo.tiny_bria import bria_fibo_inputs, bria_inputs, tiny_bria, tiny_bria_fibo, tiny_bria_pipeline
+from usp_dit.demo.tiny_bria import (
+    bria_fibo_inputs,
+    bria_inputs,
+    tiny_bria,
+    tiny_bria_fibo,
+    tiny_bria_fibo_pipeline,
+    tiny_bria_pipeline,
+)
 from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.bria import ADAPTER, USPBriaAttnProcessor
@@ -145,12 +154,17 @@ def _enabled_case(mesh, shape: Shape = SHAPES[1]) -> dict[str, float]:
             "weights_not_restored": float(not all(torch.equal(after[k], v) for k, v in before.items()))}
 
 
-PROMPTS = (["a red fox", "cat"], ["blurry", "dark dim"])  # of different lengths: zero-padded differently
+PROMPTS = (["a red fox", "cat"], ["blurry", "dark dim"])  # of different lengths: padded differently
+# BriaPipeline: 12 x 20 (3 x 5 = 15 image tokens), prompts zero-padded to 11 text tokens.
+BRIA_CALL = {"max_sequence_length": 11, "height": 12, "width": 20}
+# BriaFiboPipeline: 80 x 112 (5 x 7 = 35 image tokens), prompts padded to the longest (11 tokens
+# with the tiny tokenizer) and masked as keys.
+FIBO_CALL = {"height": 80, "width": 112}
 
 
-def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
-    """(final latents, images) of 2 steps at 12 x 20 (3 x 5 = 15 image tokens), 11 text tokens,
-    batched CFG (one transformer call a step on [uncond; cond]), seed 0."""
+def _generate(pipe, call: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final latents, images) of 2 steps, batched CFG (one transformer call a step on
+    [uncond; cond]), seed 0."""
     last = {}
 
     def keep_latents(pipe, step, timestep, tensors):
@@ -159,9 +173,8 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 
     prompt, negative_prompt = PROMPTS
     images = pipe(
-        prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.0, max_sequence_length=11, height=12,
-        width=20, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt",
-        callback_on_step_end=keep_latents,
+        prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.0, num_inference_steps=2,
+        generator=torch.Generator().manual_seed(0), output_type="pt", callback_on_step_end=keep_latents, **call,
     ).images
     return last["latents"], images
 
@@ -169,26 +182,25 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
 
 
-def _pipeline_cases() -> dict[str, dict[str, float]]:
-    pipe = tiny_bria_pipeline()
+def _pipeline_cases(name: str, pipe, call: dict) -> dict[str, dict[str, float]]:
     pipe.set_progress_bar_config(disable=True)
-    ref_latents, ref_images = _generate(pipe)
+    ref_latents, ref_images = _generate(pipe, call)
     results = {}
     for u, r, c in PIPELINE_GRIDS:
         pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
         enabled = is_usp_enabled(pipe.transformer)
         try:
-            latents, images = _generate(pipe)
+            latents, images = _generate(pipe, call)
         finally:
             pipe.disable_usp()
-        results[f"pipeline-u{u}r{r}cfg{c}"] = {
+        results[f"{name}-u{u}r{r}cfg{c}"] = {
             "not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer)),
             "latents": rel_err(latents, ref_latents),
             "images": rel_err(images, ref_images),
         }
-    again_latents, again_images = _generate(pipe)
+    again_latents, again_images = _generate(pipe, call)
     same = torch.equal(again_latents, ref_latents) and torch.equal(again_images, ref_images)
-    results["pipeline-after-disable"] = {"not_bit_identical": float(not same)}
+    results[f"{name}-after-disable"] = {"not_bit_identical": float(not same)}
     return results
 
 
@@ -203,7 +215,9 @@ def _run_all() -> dict[str, dict | str]:
     record(results, "cfg-split", lambda: _enabled_case(init_usp(1, 2, 2)))
     record(results, "fibo-cfg-split", lambda: _enabled_case(init_usp(1, 2, 2), SHAPES[2]))
     record(results, "tensor-t2", lambda: _enabled_case(init_usp(tensor_degree=2), SHAPES[0]))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    record(results, "pipeline", lambda: _pipeline_cases("pipeline", tiny_bria_pipeline(), BRIA_CALL), many=True)
+    record(results, "fibo-pipeline", lambda: _pipeline_cases("fibo-pipeline", tiny_bria_fibo_pipeline(), FIBO_CALL),
+           many=True)
     return results
 
 
@@ -230,18 +244,20 @@ def test_cfg_split_and_tensor_parallel_match_stock(grid_results, key: str):
     assert_within(grid_results, key, TOL)
 
 
-@pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
+@pytest.mark.parametrize("key", [f"{name}-u{u}r{r}cfg{c}" for name in ("pipeline", "fibo-pipeline")
+                                 for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
     for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
+        errors = res.get(key) or res.get(key.rsplit("-", 1)[0], "no result")
         assert not isinstance(errors, str), f"rank {rank}: {errors}"
         tols = {name: TOL_IMAGES if name == "images" else TOL for name in errors}
         worst = {name: v for name, v in errors.items() if not v <= tols[name]}
         assert not worst, f"rank {rank}: above {tols}: {worst}"
 
 
-def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+@pytest.mark.parametrize("name", ["pipeline", "fibo-pipeline"])
+def test_disable_usp_gives_back_the_bit_identical_image(grid_results, name: str):
+    assert_within(grid_results, f"{name}-after-disable", 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures ---------------------------------

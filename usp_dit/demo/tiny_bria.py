@@ -24,7 +24,7 @@ from usp_dit.demo.tiny_chroma import TEXT_DIM, tiny_t5
 from usp_dit.demo.tiny_video import _perturb
 
 LATENT_CHANNELS = 4  # the tiny VAE's (the real one: 16)
-FIBO_LAYER_DIM = 24  # FIBO's text_encoder_dim (its SmolLM3's 2048)
+FIBO_LAYER_DIM = TEXT_DIM // 2  # FIBO's text_encoder_dim: its SmolLM3's width (2048; the prompt embeds join two layers)
 
 
 def tiny_bria(
@@ -170,4 +170,37 @@ def tiny_bria_pipeline(max_text_len: int = 16, seed: int = 0):
     return BriaPipeline(
         transformer=tiny_bria(seed=seed + 30), scheduler=scheduler, vae=tiny_vae(2, seed + 20),
         text_encoder=text_encoder, tokenizer=tokenizer,
+    )
+
+
+def tiny_bria_fibo_pipeline(seed: int = 0):
+    """A ``BriaFiboPipeline`` of tiny random models, float32 on CPU: a character tokenizer, a
+    3-layer ``SmolLM3ForCausalLM`` of width ``FIBO_LAYER_DIM`` (the prompt embeddings are its last
+    two layers side by side: ``TEXT_DIM``), a tiny ``AutoencoderKLWan`` and ``tiny_bria_fibo``.
+
+    The pipeline's latents are ``height / 16 x width / 16`` (its ``vae_scale_factor`` is fixed at
+    16, no 2x2 patches): 80 x 112 gives 5 x 7 = 35 image tokens. Pass negative prompts that are
+    not empty (an empty one is the real tokenizer's token 128000, outside the tiny vocabulary).
+    """
+    from diffusers import BriaFiboPipeline, FlowMatchEulerDiscreteScheduler
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    from usp_dit.demo.tiny_flux2 import tiny_qwen3_tokenizer
+    from usp_dit.demo.tiny_wan import tiny_wan_vae
+
+    tokenizer = tiny_qwen3_tokenizer()
+    torch.manual_seed(seed + 10)
+    text_encoder = SmolLM3ForCausalLM(SmolLM3Config(
+        vocab_size=len(tokenizer), hidden_size=FIBO_LAYER_DIM, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, pad_token_id=0,
+        bos_token_id=None, eos_token_id=1,
+    ))
+    _perturb(text_encoder, seed + 11, std=0.02)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=16,
+        max_image_seq_len=4096,
+    )
+    return BriaFiboPipeline(
+        transformer=tiny_bria_fibo(seed=seed + 30), scheduler=scheduler,
+        vae=tiny_wan_vae(4 * LATENT_CHANNELS, seed + 20), text_encoder=text_encoder.eval(), tokenizer=tokenizer,
     )

@@ -133,9 +133,7 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "LongCatImage": FamilyPipelines("LongCat-Image, -Edit", ("LongCatImagePipeline", "LongCatImageEditPipeline")),
     "OvisImage": FamilyPipelines("Ovis-Image-7B", ("OvisImagePipeline",)),
     "Bria": FamilyPipelines("Bria 3.x (BRIA-3.2)", ("BriaPipeline",)),
-    "BriaFibo": FamilyPipelines("FIBO (the transformer; its pipeline not yet run here)", (),
-                                whole_vae="BriaFiboPipeline (SmolLM3, AutoencoderKLWan) not yet run through "
-                                          "enable_usp in a test"),
+    "BriaFibo": FamilyPipelines("FIBO", ("BriaFiboPipeline",)),
     "QwenImage": FamilyPipelines(
         "Qwen-Image, -Edit, -Edit-2511, -Layered",
         ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline"),

@@ -94,8 +94,7 @@ own code with their one ``dispatch_attention_fn`` call routed to ``fibo_attentio
 
 CFG: ``BriaFiboPipeline`` runs CFG as one call a step on ``[uncond; cond]``; ``cfg_degree=2``
 splits that batch, ``text_encoder_layers`` and the mask in ``joint_attention_kwargs`` included
-(the transformer's cfg split is tested; the pipeline itself, with its SmolLM3 and Wan VAE, is not
-yet run through ``enable_usp`` in a test).
+(the tiny pipeline, SmolLM3 and a Wan VAE, through ``pipe.enable_usp()`` in tests/test_pipeline_bria.py).
 
 Refused (NotImplementedError): a mask other than a (B | 1, 1, 1, T + N) bool key mask (a mask
 varying over queries or heads, an additive float one), a padded image key, processors other than
