@@ -39,7 +39,7 @@ latents: sharding only reorders float32 sums (attention blocks merged by log-sum
 summed over ranks, tensor-parallel partial products all-reduced; FIBO's padded keys get
 probability exactly 0, as stock's). Decoded images: 1e-4 (an untrained random VAE's gain).
 Measured (2026-12-05, 2 cores shared with other jobs): every case within the tolerances above;
-this file 56 s at load ~11 before the FIBO pipeline cases, 246 s with them at load ~35.
+this file 48 s (load average ~30-50).
 """
 from __future__ import annotations
 
