@@ -171,6 +171,7 @@ CASES: dict[str, Callable] = {
     "longcat_image": _later(pipeline_cases.longcat_image_case), "ovis_image": _later(pipeline_cases.ovis_image_case),
     "consisid": _later(pipeline_cases.consisid_case),
     "auraflow": _later(pipeline_cases.auraflow_case),
+    "bria": _later(pipeline_cases.bria_case),
 }
 
 

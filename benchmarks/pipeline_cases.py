@@ -482,3 +482,23 @@ def auraflow_case(build, device: torch.device, height: int = 1024, width: int = 
     )
     tokens = (height // 16) * (width // 16)
     return model, inputs, f"{height}x{width} ({tokens} + 8 register + 256 text tokens, 96 real)"
+def bria_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """Bria 3.x: packed latents (1, (h/16)*(w/16), 64); 128 text tokens (T5, ``BriaPipeline``'s
+    default ``max_sequence_length``, zero-padded, no mask); ids as the pipeline makes them: text
+    zeros, image (0, h, w). The config is Diffusers' ``BriaTransformer2DModel`` defaults (Flux.1's
+    widths and depths: 19 + 38 blocks, 24 heads x 128); BRIA-3.2's own config.json (a 4 B model)
+    was not at hand offline: pass it as ``config`` for the released model. ``config``: overrides
+    (also a tiny model, to check the case builds on CPU)."""
+    from diffusers import BriaTransformer2DModel
+
+    model = build(BriaTransformer2DModel, config or {}, device)
+    channels, text_dim = model.config.in_channels, model.config.joint_attention_dim
+    img_ids = _image_ids(height, width, 0.0, 0, device)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, img_ids.shape[0], channels, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 128, text_dim, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 500.0, **_bf(device)), img_ids=img_ids,
+        txt_ids=torch.zeros(128, 3, device=device), return_dict=False,
+    )
+    return model, inputs, f"{height}x{width} ({img_ids.shape[0]} + 128 tokens)"

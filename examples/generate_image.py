@@ -64,6 +64,7 @@ transformer's max_seq. With ``--model`` the folder must hold the Llama 3.1 text 
 tokenizer as ``text_encoder_4`` / ``tokenizer_4``, which HiDream's own repositories do not ship.)
     longcat_image 384 x 640 -> 3 x 5 = 15           1024 x 1024     the two calls of a step (true CFG)
     ovis_image  60 x 100 -> 15 x 25 = 375           1024 x 1024     the two calls of a step (true CFG)
+    bria        60 x 100 -> 15 x 25 = 375           1024 x 1024     [uncond, cond] (batched CFG)
 
 (LongCat-Image's tiny VAE has 7 levels, 128 pixels per token: its edit pipeline works at about
 1024 x 1024 pixels; the tiny example runs the text-to-image pipeline without its prompt rewrite.)
@@ -169,6 +170,7 @@ FAMILIES = {
     # The tiny AuraFlow's learned position table covers 16 x 16 tokens (the release's 32 x 32).
     "auraflow": ImageFamily("AuraFlowPipeline", "AuraFlow", (20, 28), 4, "guidance_scale", batched_cfg=True,
                             negative_prompt=True, tiny_max_side=64),
+    "bria": ImageFamily("BriaPipeline", "Bria", (60, 100), 4, "guidance_scale", batched_cfg=True, negative_prompt=True),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -296,6 +298,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
                   "hunyuan_image": dict(max_text_len=TINY_TEXT_LEN),
                   "sana": dict(max_text_len=TINY_TEXT_LEN), "hidream": dict(max_text_len=TINY_TEXT_LEN),
                   "auraflow": dict(max_text_len=TINY_TEXT_LEN),
+                  "bria": dict(max_text_len=TINY_TEXT_LEN),
                   }.get(args.family, {})
         return build(**kwargs).to(device)
     import diffusers
@@ -310,7 +313,7 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     family = FAMILIES[args.family]
     kwargs = {}
     if args.model is None and args.family in ("flux", "sd3", "chroma", "cogview4", "krea2", "sana", "hidream",
-                                                   "auraflow"):
+                                                   "auraflow", "bria"):
         kwargs["max_sequence_length"] = TINY_TEXT_LEN
     elif args.model is None and args.family == "lumina2":
         # Lumina2Pipeline's default system prompt (~150 characters) would fill the tiny tokenizer.

@@ -431,6 +431,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("cosmos3", (2, 2, 1), 0),  # the packed two-stream call, cut at the model's seams; replicated text as joint K/V
     ("cogview4", (2, 2, 1), 0),  # the text mask as a bias channel (routed F.sdpa of the stock code)
     ("longcat_image", (2, 2, 1), 2), ("ovis_image", (1, 4, 1), 0),  # Flux-like joint split; 2: the edit call
+    ("bria", (1, 4, 1), 2),  # FIBO: the key mask as an extra Q/K coordinate; rank 1 holds padded keys only
     ("minimax_h3", (2, 2, 1), 0),  # one packed sequence: per-row vectors cut at each block, two heads gathered
     ("zimage", (2, 2, 1), 0),  # single stream [image shard; masked text], RoPE cut per layer, list inputs
     ("sana", (2, 2, 1), 1),  # linear attention's all-reduced summaries, the Mix-FFN conv's halo exchange

@@ -37,19 +37,19 @@ from usp_dit.demo import (
     tiny_wan_vace,
 )
 from usp_dit.demo.tiny_auraflow import tiny_auraflow
+from usp_dit.demo.tiny_bria import tiny_bria, tiny_bria_fibo
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
-from usp_dit.demo.tiny_consisid import tiny_consisid
 from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
+from usp_dit.demo.tiny_consisid import tiny_consisid
 from usp_dit.demo.tiny_flux3 import tiny_flux3
 from usp_dit.demo.tiny_helios import tiny_helios
-from usp_dit.demo.tiny_lumina2 import tiny_lumina2
 from usp_dit.demo.tiny_hunyuan_image import tiny_hunyuan_image
 from usp_dit.demo.tiny_krea2 import tiny_krea2
-from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
-from usp_dit.demo.tiny_qwen_image21 import tiny_qwen_image21
 from usp_dit.demo.tiny_longcat_image import tiny_longcat_image
+from usp_dit.demo.tiny_lumina2 import tiny_lumina2
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
 from usp_dit.demo.tiny_ovis_image import tiny_ovis_image
+from usp_dit.demo.tiny_qwen_image21 import tiny_qwen_image21
 from usp_dit.demo.tiny_sana_video import tiny_sana_video
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
 from usp_dit.demo.tiny_zimage import tiny_zimage
@@ -75,6 +75,8 @@ BUILDERS = {
     "HiDream": tiny_hidream.tiny_hidream,
     "LongCatImage": tiny_longcat_image,
     "OvisImage": tiny_ovis_image,
+    "Bria": tiny_bria,
+    "BriaFibo": tiny_bria_fibo,
     "SkyReels-V2": lambda: tiny_skyreels_v2(num_frame_per_block=2),  # diffusion forcing's block-causal mask
     "ChronoEdit": tiny_chronoedit,  # Wan I2V's attention with ChronoEdit's own processor class
     "Helios": lambda: tiny_helios("amplify"),  # the history's key scales too

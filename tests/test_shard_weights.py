@@ -51,7 +51,7 @@ FAMILIES = {
     "chronoedit": 0, "cogview4": 0, "cosmos3": 0, "flux3": 0, "helios": 0, "hidream": 0, "hunyuan_image": 0,
     "hunyuan_video15": 0, "kandinsky5": 0, "krea2": 0, "longcat_image": 0, "ltx2": 0, "lumina2": 0,
     "minimax_h3": 0, "ovis_image": 0, "qwen_image21": 0, "sana": 0, "wan_animate": 0, "wan_vace": 0, "zimage": 0,
-    "sana_video": 0, "consisid": 0, "auraflow": 0,
+    "sana_video": 0, "consisid": 0, "auraflow": 0, "bria": 1, "bria/fibo": 2,  # family/variant: one test file
 }
 
 
@@ -66,7 +66,7 @@ def _slow(family: str, grid: tuple[int, int, int]) -> bool:
 
 
 def _build(family: str):
-    module = importlib.import_module(f"tests.test_pipeline_{family}")
+    module = importlib.import_module(f"tests.test_pipeline_{family.split('/')[0]}")
     which = FAMILIES[family]
     if family == "skyreels_v2":
         return module._build(which)  # its builder takes the shape's name

@@ -132,6 +132,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "Chroma": FamilyPipelines("Chroma1-HD, -Base, -Flash", ("ChromaPipeline",)),
     "LongCatImage": FamilyPipelines("LongCat-Image, -Edit", ("LongCatImagePipeline", "LongCatImageEditPipeline")),
     "OvisImage": FamilyPipelines("Ovis-Image-7B", ("OvisImagePipeline",)),
+    "Bria": FamilyPipelines("Bria 3.x (BRIA-3.2)", ("BriaPipeline",)),
+    "BriaFibo": FamilyPipelines("FIBO", ("BriaFiboPipeline",)),
     "QwenImage": FamilyPipelines(
         "Qwen-Image, -Edit, -Edit-2511, -Layered",
         ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline"),

@@ -61,7 +61,7 @@ Note [cfg parallel]
     [c*B/2, (c+1)*B/2) on its U*R ranks, and the outputs are all-gathered over the cfg group, so
     every rank returns the full batch before the pipeline combines guidance. Which arguments are
     batched: the adapter's ``cfg_batch_args`` names when it has them (their tensors, or lists of
-    tensors, with dim 0 == B are split; size-1 or 0-dim ones broadcast and stay whole); otherwise
+    tensors or dicts of them (a mask in ``joint_attention_kwargs``), with dim 0 == B are split; size-1 or 0-dim ones broadcast and stay whole); otherwise
     every top-level tensor argument whose dim 0 equals the batch of the first tensor argument.
     Its ``cfg_list_args`` are Python lists with one entry per row (Z-Image's latents and prompt
     embeddings, each prompt its own length): split by index; a first output that is such a list
@@ -149,7 +149,10 @@ def batch_size(arguments: dict[str, Any], default: int | None = None) -> int:
 def _take_rows(value: Any, batch: int, lo: int, hi: int, name: str, strict: bool, dim: int = 0) -> Any:
     """Rows [lo, hi) on ``dim`` of a batched tensor (or, for a declared argument, of each tensor of a
     list/tuple: a stack of tensors on a leading axis, so each item's batch is on ``dim - 1`` when
-    ``dim`` > 0); broadcastable ones stay."""
+    ``dim`` > 0; or of each tensor value of a dict: keyword arguments such as FIBO's
+    ``joint_attention_kwargs`` mask); broadcastable ones stay."""
+    if isinstance(value, dict) and strict:  # only a declared argument: its values split as its own
+        return {k: _take_rows(v, batch, lo, hi, f"{name}[{k!r}]", strict, dim) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         if not strict:  # undeclared containers (e.g. RoPE tables (seq, dim)) are not batched
             return value

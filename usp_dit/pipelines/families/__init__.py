@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from usp_dit.pipelines.families import (  # noqa: F401  (each module calls register_adapter on import)
     auraflow,
+    bria,
     chroma,
     chronoedit,
     cogvideox,
@@ -19,8 +20,8 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     flux3,
     helios,
     hidream,
-    hunyuan_video,
     hunyuan_image,
+    hunyuan_video,
     hunyuan_video15,
     kandinsky5,
     krea2,
