@@ -148,8 +148,10 @@ def batch_size(arguments: dict[str, Any], default: int | None = None) -> int:
 
 def _take_rows(value: Any, batch: int, lo: int, hi: int, name: str, strict: bool, dim: int = 0) -> Any:
     """Rows [lo, hi) on ``dim`` of a batched tensor (or, for a declared argument, of each tensor of a
-    list/tuple: a stack of tensors on a leading axis, so each item's batch is on ``dim - 1`` when
+    dict's values or of a list/tuple: a stack of tensors on a leading axis, so each item's batch is on ``dim - 1`` when
     ``dim`` > 0); broadcastable ones stay."""
+    if isinstance(value, dict) and strict:  # a declared dict of per-row tensors (PixArt's added_cond_kwargs)
+        return {k: _take_rows(v, batch, lo, hi, f"{name}[{k!r}]", strict, dim) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         if not strict:  # undeclared containers (e.g. RoPE tables (seq, dim)) are not batched
             return value

@@ -29,6 +29,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     minimax_h3,
     mochi,
     ovis_image,
+    pixart,
     qwen_image,
     qwen_image21,
     sana,
