@@ -190,7 +190,7 @@ def _run_all() -> dict[str, dict | str]:
     record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
     record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
     for variant in ("sigma", "alpha"):
-        record(results, f"pipeline-{variant}", lambda: _pipeline_cases(variant), many=True)
+        record(results, f"pipeline-{variant}", lambda v=variant: _pipeline_cases(v), many=True)
     return results
 
 

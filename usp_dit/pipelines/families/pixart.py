@@ -49,7 +49,7 @@ from diffusers import PixArtTransformer2DModel
 from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 
-import usp_dit.pipelines.families.sd3 as sd3
+import usp_dit.pipelines.families.sd3 as sd3  # noqa: PLR0402  (the module, not the package: no import circle)
 from usp_dit.pipelines._routing import Route, with_global
 from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.pipelines.base import register_adapter
