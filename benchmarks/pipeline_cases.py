@@ -354,6 +354,29 @@ def sana_case(build, device: torch.device, height: int = 1024, width: int = 1024
     )
     tokens = (height // 32) * (width // 32)
     return model, inputs, f"{height}x{width} ({tokens} tokens + 300 text, 120 valid)"
+# PixArt-Sigma-XL-2-1024-MS (diffusers' defaults are the rest: 28 layers, 16 heads x 72, patch 2).
+PIXART_SIGMA = dict(caption_channels=4096, interpolation_scale=2, use_additional_conditions=False)
+
+
+def pixart_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """PixArt-Sigma 1024: latents (1, 4, h/8, w/8), patch 2; 300 T5 tokens, 120 valid (masked
+    cross-attention, local to each rank's tokens under usp_dit). ``config``: overrides (a tiny
+    check on CPU)."""
+    from diffusers import PixArtTransformer2DModel
+
+    model = build(PixArtTransformer2DModel, {**PIXART_SIGMA, **(config or {})}, device)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, model.config.in_channels, height // 8, width // 8, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 300, model.config.caption_channels, generator=g, **_bf(device)),
+        encoder_attention_mask=_prompt_mask(device, 300, 120).long(),
+        timestep=torch.full((1,), 500, device=device, dtype=torch.long),
+        added_cond_kwargs={"resolution": None, "aspect_ratio": None}, return_dict=False,
+    )
+    tokens = (height // 16) * (width // 16)
+    return model, inputs, f"{height}x{width} ({tokens} tokens + 300 text, 120 valid)"
+
+
 def _image_ids(height: int, width: int, modality: float, start: int, device: torch.device) -> torch.Tensor:
     """(tokens, 3) ids (modality, start + row, start + col) of the packed 2x2 patches of a
     ``height x width`` image (8 pixels per latent pixel)."""
