@@ -40,14 +40,15 @@ from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
 from usp_dit.demo.tiny_flux3 import tiny_flux3
 from usp_dit.demo.tiny_helios import tiny_helios
-from usp_dit.demo.tiny_lumina2 import tiny_lumina2
+from usp_dit.demo.tiny_hunyuan_dit import tiny_hunyuan_dit
 from usp_dit.demo.tiny_hunyuan_image import tiny_hunyuan_image
 from usp_dit.demo.tiny_krea2 import tiny_krea2
-from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
-from usp_dit.demo.tiny_qwen_image21 import tiny_qwen_image21
 from usp_dit.demo.tiny_longcat_image import tiny_longcat_image
+from usp_dit.demo.tiny_lumina2 import tiny_lumina2
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
 from usp_dit.demo.tiny_ovis_image import tiny_ovis_image
+from usp_dit.demo.tiny_pixart import tiny_pixart
+from usp_dit.demo.tiny_qwen_image21 import tiny_qwen_image21
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
 from usp_dit.demo.tiny_zimage import tiny_zimage
 from usp_dit.pipelines.base import find_adapter, registered_adapters
@@ -87,6 +88,8 @@ BUILDERS = {
     "HunyuanImage": tiny_hunyuan_image,  # the token refiner's local attention too
     "ZImage": tiny_zimage,  # the context refiner's local attention too
     "Sana": lambda: tiny_sana.tiny_sana("sprint"),  # linear attention, the Mix-FFN's conv hooks, QK norms
+    "PixArt": lambda: tiny_pixart("alpha"),  # routed AttnProcessor2_0 (self), local masked cross-attention
+    "HunyuanDiT": tiny_hunyuan_dit,  # the RoPE table cut at every block, local cross-attention, long skips
 }
 
 

@@ -17,6 +17,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     flux3,
     helios,
     hidream,
+    hunyuan_dit,
     hunyuan_video,
     hunyuan_image,
     hunyuan_video15,
