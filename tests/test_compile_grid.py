@@ -434,6 +434,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("minimax_h3", (2, 2, 1), 0),  # one packed sequence: per-row vectors cut at each block, two heads gathered
     ("zimage", (2, 2, 1), 0),  # single stream [image shard; masked text], RoPE cut per layer, list inputs
     ("sana", (2, 2, 1), 1),  # linear attention's all-reduced summaries, the Mix-FFN conv's halo exchange
+    ("hunyuan_dit", (1, 4, 1), 0),  # HunyuanAttnProcessor2_0's routed F.sdpa; the RoPE argument cut at each block
     ("pixart", (2, 2, 1), 1),  # AttnProcessor2_0's routed F.sdpa; masked cross-attention on the shard; Alpha's size conditions
 ]
 
