@@ -15,7 +15,11 @@ stock, block 0's self-attention sees at most ceil(tokens / P) tokens, after ``di
 is bit-identical. On 2 and on 4 ranks: every parameter's gradient (against the exact maths:
 below). The transformer enabled with cfg_degree=2 on a batch of 2 (the masks, sizes and styles
 split, the RoPE table whole) equals stock. Each rank's rotated queries of block 0's
-cross-attention equal the same rows of one process's (the RoPE table cut like the tokens).
+cross-attention equal the same rows of one process's (the RoPE table cut like the tokens). The tiny
+``HunyuanDiTPipeline`` (Bert + T5 encoders, an 8x VAE, DPM-Solver++, 77 + 256 text tokens; two prompts of
+different lengths, batched CFG [uncond, cond] in one call) through ``pipe.enable_usp()`` on (2,1,1),
+(2,2,1) and (1,2,2), 2 steps, equal to one process's (final latents 1e-5, decoded images 1e-4: an
+untrained random VAE's gain, as in tests/test_pipeline_wan.py); after ``disable_usp`` bit-identical.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs: sharding only reorders float32 sums
 (attention merged by log-sum-exp over blocks of keys; the cross-attention and the skips are the
@@ -27,8 +31,7 @@ ill-conditioned here (stock's own float32 error 4.7e-6 to 8.2e-6 on block 1's at
 norm_q). The ring's backward re-accumulates dQ over blocks of keys in another order: measured
 1.5e-5 on block 1's ``attn1.to_q.bias`` on (1,2,1), 3.2 x stock's error there (Ulysses (2,1,1):
 at most 0.52 x 2 x stock's). Twice stock's error, the design's usual rule, fails that one
-parameter; four times holds with margin and still fails any misplaced token (errors of order 1). Not covered here: the stock ``HunyuanDiTPipeline`` through
-``pipe.enable_usp()`` (its Bert and mT5 tokenizers are not built tiny yet).
+parameter; four times holds with margin and still fails any misplaced token (errors of order 1).
 """
 from __future__ import annotations
 
@@ -50,12 +53,14 @@ from tests.adapter_parity import (
     sharded_output_case,
 )
 from usp_dit import init_usp, single_rank_mesh
-from usp_dit.demo.tiny_hunyuan_dit import hunyuan_dit_inputs, tiny_hunyuan_dit
+from usp_dit.demo.tiny_hunyuan_dit import hunyuan_dit_inputs, tiny_hunyuan_dit, tiny_hunyuan_dit_pipeline
+from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines.families.hunyuan_dit import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5
+TOL_IMAGES = 1e-4
 GRAD_FACTOR = 4  # the module docstring: the ring's backward on QK-normed, ill-conditioned attention gradients
 WORLD = 4
 
@@ -176,11 +181,56 @@ def _cfg_split_case(mesh) -> dict[str, float]:
     return {"out": rel_err(out, ref)}
 
 
+PROMPTS = (["a red fox jumps", "a cat"], ["blurry", "dark and dim"])  # of different lengths: padded, masked
+PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits [uncond, cond] over cfg
+
+
+def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final latents, images) of 2 steps at 80 x 112 (5 x 7 = 35 tokens), batched CFG, seed 0."""
+    last = {}
+
+    def keep_latents(pipe, step, timestep, tensors):
+        last["latents"] = tensors["latents"]
+        return {}
+
+    prompt, negative_prompt = PROMPTS
+    images = pipe(
+        prompt=prompt, negative_prompt=negative_prompt, guidance_scale=5.0, height=80, width=112,
+        num_inference_steps=2, use_resolution_binning=False, generator=torch.Generator().manual_seed(0),
+        output_type="pt", callback_on_step_end=keep_latents,
+    ).images
+    return last["latents"], images
+
+
+def _pipeline_cases() -> dict[str, dict[str, float]]:
+    pipe = tiny_hunyuan_dit_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    ref_latents, ref_images = _generate(pipe)
+    results = {}
+    for u, r, c in PIPELINE_GRIDS:
+        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
+        enabled = is_usp_enabled(pipe.transformer)
+        try:
+            latents, images = _generate(pipe)
+        finally:
+            pipe.disable_usp()
+        results[f"pipeline-u{u}r{r}cfg{c}"] = {
+            "not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer)),
+            "latents": rel_err(latents, ref_latents),
+            "images": rel_err(images, ref_images),
+        }
+    again_latents, again_images = _generate(pipe)
+    same = torch.equal(again_latents, ref_latents) and torch.equal(again_images, ref_images)
+    results["pipeline-after-disable"] = {"not_bit_identical": float(not same)}
+    return results
+
+
 def _run_all() -> dict[str, dict | str]:
     results = {}
     run_grid_cases(results, SHAPES, _output_case, _gradient_case)
     record(results, "rope-rows", lambda: _rope_rows_case(init_usp(2, 2)))
     record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
@@ -207,6 +257,20 @@ def test_rope_rows_of_each_rank_match_one_process(grid_results):
 
 def test_cfg_split_matches_stock(grid_results):
     assert_within(grid_results, "cfg-split", TOL)
+
+
+@pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
+def test_pipeline_matches_one_process(grid_results, key: str):
+    for rank, res in enumerate(grid_results):
+        errors = res.get(key) or res.get("pipeline", "no result")
+        assert not isinstance(errors, str), f"rank {rank}: {errors}"
+        tols = {name: TOL_IMAGES if name == "images" else TOL for name in errors}
+        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
+        assert not worst, f"rank {rank}: above {tols}: {worst}"
+
+
+def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
+    assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: restore exactly, loud failures ----------------------------------------------

@@ -25,7 +25,10 @@ TEXT_LEN, TEXT_LEN_T5 = 5, 7  # (HunyuanDiT: 77, 256)
 LATENT_CHANNELS = 4
 
 
-def tiny_hunyuan_dit(num_heads: int = 4, head_dim: int = 16, num_layers: int = 6, seed: int = 0) -> HunyuanDiT2DModel:
+def tiny_hunyuan_dit(
+    num_heads: int = 4, head_dim: int = 16, num_layers: int = 6, seed: int = 0, text_len: int = TEXT_LEN,
+    text_len_t5: int = TEXT_LEN_T5,
+) -> HunyuanDiT2DModel:
     """A small ``HunyuanDiT2DModel`` (``num_heads * head_dim`` wide, patch 2), float32, eval mode.
 
     6 layers (an even count, as 28 released: the skips pair up): blocks 4 and 5 take the long skips
@@ -38,7 +41,7 @@ def tiny_hunyuan_dit(num_heads: int = 4, head_dim: int = 16, num_layers: int = 6
         num_attention_heads=num_heads, attention_head_dim=head_dim, in_channels=LATENT_CHANNELS, patch_size=2,
         sample_size=8, hidden_size=num_heads * head_dim, num_layers=num_layers, mlp_ratio=2.0,
         cross_attention_dim=TEXT_DIM, cross_attention_dim_t5=TEXT_DIM, pooled_projection_dim=TEXT_DIM,
-        text_len=TEXT_LEN, text_len_t5=TEXT_LEN_T5,
+        text_len=text_len, text_len_t5=text_len_t5,
     )
     _perturb(model, seed + 1)
     return model.eval()
@@ -87,4 +90,37 @@ def hunyuan_dit_inputs(
         text_embedding_mask_t5=_prefix_mask(prompt_lengths_t5, TEXT_LEN_T5),
         image_meta_size=torch.rand(batch, 6, generator=g) * 1024,
         style=torch.zeros(batch, dtype=torch.long), image_rotary_emb=tuple(t.float() for t in rope),
+    )
+
+
+def tiny_hunyuan_dit_pipeline(seed: int = 0):
+    """A ``HunyuanDiTPipeline`` of tiny random models (a Bert and a T5 encoder of width ``TEXT_DIM``
+    with one character tokenizer, an 8x VAE, the transformer), float32 on CPU, no safety checker, a
+    DPM-Solver++ scheduler (the released DDPM one divides by sqrt(alpha_bar) ~ 6e-3 at t = 999 in a
+    2-step test, scaling float32 rounding by ~160).
+
+    The pipeline pads its two prompts to 77 and 256 tokens (fixed there), so the transformer's text
+    lengths are those. 8x VAE and 2 x 2 patches, as the pipeline's RoPE grid assumes: ``height x
+    width`` gives ``(height / 16) * (width / 16)`` image tokens (80 x 112 -> 5 x 7 = 35). Call it
+    with ``use_resolution_binning=False`` (the bins are the real model's sizes).
+    """
+    from diffusers import DPMSolverMultistepScheduler, HunyuanDiTPipeline
+    from transformers import BertConfig, BertModel
+
+    from usp_dit.demo.tiny_chroma import tiny_t5
+    from usp_dit.demo.tiny_flux import tiny_vae
+
+    tokenizer, text_encoder_2 = tiny_t5(256, seed + 10)
+    torch.manual_seed(seed + 11)
+    bert = BertModel(BertConfig(
+        vocab_size=len(tokenizer), hidden_size=TEXT_DIM, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=128, pad_token_id=0,
+    ), add_pooling_layer=False)
+    _perturb(bert, seed + 12, std=0.02)
+    return HunyuanDiTPipeline(
+        vae=tiny_vae(4, seed + 20), text_encoder=bert.eval(), tokenizer=tokenizer,
+        transformer=tiny_hunyuan_dit(seed=seed + 30, text_len=77, text_len_t5=256),
+        scheduler=DPMSolverMultistepScheduler(), safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer,
     )
