@@ -8,7 +8,8 @@
 
 Also: wan (Wan 2.1-14B 81x720x1280), hunyuan_video (720p x 129 frames), qwen_image (1328x1328),
 sd35 (SD3.5 Large 1024x1024), ltx_video (121x512x768), flux2 (Flux.2-dev 1024x1024), krea2 (1024x1024),
-hunyuan_image (HunyuanImage 2.1, 2048x2048), zimage (Z-Image / Z-Image-Turbo 1024x1024): benchmarks/pipeline_cases.py.
+hunyuan_image (HunyuanImage 2.1, 2048x2048), zimage (Z-Image / Z-Image-Turbo 1024x1024), pixart (PixArt-Sigma
+1024x1024), hunyuan_dit (HunyuanDiT v1.2 1024x1024): benchmarks/pipeline_cases.py.
 
 Full-size transformers with random weights (configs of the released checkpoints, written below),
 bf16, batch 1, ``torch.inference_mode``. One model is built per family; the two variants are timed
@@ -168,6 +169,8 @@ CASES: dict[str, Callable] = {
     "sana": _later(pipeline_cases.sana_case),
     "sana_video": _later(pipeline_cases.sana_video_case),
     "hidream": _later(pipeline_cases.hidream_case),
+    "pixart": _later(pipeline_cases.pixart_case),
+    "hunyuan_dit": _later(pipeline_cases.hunyuan_dit_case),
     "longcat_image": _later(pipeline_cases.longcat_image_case), "ovis_image": _later(pipeline_cases.ovis_image_case),
     "consisid": _later(pipeline_cases.consisid_case),
     "auraflow": _later(pipeline_cases.auraflow_case),

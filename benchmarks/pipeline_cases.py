@@ -372,6 +372,58 @@ def sana_video_case(build, device: torch.device, frames: int = 81, height: int =
     )
     tokens = lat[0] * (lat[1] // 2) * (lat[2] // 2)
     return model, inputs, f"{frames}x{height}x{width} ({tokens} tokens + 300 text, 120 valid)"
+# PixArt-Sigma-XL-2-1024-MS (diffusers' defaults are the rest: 28 layers, 16 heads x 72, patch 2).
+PIXART_SIGMA = dict(caption_channels=4096, interpolation_scale=2, use_additional_conditions=False)
+
+
+def pixart_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """PixArt-Sigma 1024: latents (1, 4, h/8, w/8), patch 2; 300 T5 tokens, 120 valid (masked
+    cross-attention, local to each rank's tokens under usp_dit). ``config``: overrides (a tiny
+    check on CPU)."""
+    from diffusers import PixArtTransformer2DModel
+
+    model = build(PixArtTransformer2DModel, {**PIXART_SIGMA, **(config or {})}, device)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, model.config.in_channels, height // 8, width // 8, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 300, model.config.caption_channels, generator=g, **_bf(device)),
+        encoder_attention_mask=_prompt_mask(device, 300, 120).long(),
+        timestep=torch.full((1,), 500, device=device, dtype=torch.long),
+        added_cond_kwargs={"resolution": None, "aspect_ratio": None}, return_dict=False,
+    )
+    tokens = (height // 16) * (width // 16)
+    return model, inputs, f"{height}x{width} ({tokens} tokens + 300 text, 120 valid)"
+
+
+# HunyuanDiT-v1.2 (diffusers' defaults are v1.0 - v1.1's: 40 layers, 16 heads x 88 there).
+HUNYUAN_DIT = dict(num_attention_heads=16, attention_head_dim=88, in_channels=4, patch_size=2, hidden_size=1408,
+                   num_layers=40, mlp_ratio=4.3637, sample_size=128, use_style_cond_and_image_meta_size=False)
+
+
+def hunyuan_dit_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """HunyuanDiT v1.2 1024: latents (1, 4, h/8, w/8), patch 2; 77 Bert + 256 mT5 tokens (30 / 60
+    valid: padding replaced by learned rows), the 2D RoPE table as the pipeline makes it.
+    ``config``: overrides (a tiny check on CPU)."""
+    from diffusers import HunyuanDiT2DModel
+    from diffusers.models.embeddings import get_2d_rotary_pos_embed
+
+    model = build(HunyuanDiT2DModel, {**HUNYUAN_DIT, **(config or {})}, device)
+    cfg = model.config
+    rows, cols = height // 16, width // 16
+    rope = get_2d_rotary_pos_embed(cfg.attention_head_dim, ((0, 0), (rows, cols)), (rows, cols), device=device)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, cfg.in_channels, height // 8, width // 8, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 500.0, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, cfg.text_len, cfg.cross_attention_dim, generator=g, **_bf(device)),
+        text_embedding_mask=_prompt_mask(device, cfg.text_len, 30).long(),
+        encoder_hidden_states_t5=torch.randn(1, cfg.text_len_t5, cfg.cross_attention_dim_t5, generator=g,
+                                             **_bf(device)),
+        text_embedding_mask_t5=_prompt_mask(device, cfg.text_len_t5, 60).long(),
+        image_meta_size=None, style=None, image_rotary_emb=tuple(t.to(torch.bfloat16) for t in rope),
+        return_dict=False,
+    )
+    return model, inputs, f"{height}x{width} ({rows * cols} tokens + {cfg.text_len}/{cfg.text_len_t5} text)"
 
 
 def _image_ids(height: int, width: int, modality: float, start: int, device: torch.device) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """torchrun: generate an image with Flux, Flux.2, Qwen-Image, SD3, Chroma, CogView4, Lumina2, Krea 2, HunyuanImage, Z-Image,
-Sana or HiDream on a Ulysses x Ring (x CFG) grid,
+Sana, HiDream or PixArt-Sigma on a Ulysses x Ring (x CFG) grid,
 checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_image.py --ulysses 2 --ring 2
@@ -20,7 +20,7 @@ checked against one rank.
 
 ``--family`` picks the model family (default ``flux``). With no ``--model`` it builds a tiny
 randomly initialised pipeline of that family in code (``usp_dit.demo.tiny_flux``, ``tiny_flux2``,
-``tiny_qwen_image``, ``tiny_sd3``, ``tiny_chroma``, ``tiny_cogview4``, ``tiny_lumina2``, ``tiny_zimage``, ``tiny_sana``, ``tiny_auraflow``: tiny
+``tiny_qwen_image``, ``tiny_sd3``, ``tiny_chroma``, ``tiny_cogview4``, ``tiny_lumina2``, ``tiny_zimage``, ``tiny_sana``, ``tiny_auraflow``, ``tiny_pixart``: tiny
 transformer, VAE, scheduler and text encoders (CLIP, T5, Qwen2.5-VL, Mistral-3, GLM, Gemma 2, Qwen3) with character
 tokenizers; nothing is downloaded) and
 runs it in float32 on CPU with gloo. The tiny SD3 is an SD3.5 Medium-like transformer (QK norm,
@@ -65,6 +65,7 @@ tokenizer as ``text_encoder_4`` / ``tokenizer_4``, which HiDream's own repositor
     longcat_image 384 x 640 -> 3 x 5 = 15           1024 x 1024     the two calls of a step (true CFG)
     ovis_image  60 x 100 -> 15 x 25 = 375           1024 x 1024     the two calls of a step (true CFG)
     bria        60 x 100 -> 15 x 25 = 375           1024 x 1024     [uncond, cond] (batched CFG)
+    pixart      40 x 56 -> 5 x 7 = 35               1024 x 1024     [uncond, cond] (batched CFG)
 
 (LongCat-Image's tiny VAE has 7 levels, 128 pixels per token: its edit pipeline works at about
 1024 x 1024 pixels; the tiny example runs the text-to-image pipeline without its prompt rewrite.)
@@ -171,6 +172,9 @@ FAMILIES = {
     "auraflow": ImageFamily("AuraFlowPipeline", "AuraFlow", (20, 28), 4, "guidance_scale", batched_cfg=True,
                             negative_prompt=True, tiny_max_side=64),
     "bria": ImageFamily("BriaPipeline", "Bria", (60, 100), 4, "guidance_scale", batched_cfg=True, negative_prompt=True),
+    # PixArt-Sigma; the tiny VAE is 4x (the pipelines take sides in multiples of 8), patch 2.
+    "pixart": ImageFamily("PixArtSigmaPipeline", "PixArt-Sigma", (40, 56), 8, "guidance_scale", batched_cfg=True,
+                          negative_prompt=True),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -299,6 +303,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
                   "sana": dict(max_text_len=TINY_TEXT_LEN), "hidream": dict(max_text_len=TINY_TEXT_LEN),
                   "auraflow": dict(max_text_len=TINY_TEXT_LEN),
                   "bria": dict(max_text_len=TINY_TEXT_LEN),
+                  "pixart": dict(max_text_len=TINY_TEXT_LEN),
                   }.get(args.family, {})
         return build(**kwargs).to(device)
     import diffusers
@@ -313,7 +318,7 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     family = FAMILIES[args.family]
     kwargs = {}
     if args.model is None and args.family in ("flux", "sd3", "chroma", "cogview4", "krea2", "sana", "hidream",
-                                                   "auraflow", "bria"):
+                                                   "auraflow", "bria", "pixart"):
         kwargs["max_sequence_length"] = TINY_TEXT_LEN
     elif args.model is None and args.family == "lumina2":
         # Lumina2Pipeline's default system prompt (~150 characters) would fill the tiny tokenizer.
@@ -324,7 +329,10 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         kwargs["enable_prompt_rewrite"] = False  # the tiny processor has no chat template to rewrite with
     elif args.model is None and args.family == "ovis_image":
         kwargs["max_sequence_length"] = 256  # the pipeline's most: its system prompt is ~150 characters
-    if args.model is None and args.family == "sana":
+    if args.model is None and args.family == "pixart":
+        # clean_caption needs bs4 / ftfy; the size bins are the real model's.
+        kwargs.update(clean_caption=False, use_resolution_binning=False)
+    elif args.model is None and args.family == "sana":
         # Sana's default chat instruction is ~1000 characters (tokens here); its size bins are the real model's.
         kwargs.update(complex_human_instruction=None, use_resolution_binning=False)
     elif args.model is None and args.family == "flux2":

@@ -280,9 +280,9 @@ def _fbc_pipeline_case() -> dict[str, float]:
     """Diffusers' First Block Cache on a grid under torch.compile (not fullgraph: the cache's
     hooks decide on values, a graph break in stock Diffusers too): the tiny Flux pipeline, 6 steps,
     (2, 2), its latents equal the one-process cached run's, and the cache moved them."""
-    import usp_dit.pipelines  # noqa: F401  (pipelines gain enable_usp)
     from diffusers.hooks import FirstBlockCacheConfig
 
+    import usp_dit.pipelines  # noqa: F401  (pipelines gain enable_usp)
     from usp_dit.demo.tiny_flux import tiny_flux_pipeline
 
     def latents(pipe):
@@ -438,6 +438,8 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("sana_video", (2, 2, 1), 0),  # the same with RoPE, per-frame rows and a temporal conv's halo frames
     ("consisid", (2, 2, 1), 0),  # CogVideoX's plan + perceiver cross-attention of the shard to identity tokens
     ("auraflow", (1, 4, 1), 1),  # SD3's routed F namespace, text first; [text; shard] in the single-stream blocks
+    ("hunyuan_dit", (1, 4, 1), 0),  # HunyuanAttnProcessor2_0's routed F.sdpa; the RoPE argument cut at each block
+    ("pixart", (2, 2, 1), 1),  # AttnProcessor2_0's routed F.sdpa; masked cross-attention on the shard; Alpha's size conditions
 ]
 
 

@@ -440,6 +440,8 @@ NEGATIVE = "blurry, low quality"  # the image example's default negative prompt 
     (["--family", "ovis_image", "--cfg", "2"], (60, 100, None, NEGATIVE, "ovis_image_usp.png", (1, 1, 2), 1)),
     # Bria batches CFG, as SD3: the cfg axis splits [uncond, cond] of a single image.
     (["--family", "bria", "--cfg", "2"], (60, 100, None, NEGATIVE, "bria_usp.png", (1, 1, 2), 1)),
+    # PixArt-Sigma batches CFG: the cfg axis splits [uncond, cond] of a single image.
+    (["--family", "pixart", "--cfg", "2"], (40, 56, None, NEGATIVE, "pixart_usp.png", (1, 1, 2), 1)),
 ])
 def test_image_example_fills_each_familys_defaults(argv, expected, two_ranks):
     a = _example("generate_image").parse_args(argv)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline, PixArtTransformer2DModel
+from diffusers import DiffusionPipeline, DiTTransformer2DModel
 
 import usp_dit
 from usp_dit import USPConfig, USPMesh, disable_usp, enable_usp
@@ -66,17 +66,16 @@ def test_pipeline_methods_on_every_diffusion_pipeline():
 
 
 def test_unsupported_model_names_class_and_supported_ones():
-    """A Diffusers DiT usp_dit has no plan for (PixArt-Sigma) is refused, naming its class, the
-    reason (docs/COVERAGE.md) and the supported families."""
-    pixart = PixArtTransformer2DModel(
+    """A Diffusers DiT usp_dit has no plan for (the class-conditional DiT) is refused, naming its
+    class, the reason (docs/COVERAGE.md) and the supported families."""
+    dit = DiTTransformer2DModel(
         num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=1, sample_size=8,
-        cross_attention_dim=16, caption_channels=16, norm_type="ada_norm_single",
     )
-    with pytest.raises(NotImplementedError, match=r"PixArtTransformer2DModel.*no adapter yet.*Flux"):
-        enable_usp(pixart)
+    with pytest.raises(NotImplementedError, match=r"DiTTransformer2DModel.*no adapter yet.*Flux"):
+        enable_usp(dit)
     with pytest.raises(NotImplementedError, match="Linear"):
         enable_usp(torch.nn.Linear(2, 2))
-    assert not is_usp_enabled(pixart)
+    assert not is_usp_enabled(dit)
 
 
 @pytest.mark.parametrize(

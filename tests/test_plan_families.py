@@ -43,12 +43,14 @@ from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
 from usp_dit.demo.tiny_consisid import tiny_consisid
 from usp_dit.demo.tiny_flux3 import tiny_flux3
 from usp_dit.demo.tiny_helios import tiny_helios
+from usp_dit.demo.tiny_hunyuan_dit import tiny_hunyuan_dit
 from usp_dit.demo.tiny_hunyuan_image import tiny_hunyuan_image
 from usp_dit.demo.tiny_krea2 import tiny_krea2
 from usp_dit.demo.tiny_longcat_image import tiny_longcat_image
 from usp_dit.demo.tiny_lumina2 import tiny_lumina2
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
 from usp_dit.demo.tiny_ovis_image import tiny_ovis_image
+from usp_dit.demo.tiny_pixart import tiny_pixart
 from usp_dit.demo.tiny_qwen_image21 import tiny_qwen_image21
 from usp_dit.demo.tiny_sana_video import tiny_sana_video
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
@@ -95,6 +97,8 @@ BUILDERS = {
     "SanaVideo": tiny_sana_video,  # linear attention with RoPE, the Mix-FFN's spatial and temporal conv hooks
     "ConsisID": tiny_consisid,  # the perceiver cross-attention (not an Attention: no processor) stays
     "AuraFlow": tiny_auraflow,  # joint and single-stream blocks, one processor class
+    "PixArt": lambda: tiny_pixart("alpha"),  # routed AttnProcessor2_0 (self), local masked cross-attention
+    "HunyuanDiT": tiny_hunyuan_dit,  # the RoPE table cut at every block, local cross-attention, long skips
 }
 
 

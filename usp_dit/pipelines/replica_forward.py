@@ -150,7 +150,7 @@ def _take_rows(value: Any, batch: int, lo: int, hi: int, name: str, strict: bool
     """Rows [lo, hi) on ``dim`` of a batched tensor (or, for a declared argument, of each tensor of a
     list/tuple: a stack of tensors on a leading axis, so each item's batch is on ``dim - 1`` when
     ``dim`` > 0; or of each tensor value of a dict: keyword arguments such as FIBO's
-    ``joint_attention_kwargs`` mask); broadcastable ones stay."""
+    ``joint_attention_kwargs`` mask, PixArt-Alpha's ``added_cond_kwargs``); broadcastable ones stay."""
     if isinstance(value, dict) and strict:  # only a declared argument: its values split as its own
         return {k: _take_rows(v, batch, lo, hi, f"{name}[{k!r}]", strict, dim) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
