@@ -52,6 +52,7 @@ FAMILIES = {
     "hunyuan_video15": 0, "kandinsky5": 0, "krea2": 0, "longcat_image": 0, "ltx2": 0, "lumina2": 0,
     "minimax_h3": 0, "ovis_image": 0, "qwen_image21": 0, "sana": 0, "wan_animate": 0, "wan_vace": 0, "zimage": 0,
     "sana_video": 0, "consisid": 0, "auraflow": 0, "bria": 1, "bria/fibo": 2,  # family/variant: one test file
+    "pixart": 1, "hunyuan_dit": 0,
 }
 
 
