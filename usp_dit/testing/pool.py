@@ -159,8 +159,12 @@ class WarmPool:
             deadline = time.monotonic() + timeout_s
             results, still_alive = [], True
             for rank, conn in enumerate(self.conns):
-                if not conn.poll(max(0.0, deadline - time.monotonic())):
-                    raise PoolBroken(f"rank {rank} did not finish within {timeout_s:.0f} s")
+                while not conn.poll(1.0):  # a rank that died (a crash) breaks the pool now, not at the deadline
+                    dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                    if dead:
+                        raise PoolBroken(f"rank(s) {dead} died during the job")
+                    if time.monotonic() > deadline:
+                        raise PoolBroken(f"rank {rank} did not finish within {timeout_s:.0f} s")
                 result, alive = conn.recv()
                 results.append(result)
                 still_alive = still_alive and alive
