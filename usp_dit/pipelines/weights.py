@@ -81,7 +81,6 @@ class _RunOrder:
         self.transformer, self.blocks, self.seen = transformer, blocks, []
         self.handles = [b.register_forward_pre_hook(self._ran) for b in blocks]
         self.handles.append(transformer.register_forward_hook(self._call_ended))
-        self.settled = False
 
     def _ran(self, block: torch.nn.Module, args) -> None:
         self.seen.append(block)
@@ -94,7 +93,6 @@ class _RunOrder:
             current.set_modules_to_forward_prefetch([following])
         order[-1].set_modules_to_forward_prefetch([])
         self.remove()
-        self.settled = True
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -185,11 +183,15 @@ def _is_container(module: torch.nn.Module) -> bool:
     return type(module).forward is torch.nn.Module.forward
 
 
+def _has_parameters(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
 def _runnable(module: torch.nn.Module) -> list[torch.nn.Module]:
     """``module`` itself, or for a container its members with parameters (containers unrolled)."""
     if not _is_container(module):
         return [module]
-    return [unit for child in module.children() if any(True for _ in child.parameters()) for unit in _runnable(child)]
+    return [unit for child in module.children() if _has_parameters(child) for unit in _runnable(child)]
 
 
 def outer_modules(transformer: torch.nn.Module, block_lists: Iterable[str]) -> list[torch.nn.Module]:
@@ -197,7 +199,7 @@ def outer_modules(transformer: torch.nn.Module, block_lists: Iterable[str]) -> l
     norm and projection; a container's members): units of their own, gathered only while they run."""
     lists = set(block_lists)
     return [unit for name, child in transformer.named_children()
-            if name not in lists and any(True for _ in child.parameters()) for unit in _runnable(child)]
+            if name not in lists and _has_parameters(child) for unit in _runnable(child)]
 
 
 def shard_weights(transformer: torch.nn.Module, mesh: USPMesh, block_lists: Iterable[str]) -> ShardedWeights | None:

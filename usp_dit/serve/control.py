@@ -33,7 +33,7 @@ Note [replicas]
     ``--replicas K`` splits the world into K model replicas of N / K ranks (the USP mesh's
     data-parallel axis), each running its own batches on its own grid; the queue stays on rank 0.
     Rank 0 leads replica 0 from its main thread, as with one replica; for each other replica r a
-    thread of rank 0 (``usp_dit.serve.server.RemoteReplica``) takes batches from the same queue and
+    thread of rank 0 (``usp_dit.serve.replicas.RemoteReplica``) takes batches from the same queue and
     talks to replica r's first rank over a two-rank ``Link``:
 
         rank 0 (thread r)                     replica r's first rank      its other ranks

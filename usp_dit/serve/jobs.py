@@ -41,7 +41,7 @@ class Job:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: float = field(default_factory=time.time)
     started: float | None = None
-    picked: float = 0.0  # time.monotonic() when the serving loop took it (the hang deadline's start)
+    picked: float = 0.0  # time.monotonic() when the serving loop took it (the batch time is counted from it)
     future: Future = field(default_factory=Future)
     status: str = "queued"
     progress: float = 0.0  # in [0, 1]: denoising steps done / steps

@@ -202,12 +202,10 @@ class Leader:
     def hang_check(self) -> str | None:
         now = time.monotonic()
         for replica, progress in enumerate(self.progress):
-            batch = progress.batch
-            if batch is None:
+            if progress.batch is None:
                 continue
-            # From the later of the last step end and when this batch was taken: an idle spell
-            # before the batch is no hang.
-            idle_for = now - max(progress.since, batch[0].picked)
+            # ``since`` is the batch's start or its last step end: an idle spell before it is no hang.
+            idle_for = now - progress.since
             if idle_for > self.args.hang_timeout:
                 where = f" on replica {replica}" if self.control.replicas > 1 else ""
                 return f"no denoising step{where} for {idle_for:.0f} s (--hang-timeout {self.args.hang_timeout:g})"

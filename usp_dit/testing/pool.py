@@ -160,9 +160,8 @@ class WarmPool:
             results, still_alive = [], True
             for rank, conn in enumerate(self.conns):
                 while not conn.poll(1.0):  # a rank that died (a crash) breaks the pool now, not at the deadline
-                    dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-                    if dead:
-                        raise PoolBroken(f"rank(s) {dead} died during the job")
+                    if not self.alive():
+                        raise PoolBroken(f"rank(s) {[r for r, p in enumerate(self.procs) if not p.is_alive()]} died")
                     if time.monotonic() > deadline:
                         raise PoolBroken(f"rank {rank} did not finish within {timeout_s:.0f} s")
                 result, alive = conn.recv()
