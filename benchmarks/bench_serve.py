@@ -11,7 +11,10 @@ Measures, for the same request (prompt, size, steps, seed):
      on 127.0.0.1); median of ``--requests`` each, one at a time; the ratio is the overhead;
   2. throughput with batching (``--max-batch``): images per second with 1, 2 and 4 clients, each
      sending its requests back to back (every request a different seed, so each is real work);
-  3. memory: the server process's resident set after 10 requests and after 200 (a leak shows as growth).
+  3. memory: the server process's resident set after 10 requests and after 200 (a leak shows as growth);
+     on a GPU, rank 0's CUDA memory (``usp_dit_gpu_memory_bytes``) idle after a good request and after
+     a request that fails inside the pipeline (the test-only fault of ``usp_dit.serve.worker``,
+     raised at the end of its first step): a failed request must leave nothing held.
 
 Direct calls and served requests alternate, one at a time (the other side idle), so that a loaded
 machine slows both alike; on a GPU both share the card, the pipeline loaded twice. Prints a Markdown
@@ -54,6 +57,34 @@ def _batch_seconds(port: int) -> tuple[float, float]:
         lines = resp.read().decode().splitlines()
     value = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in lines if ln.startswith("usp_dit_batch_seconds_")}
     return value["usp_dit_batch_seconds_sum"], value["usp_dit_batch_seconds_count"]
+
+
+def _gpu_mib(port: int) -> dict[str, float]:
+    """Rank 0's CUDA memory as the server reports it (``usp_dit_gpu_memory_bytes``), MiB; {} on CPU."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    out = {}
+    for line in lines:
+        if line.startswith("usp_dit_gpu_memory_bytes{"):
+            kind = line.split('kind="')[1].split('"')[0]
+            out[kind] = float(line.rsplit(" ", 1)[1]) / 2**20
+    return out
+
+
+def _failed_request_memory(url: str, port: int, body: dict) -> tuple[dict, dict, int]:
+    """(memory idle after a good request, memory after a failed one, the failed request's HTTP status)."""
+    from urllib.error import HTTPError
+
+    from usp_dit.serve.worker import FAULT_SENTINEL
+
+    _post(url, {**body, "seed": 7})
+    idle = _gpu_mib(port)
+    try:
+        _post(url, {**body, "prompt": f"{PROMPT} {FAULT_SENTINEL}", "seed": 8})
+        status = 200
+    except HTTPError as err:
+        status = err.code
+    return idle, _gpu_mib(port), status
 
 
 def _rss_mib(pid: int) -> float:
@@ -118,7 +149,10 @@ def direct_caller(args):
 
 
 def start_server(args, port: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    from usp_dit.serve.worker import FAULT_ENV
+
+    # Rank 0 raises in a request whose prompt holds the fault sentinel (and in no other).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), FAULT_ENV: "0"}
     cmd = [sys.executable, "-m", "usp_dit.serve", "--family", args.family, "--port", str(port),
            "--max-batch", str(args.max_batch), "--queue-size", "256", "--warmup", args.size,
            "--max-side", "2048", "--steps", str(args.steps)] + (["--model", args.model] if args.model else [])
@@ -184,6 +218,7 @@ def main() -> None:
                 list(pool.map(lambda c: [_post(url, {**body, "seed": 1000 * c + i}) for i in range(per_client)],
                               range(clients)))
             throughput[clients] = per_client * clients / (time.perf_counter() - start)
+        idle_mem, failed_mem, failed_status = _failed_request_memory(url, port, body)
         small = {**body, "size": "64x64", "steps": 1}
         for i in range(10):
             _post(url, {**small, "seed": i})
@@ -209,6 +244,10 @@ def main() -> None:
     for clients, rate in throughput.items():
         print(f"| throughput, {clients} client(s), --max-batch {args.max_batch} | {rate:.2f} images/s |")
     print(f"| server RSS after 10 / {args.memory_requests} requests (64x64, 1 step) | {rss_10:.0f} MiB / {rss_200:.0f} MiB |")
+    print(f"| a request failing inside the pipeline (its first step) | HTTP {failed_status} |")
+    for kind in sorted(idle_mem):
+        print(f"| rank 0 GPU memory {kind}, idle after a good request / after the failed one | "
+              f"{idle_mem[kind]:.0f} MiB / {failed_mem[kind]:.0f} MiB |")
 
 
 if __name__ == "__main__":

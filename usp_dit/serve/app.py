@@ -156,6 +156,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def prometheus():
         metrics.queue_depth.set(sched.depth())
         metrics.running.set(len(sched.running))
+        metrics.read_gpu_memory()
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app

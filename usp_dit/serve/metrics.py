@@ -29,6 +29,17 @@ class Metrics:
         self.failures = Counter("usp_dit_failures", "Failures: pipeline (a batch raised), rank (fatal), "
                                 "rejected (bad input), full (429)", ["reason"], registry=r)
         self.ready = Gauge("usp_dit_ready", "1 once warmed up and serving", registry=r)
+        # Read at each scrape, rank 0's GPU only (a failed request must leave nothing held: issue 31).
+        self.gpu_memory = Gauge("usp_dit_gpu_memory_bytes", "Rank 0's CUDA memory now: allocated by tensors, "
+                                "reserved by the caching allocator", ["kind"], registry=r)
+
+    def read_gpu_memory(self) -> None:
+        """Set ``usp_dit_gpu_memory_bytes`` from rank 0's current CUDA device (nothing without CUDA)."""
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.gpu_memory.labels("allocated").set(torch.cuda.memory_allocated())
+            self.gpu_memory.labels("reserved").set(torch.cuda.memory_reserved())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
