@@ -412,6 +412,74 @@ def test_a_fault_on_one_rank_fails_that_request_only(ready, reference):
     assert _get(ready.url + "/health")[0] == 200
 
 
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory) -> Path:
+    """A LoRA of the tiny Wan transformer (every projection of attention, random A and B: it
+    changes the image), saved as Diffusers saves one."""
+    import torch
+    from diffusers import WanPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from usp_dit.demo.tiny_wan import tiny_wan_pipeline
+    from usp_dit.serve.families import TINY_TEXT_LEN
+
+    pipe = tiny_wan_pipeline(max_text_len=TINY_TEXT_LEN)
+    torch.manual_seed(3)
+    pipe.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                                            init_lora_weights=False))
+    folder = tmp_path_factory.mktemp("lora")
+    WanPipeline.save_lora_weights(folder, transformer_lora_layers=get_peft_model_state_dict(pipe.transformer))
+    return folder
+
+
+def _lora_reference(folder: Path, prompt: str, seed: int, scale: float) -> np.ndarray:
+    """The stock WanPipeline with the LoRA loaded at ``scale``, one process."""
+    import torch
+
+    from usp_dit.demo.tiny_wan import tiny_wan_pipeline
+    from usp_dit.serve.families import TINY_TEXT_LEN
+
+    pipe = tiny_wan_pipeline(max_text_len=TINY_TEXT_LEN)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(folder), adapter_name="style")
+    pipe.set_adapters(["style"], [scale])
+    out = pipe(prompt=prompt, height=SIZE[1], width=SIZE[0], num_frames=1, num_inference_steps=2, guidance_scale=3.0,
+               generator=torch.Generator().manual_seed(seed), max_sequence_length=TINY_TEXT_LEN, output_type="np")
+    return out.frames[0, 0]
+
+
+def test_a_lora_registered_by_name_applies_to_its_requests_alone(ready, reference, lora_dir):
+    url, images = ready.url + "/v1/loras", ready.url + "/v1/images/generations"
+    assert _post(url, {"name": "style", "path": str(lora_dir)}) == (
+        200, {"object": "lora", "name": "style", "path": str(lora_dir)})
+    for bad, param in (({"name": "style", "path": str(lora_dir)}, "name"),  # registered already
+                       ({"name": "x", "path": str(lora_dir / "missing.safetensors")}, "path"),
+                       ({"name": "not an identifier", "path": str(lora_dir)}, "name")):
+        status, body = _post(url, bad)
+        assert status == 400 and body["error"]["param"] == param, body
+    status, body = _post(images, _image_body("a cat", 5, lora={"other": 1.0}))
+    assert status == 400 and "no adapter named 'other'" in body["error"]["message"]
+    # Sent together: three different adapter settings, three batches; each as its own request alone.
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(_post, images, _image_body("a cat", 5, **extra))
+                   for extra in ({"lora": {"style": 0.8}}, {}, {"lora": {"style": 0.3}})]
+        (s1, full), (s2, plain), (s3, light) = (f.result() for f in futures)
+    assert (s1, s2, s3) == (200, 200, 200)
+    assert _rel(_npy(full["data"][0]), _lora_reference(lora_dir, "a cat", 5, 0.8)) <= 1e-4
+    assert _rel(_npy(light["data"][0]), _lora_reference(lora_dir, "a cat", 5, 0.3)) <= 1e-4
+    assert _rel(_npy(plain["data"][0]), reference("a cat", 5)) <= 1e-4
+    assert _rel(_npy(full["data"][0]), _npy(plain["data"][0])) > 1e-3  # the adapter does change the image
+    status, body, _ = _request("DELETE", url + "/style")
+    assert status == 200 and json.loads(body)["deleted"]
+    assert json.loads(_get(url)[1])["data"] == []
+    assert _request("DELETE", url + "/style")[0] == 404
+    status, body = _post(images, _image_body("a cat", 5, lora={"style": 0.8}))
+    assert status == 400
+    status, body = _post(images, _image_body("a cat", 5))  # every rank unloaded it before this batch
+    assert status == 200 and _rel(_npy(body["data"][0]), reference("a cat", 5)) <= 1e-4
+
+
 def test_video_job_polled_and_downloaded(ready, reference):
     import imageio.v3 as iio
 

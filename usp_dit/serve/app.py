@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from usp_dit.serve.encode import npy_b64, png_b64
 from usp_dit.serve.jobs import Job, Scheduler, ServeError
+from usp_dit.serve.loras import Registry
 from usp_dit.serve.metrics import Metrics
 from usp_dit.serve.protocol import BadRequest, Limits, check_image_request, check_video_request
 
@@ -35,6 +36,7 @@ class ServerState:
     health: str = "starting"  # starting (warm-up), ready, draining, failed
     video_error: str | None = None  # why /v1/videos is off (an image family, no MP4 writer)
     mean_batch_s: float = 1.0  # for Retry-After
+    loras: Registry = field(default_factory=Registry)  # Note [served LoRA]
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -83,7 +85,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def images(request: Request):
         arrived = time.perf_counter()
         try:
-            params = check_image_request(await _json(request), limits)
+            params = check_image_request(await _json(request), limits, state.loras.resolve)
             job = Job("image", params)
             submit(job)
             output = await asyncio.wrap_future(job.future)
@@ -106,7 +108,7 @@ def build_app(state: ServerState) -> FastAPI:
         try:
             if state.video_error is not None:
                 raise BadRequest(state.video_error, param="model")
-            job = Job("video", check_video_request(await _json(request), limits))
+            job = Job("video", check_video_request(await _json(request), limits, state.loras.resolve))
             submit(job)
         except BadRequest as err:
             metrics.failures.labels("rejected").inc()
@@ -139,6 +141,30 @@ def build_app(state: ServerState) -> FastAPI:
     async def delete_video(video_id: str):
         try:
             return _video_object(sched.cancel_video(video_id), limits)
+        except ServeError as err:
+            return _serve_error(err)
+
+    @app.post("/v1/loras")
+    async def add_lora(request: Request):
+        """Register an adapter: {"name", "path"}; every rank loads it before its next batch."""
+        try:
+            body = await _json(request)
+            if not isinstance(body, dict) or set(body) - {"name", "path"}:
+                raise BadRequest("the body must be {\"name\": ..., \"path\": ...}", param="body")
+            return await run_in_threadpool(state.loras.add, body.get("name"), body.get("path"))
+        except BadRequest as err:
+            return _error(400, str(err), "invalid_request_error", err.param)
+        except ServeError as err:
+            return _serve_error(err)
+
+    @app.get("/v1/loras")
+    async def list_loras():
+        return state.loras.listing()
+
+    @app.delete("/v1/loras/{name}")
+    async def remove_lora(name: str):
+        try:
+            return state.loras.remove(name)
         except ServeError as err:
             return _serve_error(err)
 

@@ -77,6 +77,7 @@ class CallShape:
     steps: int
     guidance: float | None  # None: the pipeline's default
     negative_prompt: str | None
+    lora: tuple[tuple[str, float], ...] = ()  # (adapter name, scale), sorted (Note [served LoRA])
 
 
 def run_batch(pipe, family: str, tiny: bool, shape: CallShape, prompts: list[str], seeds: list[int],

@@ -6,12 +6,14 @@ Layout: no tensors. Bodies are JSON; a checked request becomes a ``Params`` (pla
 Image requests follow OpenAI's ``POST /v1/images/generations`` (prompt, n, size "WIDTHxHEIGHT",
 response_format ``b64_json``); the fields OpenAI defines that a diffusion pipeline has no use for
 (quality, style, user, ...) are accepted and ignored. Extensions: seed, steps, guidance,
-negative_prompt, and output_format "npy" (the float32 array itself, for exact comparisons). Any
+negative_prompt, lora (adapter name -> scale, Note [served LoRA]), and output_format "npy" (the
+float32 array itself, for exact comparisons). Any
 other field is refused (a misspelt "stpes" must not silently use the default).
 """
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,6 +42,7 @@ class _Body(BaseModel):
     steps: int | None = None
     guidance: float | None = None
     negative_prompt: str | None = None
+    lora: dict[str, float] | None = None  # adapter name -> scale (Note [served LoRA])
     user: str | None = None
 
     @field_validator("prompt")
@@ -157,17 +160,27 @@ def _seed(body: _Body) -> int:
     return body.seed if body.seed is not None else random.randrange(2**31)
 
 
-def check_image_request(body: object, limits: Limits) -> Params:
-    """A ``POST /v1/images/generations`` body -> ``Params``; ``BadRequest`` (400) otherwise."""
+Resolve = Callable[[dict[str, float] | None], tuple[tuple[str, float], ...]]
+
+
+def _no_lora(lora: dict[str, float] | None) -> tuple[tuple[str, float], ...]:
+    if lora:
+        raise BadRequest("lora: this server has no LoRA registry", param="lora")
+    return ()
+
+
+def check_image_request(body: object, limits: Limits, resolve_lora: Resolve = _no_lora) -> Params:
+    """A ``POST /v1/images/generations`` body -> ``Params``; ``BadRequest`` (400) otherwise.
+    ``resolve_lora`` checks the ``lora`` field against the server's adapters (``loras.Registry``)."""
     req = _validated(ImageBody, body)
     width, height, steps, prompt = _common(req, limits)
     if not 1 <= req.n <= limits.max_batch:
         raise BadRequest(f"n {req.n} must be between 1 and {limits.max_batch} (--max-batch)", param="n")
-    shape = CallShape(width, height, 1, steps, req.guidance, req.negative_prompt)
+    shape = CallShape(width, height, 1, steps, req.guidance, req.negative_prompt, resolve_lora(req.lora))
     return Params(shape, prompt, _seed(req), req.n, req.output_format)
 
 
-def check_video_request(body: object, limits: Limits) -> Params:
+def check_video_request(body: object, limits: Limits, resolve_lora: Resolve = _no_lora) -> Params:
     """A ``POST /v1/videos`` body -> ``Params``; ``BadRequest`` (400) otherwise (and for an image family)."""
     spec = FAMILIES[limits.family]
     if not spec.videos:
@@ -186,5 +199,5 @@ def check_video_request(body: object, limits: Limits) -> Params:
     if frames < 1 or (frames - 1) % step or frames > limits.max_frames:
         raise BadRequest(f"num_frames {frames} must be {step}k + 1 (the VAE's temporal compression) and at most "
                          f"{limits.max_frames}", param="num_frames")
-    shape = CallShape(width, height, frames, steps, req.guidance, req.negative_prompt)
+    shape = CallShape(width, height, frames, steps, req.guidance, req.negative_prompt, resolve_lora(req.lora))
     return Params(shape, prompt, _seed(req), 1, "mp4", req.fps)

@@ -146,9 +146,12 @@ class Leader:
     def __init__(self, pipe, args: argparse.Namespace, control: Control):
         from usp_dit.serve.app import ServerState
         from usp_dit.serve.encode import video_supported
+        from usp_dit.serve.loras import Registry
 
         self.pipe, self.args, self.control = pipe, args, control
-        self.state = ServerState(limits_of(args), Scheduler(args.queue_size, args.max_batch))
+        refused = ("LoRA adapters need unsharded weights (FSDP2 units cannot take new layers): serve without "
+                   "--shard-weights") if args.shard_weights else None
+        self.state = ServerState(limits_of(args), Scheduler(args.queue_size, args.max_batch), loras=Registry(refused))
         self.sched, self.metrics = self.state.scheduler, self.state.metrics
         if not FAMILIES[args.family].videos:
             self.state.video_error = f"this server's model ({args.family}) generates images, not videos"
@@ -250,7 +253,7 @@ class Leader:
         """Image i of a request runs with seed + i (each keeps its own noise in a batch)."""
         prompts = tuple(j.params.prompt for j in batch for _ in range(j.images))
         seeds = tuple(j.params.seed + i for j in batch for i in range(j.images))
-        return BatchSpec(batch[0].params.shape, prompts, seeds)
+        return BatchSpec(batch[0].params.shape, prompts, seeds, self.state.loras.snapshot())
 
     def started(self, replica: int, batch: list[Job]) -> None:
         self.progress[replica] = Progress(batch, time.monotonic())

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from usp_dit.serve import loras
 from usp_dit.serve.control import Control
 from usp_dit.serve.families import CallShape, run_batch
 
@@ -36,6 +37,7 @@ class BatchSpec:
     shape: CallShape
     prompts: tuple[str, ...]
     seeds: tuple[int, ...]
+    adapters: tuple[tuple[str, str], ...] = ()  # the LoRA registry at dispatch: (name, path) (Note [served LoRA])
 
 
 @dataclass
@@ -122,6 +124,8 @@ def _execute(pipe, family: str, tiny: bool, spec: BatchSpec, control: Control,
 
     error = None
     try:
+        if spec.adapters or spec.shape.lora or loras.LOADED_ATTR in pipe.__dict__:
+            loras.sync(pipe, spec.adapters, spec.shape.lora)
         output = run_batch(pipe, family, tiny, spec.shape, list(spec.prompts), list(spec.seeds), step_end)
     except RankFailure:
         raise
