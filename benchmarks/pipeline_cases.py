@@ -579,8 +579,9 @@ def qwen_image21_case(build, device: torch.device, height: int = 1024, width: in
     cfg = model.config
     rows, cols = height // 16, width // 16
     g = torch.Generator(device).manual_seed(0)
-    img_mask = torch.cat([torch.zeros(1, text_len, dtype=torch.bool), torch.ones(1, rows * cols // 4, dtype=torch.bool)],
-                         dim=1).to(device)
+    # one slot per 2x2 target tokens appended to the (slot-free) text positions, as the pipeline appends them
+    slots = torch.ones(1, rows * cols // 4, dtype=torch.bool)
+    img_mask = torch.cat([torch.zeros(1, text_len, dtype=torch.bool), slots], dim=1).to(device)
     inputs = dict(
         hidden_states=torch.randn(1, rows * cols, cfg.in_channels, generator=g, **_bf(device)),
         encoder_hidden_states=torch.randn(1, text_len, cfg.context_in_dim, generator=g, **_bf(device)),
@@ -758,7 +759,8 @@ def helios_case(build, device: torch.device, height: int = 384, width: int = 640
         return_dict=False,
     )
     tokens = chunk * (h // 2) * (w // 2)
-    return model, inputs, f"{height}x{width}, chunk {chunk} + history {long}/{mid}/{1 + short} ({tokens} chunk tokens + 512 text)"
+    shape = f"{height}x{width}, chunk {chunk} + history {long}/{mid}/{1 + short} ({tokens} chunk tokens + 512 text)"
+    return model, inputs, shape
 
 
 # Cosmos 3 Nano (nvidia/Cosmos3-Nano, transformer/config.json as a public repository quotes it verbatim):
