@@ -9,7 +9,11 @@
 Also: wan (Wan 2.1-14B 81x720x1280), hunyuan_video (720p x 129 frames), qwen_image (1328x1328),
 sd35 (SD3.5 Large 1024x1024), ltx_video (121x512x768), flux2 (Flux.2-dev 1024x1024), krea2 (1024x1024),
 hunyuan_image (HunyuanImage 2.1, 2048x2048), zimage (Z-Image / Z-Image-Turbo 1024x1024), pixart (PixArt-Sigma
-1024x1024), hunyuan_dit (HunyuanDiT v1.2 1024x1024): benchmarks/pipeline_cases.py.
+1024x1024), hunyuan_dit (HunyuanDiT v1.2 1024x1024), qwen_image21 (1024x1024), flux3 (1024x1024), ltx2 (LTX-2
+121x512x768, video + audio), kandinsky5 (T2V Lite 121x512x768), chronoedit (5x480x832), helios (384x640 chunk),
+cosmos3 (189x720x1280), wan_animate (77x720x1280 segment), minimax_h3 (33 B, 124x768x1344):
+benchmarks/pipeline_cases.py (benchmarks/check_cases.py checks those on CPU; benchmarks/GPU_PENDING.md: the
+commands for their first GPU figures).
 
 Full-size transformers with random weights (configs of the released checkpoints, written below),
 bf16, batch 1, ``torch.inference_mode``. One model is built per family; the two variants are timed
@@ -175,6 +179,12 @@ CASES: dict[str, Callable] = {
     "consisid": _later(pipeline_cases.consisid_case),
     "auraflow": _later(pipeline_cases.auraflow_case),
     "bria": _later(pipeline_cases.bria_case),
+    "qwen_image21": _later(pipeline_cases.qwen_image21_case), "flux3": _later(pipeline_cases.flux3_case),
+    "ltx2": _later(pipeline_cases.ltx2_case), "kandinsky5": _later(pipeline_cases.kandinsky5_case),
+    "chronoedit": _later(pipeline_cases.chronoedit_case), "helios": _later(pipeline_cases.helios_case),
+    "cosmos3": _later(pipeline_cases.cosmos3_case), "wan_animate": _later(pipeline_cases.wan_animate_case),
+    # 33 B: 62 GiB of bf16 weights (one copy: the variants switch one model), see benchmarks/GPU_PENDING.md.
+    "minimax_h3": _later(pipeline_cases.minimax_h3_case),
 }
 
 

@@ -554,3 +554,331 @@ def bria_case(build, device: torch.device, height: int = 1024, width: int = 1024
         txt_ids=torch.zeros(128, 3, device=device), return_dict=False,
     )
     return model, inputs, f"{height}x{width} ({img_ids.shape[0]} + 128 tokens)"
+
+
+# ---- families without a GPU figure yet (checked on CPU by benchmarks/check_cases.py) ----------------------
+#
+# Each case below takes ``config``: overrides of the released config (a tiny model, to check the case on
+# CPU), and builds its inputs from the model's config, so the same code serves both sizes.
+
+# Qwen-Image 2.1 (Qwen/Qwen-Image-2.1, transformer/config.json as public repositories quote it: 32 blocks,
+# 32 heads x 128, context_in_dim 4096 (Qwen3-VL), mlp_ratio 3, RoPE (16, 56, 56), causal_condition):
+# diffusers' defaults.
+QWEN_IMAGE21: dict = {}
+
+
+def qwen_image21_case(build, device: torch.device, height: int = 1024, width: int = 1024, text_len: int = 100,
+                      config: dict | None = None):
+    """Qwen-Image 2.1 text-to-image: target latents (1, (h/16)*(w/16), 64) (2.1 consumes latents
+    unpatched), a prompt of ``text_len`` Qwen3-VL tokens (one prompt: nothing padded, so the pipeline
+    passes no mask), ``img_mask`` with one slot per 2x2 target tokens; the pipeline's full forward
+    (``use_kv_cache=False``, or the first step that fills the cache: ``kv_cache=None`` here)."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    model = build(QwenImage21Transformer2DModel, {**QWEN_IMAGE21, **(config or {})}, device)
+    cfg = model.config
+    rows, cols = height // 16, width // 16
+    g = torch.Generator(device).manual_seed(0)
+    # one slot per 2x2 target tokens appended to the (slot-free) text positions, as the pipeline appends them
+    slots = torch.ones(1, rows * cols // 4, dtype=torch.bool)
+    img_mask = torch.cat([torch.zeros(1, text_len, dtype=torch.bool), slots], dim=1).to(device)
+    inputs = dict(
+        hidden_states=torch.randn(1, rows * cols, cfg.in_channels, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, text_len, cfg.context_in_dim, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 0.5, **_bf(device)), img_shapes=[[(1, rows, cols)]], img_mask=img_mask,
+        encoder_hidden_states_mask=None, return_dict=False,
+    )
+    return model, inputs, f"{height}x{width} ({rows * cols} + {text_len} tokens, block-causal prefix)"
+
+
+# FLUX.3: diffusers' Flux3Transformer2DModel defaults (5 per-mode + 28 single blocks, 24 heads x 128,
+# Qwen3-VL's 8 stacked layers = 20480 text channels). NOT confirmed against a released config.json (none
+# found in the stored public sources): an assumption.
+FLUX3: dict = {}
+
+
+def flux3_case(build, device: torch.device, height: int = 1024, width: int = 1024, text_len: int = 160,
+               config: dict | None = None):
+    """FLUX.3 text-to-image: packed latents (1, (h/16)*(w/16), 128); a prompt window of ``text_len``
+    tokens (the text encoder step right-pads the prompt to a multiple of 80 and the transformer
+    attends to the padding: no mask); ids as the modular pipeline makes them (image H/W scaled by
+    0.5, text along the L axis); the conditional call of a step."""
+    from diffusers import Flux3Transformer2DModel
+    from diffusers.modular_pipelines.flux3.before_denoise import Flux3TextRoPEInputsStep, _prepare_image_ids
+
+    model = build(Flux3Transformer2DModel, {**FLUX3, **(config or {})}, device)
+    cfg = model.config
+    rows, cols = height // 16, width // 16
+    g = torch.Generator(device).manual_seed(0)
+    text = torch.randn(1, text_len, cfg.joint_attention_dim, generator=g, **_bf(device))
+    inputs = dict(
+        hidden_states=torch.randn(1, rows * cols, cfg.in_channels, generator=g, **_bf(device)),
+        encoder_hidden_states=text, timestep=torch.full((1,), 0.5, **_bf(device)),
+        img_ids=_prepare_image_ids(rows, cols, 0.5).to(device),
+        txt_ids=Flux3TextRoPEInputsStep._prepare_text_ids(text).to(device), return_dict=False,
+    )
+    return model, inputs, f"{height}x{width} ({rows * cols} + {text_len} tokens)"
+
+
+# LTX-2 (Lightricks/LTX-2): the "2.0" transformer config of diffusers' scripts/convert_ltx2_to_diffusers.py,
+# i.e. diffusers' defaults with split RoPE (48 blocks; video 32 heads x 128, audio 32 x 64; Gemma 3 3840).
+LTX2: dict = dict(rope_type="split")
+
+
+def ltx2_case(build, device: torch.device, frames: int = 121, height: int = 512, width: int = 768,
+              text_len: int = 1024, config: dict | None = None):
+    """LTX-2 text-to-video+audio as ``LTX2Pipeline`` calls it (its defaults: 121 x 512 x 768 at 24
+    fps): packed video latents (1, f'*h'*w', 128), f' = (f-1)/8+1, h' = h/32, w' = w/32; audio
+    latents (1, round(f/24 * 25), 128); both streams' text from the connectors, 1024 tokens whose
+    mask is all ones (the connectors' learnable registers replace the padding); the RoPE
+    coordinates the pipeline precomputes; ``sigma`` = the timestep, cross-modal timestep on."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    model = build(LTX2VideoTransformer3DModel, {**LTX2, **(config or {})}, device)
+    cfg = model.config
+    lat = ((frames - 1) // 8 + 1, height // 32, width // 32)
+    tokens = lat[0] * lat[1] * lat[2]
+    audio_frames = round(frames / 24.0 * cfg.audio_sampling_rate / cfg.audio_hop_length / cfg.audio_scale_factor)
+    g = torch.Generator(device).manual_seed(0)
+    timestep = torch.full((1,), 500.0, **_bf(device))
+    inputs = dict(
+        hidden_states=torch.randn(1, tokens, cfg.in_channels, generator=g, **_bf(device)),
+        audio_hidden_states=torch.randn(1, audio_frames, cfg.audio_in_channels, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, text_len, cfg.caption_channels, generator=g, **_bf(device)),
+        audio_encoder_hidden_states=torch.randn(1, text_len, cfg.caption_channels, generator=g, **_bf(device)),
+        timestep=timestep, sigma=timestep,
+        encoder_attention_mask=torch.ones(1, text_len, dtype=torch.long, device=device),
+        audio_encoder_attention_mask=torch.ones(1, text_len, dtype=torch.long, device=device),
+        num_frames=lat[0], height=lat[1], width=lat[2], fps=24.0, audio_num_frames=audio_frames,
+        video_coords=model.rope.prepare_video_coords(1, *lat, device, fps=24.0),
+        audio_coords=model.audio_rope.prepare_audio_coords(1, audio_frames, device),
+        isolate_modalities=False, spatio_temporal_guidance_blocks=None, perturbation_mask=None,
+        use_cross_timestep=True, return_dict=False,
+    )
+    return model, inputs, f"{frames}x{height}x{width} ({tokens} video + {audio_frames} audio + {text_len} text)"
+
+
+# Kandinsky 5.0 T2V Lite sft 5s (kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers; the dit_params of
+# configs/config_5s_sft.yaml in ai-forever/Kandinsky-5): 32 visual blocks of 1792 (28 heads x 64), visual_cond,
+# dense attention (the 10 s and Pro checkpoints' NABLA sparse attention is refused by usp_dit).
+KANDINSKY5_LITE = dict(
+    in_visual_dim=16, out_visual_dim=16, time_dim=512, patch_size=(1, 2, 2), model_dim=1792, ff_dim=7168,
+    num_text_blocks=2, num_visual_blocks=32, axes_dims=(16, 24, 24), visual_cond=True, in_text_dim=3584,
+    in_text_dim2=768,
+)
+
+
+def kandinsky5_case(build, device: torch.device, frames: int = 121, height: int = 512, width: int = 768,
+                    text_len: int = 100, config: dict | None = None):
+    """Kandinsky 5.0 T2V Lite at ``Kandinsky5T2VPipeline``'s defaults (121 x 512 x 768): latents
+    channels-last (1, (f-1)/4+1, h/8, w/8, 2 x 16 + 1) (noise, zero condition and its mask),
+    1x2x2 patches; a prompt of ``text_len`` Qwen2.5-VL tokens (unpadded: the pipeline passes
+    cu_seqlens and no mask), the CLIP pooled vector; RoPE positions and scale as the pipeline makes
+    them (scale (1, 2, 2) between 480 and 854 pixels); no ``sparse_params`` (dense attention)."""
+    from diffusers import Kandinsky5Transformer3DModel
+
+    model = build(Kandinsky5Transformer3DModel, {**KANDINSKY5_LITE, **(config or {})}, device)
+    cfg = model.config
+    lat = ((frames - 1) // 4 + 1, height // 8, width // 8)
+    channels = 2 * cfg.in_visual_dim + 1 if cfg.visual_cond else cfg.in_visual_dim
+    between_480p = 480 <= height <= 854 and 480 <= width <= 854
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, *lat, channels, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, text_len, cfg.in_text_dim, generator=g, **_bf(device)),
+        pooled_projections=torch.randn(1, cfg.in_text_dim2, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 500.0, **_bf(device)),
+        visual_rope_pos=[torch.arange(lat[0], device=device), torch.arange(lat[1] // 2, device=device),
+                         torch.arange(lat[2] // 2, device=device)],
+        text_rope_pos=torch.arange(text_len, device=device),
+        scale_factor=(1, 2, 2) if between_480p else (1, 3.16, 3.16), sparse_params=None, return_dict=False,
+    )
+    tokens = lat[0] * (lat[1] // 2) * (lat[2] // 2)
+    return model, inputs, f"{frames}x{height}x{width} ({tokens} + {text_len} tokens)"
+
+
+# ChronoEdit-14B (nvidia/ChronoEdit-14B-Diffusers): Wan 2.1 I2V-14B's architecture (in 16 + 4 + 16 channels,
+# CLIP ViT-H 1280 image tokens through added K/V) with temporal RoPE skip 8. Assumed from the Wan 2.1 I2V-14B
+# release it is fine-tuned from and the class's defaults; its own config.json was not found to confirm.
+CHRONOEDIT_14B = dict(in_channels=36, image_dim=1280, added_kv_proj_dim=5120, rope_temporal_skip_len=8)
+
+
+def chronoedit_case(build, device: torch.device, frames: int = 5, height: int = 480, width: int = 832,
+                    image_len: int = 257, config: dict | None = None):
+    """ChronoEdit edit at ``ChronoEditPipeline``'s defaults: 480 x 832, 5 frames without temporal
+    reasoning (2 latent frames: the input image's and the edit's); latents (1, 16 + 4 + 16, 2, h/8,
+    w/8), 1x2x2 patches; 512 UMT5 tokens (padded with zeros, no mask); 257 CLIP image tokens."""
+    from diffusers import ChronoEditTransformer3DModel
+
+    model = build(ChronoEditTransformer3DModel, {**CHRONOEDIT_14B, **(config or {})}, device)
+    cfg = model.config
+    lat = ((frames - 1) // 4 + 1, height // 8, width // 8)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, cfg.in_channels, *lat, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 500, device=device, dtype=torch.long),
+        encoder_hidden_states=torch.randn(1, 512, cfg.text_dim, generator=g, **_bf(device)),
+        encoder_hidden_states_image=torch.randn(1, image_len, cfg.image_dim, generator=g, **_bf(device)),
+        return_dict=False,
+    )
+    tokens = lat[0] * (lat[1] // 2) * (lat[2] // 2)
+    return model, inputs, f"{frames}x{height}x{width} ({tokens} + 512 text + {image_len} image tokens)"
+
+
+# Helios-Base (BestWishYsh/Helios-Base): diffusers' HeliosTransformer3DModel defaults (Wan 14B's 40 blocks of
+# 40 heads x 128, RoPE (44, 42, 42), the multi-term memory patches). NOT confirmed against the released
+# config.json (not found in the stored public sources): an assumption.
+HELIOS: dict = {}
+
+
+def helios_case(build, device: torch.device, height: int = 384, width: int = 640, chunk: int = 9,
+                history: tuple[int, int, int] = (16, 2, 1), config: dict | None = None):
+    """Helios at ``HeliosPipeline``'s defaults (384 x 640, chunks of 9 latent frames, history sizes
+    [16, 2, 1], keep_first_frame): the chunk's latents (1, 16, 9, h/8, w/8); long / mid / short
+    history latents of 16 / 2 / 1 + 1 (the first frame) latent frames and their frame indices as the
+    pipeline splits ``arange(1 + 16 + 2 + 1 + 9)``; 512 UMT5 tokens (padded with zeros, no mask)."""
+    from diffusers import HeliosTransformer3DModel
+
+    model = build(HeliosTransformer3DModel, {**HELIOS, **(config or {})}, device)
+    cfg = model.config
+    h, w = height // 8, width // 8
+    long, mid, short = history
+    prefix, hist_long, hist_mid, hist_1x, current = torch.arange(1 + long + mid + short + chunk, device=device).split(
+        [1, long, mid, short, chunk])
+    g = torch.Generator(device).manual_seed(0)
+
+    def latent(f: int) -> torch.Tensor:
+        return torch.randn(1, cfg.in_channels, f, h, w, generator=g, **_bf(device))
+
+    inputs = dict(
+        hidden_states=latent(chunk), timestep=torch.full((1,), 500.0, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 512, cfg.text_dim, generator=g, **_bf(device)),
+        indices_hidden_states=current[None], indices_latents_history_short=torch.cat([prefix, hist_1x])[None],
+        indices_latents_history_mid=hist_mid[None], indices_latents_history_long=hist_long[None],
+        latents_history_short=latent(1 + short), latents_history_mid=latent(mid), latents_history_long=latent(long),
+        return_dict=False,
+    )
+    tokens = chunk * (h // 2) * (w // 2)
+    shape = f"{height}x{width}, chunk {chunk} + history {long}/{mid}/{1 + short} ({tokens} chunk tokens + 512 text)"
+    return model, inputs, shape
+
+
+# Cosmos 3 Nano (nvidia/Cosmos3-Nano, transformer/config.json as a public repository quotes it verbatim):
+# the Qwen3-VL-8B-like 36 layers of 4096 (32 query / 8 K/V heads x 128) for both the understanding and the
+# generation stream, interleaved mRoPE (24, 20, 20), with the sound and action heads.
+COSMOS3_NANO = dict(
+    action_dim=64, action_gen=True, sound_dim=64, sound_gen=True, rms_norm_eps=1e-6, rope_theta=5000000.0,
+    rope_scaling={"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+)
+
+
+def cosmos3_case(build, device: torch.device, frames: int = 189, height: int = 720, width: int = 1280,
+                 text_len: int = 256, config: dict | None = None):
+    """Cosmos 3 text-to-video at ``Cosmos3OmniPipeline``'s defaults (189 x 720 x 1280 at 24 fps, no
+    sound): the packed call the pipeline builds with its own segment helpers: ``text_len`` prompt
+    tokens (chat template included), the video latent (1, 48, (f-1)/4+1, h/16, w/16) in 2x2
+    patches, every frame noisy, one timestep per noisy token, mRoPE positions of the joint sequence."""
+    from types import SimpleNamespace
+
+    from diffusers import Cosmos3OmniPipeline
+    from diffusers.models.transformers.transformer_cosmos3 import Cosmos3OmniTransformer
+
+    model = build(Cosmos3OmniTransformer, {**COSMOS3_NANO, **(config or {})}, device)
+    cfg = model.config
+    lat = ((frames - 1) // 4 + 1, height // 16, width // 16)
+    g = torch.Generator(device).manual_seed(0)
+    latents = torch.randn(1, cfg.latent_channel, *lat, generator=g, **_bf(device))
+    stand_in = SimpleNamespace(transformer=model, vae_scale_factor_temporal=4)  # what the two helpers read
+    text = Cosmos3OmniPipeline._prepare_text_segment(
+        stand_in, torch.randint(0, cfg.vocab_size, (text_len,), generator=g, device=device).tolist(), device)
+    vision = Cosmos3OmniPipeline._prepare_vision_segment(
+        stand_in, latents, has_image_condition=False, mrope_offset=text["vision_start_temporal_offset"],
+        vision_fps=24.0, curr=text["und_len"], device=device, condition_frame_indexes=[])
+    inputs = dict(
+        input_ids=text["input_ids"], text_indexes=text["text_indexes"],
+        position_ids=torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], dim=1),
+        und_len=text["und_len"], sequence_length=text["und_len"] + vision["num_vision_tokens"],
+        vision_tokens=[latents], vision_token_shapes=vision["vision_token_shapes"],
+        vision_sequence_indexes=vision["vision_sequence_indexes"],
+        vision_mse_loss_indexes=vision["vision_mse_loss_indexes"],
+        vision_timesteps=torch.full((vision["num_noisy_vision_tokens"],), 500.0, device=device),
+        vision_noisy_frame_indexes=vision["vision_noisy_frame_indexes"], return_dict=False,
+    )
+    return model, inputs, f"{frames}x{height}x{width} ({vision['num_vision_tokens']} + {text_len} tokens)"
+
+
+# Wan 2.2 Animate 14B (Wan-AI/Wan2.2-Animate-14B-Diffusers, transformer/config.json as a public repository
+# quotes it): diffusers' defaults with CLIP image tokens through added K/V (5120).
+WAN_ANIMATE_14B = dict(added_kv_proj_dim=5120)
+
+
+def wan_animate_case(build, device: torch.device, segment_frames: int = 77, height: int = 720, width: int = 1280,
+                     image_len: int = 257, face_size: int | None = None, config: dict | None = None):
+    """Wan Animate at ``WanAnimatePipeline``'s defaults (720 x 1280, segments of 77 frames): latents
+    (1, 16 + 20, 1 + (77-1)/4+1, h/8, w/8) (the reference frame first; noise beside the reference
+    and previous-segment condition latents and mask), pose latents (1, 16, 20, h/8, w/8), the
+    segment's face video (1, 3, 77, 512, 512) in [-1, 1]; 512 UMT5 tokens; 257 CLIP image tokens."""
+    from diffusers import WanAnimateTransformer3DModel
+
+    model = build(WanAnimateTransformer3DModel, {**WAN_ANIMATE_14B, **(config or {})}, device)
+    cfg = model.config
+    lat_f, h, w = (segment_frames - 1) // 4 + 1, height // 8, width // 8
+    face = face_size or cfg.motion_encoder_size
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, cfg.in_channels, lat_f + 1, h, w, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 500, device=device, dtype=torch.long),
+        encoder_hidden_states=torch.randn(1, 512, cfg.text_dim, generator=g, **_bf(device)),
+        encoder_hidden_states_image=torch.randn(1, image_len, cfg.image_dim, generator=g, **_bf(device)),
+        pose_hidden_states=torch.randn(1, cfg.latent_channels, lat_f, h, w, generator=g, **_bf(device)),
+        face_pixel_values=torch.rand(1, 3, segment_frames, face, face, generator=g, **_bf(device)) * 2 - 1,
+        motion_encode_batch_size=None, return_dict=False,
+    )
+    tokens = (lat_f + 1) * (h // 2) * (w // 2)
+    return model, inputs, f"{segment_frames}x{height}x{width} segment ({tokens} + 512 text + {image_len} image tokens)"
+
+
+# MiniMax-H3 (transformer/config.json as public repositories quote it: 50 blocks + 2 refiner blocks of 5376,
+# 56 heads x 128, Qwen3-VL 5120 text): diffusers' defaults. 33 B parameters: 66 GB in bf16.
+MINIMAX_H3: dict = {}
+
+
+def minimax_h3_case(build, device: torch.device, num_frames: int = 124, height: int | None = None,
+                    width: int | None = None, text_len: int = 200, config: dict | None = None):
+    """MiniMax-H3 text-to-video+audio at the modular pipeline's defaults (124 frames at 24 fps on its
+    16:9 canvas, 768 x 1344): the packed ``[text | audio | video]`` sequence the stock layout step
+    builds (``build_packed_sequence``), video rows (1, n_video, 24 x 2 x 2), stereo channel-major
+    audio rows (1, n_audio, 32), ``text_len`` Qwen3-VL tokens (one prompt, unpadded), and the
+    stock per-row timestep plan (text and video rows at the video timestep, audio at its own)."""
+    from diffusers import MiniMaxH3Transformer3DModel
+    from diffusers.modular_pipelines.minimax_h3 import modular_pipeline as mp
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+        MiniMaxH3PrepareLayoutStep,
+        MiniMaxH3SetTimestepsStep,
+    )
+
+    model = build(MiniMaxH3Transformer3DModel, {**MINIMAX_H3, **(config or {})}, device)
+    cfg = model.config
+    patch = tuple(cfg.patch_size)
+    if height is None:
+        height, width = mp.resolve_canvas_size(16, 9, 16 * patch[2], 768, 768 * 1344)
+    num_frames = mp.align_num_frames(num_frames, 17, 5)
+    latent_frames = mp.video_latent_num_frames(num_frames, 17, 5)
+    audio_latents = mp.audio_latent_num_frames(num_frames)
+    position_ids, tags, video_idx, audio_idx, text_idx, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+        torch.ones(text_len, dtype=torch.long), latent_frames, height // 16, width // 16, audio_latents, patch,
+        mp.MINIMAX_H3_AUDIO_CHANNELS, mp.MINIMAX_H3_AUDIO_TAG, mp.MINIMAX_H3_VIDEO_TAG)
+    timestep, timestep_indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+        video_idx, audio_idx, 0, 0, text_len, 0.7, 0.8, 0.999, 1.0)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, video_idx.numel(), cfg.in_channels * patch[1] * patch[2], generator=g,
+                                  **_bf(device)),
+        audio_hidden_states=torch.randn(1, audio_idx.numel(), cfg.audio_in_channels, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, text_len, cfg.text_dim, generator=g, **_bf(device)),
+        timestep=timestep.to(device), timestep_indices=timestep_indices.to(device), token_tags=tags.to(device),
+        position_ids=position_ids.to(device), video_indices=video_idx.to(device), audio_indices=audio_idx.to(device),
+        text_indices=text_idx.to(device), return_dict=False,
+    )
+    return model, inputs, (f"{num_frames}x{height}x{width} ({video_idx.numel()} video + {audio_idx.numel()} audio + "
+                           f"{text_len} text rows)")
