@@ -49,10 +49,13 @@ from diffusers.models.transformers import transformer_hunyuanimage
 from tests.adapter_parity import (
     assert_within,
     forward,
+    grad_keys,
+    grid_tests,
     output_keys,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from tests.test_pipeline_hunyuan_video import gradient_errors
@@ -67,7 +70,7 @@ from usp_dit.pipelines import _routing
 from usp_dit.pipelines.families import hunyuan_image
 from usp_dit.pipelines.families.hunyuan_image import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_IMAGES = 1e-4
@@ -220,19 +223,12 @@ def _run_all() -> dict[str, dict | str]:
 def grid_results() -> list[dict]:
     # check_groups=False: the compiled case's torch compile caches (functional collectives' graphs)
     # keep references to the process groups past the job, as in tests/test_compile_grid.py.
-    per_rank = run_spawned(_run_all, WORLD, check_groups=False)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD, check_groups=False)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPE_IDS, _fits))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in GRAD_SHAPES[p]])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPE_IDS, _fits), grad_keys(by_world=GRAD_SHAPES), TOL,
+)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
@@ -252,12 +248,8 @@ PIPELINE_KEYS = [f"pipeline-{n}-u{u}r{r}cfg{c}" for n in ("base", "refiner") for
 
 @pytest.mark.parametrize("key", PIPELINE_KEYS)
 def test_pipeline_matches_one_process(grid_results, key: str):
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get(f"pipeline-{key.split('-')[1]}", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: {"latents": TOL, "images": TOL_IMAGES}.get(name, 0.0) for name in errors}
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    assert_within(grid_results, key, 0.0, {"latents": TOL, "images": TOL_IMAGES},
+                  fallback=f"pipeline-{key.split('-')[1]}")
 
 
 @pytest.mark.parametrize("name", ["base", "refiner"])

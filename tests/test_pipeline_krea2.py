@@ -42,10 +42,13 @@ from tests.adapter_parity import (
     assert_within,
     compiled_case,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
     output_keys,
     record,
     run_grid_cases,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
@@ -54,7 +57,7 @@ from usp_dit.pipelines import _routing
 from usp_dit.pipelines.families import krea2
 from usp_dit.pipelines.families.krea2 import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_IMAGES = 1e-4
@@ -237,19 +240,12 @@ def _run_all() -> dict[str, dict | str]:
 def grid_results() -> list[dict]:
     # check_groups=False: the compiled case's torch compile caches (functional collectives' graphs)
     # keep references to the process groups past the job, as in tests/test_compile_grid.py.
-    per_rank = run_spawned(_run_all, WORLD, check_groups=False)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD, check_groups=False)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES, _fits))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in GRAD_SHAPES[p]] + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES, _fits), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
@@ -266,12 +262,7 @@ def test_whole_model_compiles_fullgraph_in_one_graph(grid_results):
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: {"latents": TOL, "images": TOL_IMAGES}.get(name, 0.0) for name in errors}
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    assert_within(grid_results, key, 0.0, {"latents": TOL, "images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
