@@ -9,9 +9,11 @@ run on it as two data-parallel replicas); the 8-rank grids are in tests/test_pip
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -289,6 +291,16 @@ def latents_and(pipe, output: str = "images", **call) -> tuple[torch.Tensor, tor
     return last["latents"], getattr(result, output)
 
 
+def decoded_latents_and(pipe, output: str = "images", **call) -> tuple[torch.Tensor, torch.Tensor]:
+    """``latents_and`` for a pipeline that takes no step callback: the latents its VAE decodes (a spy
+    on ``pipe.vae.decode`` for this call), and the result's ``output`` attribute."""
+    seen = []
+    decode = pipe.vae.decode
+    with mock.patch.object(pipe.vae, "decode", lambda z, **kw: (seen.append(z.clone()), decode(z, **kw))[1]):
+        result = pipe(**call)
+    return seen[0], getattr(result, output)
+
+
 def pipeline_grids(grids: list[tuple[int, int, int]], prefix: str = "pipeline") -> dict[str, tuple[int, int, int]]:
     """``{"<prefix>-u<U>r<R>cfg<C>": (U, R, C)}``: the keys ``pipeline_cases`` records ``grids`` under."""
     return {f"{prefix}-u{u}r{r}cfg{c}": (u, r, c) for u, r, c in grids}
@@ -297,14 +309,16 @@ def pipeline_grids(grids: list[tuple[int, int, int]], prefix: str = "pipeline") 
 def pipeline_cases(
     pipe, generate: Callable[[Any], tuple[torch.Tensor, ...]], grids: dict[str, tuple[int, int, int]],
     names: tuple[str, ...] = ("latents", "images"), check_enabled: bool = True,
-    after_disable: str | None = "pipeline-after-disable",
+    after_disable: str | None = "pipeline-after-disable", probe: Callable[[Any, tuple], Any] | None = None,
 ) -> dict[str, dict[str, float]]:
     """``generate(pipe)`` (a tuple of tensors, called ``names``) through ``pipe.enable_usp`` on each
     (U, R, cfg) of ``grids`` vs one process's: ``results[key] = {name: rel. error}``, with
     ``check_enabled`` also 1.0 under "not_enabled_then_restored" unless the transformer was enabled and
     ``disable_usp`` restored it. ``after_disable`` (a key; None: not checked): 1.0 unless ``generate``
     after all grids is bit-identical to the first one (each pipeline build is costly: one reference
-    serves every grid)."""
+    serves every grid). ``probe(pipe, (U, R, cfg))``: a context manager entered once the pipeline is
+    enabled, around its call, yielding a function that gives a family's further quantities (e.g.
+    ``cfg_pair_computations``)."""
     pipe.set_progress_bar_config(disable=True)
     ref = generate(pipe)
     results = {}
@@ -312,16 +326,32 @@ def pipeline_cases(
         pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
         enabled = is_usp_enabled(pipe.transformer)
         try:
-            got = generate(pipe)
+            with probe(pipe, (u, r, c)) if probe else contextlib.nullcontext(dict) as measure:
+                got = generate(pipe)
+                more = measure()
         finally:
             pipe.disable_usp()
         errors = {"not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer))}
         errors = errors if check_enabled else {}
-        results[key] = {**errors, **{name: rel_err(g, want) for name, g, want in zip(names, got, ref, strict=True)}}
+        results[key] = {**errors, **{name: rel_err(g, want) for name, g, want in zip(names, got, ref, strict=True)},
+                        **more}
     if after_disable is not None:
         again = generate(pipe)
         results[after_disable] = {"not_bit_identical": float(not all(map(torch.equal, again, ref)))}
     return results
+
+
+@contextlib.contextmanager
+def cfg_pair_computations(pipe, grid: tuple[int, int, int], steps: int) -> Iterator[Callable[[], dict[str, float]]]:
+    """A ``pipeline_cases`` probe for a pipeline of two guidance calls a step: at cfg 2, 1.0 under
+    "computations_not_steps_plus_1" unless block 0 ran ``steps + 1`` times on this rank (the first
+    step's two calls, then one pair a step: ``usp_dit.pipelines.cfg_pair`` Note [two calls a step])."""
+    computed = []
+    hook = pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda m, a: computed.append(1))
+    try:
+        yield lambda: {"computations_not_steps_plus_1": float(len(computed) != steps + 1)} if grid[2] == 2 else {}
+    finally:
+        hook.remove()
 
 
 # ---- one process: what enable changes, disable gives back (tests/test_pipeline_<family>.py) ------

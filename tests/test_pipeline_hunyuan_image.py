@@ -38,6 +38,7 @@ untrained random VAE's gain, as in tests/test_video_pipelines.py).
 """
 from __future__ import annotations
 
+import functools
 from unittest import mock
 
 import numpy as np
@@ -48,10 +49,14 @@ from diffusers.models.transformers import transformer_hunyuanimage
 
 from tests.adapter_parity import (
     assert_within,
+    cfg_pair_computations,
+    decoded_latents_and,
     forward,
     grad_keys,
     grid_tests,
     output_keys,
+    pipeline_cases,
+    pipeline_grids,
     record,
     run_grid_cases,
     sharded_output_case,
@@ -167,11 +172,7 @@ def _generate(pipe, refiner: bool) -> tuple[torch.Tensor, torch.Tensor]:
         args.update(image=PIL.Image.fromarray(pixels), height=48, width=80)
     else:
         args.update(height=40, width=56)
-    seen = []
-    decode = pipe.vae.decode
-    with mock.patch.object(pipe.vae, "decode", lambda z, **kw: (seen.append(z.clone()), decode(z, **kw))[1]):
-        images = pipe(**args).images
-    return seen[0], images
+    return decoded_latents_and(pipe, **args)
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
@@ -182,27 +183,11 @@ def _pipeline_cases(refiner: bool) -> dict[str, dict[str, float]]:
     """A tiny pipeline on each of ``PIPELINE_GRIDS`` through ``pipe.enable_usp``: latents and images
     vs one process; at cfg 2, ``steps + 1`` computations per rank; after disable, bit-identical."""
     name = "refiner" if refiner else "base"
-    pipe = tiny_hunyuan_image_pipeline(refiner=refiner)
-    pipe.set_progress_bar_config(disable=True)
-    ref_latents, ref_images = _generate(pipe, refiner)
-    computed = []
-    pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda m, a: computed.append(1))
-    results = {}
-    for u, r, c in PIPELINE_GRIDS:
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        computed.clear()
-        try:
-            latents, images = _generate(pipe, refiner)
-            errors = {"latents": rel_err(latents, ref_latents), "images": rel_err(images, ref_images)}
-            if c == 2:
-                errors["computations_not_steps_plus_1"] = float(len(computed) != STEPS + 1)
-        finally:
-            pipe.disable_usp()
-        results[f"pipeline-{name}-u{u}r{r}cfg{c}"] = errors
-    again_latents, again_images = _generate(pipe, refiner)
-    same = torch.equal(again_latents, ref_latents) and torch.equal(again_images, ref_images)
-    results[f"pipeline-{name}-after-disable"] = {"not_bit_identical": float(not same)}
-    return results
+    return pipeline_cases(
+        tiny_hunyuan_image_pipeline(refiner=refiner), lambda p: _generate(p, refiner),
+        pipeline_grids(PIPELINE_GRIDS, f"pipeline-{name}"), check_enabled=False,
+        after_disable=f"pipeline-{name}-after-disable", probe=functools.partial(cfg_pair_computations, steps=STEPS),
+    )
 
 
 def _run_all() -> dict[str, dict | str]:

@@ -41,7 +41,9 @@ Measured (4 gloo ranks, CPU): 3.4e-7 on outputs (schedules forced), 1.6e-6 on th
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from unittest import mock
 
@@ -53,10 +55,14 @@ from diffusers.models.transformers import transformer_hunyuan_video15
 
 from tests.adapter_parity import (
     assert_within,
+    cfg_pair_computations,
+    decoded_latents_and,
     forward,
     grad_keys,
     grid_tests,
     output_keys,
+    pipeline_cases,
+    pipeline_grids,
     record,
     run_grid_cases,
     sharded_output_case,
@@ -187,45 +193,31 @@ def _generate(pipe, image_to_video: bool) -> tuple[torch.Tensor, torch.Tensor]:
     args = dict(prompt='a red fox and the sign "open"', negative_prompt="blurry", num_frames=9, num_inference_steps=2,
                 generator=torch.Generator().manual_seed(0), output_type="pt")
     args.update(image=_image()) if image_to_video else args.update(height=48, width=80)
-    seen = []
-    decode = pipe.vae.decode
-    with mock.patch.object(pipe.vae, "decode", lambda z, **kw: (seen.append(z.clone()), decode(z, **kw))[1]):
-        frames = pipe(**args).frames
-    return seen[0], frames
+    return decoded_latents_and(pipe, "frames", **args)
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
 STEPS = 2
 
 
+@contextlib.contextmanager
+def _vae_split_and_computations(pipe, grid: tuple[int, int, int]) -> Iterator[Callable[[], dict[str, float]]]:
+    """The ``pipeline_cases`` probe: 1.0 unless the VAE is split, and ``cfg_pair_computations``."""
+    from usp_dit.pipelines.vae import is_parallel_vae_enabled
+
+    with cfg_pair_computations(pipe, grid, STEPS) as computations:
+        yield lambda: {"vae_not_split": float(not is_parallel_vae_enabled(pipe.vae)), **computations()}
+
+
 def _pipeline_cases(image_to_video: bool) -> dict[str, dict[str, float]]:
     """A tiny pipeline on each of ``PIPELINE_GRIDS`` through ``pipe.enable_usp``: latents and frames
     vs one process; at cfg 2, ``steps + 1`` computations per rank; after disable, bit-identical."""
-    from usp_dit.pipelines.vae import is_parallel_vae_enabled
-
     name = "i2v" if image_to_video else "t2v"
-    pipe = tiny_hunyuan_video15_pipeline(image_to_video=image_to_video)
-    pipe.set_progress_bar_config(disable=True)
-    ref_latents, ref_frames = _generate(pipe, image_to_video)
-    computed = []
-    pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda m, a: computed.append(1))
-    results = {}
-    for u, r, c in PIPELINE_GRIDS:
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        computed.clear()
-        try:
-            latents, frames = _generate(pipe, image_to_video)
-            errors = {"latents": rel_err(latents, ref_latents), "frames": rel_err(frames, ref_frames),
-                      "vae_not_split": float(not is_parallel_vae_enabled(pipe.vae))}
-            if c == 2:
-                errors["computations_not_steps_plus_1"] = float(len(computed) != STEPS + 1)
-        finally:
-            pipe.disable_usp()
-        results[f"pipeline-{name}-u{u}r{r}cfg{c}"] = errors
-    again_latents, again_frames = _generate(pipe, image_to_video)
-    same = torch.equal(again_latents, ref_latents) and torch.equal(again_frames, ref_frames)
-    results[f"pipeline-{name}-after-disable"] = {"not_bit_identical": float(not same)}
-    return results
+    return pipeline_cases(
+        tiny_hunyuan_video15_pipeline(image_to_video=image_to_video), lambda p: _generate(p, image_to_video),
+        pipeline_grids(PIPELINE_GRIDS, f"pipeline-{name}"), names=("latents", "frames"), check_enabled=False,
+        after_disable=f"pipeline-{name}-after-disable", probe=_vae_split_and_computations,
+    )
 
 
 VAE_GRIDS = [(2, 2, 1), (4, 1, 1)]

@@ -30,8 +30,10 @@ arithmetic per query row as stock; the cfg split changes the batch of the matmul
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -46,6 +48,8 @@ from tests.adapter_parity import (
     grid_tests,
     latents_and,
     output_keys,
+    pipeline_cases,
+    pipeline_grids,
     record,
     run_grid_cases,
     spawn_grid,
@@ -53,7 +57,6 @@ from tests.adapter_parity import (
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_sd3 import sd3_inputs, sd3_tokens, tiny_sd3, tiny_sd3_pipeline
-from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines.families import sd3  # noqa: F401  (registers the adapter)
 from usp_dit.pipelines.families.sd3 import ADAPTER
 from usp_dit.testing import rel_err
@@ -154,32 +157,20 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
 
 
+@contextlib.contextmanager
+def _block0_tokens(pipe, grid: tuple[int, int, int]) -> Iterator[Callable[[], dict[str, float]]]:
+    """The ``pipeline_cases`` probe: 1.0 unless block 0's attention saw at most ceil(15 / P) image tokens."""
+    lengths = []
+    hook = pipe.transformer.transformer_blocks[0].attn.register_forward_pre_hook(
+        lambda m, args, kwargs: lengths.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
+    try:
+        yield lambda: {"block0_tokens_above_ceil": float(max(lengths) > math.ceil(15 / (grid[0] * grid[1])))}
+    finally:
+        hook.remove()
+
+
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    pipe = tiny_sd3_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    ref_latents, ref_images = _generate(pipe)
-    results = {}
-    for u, r, c in PIPELINE_GRIDS:
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        enabled = is_usp_enabled(pipe.transformer)
-        lengths = []
-        hook = pipe.transformer.transformer_blocks[0].attn.register_forward_pre_hook(
-            lambda m, args, kwargs: lengths.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
-        try:
-            latents, images = _generate(pipe)
-        finally:
-            hook.remove()
-            pipe.disable_usp()
-        results[f"pipeline-u{u}r{r}cfg{c}"] = {
-            "not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer)),
-            "block0_tokens_above_ceil": float(max(lengths) > math.ceil(15 / (u * r))),
-            "latents": rel_err(latents, ref_latents),
-            "images": rel_err(images, ref_images),
-        }
-    again_latents, again_images = _generate(pipe)
-    same = torch.equal(again_latents, ref_latents) and torch.equal(again_images, ref_images)
-    results["pipeline-after-disable"] = {"not_bit_identical": float(not same)}
-    return results
+    return pipeline_cases(tiny_sd3_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS), probe=_block0_tokens)
 
 
 def _skip_layer_guidance(pipe) -> torch.Tensor:
