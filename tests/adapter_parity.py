@@ -9,16 +9,19 @@ run on it as two data-parallel replicas); the 8-rank grids are in tests/test_pip
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from usp_dit import enable_usp, init_usp
-from usp_dit.testing import full_suite, rel_err
+from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
+from usp_dit.pipelines import is_usp_enabled
+from usp_dit.testing import assert_no_crash, full_suite, rel_err, run_spawned
 
 # (ulysses, ring, cfg) grids per world size: the issue's grids plus (1, 4) and a cfg mesh, whose two
 # cfg groups each shard the (whole) batch over their own two ranks.
@@ -54,19 +57,17 @@ def compiled_case(model, inputs, mesh, backend: str = "aot_eager") -> dict[str, 
     return {"err": rel_err(got, ref), "graphs_not_1": float(counter.frame_count != 1)}
 
 
-def sharded_output_case(model, inputs, adapter, mesh, attention: torch.nn.Module, tokens: int) -> dict[str, float]:
-    """Output through ``adapter`` on ``mesh`` vs the stock output; 1.0 if the longest
-    ``hidden_states`` that ``attention`` (block 0's, of ``model``) saw exceeds ceil(tokens / P),
+def _output_vs_stock(model, inputs, adapter, mesh, attention: torch.nn.Module, tokens: int,
+                     seen_tokens: Callable[[tuple, dict], int]) -> dict[str, float]:
+    """Output through ``adapter`` on ``mesh`` vs the stock output; 1.0 if the most tokens
+    ``attention`` saw in a call (``seen_tokens(args, kwargs)`` of its forward) exceed ceil(tokens / P),
     i.e. the tokens were not split (or it never ran); 1.0 if the output after ``disable`` is not
     bit-identical."""
     ref = forward(model, inputs)
     lengths = []
-
-    def seen(module, args, kwargs):
-        lengths.append((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[1])
-
     adapter.enable(model, mesh, "auto")
-    hook = attention.register_forward_pre_hook(seen, with_kwargs=True)
+    hook = attention.register_forward_pre_hook(lambda m, args, kwargs: lengths.append(seen_tokens(args, kwargs)),
+                                               with_kwargs=True)
     try:
         out = forward(model, inputs)
     finally:
@@ -78,6 +79,15 @@ def sharded_output_case(model, inputs, adapter, mesh, attention: torch.nn.Module
         "block0_tokens_above_ceil": float(not lengths or max(lengths) > math.ceil(tokens / mesh.sequence_degree)),
         "disable_not_bit_identical": float(not torch.equal(again, ref)),
     }
+
+
+def sharded_output_case(model, inputs, adapter, mesh, attention: torch.nn.Module, tokens: int) -> dict[str, float]:
+    """``_output_vs_stock`` where ``attention`` (block 0's, of ``model``) sees the sequence as its
+    ``hidden_states``: at most ceil(tokens / P) of them."""
+    def seen(args: tuple, kwargs: dict) -> int:
+        return (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[1]
+
+    return _output_vs_stock(model, inputs, adapter, mesh, attention, tokens, seen)
 
 
 def joint_output_case(model, inputs, adapter, mesh, attention: torch.nn.Module, tokens: int) -> dict[str, float]:
@@ -85,25 +95,10 @@ def joint_output_case(model, inputs, adapter, mesh, attention: torch.nn.Module, 
     [joint token split]): the tokens ``attention`` (block 0's double-stream attention) sees are
     its ``hidden_states`` (image part) and ``encoder_hidden_states`` (text part) together, at most
     ceil(tokens / P) with ``tokens`` = text + image."""
-    ref = forward(model, inputs)
-    lengths = []
+    def seen(args: tuple, kwargs: dict) -> int:
+        return kwargs["hidden_states"].shape[1] + kwargs["encoder_hidden_states"].shape[1]
 
-    def seen(module, args, kwargs):
-        lengths.append(kwargs["hidden_states"].shape[1] + kwargs["encoder_hidden_states"].shape[1])
-
-    adapter.enable(model, mesh, "auto")
-    hook = attention.register_forward_pre_hook(seen, with_kwargs=True)
-    try:
-        out = forward(model, inputs)
-    finally:
-        hook.remove()
-        adapter.disable(model)
-    again = forward(model, inputs)
-    return {
-        "out": rel_err(out, ref),
-        "block0_tokens_above_ceil": float(not lengths or max(lengths) > math.ceil(tokens / mesh.sequence_degree)),
-        "disable_not_bit_identical": float(not torch.equal(again, ref)),
-    }
+    return _output_vs_stock(model, inputs, adapter, mesh, attention, tokens, seen)
 
 
 def _param_grads(model, inputs, divisor: int) -> dict[str, torch.Tensor]:
@@ -134,12 +129,63 @@ def gradient_errors(model, inputs, adapter, mesh) -> dict[str, float]:
     return {"grad": worst}
 
 
-def assert_within(per_rank: list[dict], key: str, tol: float) -> None:
+def allowance_gradient_errors(
+    model, inputs, adapter, mesh, exact: dict[str, torch.Tensor], stock: dict[str, torch.Tensor], tol: float,
+    factor: float = 2.0,
+) -> dict[str, float]:
+    """``gradient_errors`` against ``exact`` (one process's gradients in float64) where the stock
+    float32 model is itself far from them: each parameter's gradient, summed over the sequence group
+    (each rank's loss L / P), its error over max(``tol``, ``factor`` x ``stock``'s error there).
+    ``{"grad_over_allowed": the worst parameter's}``, asserted at most 1 by the parent."""
+    adapter.enable(model, mesh, "auto")
+    try:
+        grads = _param_grads(model, inputs, mesh.sequence_degree)
+    finally:
+        adapter.disable(model)
+    worst = 0.0
+    for name, g in grads.items():
+        g = g.contiguous()  # gloo reduces contiguous buffers only
+        dist.all_reduce(g, group=mesh.seq_group)
+        allowed = max(tol, factor * rel_err(stock[name], exact[name]))
+        worst = max(worst, rel_err(g, exact[name]) / allowed)
+    return {"grad_over_allowed": worst}
+
+
+def assert_within(per_rank: list[dict], key: str, tol: float, by_name: dict[str, float] | None = None,
+                  fallback: str | None = None) -> None:
+    """Every quantity of each rank's ``res[key]`` is ``<= tol`` (``by_name[quantity]`` where given: a
+    decoded image's own tolerance, 0 for a flag); where a rank has no ``key``, its ``res[fallback]``
+    (the error string of a ``record(..., many=True)`` that raised) is what fails."""
     for rank, res in enumerate(per_rank):
-        errors = res[key]
+        errors = res[key] if fallback is None else res.get(key) or res.get(fallback, "no result")
         assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        worst = {k: v for k, v in errors.items() if not v <= tol}
-        assert not worst, f"rank {rank}: above {tol}: {worst}"
+        if by_name is None:
+            worst = {k: v for k, v in errors.items() if not v <= tol}
+            assert not worst, f"rank {rank}: above {tol}: {worst}"
+        else:
+            tols = {k: by_name.get(k, tol) for k in errors}
+            worst = {k: v for k, v in errors.items() if not v <= tols[k]}
+            assert not worst, f"rank {rank}: above {tols}: {worst}"
+
+
+def spawn_grid(run_all: Callable[[], dict], world: int, **kwargs) -> list[dict]:
+    """Every rank's ``run_all()`` results from one spawned group of ``world`` ranks (``kwargs`` to
+    ``usp_dit.testing.run_spawned``); a crashed rank fails here, the module fixture's caller."""
+    per_rank = run_spawned(run_all, world, **kwargs)
+    assert_no_crash(per_rank)
+    return per_rank
+
+
+def cfg_split_case(model, inputs, mesh) -> dict[str, float]:
+    """``model`` enabled on ``mesh`` (a cfg mesh) through ``usp_dit.enable_usp``: its batch split over
+    the cfg groups, vs the stock output (``{"out": rel. error}``)."""
+    ref = forward(model, inputs)
+    enable_usp(model, mesh=mesh)
+    try:
+        out = forward(model, inputs)
+    finally:
+        disable_usp(model)
+    return {"out": rel_err(out, ref)}
 
 
 # ---- the grid of a family's spawned group (tests/test_pipeline_<family>.py) ------------------------
@@ -217,6 +263,30 @@ def output_keys(shapes: list, fits: Callable[[Any, tuple], bool] | None = None) 
     return keys
 
 
+def grad_keys(shapes: Iterable = (), by_world: dict[int, list] | None = None) -> list[str]:
+    """The keys ``run_grid_cases`` records gradient cases under: every shape of ``shapes`` on 2 and 4
+    ranks, or with ``by_world`` (its ``grad_shapes``) ``by_world[P]`` on P ranks."""
+    return [f"grad-p{p}-{s}" for p in (2, 4) for s in (shapes if by_world is None else by_world[p])]
+
+
+def grid_tests(output: list[str], grads: list[str], tol: float, grad_tol: float | None = None) -> tuple[Callable, ...]:
+    """The two parametrized tests every family's file has, over its module fixture ``grid_results``
+    (every rank's ``run_grid_cases`` results): each key of ``output`` within ``tol``, each key of
+    ``grads`` within ``grad_tol`` (default ``tol``; 1.0 where a case records each parameter's error
+    over its allowance). The file assigns them to ``test_sharded_output_matches_one_process`` and
+    ``test_parameter_gradients_match_one_process``, the names pytest collects and reports."""
+
+    @pytest.mark.parametrize("key", output)
+    def test_sharded_output_matches_one_process(grid_results: list[dict], key: str) -> None:
+        assert_within(grid_results, key, tol)
+
+    @pytest.mark.parametrize("key", grads)
+    def test_parameter_gradients_match_one_process(grid_results: list[dict], key: str) -> None:
+        assert_within(grid_results, key, tol if grad_tol is None else grad_tol)
+
+    return test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process
+
+
 def ulysses_above_heads_case(model: torch.nn.Module, adapter, mesh) -> dict[str, float]:
     """``mesh`` with ulysses_degree 4 on a 2-head ``model``: a ValueError at enable naming the head
     count (asserted with tolerance 0 by the parent)."""
@@ -226,3 +296,112 @@ def ulysses_above_heads_case(model: torch.nn.Module, adapter, mesh) -> dict[str,
         return {"wrong_error": float("exceeds the 2 attention heads" not in str(exc))}
     adapter.disable(model)
     return {"did_not_raise": 1.0}
+
+
+# ---- the stock pipeline through pipe.enable_usp() (tests/test_pipeline_<family>.py) --------------
+
+
+def latents_and(pipe, output: str = "images", **call) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pipe(**call)``: (the final latents, as ``callback_on_step_end`` sees them after the last
+    step; the result's ``output`` attribute, e.g. the decoded images or frames)."""
+    last = {}
+
+    def keep_latents(pipe, step, timestep, tensors):
+        last["latents"] = tensors["latents"]
+        return {}
+
+    result = pipe(**call, callback_on_step_end=keep_latents)
+    return last["latents"], getattr(result, output)
+
+
+def decoded_latents_and(pipe, output: str = "images", **call) -> tuple[torch.Tensor, torch.Tensor]:
+    """``latents_and`` for a pipeline that takes no step callback: the latents its VAE decodes (a spy
+    on ``pipe.vae.decode`` for this call), and the result's ``output`` attribute."""
+    seen = []
+    decode = pipe.vae.decode
+    with mock.patch.object(pipe.vae, "decode", lambda z, **kw: (seen.append(z.clone()), decode(z, **kw))[1]):
+        result = pipe(**call)
+    return seen[0], getattr(result, output)
+
+
+def pipeline_grids(grids: list[tuple[int, int, int]], prefix: str = "pipeline") -> dict[str, tuple[int, int, int]]:
+    """``{"<prefix>-u<U>r<R>cfg<C>": (U, R, C)}``: the keys ``pipeline_cases`` records ``grids`` under."""
+    return {f"{prefix}-u{u}r{r}cfg{c}": (u, r, c) for u, r, c in grids}
+
+
+def pipeline_cases(
+    pipe, generate: Callable[[Any], tuple[torch.Tensor, ...]], grids: dict[str, tuple[int, int, int]],
+    names: tuple[str, ...] = ("latents", "images"), check_enabled: bool = True,
+    after_disable: str | None = "pipeline-after-disable", probe: Callable[[Any, tuple], Any] | None = None,
+) -> dict[str, dict[str, float]]:
+    """``generate(pipe)`` (a tuple of tensors, called ``names``) through ``pipe.enable_usp`` on each
+    (U, R, cfg) of ``grids`` vs one process's: ``results[key] = {name: rel. error}``, with
+    ``check_enabled`` also 1.0 under "not_enabled_then_restored" unless the transformer was enabled and
+    ``disable_usp`` restored it. ``after_disable`` (a key; None: not checked): 1.0 unless ``generate``
+    after all grids is bit-identical to the first one (each pipeline build is costly: one reference
+    serves every grid). ``probe(pipe, (U, R, cfg))``: a context manager entered once the pipeline is
+    enabled, around its call, yielding a function that gives a family's further quantities (e.g.
+    ``cfg_pair_computations``)."""
+    pipe.set_progress_bar_config(disable=True)
+    ref = generate(pipe)
+    results = {}
+    for key, (u, r, c) in grids.items():
+        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
+        enabled = is_usp_enabled(pipe.transformer)
+        try:
+            with probe(pipe, (u, r, c)) if probe else contextlib.nullcontext(dict) as measure:
+                got = generate(pipe)
+                more = measure()
+        finally:
+            pipe.disable_usp()
+        errors = {"not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer))}
+        errors = errors if check_enabled else {}
+        results[key] = {**errors, **{name: rel_err(g, want) for name, g, want in zip(names, got, ref, strict=True)},
+                        **more}
+    if after_disable is not None:
+        again = generate(pipe)
+        results[after_disable] = {"not_bit_identical": float(not all(map(torch.equal, again, ref)))}
+    return results
+
+
+@contextlib.contextmanager
+def cfg_pair_computations(pipe, grid: tuple[int, int, int], steps: int) -> Iterator[Callable[[], dict[str, float]]]:
+    """A ``pipeline_cases`` probe for a pipeline of two guidance calls a step: at cfg 2, 1.0 under
+    "computations_not_steps_plus_1" unless block 0 ran ``steps + 1`` times on this rank (the first
+    step's two calls, then one pair a step: ``usp_dit.pipelines.cfg_pair`` Note [two calls a step])."""
+    computed = []
+    hook = pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda m, a: computed.append(1))
+    try:
+        yield lambda: {"computations_not_steps_plus_1": float(len(computed) != steps + 1)} if grid[2] == 2 else {}
+    finally:
+        hook.remove()
+
+
+# ---- one process: what enable changes, disable gives back (tests/test_pipeline_<family>.py) ------
+
+
+def assert_disable_restores(model: torch.nn.Module, inputs, adapter, processor: type) -> None:
+    """``adapter`` enabled on one rank sets ``processor`` on every attention module; after a forward,
+    ``disable`` gives back the same processor objects, the class's ``forward`` (no instance
+    attribute left) and no forward hook or pre-hook on any module."""
+    before = [m.processor for m in model.modules() if hasattr(m, "processor")]
+    adapter.enable(model, single_rank_mesh(), "auto")
+    assert all(isinstance(m.processor, processor) for m in model.modules() if hasattr(m, "processor"))
+    forward(model, inputs)
+    adapter.disable(model)
+    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
+    assert "forward" not in model.__dict__
+    hooked = [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert not hooked, f"hooks left on {hooked}"
+
+
+def assert_one_rank_bit_identical(model: torch.nn.Module, inputs, adapter) -> None:
+    """``adapter`` enabled on one rank (nothing split, the hooks and processors in place) gives the
+    stock output bit for bit."""
+    ref = forward(model, inputs)
+    adapter.enable(model, single_rank_mesh(), "auto")
+    try:
+        out = forward(model, inputs)
+    finally:
+        adapter.disable(model)
+    assert torch.equal(out, ref)

@@ -35,17 +35,21 @@ import torch
 
 from tests.adapter_parity import (
     assert_within,
+    grad_keys,
     gradient_errors,
+    grid_tests,
+    latents_and,
     output_keys,
+    pipeline_cases,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_auraflow import auraflow_inputs, tiny_auraflow, tiny_auraflow_pipeline
 from usp_dit.pipelines.families.auraflow import ADAPTER
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5
 TOL_IMAGES = 1e-4
@@ -86,35 +90,17 @@ PIPELINE_GRIDS = {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipel
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of two prompts of different lengths at 20 x 28 pixels (35 tokens),
     2 steps, guidance 3.5 (batched [uncond, cond])."""
-    last = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-
-    images = pipe(
+    return latents_and(
+        pipe,
         prompt=["a red cat on a mat", "a dog"], negative_prompt=["blurry", ""], height=20, width=28,
         num_inference_steps=2, max_sequence_length=16, generator=torch.Generator().manual_seed(0),
-        output_type="pt", callback_on_step_end=keep_latents,
-    ).images
-    return last["latents"], images
+        output_type="pt",
+    )
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    results = {}
-    pipe = tiny_auraflow_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    ref = _generate(pipe)
-    for key, (u, r, c) in PIPELINE_GRIDS.items():
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        try:
-            latents, images = _generate(pipe)
-        finally:
-            pipe.disable_usp()
-        results[key] = {"latents": rel_err(latents, ref[0]), "images": rel_err(images, ref[1])}
-    again = _generate(pipe)
-    results["pipeline-after-disable"] = {"not_bit_identical": float(not all(map(torch.equal, again, ref)))}
-    return results
+    return pipeline_cases(tiny_auraflow_pipeline(), _generate, PIPELINE_GRIDS, names=("latents", "images"),
+                          check_enabled=False)
 
 
 # Tensor parallelism (issue 28), 5 heads (uneven over 2 tensor ranks): (U, R, cfg, T, schedule).
@@ -145,19 +131,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{SHAPES[0]}" for p in (2, 4)])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(SHAPES[:1]), TOL,
+)
 
 
 @pytest.mark.parametrize("key", [f"tensor-{g}" for g in TENSOR_GRIDS] + ["grad-tensor-(1,2,1,2)"])
@@ -175,10 +154,7 @@ def test_ulysses_above_heads_raises_at_enable(grid_results):
 
 @pytest.mark.parametrize("key", list(PIPELINE_GRIDS))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        assert errors["latents"] <= TOL and errors["images"] <= TOL_IMAGES, f"rank {rank}: {errors}"
+    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_images(grid_results):

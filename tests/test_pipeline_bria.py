@@ -51,13 +51,20 @@ import torch
 
 import usp_dit
 from tests.adapter_parity import (
+    assert_disable_restores,
     assert_within,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
     joint_output_case,
+    latents_and,
     output_keys,
+    pipeline_cases,
+    pipeline_grids,
     record,
     run_grid_cases,
+    spawn_grid,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_bria import (
@@ -68,11 +75,10 @@ from usp_dit.demo.tiny_bria import (
     tiny_bria_fibo_pipeline,
     tiny_bria_pipeline,
 )
-from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.bria import ADAPTER, USPBriaAttnProcessor
 from usp_dit.pipelines.families.bria import FIBO_ADAPTER as FIBO
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_IMAGES = 1e-4
@@ -165,43 +171,20 @@ FIBO_CALL = {"height": 80, "width": 112}
 def _generate(pipe, call: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps, batched CFG (one transformer call a step on
     [uncond; cond]), seed 0."""
-    last = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-
     prompt, negative_prompt = PROMPTS
-    images = pipe(
+    return latents_and(
+        pipe,
         prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.0, num_inference_steps=2,
-        generator=torch.Generator().manual_seed(0), output_type="pt", callback_on_step_end=keep_latents, **call,
-    ).images
-    return last["latents"], images
+        generator=torch.Generator().manual_seed(0), output_type="pt", **call,
+    )
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
 
 
 def _pipeline_cases(name: str, pipe, call: dict) -> dict[str, dict[str, float]]:
-    pipe.set_progress_bar_config(disable=True)
-    ref_latents, ref_images = _generate(pipe, call)
-    results = {}
-    for u, r, c in PIPELINE_GRIDS:
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        enabled = is_usp_enabled(pipe.transformer)
-        try:
-            latents, images = _generate(pipe, call)
-        finally:
-            pipe.disable_usp()
-        results[f"{name}-u{u}r{r}cfg{c}"] = {
-            "not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer)),
-            "latents": rel_err(latents, ref_latents),
-            "images": rel_err(images, ref_images),
-        }
-    again_latents, again_images = _generate(pipe, call)
-    same = torch.equal(again_latents, ref_latents) and torch.equal(again_images, ref_images)
-    results[f"{name}-after-disable"] = {"not_bit_identical": float(not same)}
-    return results
+    return pipeline_cases(pipe, lambda p: _generate(p, call), pipeline_grids(PIPELINE_GRIDS, name),
+                          after_disable=f"{name}-after-disable")
 
 
 def _run_all() -> dict[str, dict | str]:
@@ -223,20 +206,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p, shapes in GRAD_SHAPES.items() for s in shapes]
-                         + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 @pytest.mark.parametrize("key", ["cfg-split", "fibo-cfg-split", "tensor-t2"])
@@ -247,12 +222,7 @@ def test_cfg_split_and_tensor_parallel_match_stock(grid_results, key: str):
 @pytest.mark.parametrize("key", [f"{name}-u{u}r{r}cfg{c}" for name in ("pipeline", "fibo-pipeline")
                                  for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get(key.rsplit("-", 1)[0], "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: TOL_IMAGES if name == "images" else TOL for name in errors}
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback=key.rsplit("-", 1)[0])
 
 
 @pytest.mark.parametrize("name", ["pipeline", "fibo-pipeline"])
@@ -268,15 +238,7 @@ def test_find_adapter_finds_bria():
 
 
 def test_disable_restores_processors_forward_and_hooks():
-    model, inputs = _build(SHAPES[0])
-    before = [m.processor for m in model.modules() if hasattr(m, "processor")]
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert all(isinstance(m.processor, USPBriaAttnProcessor) for m in model.modules() if hasattr(m, "processor"))
-    forward(model, inputs)
-    ADAPTER.disable(model)
-    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
-    assert "forward" not in model.__dict__
-    assert not [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPBriaAttnProcessor)
 
 
 def test_foreign_processor_is_refused():

@@ -38,7 +38,6 @@ sums over pieces of another length).
 """
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from unittest import mock
@@ -47,24 +46,31 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_flux
 
-import usp_dit
 from tests.adapter_parity import (
+    assert_disable_restores,
     assert_within,
+    cfg_split_case,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
+    joint_output_case,
+    latents_and,
     output_keys,
+    pipeline_cases,
+    pipeline_grids,
     record,
     run_grid_cases,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_chroma import chroma_inputs, tiny_chroma, tiny_chroma_pipeline
-from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import chroma  # noqa: F401  (registers the adapter)
 from usp_dit.pipelines.families.chroma import ADAPTER, USPChromaAttnProcessor
 from usp_dit.sharding.shard import shard_sequence
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_IMAGES = 1e-4
@@ -105,25 +111,7 @@ def _build(shape: Shape, seed: int = 0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's attention length (text + image) vs ceil((T + N) / P), bit-identity after disable."""
     model, inputs = _build(shape)
-    ref = forward(model, inputs)
-    lengths = []
-
-    def seen(m, args, kwargs):
-        lengths.append(kwargs["hidden_states"].shape[1] + kwargs["encoder_hidden_states"].shape[1])
-
-    ADAPTER.enable(model, mesh, "auto")
-    hook = model.transformer_blocks[0].attn.register_forward_pre_hook(seen, with_kwargs=True)
-    try:
-        out = forward(model, inputs)
-    finally:
-        hook.remove()
-        ADAPTER.disable(model)
-    again = forward(model, inputs)
-    return {
-        "out": rel_err(out, ref),
-        "block0_tokens_above_ceil": float(max(lengths) > math.ceil(shape.tokens / mesh.sequence_degree)),
-        "disable_not_bit_identical": float(not torch.equal(again, ref)),
-    }
+    return joint_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, shape.tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
@@ -167,14 +155,7 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2 (usp_dit.enable_usp on the model): its masked
     batch of 2 split over the cfg groups, equal to stock."""
-    model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
-    usp_dit.enable_usp(model, mesh=mesh)
-    try:
-        out = forward(model, inputs)
-    finally:
-        usp_dit.disable_usp(model)
-    return {"out": rel_err(out, ref)}
+    return cfg_split_case(*_build(SHAPES[0]), mesh)
 
 
 PROMPTS = (["a red fox", "cat"], ["blurry", "dark dim"])  # of different lengths: padded, masked
@@ -183,45 +164,19 @@ PROMPTS = (["a red fox", "cat"], ["blurry", "dark dim"])  # of different lengths
 def _generate(pipe, prompts: tuple = PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps at 12 x 20 (3 x 5 = 15 image tokens), 12 text tokens,
     true CFG (two transformer calls per step), seed 0."""
-    last = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-
     prompt, negative_prompt = prompts
-    images = pipe(
+    return latents_and(
+        pipe,
         prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.0, max_sequence_length=12, height=12,
         width=20, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt",
-        callback_on_step_end=keep_latents,
-    ).images
-    return last["latents"], images
+    )
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last: cfg split (step 1), then the calls paired
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    pipe = tiny_chroma_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    ref_latents, ref_images = _generate(pipe)
-    results = {}
-    for u, r, c in PIPELINE_GRIDS:
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        enabled = is_usp_enabled(pipe.transformer)
-        try:
-            latents, images = _generate(pipe)
-        finally:
-            pipe.disable_usp()
-        results[f"pipeline-u{u}r{r}cfg{c}"] = {
-            "not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer)),
-            "latents": rel_err(latents, ref_latents),
-            "images": rel_err(images, ref_images),
-        }
-    again_latents, again_images = _generate(pipe)
-    same = torch.equal(again_latents, ref_latents) and torch.equal(again_images, ref_images)
-    results["pipeline-after-disable"] = {"not_bit_identical": float(not same)}
-    return results
+    return pipeline_cases(tiny_chroma_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS))
 
 
 def _run_all() -> dict[str, dict | str]:
@@ -241,25 +196,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-OUTPUT_KEYS = output_keys(SHAPES)
-
-
-@pytest.mark.parametrize("key", OUTPUT_KEYS)
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-GRAD_KEYS = [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES]
-
-
-@pytest.mark.parametrize("key", GRAD_KEYS + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
@@ -272,12 +214,7 @@ def test_cfg_split_of_a_masked_batch_matches_stock(grid_results):
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: TOL_IMAGES if name == "images" else TOL for name in errors}
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
@@ -311,16 +248,7 @@ def test_the_float_mask_changes_the_output_and_is_kept():
 
 
 def test_disable_restores_processors_forward_and_hooks():
-    model, inputs = _build(SHAPES[0])
-    before = [m.processor for m in model.modules() if hasattr(m, "processor")]
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert all(isinstance(m.processor, USPChromaAttnProcessor) for m in model.modules() if hasattr(m, "processor"))
-    forward(model, inputs)
-    ADAPTER.disable(model)
-    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
-    assert "forward" not in model.__dict__
-    hooked = [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
-    assert not hooked, f"hooks left on {hooked}"
+    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPChromaAttnProcessor)
 
 
 def test_enable_twice_and_disable_unpatched_raise():

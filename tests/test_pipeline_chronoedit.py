@@ -38,11 +38,15 @@ from diffusers.models.transformers import transformer_chronoedit
 from tests.adapter_parity import (
     assert_within,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
+    latents_and,
     output_keys,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
@@ -52,7 +56,7 @@ from usp_dit.demo.tiny_wan import I2V_TEXT_LEN
 from usp_dit.pipelines import _routing
 from usp_dit.pipelines.families.chronoedit import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_FRAMES = 1e-4
@@ -128,20 +132,14 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
 def _generate(pipe, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames) of an edit at 48 x 80 (2 latent frames of 3 x 5 tokens), 2 steps,
     seeded prompt embeds (the pipeline's prompt cleaning needs ftfy, which the tests do not)."""
-    last = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-
     g = torch.Generator().manual_seed(1)
     prompt, negative = (torch.randn(1, I2V_TEXT_LEN, TEXT_DIM, generator=g) for _ in range(2))
-    frames = pipe(
+    return latents_and(
+        pipe, "frames",
         image=gradient_image(48, 80), prompt_embeds=prompt, negative_prompt_embeds=negative, height=48, width=80,
         num_inference_steps=kwargs.pop("steps", 2), generator=torch.Generator().manual_seed(0), output_type="pt",
-        callback_on_step_end=keep_latents, **kwargs,
-    ).frames
-    return last["latents"], frames
+        **kwargs,
+    )
 
 
 # Temporal reasoning: 9 frames (3 latent frames, 27 tokens) for the first step, then the first and last.
@@ -184,19 +182,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 def test_edit_mode_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
@@ -209,10 +200,7 @@ def test_ulysses_above_heads_raises_at_enable(grid_results):
 
 @pytest.mark.parametrize("key", sorted(PIPELINE_CASES))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        assert errors["latents"] <= TOL and errors["frames"] <= TOL_FRAMES, f"rank {rank}: {errors}"
+    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_edit(grid_results):

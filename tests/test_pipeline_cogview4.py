@@ -34,19 +34,22 @@ import torch
 from diffusers.models.transformers.transformer_cogview4 import CogView4TrainingAttnProcessor
 
 from tests.adapter_parity import (
-    assert_within,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
+    latents_and,
     output_keys,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_cogview4 import cogview_inputs, tiny_cogview3plus, tiny_cogview4, tiny_cogview4_pipeline
 from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines.families.cogview4 import ADAPTER, ADAPTER_3PLUS
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_IMAGES = 1e-4
@@ -94,20 +97,13 @@ PROMPTS = (["a red fox jumps over", "a cat"], ["blurry", "dark, dim, low quality
 
 def _generate(pipe, prompts: tuple = PROMPTS, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps at 48 x 80 (3 x 5 = 15 image tokens), true CFG, seed 0."""
-    last = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-
     prompt, negative_prompt = prompts
     torch.manual_seed(0)  # CogView4ControlPipeline samples the control latents from the global generator
-    images = pipe(
+    return latents_and(
+        pipe,
         prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.0, height=48, width=80,
-        num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt",
-        callback_on_step_end=keep_latents, **kwargs,
-    ).images
-    return last["latents"], images
+        num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt", **kwargs,
+    )
 
 
 def _pipeline_runs(pipe, grids: list, prompts: tuple = PROMPTS, **kwargs) -> dict[str, dict[str, float]]:
@@ -159,19 +155,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 PIPELINE_KEYS = [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS] + [

@@ -32,18 +32,23 @@ import torch
 from tests.adapter_parity import (
     assert_within,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
+    latents_and,
     output_keys,
+    pipeline_cases,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import disable_usp, enable_usp, init_usp
 from usp_dit.demo.tiny_consisid import consisid_inputs, face_inputs, tiny_consisid, tiny_consisid_pipeline
 from usp_dit.demo.tiny_video import TEXT_DIM, gradient_image
 from usp_dit.pipelines.families.consisid import ADAPTER
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_FRAMES = 1e-4
@@ -97,38 +102,20 @@ PIPELINE_GRIDS = {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipel
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames) of a 48 x 48 x 9-frame video (27 video tokens), 2 steps, guidance 6
     (batched [uncond, cond]); prompt embeddings seeded (no prompt cleaning dependencies)."""
-    last = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-
     g = torch.Generator().manual_seed(1)
     id_cond, id_vit_hidden = face_inputs(1)
-    frames = pipe(
+    return latents_and(
+        pipe, "frames",
         image=gradient_image(48, 48), prompt_embeds=torch.randn(1, 16, TEXT_DIM, generator=g),
         negative_prompt_embeds=torch.randn(1, 16, TEXT_DIM, generator=g), height=48, width=48, num_frames=9,
         num_inference_steps=2, id_cond=id_cond, id_vit_hidden=id_vit_hidden, max_sequence_length=16,
-        generator=torch.Generator().manual_seed(0), output_type="pt", callback_on_step_end=keep_latents,
-    ).frames
-    return last["latents"], frames
+        generator=torch.Generator().manual_seed(0), output_type="pt",
+    )
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    results = {}
-    pipe = tiny_consisid_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    ref = _generate(pipe)
-    for key, (u, r, c) in PIPELINE_GRIDS.items():
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        try:
-            latents, frames = _generate(pipe)
-        finally:
-            pipe.disable_usp()
-        results[key] = {"latents": rel_err(latents, ref[0]), "frames": rel_err(frames, ref[1])}
-    again = _generate(pipe)
-    results["pipeline-after-disable"] = {"not_bit_identical": float(not all(map(torch.equal, again, ref)))}
-    return results
+    return pipeline_cases(tiny_consisid_pipeline(), _generate, PIPELINE_GRIDS, names=("latents", "frames"),
+                          check_enabled=False)
 
 
 def _run_all() -> dict[str, dict | str]:
@@ -144,19 +131,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{SHAPES[0]}" for p in (2, 4)])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(SHAPES[:1]), TOL,
+)
 
 
 def test_identity_inputs_split_over_cfg_with_the_batch(grid_results):
@@ -169,10 +149,7 @@ def test_ulysses_above_heads_raises_at_enable(grid_results):
 
 @pytest.mark.parametrize("key", list(PIPELINE_GRIDS))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        assert errors["latents"] <= TOL and errors["frames"] <= TOL_FRAMES, f"rank {rank}: {errors}"
+    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):

@@ -39,14 +39,24 @@ import torch
 import torch.distributed as dist
 from diffusers.models.transformers import transformer_cosmos3
 
-from tests.adapter_parity import GRAD_GRID, assert_within, output_keys, record, run_grid_cases
+from tests.adapter_parity import (
+    GRAD_GRID,
+    assert_within,
+    grad_keys,
+    grid_tests,
+    latents_and,
+    output_keys,
+    record,
+    run_grid_cases,
+    spawn_grid,
+)
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_cosmos3 import cosmos3_inputs, cosmos3_output, tiny_cosmos3, tiny_cosmos3_pipeline
 from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines.families import cosmos3
 from usp_dit.pipelines.families.cosmos3 import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_FRAMES = 1e-4
@@ -160,16 +170,9 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames) of 2 steps with guidance at 48 x 80 x 9 frames (45 vision tokens), seed 0."""
-    last = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-
-    video = pipe(prompt="a red fox jumps over a log", negative_prompt="blurry", height=48, width=80, num_frames=9,
-                 num_inference_steps=2, guidance_scale=3.0, generator=torch.Generator().manual_seed(0),
-                 output_type="pt", callback_on_step_end=keep_latents).video
-    return last["latents"], video
+    return latents_and(pipe, "video", prompt="a red fox jumps over a log", negative_prompt="blurry", height=48,
+                       width=80, num_frames=9, num_inference_steps=2, guidance_scale=3.0,
+                       generator=torch.Generator().manual_seed(0), output_type="pt")
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (2, 1, 2)]  # (U, R, cfg)
@@ -211,22 +214,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-OUTPUT_KEYS = output_keys(SHAPES)
-
-
-@pytest.mark.parametrize("key", OUTPUT_KEYS)
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):

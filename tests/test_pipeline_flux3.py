@@ -26,21 +26,24 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import usp_dit
 from tests.adapter_parity import (
     assert_within,
+    cfg_split_case,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
     output_keys,
     record,
     run_grid_cases,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_flux3 import flux3_inputs, tiny_flux3
 from usp_dit.pipelines.families import flux3
 from usp_dit.pipelines.families.flux3 import ADAPTER
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 WORLD = 4
@@ -96,14 +99,7 @@ def _checkpointed_gradient_case(mesh) -> dict[str, float]:
 
 
 def _cfg_split_case(mesh) -> dict[str, float]:
-    model, inputs = _build(SHAPES[1])
-    ref = forward(model, inputs)
-    usp_dit.enable_usp(model, mesh=mesh)
-    try:
-        out = forward(model, inputs)
-    finally:
-        usp_dit.disable_usp(model)
-    return {"out": rel_err(out, ref)}
+    return cfg_split_case(*_build(SHAPES[1]), mesh)
 
 
 def _run_all() -> dict[str, dict | str]:
@@ -120,19 +116,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 def test_cfg_split_matches_stock(grid_results):

@@ -50,10 +50,14 @@ from tests.adapter_parity import (
     _param_grads,
     assert_within,
     forward,
+    grad_keys,
+    latents_and,
     output_keys,
+    pipeline_cases,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
@@ -63,7 +67,7 @@ from usp_dit.pipelines import _routing
 from usp_dit.pipelines.families.helios import ADAPTER, local_context_length
 from usp_dit.pipelines.plan import submodule
 from usp_dit.sharding.shard import shard_sequence
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_FRAMES = 1e-4
@@ -185,19 +189,13 @@ def _generate(pipe, pyramid: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames). Stage 1: two chunks of 3 latent frames at 32 x 48 (18 current +
     12 short + 2 mid + 1 long = 33 tokens a call), 2 steps each; pyramid: one chunk at 64 x 96,
     a step at half resolution, then one at full (the history stays at full: 74, then 128 tokens)."""
-    last = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-
     size = dict(height=64, width=96, num_frames=9, pyramid_num_inference_steps_list=[1, 1]) if pyramid else dict(
         height=32, width=48, num_frames=18, num_inference_steps=2)
-    frames = pipe(
+    return latents_and(
+        pipe, "frames",
         **_embeds(), **size, history_sizes=[4, 2, 1], num_latent_frames_per_chunk=3,
-        generator=torch.Generator().manual_seed(0), output_type="pt", callback_on_step_end=keep_latents,
-    ).frames
-    return last["latents"], frames
+        generator=torch.Generator().manual_seed(0), output_type="pt",
+    )
 
 
 PIPELINE_GRIDS = {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipeline-cfg2": (1, 1, 2)}
@@ -206,28 +204,12 @@ PIPELINE_GRIDS = {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipel
 def _pipeline_cases() -> dict[str, dict[str, float]]:
     """The tiny HeliosPipeline through ``pipe.enable_usp`` on each of ``PIPELINE_GRIDS``, bit-identical
     after ``pipe.disable_usp``; the pyramid pipeline on (2, 2)."""
-    results = {}
-    pipe = tiny_helios_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    ref = _generate(pipe)
-    for key, (u, r, c) in PIPELINE_GRIDS.items():
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        try:
-            latents, frames = _generate(pipe)
-        finally:
-            pipe.disable_usp()
-        results[key] = {"latents": rel_err(latents, ref[0]), "frames": rel_err(frames, ref[1])}
-    again = _generate(pipe)
-    results["pipeline-after-disable"] = {"not_bit_identical": float(not all(map(torch.equal, again, ref)))}
-    pyramid = tiny_helios_pipeline(pyramid=True)
-    pyramid.set_progress_bar_config(disable=True)
-    ref = _generate(pyramid, pyramid=True)
-    pyramid.enable_usp(ulysses_degree=2, ring_degree=2)
-    try:
-        latents, frames = _generate(pyramid, pyramid=True)
-    finally:
-        pyramid.disable_usp()
-    results["pipeline-pyramid-u2r2"] = {"latents": rel_err(latents, ref[0]), "frames": rel_err(frames, ref[1])}
+    results = pipeline_cases(tiny_helios_pipeline(), _generate, PIPELINE_GRIDS, names=("latents", "frames"),
+                             check_enabled=False)
+    results.update(pipeline_cases(
+        tiny_helios_pipeline(pyramid=True), lambda p: _generate(p, pyramid=True), {"pipeline-pyramid-u2r2": (2, 2, 1)},
+        names=("latents", "frames"), check_enabled=False, after_disable=None,
+    ))
     return results
 
 
@@ -244,9 +226,7 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
 @pytest.mark.parametrize("key", output_keys(SHAPES))
@@ -254,7 +234,7 @@ def test_sharded_output_matches_one_process(grid_results, key: str):
     assert_within(grid_results, key, TOL)
 
 
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
+@pytest.mark.parametrize("key", grad_keys(SHAPES) + ["grad-ckpt-p4"])
 def test_parameter_gradients_match_one_process(grid_results, key: str):
     assert_within(grid_results, key, TOL)
     assert all(res[key]["key_scale_float64"] <= KEY_SCALE_TOL for res in grid_results), [res[key] for res in grid_results]
@@ -270,10 +250,7 @@ def test_ulysses_above_heads_raises_at_enable(grid_results):
 
 @pytest.mark.parametrize("key", [*PIPELINE_GRIDS, "pipeline-pyramid-u2r2"])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        assert errors["latents"] <= TOL and errors["frames"] <= TOL_FRAMES, f"rank {rank}: {errors}"
+    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):

@@ -43,11 +43,15 @@ import usp_dit
 from tests.adapter_parity import (
     assert_within,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
+    latents_and,
     output_keys,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
@@ -55,7 +59,7 @@ from usp_dit.demo.tiny_hidream import hidream_inputs, hidream_tokens, tiny_hidre
 from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines.families import hidream
 from usp_dit.pipelines.families.hidream import ADAPTER
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_IMAGES = 1e-4
@@ -116,18 +120,11 @@ def _cfg_split_case(mesh) -> dict[str, float]:
 def _generate(pipe, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps, CFG batched, seed 0; 20 x ``width`` pixels (20: 25 image
     tokens; 28: rescaled by the pipeline to 16 x 20, padded to 39 tokens); 7 T5 + 2 x 7 Llama tokens."""
-    last = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-
-    images = pipe(
+    return latents_and(
+        pipe,
         prompt="fox", negative_prompt="dim", height=20, width=width, num_inference_steps=2, guidance_scale=4.0,
         max_sequence_length=7, generator=torch.Generator().manual_seed(0), output_type="pt",
-        callback_on_step_end=keep_latents,
-    ).images
-    return last["latents"], images
+    )
 
 
 PIPELINE_RUNS = [((2, 1, 1), 20), ((2, 2, 1), 20), ((1, 2, 2), 20), ((2, 2, 1), 28)]
@@ -176,19 +173,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 def test_cfg_split_of_the_transformer_batch_matches_stock(grid_results):
@@ -199,12 +189,7 @@ def test_cfg_split_of_the_transformer_batch_matches_stock(grid_results):
 def test_pipeline_matches_one_process(grid_results, key: str):
     """(2,1) and (2,2) sequence grids, cfg_degree=2 (the pipeline batches [uncond, cond] in one
     call), and a non-square image (padded tokens, the token mask)."""
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: TOL_IMAGES if name == "images" else TOL for name in errors}
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):

@@ -38,6 +38,7 @@ untrained random VAE's gain, as in tests/test_video_pipelines.py).
 """
 from __future__ import annotations
 
+import functools
 from unittest import mock
 
 import numpy as np
@@ -48,11 +49,18 @@ from diffusers.models.transformers import transformer_hunyuanimage
 
 from tests.adapter_parity import (
     assert_within,
+    cfg_pair_computations,
+    decoded_latents_and,
     forward,
+    grad_keys,
+    grid_tests,
     output_keys,
+    pipeline_cases,
+    pipeline_grids,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from tests.test_pipeline_hunyuan_video import gradient_errors
@@ -67,7 +75,7 @@ from usp_dit.pipelines import _routing
 from usp_dit.pipelines.families import hunyuan_image
 from usp_dit.pipelines.families.hunyuan_image import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_IMAGES = 1e-4
@@ -164,11 +172,7 @@ def _generate(pipe, refiner: bool) -> tuple[torch.Tensor, torch.Tensor]:
         args.update(image=PIL.Image.fromarray(pixels), height=48, width=80)
     else:
         args.update(height=40, width=56)
-    seen = []
-    decode = pipe.vae.decode
-    with mock.patch.object(pipe.vae, "decode", lambda z, **kw: (seen.append(z.clone()), decode(z, **kw))[1]):
-        images = pipe(**args).images
-    return seen[0], images
+    return decoded_latents_and(pipe, **args)
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
@@ -179,27 +183,11 @@ def _pipeline_cases(refiner: bool) -> dict[str, dict[str, float]]:
     """A tiny pipeline on each of ``PIPELINE_GRIDS`` through ``pipe.enable_usp``: latents and images
     vs one process; at cfg 2, ``steps + 1`` computations per rank; after disable, bit-identical."""
     name = "refiner" if refiner else "base"
-    pipe = tiny_hunyuan_image_pipeline(refiner=refiner)
-    pipe.set_progress_bar_config(disable=True)
-    ref_latents, ref_images = _generate(pipe, refiner)
-    computed = []
-    pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda m, a: computed.append(1))
-    results = {}
-    for u, r, c in PIPELINE_GRIDS:
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        computed.clear()
-        try:
-            latents, images = _generate(pipe, refiner)
-            errors = {"latents": rel_err(latents, ref_latents), "images": rel_err(images, ref_images)}
-            if c == 2:
-                errors["computations_not_steps_plus_1"] = float(len(computed) != STEPS + 1)
-        finally:
-            pipe.disable_usp()
-        results[f"pipeline-{name}-u{u}r{r}cfg{c}"] = errors
-    again_latents, again_images = _generate(pipe, refiner)
-    same = torch.equal(again_latents, ref_latents) and torch.equal(again_images, ref_images)
-    results[f"pipeline-{name}-after-disable"] = {"not_bit_identical": float(not same)}
-    return results
+    return pipeline_cases(
+        tiny_hunyuan_image_pipeline(refiner=refiner), lambda p: _generate(p, refiner),
+        pipeline_grids(PIPELINE_GRIDS, f"pipeline-{name}"), check_enabled=False,
+        after_disable=f"pipeline-{name}-after-disable", probe=functools.partial(cfg_pair_computations, steps=STEPS),
+    )
 
 
 def _run_all() -> dict[str, dict | str]:
@@ -220,19 +208,12 @@ def _run_all() -> dict[str, dict | str]:
 def grid_results() -> list[dict]:
     # check_groups=False: the compiled case's torch compile caches (functional collectives' graphs)
     # keep references to the process groups past the job, as in tests/test_compile_grid.py.
-    per_rank = run_spawned(_run_all, WORLD, check_groups=False)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD, check_groups=False)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPE_IDS, _fits))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in GRAD_SHAPES[p]])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPE_IDS, _fits), grad_keys(by_world=GRAD_SHAPES), TOL,
+)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
@@ -252,12 +233,8 @@ PIPELINE_KEYS = [f"pipeline-{n}-u{u}r{r}cfg{c}" for n in ("base", "refiner") for
 
 @pytest.mark.parametrize("key", PIPELINE_KEYS)
 def test_pipeline_matches_one_process(grid_results, key: str):
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get(f"pipeline-{key.split('-')[1]}", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: {"latents": TOL, "images": TOL_IMAGES}.get(name, 0.0) for name in errors}
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    assert_within(grid_results, key, 0.0, {"latents": TOL, "images": TOL_IMAGES},
+                  fallback=f"pipeline-{key.split('-')[1]}")
 
 
 @pytest.mark.parametrize("name", ["base", "refiner"])

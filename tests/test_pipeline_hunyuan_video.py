@@ -48,10 +48,15 @@ from tests.adapter_parity import (
     _param_grads,
     assert_within,
     forward,
+    grad_keys,
+    grid_tests,
+    latents_and,
     output_keys,
+    pipeline_cases,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
@@ -66,7 +71,7 @@ from usp_dit.pipelines import _routing
 from usp_dit.pipelines.families import hunyuan_video
 from usp_dit.pipelines.families.hunyuan_video import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_FRAMES = 1e-4
@@ -186,19 +191,12 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
 def _generate(pipe, true_cfg: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames) of 2 steps at 48 x 80 x 9 frames (3 x 3 x 5 = 45 tokens), seed 0; with
     ``true_cfg`` a negative prompt of another padded length (two transformer calls per step)."""
-    last = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-
     extra = dict(negative_prompt="blurry", true_cfg_scale=3.0) if true_cfg else {}
-    frames = pipe(
+    return latents_and(
+        pipe, "frames",
         prompt="a red fox", height=48, width=80, num_frames=9, num_inference_steps=2, max_sequence_length=16,
-        prompt_template=TINY_PROMPT_TEMPLATE, generator=torch.Generator().manual_seed(0), output_type="pt",
-        callback_on_step_end=keep_latents, **extra,
-    ).frames
-    return last["latents"], frames
+        prompt_template=TINY_PROMPT_TEMPLATE, generator=torch.Generator().manual_seed(0), output_type="pt", **extra,
+    )
 
 
 PIPELINE_GRIDS = [(2, 1), (2, 2)]  # (U, R): a 2-rank sequence group (dp 2) and all 4 ranks
@@ -206,22 +204,9 @@ PIPELINE_GRIDS = [(2, 1), (2, 2)]  # (U, R): a 2-rank sequence group (dp 2) and 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
     """The tiny HunyuanVideoPipeline on each of ``PIPELINE_GRIDS`` through ``pipe.enable_usp``."""
-    pipe = tiny_hunyuan_video_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    ref_latents, ref_frames = _generate(pipe)
-    results = {}
-    for u, r in PIPELINE_GRIDS:
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r)
-        try:
-            latents, frames = _generate(pipe)
-        finally:
-            pipe.disable_usp()
-        errors = {"latents": rel_err(latents, ref_latents), "frames": rel_err(frames, ref_frames)}
-        results[f"pipeline-u{u}r{r}"] = errors
-    again_latents, again_frames = _generate(pipe)
-    same = torch.equal(again_latents, ref_latents) and torch.equal(again_frames, ref_frames)
-    results["pipeline-after-disable"] = {"not_bit_identical": float(not same)}
-    return results
+    grids = {f"pipeline-u{u}r{r}": (u, r, 1) for u, r in PIPELINE_GRIDS}
+    return pipeline_cases(tiny_hunyuan_video_pipeline(), _generate, grids, names=("latents", "frames"),
+                          check_enabled=False)
 
 
 def _run_all() -> dict[str, dict | str]:
@@ -240,25 +225,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-OUTPUT_KEYS = output_keys(SHAPES)
-
-
-@pytest.mark.parametrize("key", OUTPUT_KEYS)
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-GRAD_KEYS = [f"grad-p{p}-{s}" for p in (2, 4) for s in GRAD_SHAPES[p]]
-
-
-@pytest.mark.parametrize("key", GRAD_KEYS + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
@@ -267,12 +239,7 @@ def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}" for u, r in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: TOL_FRAMES if name == "frames" else TOL for name in errors}
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):

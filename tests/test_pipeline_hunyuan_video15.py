@@ -41,7 +41,9 @@ Measured (4 gloo ranks, CPU): 3.4e-7 on outputs (schedules forced), 1.6e-6 on th
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from unittest import mock
 
@@ -53,11 +55,18 @@ from diffusers.models.transformers import transformer_hunyuan_video15
 
 from tests.adapter_parity import (
     assert_within,
+    cfg_pair_computations,
+    decoded_latents_and,
     forward,
+    grad_keys,
+    grid_tests,
     output_keys,
+    pipeline_cases,
+    pipeline_grids,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from tests.test_pipeline_hunyuan_video import gradient_errors
@@ -73,7 +82,7 @@ from usp_dit.pipelines import _routing
 from usp_dit.pipelines.families import hunyuan_video15
 from usp_dit.pipelines.families.hunyuan_video15 import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_FRAMES = 1e-4
@@ -184,45 +193,31 @@ def _generate(pipe, image_to_video: bool) -> tuple[torch.Tensor, torch.Tensor]:
     args = dict(prompt='a red fox and the sign "open"', negative_prompt="blurry", num_frames=9, num_inference_steps=2,
                 generator=torch.Generator().manual_seed(0), output_type="pt")
     args.update(image=_image()) if image_to_video else args.update(height=48, width=80)
-    seen = []
-    decode = pipe.vae.decode
-    with mock.patch.object(pipe.vae, "decode", lambda z, **kw: (seen.append(z.clone()), decode(z, **kw))[1]):
-        frames = pipe(**args).frames
-    return seen[0], frames
+    return decoded_latents_and(pipe, "frames", **args)
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
 STEPS = 2
 
 
+@contextlib.contextmanager
+def _vae_split_and_computations(pipe, grid: tuple[int, int, int]) -> Iterator[Callable[[], dict[str, float]]]:
+    """The ``pipeline_cases`` probe: 1.0 unless the VAE is split, and ``cfg_pair_computations``."""
+    from usp_dit.pipelines.vae import is_parallel_vae_enabled
+
+    with cfg_pair_computations(pipe, grid, STEPS) as computations:
+        yield lambda: {"vae_not_split": float(not is_parallel_vae_enabled(pipe.vae)), **computations()}
+
+
 def _pipeline_cases(image_to_video: bool) -> dict[str, dict[str, float]]:
     """A tiny pipeline on each of ``PIPELINE_GRIDS`` through ``pipe.enable_usp``: latents and frames
     vs one process; at cfg 2, ``steps + 1`` computations per rank; after disable, bit-identical."""
-    from usp_dit.pipelines.vae import is_parallel_vae_enabled
-
     name = "i2v" if image_to_video else "t2v"
-    pipe = tiny_hunyuan_video15_pipeline(image_to_video=image_to_video)
-    pipe.set_progress_bar_config(disable=True)
-    ref_latents, ref_frames = _generate(pipe, image_to_video)
-    computed = []
-    pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda m, a: computed.append(1))
-    results = {}
-    for u, r, c in PIPELINE_GRIDS:
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        computed.clear()
-        try:
-            latents, frames = _generate(pipe, image_to_video)
-            errors = {"latents": rel_err(latents, ref_latents), "frames": rel_err(frames, ref_frames),
-                      "vae_not_split": float(not is_parallel_vae_enabled(pipe.vae))}
-            if c == 2:
-                errors["computations_not_steps_plus_1"] = float(len(computed) != STEPS + 1)
-        finally:
-            pipe.disable_usp()
-        results[f"pipeline-{name}-u{u}r{r}cfg{c}"] = errors
-    again_latents, again_frames = _generate(pipe, image_to_video)
-    same = torch.equal(again_latents, ref_latents) and torch.equal(again_frames, ref_frames)
-    results[f"pipeline-{name}-after-disable"] = {"not_bit_identical": float(not same)}
-    return results
+    return pipeline_cases(
+        tiny_hunyuan_video15_pipeline(image_to_video=image_to_video), lambda p: _generate(p, image_to_video),
+        pipeline_grids(PIPELINE_GRIDS, f"pipeline-{name}"), names=("latents", "frames"), check_enabled=False,
+        after_disable=f"pipeline-{name}-after-disable", probe=_vae_split_and_computations,
+    )
 
 
 VAE_GRIDS = [(2, 2, 1), (4, 1, 1)]
@@ -281,19 +276,12 @@ def _run_all() -> dict[str, dict | str]:
 def grid_results() -> list[dict]:
     # check_groups=False: the compiled case's torch compile caches (functional collectives' graphs)
     # keep references to the process groups past the job, as in tests/test_compile_grid.py.
-    per_rank = run_spawned(_run_all, WORLD, check_groups=False)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD, check_groups=False)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in GRAD_SHAPES[p]] + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
@@ -323,12 +311,8 @@ PIPELINE_KEYS = [f"pipeline-{n}-u{u}r{r}cfg{c}" for n in ("t2v", "i2v") for u, r
 
 @pytest.mark.parametrize("key", PIPELINE_KEYS)
 def test_pipeline_matches_one_process(grid_results, key: str):
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get(f"pipeline-{key.split('-')[1]}", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: {"latents": TOL, "frames": TOL_FRAMES}.get(name, 0.0) for name in errors}
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    assert_within(grid_results, key, 0.0, {"latents": TOL, "frames": TOL_FRAMES},
+                  fallback=f"pipeline-{key.split('-')[1]}")
 
 
 @pytest.mark.parametrize("name", ["t2v", "i2v"])

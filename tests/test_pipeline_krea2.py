@@ -31,6 +31,7 @@ untrained random VAE's gain, as in tests/test_video_pipelines.py).
 """
 from __future__ import annotations
 
+import functools
 import math
 from unittest import mock
 
@@ -40,12 +41,19 @@ from diffusers.models.transformers import transformer_krea2
 
 from tests.adapter_parity import (
     assert_within,
+    cfg_pair_computations,
     compiled_case,
+    decoded_latents_and,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
     output_keys,
+    pipeline_cases,
+    pipeline_grids,
     record,
     run_grid_cases,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
@@ -54,7 +62,7 @@ from usp_dit.pipelines import _routing
 from usp_dit.pipelines.families import krea2
 from usp_dit.pipelines.families.krea2 import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_IMAGES = 1e-4
@@ -181,12 +189,9 @@ def _block0_stock_qk(model, inputs, block0) -> tuple[torch.Tensor, torch.Tensor]
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(the latents the VAE decodes, images) of 2 steps at 80 x 112 (5 x 7 = 35 image tokens), 12
     text tokens, seed 0."""
-    seen = []
-    decode = pipe.vae.decode
-    with mock.patch.object(pipe.vae, "decode", lambda z, **kw: (seen.append(z.clone()), decode(z, **kw))[1]):
-        images = pipe(prompt="a red fox", negative_prompt="blurry", height=80, width=112, num_inference_steps=2,
-                      max_sequence_length=12, generator=torch.Generator().manual_seed(0), output_type="pt").images
-    return seen[0], images
+    return decoded_latents_and(pipe, prompt="a red fox", negative_prompt="blurry", height=80, width=112,
+                               num_inference_steps=2, max_sequence_length=12,
+                               generator=torch.Generator().manual_seed(0), output_type="pt")
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
@@ -196,27 +201,8 @@ STEPS = 2
 def _pipeline_cases() -> dict[str, dict[str, float]]:
     """The tiny pipeline on each of ``PIPELINE_GRIDS`` through ``pipe.enable_usp``: latents and images
     vs one process; at cfg 2, ``steps + 1`` computations per rank; after disable, bit-identical."""
-    pipe = tiny_krea2_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    ref_latents, ref_images = _generate(pipe)
-    computed = []
-    pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda m, a: computed.append(1))
-    results = {}
-    for u, r, c in PIPELINE_GRIDS:
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        computed.clear()
-        try:
-            latents, images = _generate(pipe)
-            errors = {"latents": rel_err(latents, ref_latents), "images": rel_err(images, ref_images)}
-            if c == 2:
-                errors["computations_not_steps_plus_1"] = float(len(computed) != STEPS + 1)
-        finally:
-            pipe.disable_usp()
-        results[f"pipeline-u{u}r{r}cfg{c}"] = errors
-    again_latents, again_images = _generate(pipe)
-    same = torch.equal(again_latents, ref_latents) and torch.equal(again_images, ref_images)
-    results["pipeline-after-disable"] = {"not_bit_identical": float(not same)}
-    return results
+    return pipeline_cases(tiny_krea2_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS), check_enabled=False,
+                          probe=functools.partial(cfg_pair_computations, steps=STEPS))
 
 
 def _run_all() -> dict[str, dict | str]:
@@ -237,19 +223,12 @@ def _run_all() -> dict[str, dict | str]:
 def grid_results() -> list[dict]:
     # check_groups=False: the compiled case's torch compile caches (functional collectives' graphs)
     # keep references to the process groups past the job, as in tests/test_compile_grid.py.
-    per_rank = run_spawned(_run_all, WORLD, check_groups=False)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD, check_groups=False)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES, _fits))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in GRAD_SHAPES[p]] + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES, _fits), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
@@ -266,12 +245,7 @@ def test_whole_model_compiles_fullgraph_in_one_graph(grid_results):
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: {"latents": TOL, "images": TOL_IMAGES}.get(name, 0.0) for name in errors}
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    assert_within(grid_results, key, 0.0, {"latents": TOL, "images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):

@@ -45,20 +45,25 @@ from PIL import Image
 
 import usp_dit
 from tests.adapter_parity import (
+    assert_disable_restores,
     assert_within,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
     joint_output_case,
     output_keys,
+    pipeline_cases,
+    pipeline_grids,
     record,
     run_grid_cases,
+    spawn_grid,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_longcat_image import longcat_image_inputs, tiny_longcat_image, tiny_longcat_image_pipeline
-from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.longcat_image import ADAPTER, USPLongCatImageAttnProcessor
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 # The pipelines' VAE is split too (usp_dit.pipelines.vae): 7 levels of GroupNorm statistics
@@ -158,28 +163,10 @@ def _edit_call() -> dict:
 
 
 def _pipeline_cases(edit: bool, grids: list) -> dict[str, dict[str, float]]:
-    pipe = tiny_longcat_image_pipeline(edit=edit)
-    pipe.set_progress_bar_config(disable=True)
-    call = _edit_call() if edit else T2I
-    ref_latents, ref_images = _generate(pipe, **call)
-    results, name = {}, "edit" if edit else "t2i"
-    for u, r, c in grids:
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        enabled = is_usp_enabled(pipe.transformer)
-        try:
-            latents, images = _generate(pipe, **call)
-        finally:
-            pipe.disable_usp()
-        results[f"{name}-u{u}r{r}cfg{c}"] = {
-            "not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer)),
-            "latents": rel_err(latents, ref_latents),
-            "images": rel_err(images, ref_images),
-        }
-    if not edit:
-        again_latents, again_images = _generate(pipe, **call)
-        same = torch.equal(again_latents, ref_latents) and torch.equal(again_images, ref_images)
-        results[f"{name}-after-disable"] = {"not_bit_identical": float(not same)}
-    return results
+    """The t2i pipeline (bit-identical after disable) or the edit pipeline on ``grids``."""
+    call, name = (_edit_call(), "edit") if edit else (T2I, "t2i")
+    return pipeline_cases(tiny_longcat_image_pipeline(edit=edit), lambda p: _generate(p, **call),
+                          pipeline_grids(grids, name), after_disable=None if edit else f"{name}-after-disable")
 
 
 T2I_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
@@ -201,19 +188,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 @pytest.mark.parametrize("key", ["cfg-split", "tensor-t2"])
@@ -226,14 +206,8 @@ PIPELINE_KEYS = [f"t2i-u{u}r{r}cfg{c}" for u, r, c in T2I_GRIDS] + [f"edit-u{u}r
 
 @pytest.mark.parametrize("key", PIPELINE_KEYS)
 def test_pipeline_matches_one_process(grid_results, key: str):
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get(f"pipeline-{key.split('-')[0]}", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: TOL_IMAGES if name == "images" else TOL for name in errors}
-        if key.startswith("edit"):
-            tols["latents"] = TOL_EDIT_LATENTS
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    by_name = {"images": TOL_IMAGES, **({"latents": TOL_EDIT_LATENTS} if key.startswith("edit") else {})}
+    assert_within(grid_results, key, TOL, by_name, fallback=f"pipeline-{key.split('-')[0]}")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
@@ -248,15 +222,7 @@ def test_find_adapter_finds_longcat_image():
 
 
 def test_disable_restores_processors_forward_and_hooks():
-    model, inputs = _build(SHAPES[0])
-    before = [m.processor for m in model.modules() if hasattr(m, "processor")]
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert all(isinstance(m.processor, USPLongCatImageAttnProcessor) for m in model.modules() if hasattr(m, "processor"))
-    forward(model, inputs)
-    ADAPTER.disable(model)
-    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
-    assert "forward" not in model.__dict__
-    assert not [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPLongCatImageAttnProcessor)
 
 
 def test_foreign_processor_is_refused():

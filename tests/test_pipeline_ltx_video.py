@@ -42,11 +42,17 @@ from diffusers.models.transformers import transformer_ltx
 from tests.adapter_parity import (
     assert_within,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
+    latents_and,
     output_keys,
+    pipeline_cases,
+    pipeline_grids,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
@@ -55,7 +61,7 @@ from usp_dit.pipelines import _routing
 from usp_dit.pipelines.families import ltx_video
 from usp_dit.pipelines.families.ltx_video import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_FRAMES = 1e-4
@@ -143,18 +149,11 @@ def _rotated_qk_case(shape: Shape, mesh) -> dict[str, float]:
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames) of 2 steps at 96 x 160 x 17 frames (3 x 3 x 5 = 45 tokens), seed 0,
     guidance batched: [negative; positive] prompts of different padded lengths in one call."""
-    last = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-
-    frames = pipe(
+    return latents_and(
+        pipe, "frames",
         prompt="a red fox", negative_prompt="blurry", height=96, width=160, num_frames=17, num_inference_steps=2,
         max_sequence_length=16, generator=torch.Generator().manual_seed(0), output_type="pt",
-        callback_on_step_end=keep_latents,
-    ).frames
-    return last["latents"], frames
+    )
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (2, 1, 2)]  # (U, R, cfg)
@@ -162,22 +161,8 @@ PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (2, 1, 2)]  # (U, R, cfg)
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
     """The tiny LTXPipeline on each of ``PIPELINE_GRIDS`` through ``pipe.enable_usp``."""
-    pipe = tiny_ltx_video_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    ref_latents, ref_frames = _generate(pipe)
-    results = {}
-    for u, r, c in PIPELINE_GRIDS:
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        try:
-            latents, frames = _generate(pipe)
-        finally:
-            pipe.disable_usp()
-        errors = {"latents": rel_err(latents, ref_latents), "frames": rel_err(frames, ref_frames)}
-        results[f"pipeline-u{u}r{r}cfg{c}"] = errors
-    again_latents, again_frames = _generate(pipe)
-    same = torch.equal(again_latents, ref_latents) and torch.equal(again_frames, ref_frames)
-    results["pipeline-after-disable"] = {"not_bit_identical": float(not same)}
-    return results
+    return pipeline_cases(tiny_ltx_video_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS),
+                          names=("latents", "frames"), check_enabled=False)
 
 
 def _run_all() -> dict[str, dict | str]:
@@ -197,25 +182,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-OUTPUT_KEYS = output_keys(SHAPES)
-
-
-@pytest.mark.parametrize("key", OUTPUT_KEYS)
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-GRAD_KEYS = [f"grad-p{p}-{s}" for p in (2, 4) for s in GRAD_SHAPES[p]]
-
-
-@pytest.mark.parametrize("key", GRAD_KEYS + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 @pytest.mark.parametrize("call", ["i2v", "cond"])
@@ -226,12 +198,7 @@ def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results, 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
     """Sequence parallel on (2,1) and (2,2); cfg parallel on (2,1,2): LTXPipeline batches its guidance."""
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: TOL_FRAMES if name == "frames" else TOL for name in errors}
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):

@@ -40,11 +40,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.adapter_parity import assert_within, output_keys, record, run_grid_cases, ulysses_above_heads_case
+from tests.adapter_parity import (
+    assert_within,
+    grad_keys,
+    output_keys,
+    record,
+    run_grid_cases,
+    spawn_grid,
+    ulysses_above_heads_case,
+)
 from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
 from usp_dit.demo.tiny_minimax_h3 import minimax_h3_inputs, tiny_minimax_h3, tiny_minimax_h3_denoise
 from usp_dit.pipelines.families.minimax_h3 import ADAPTER
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 WORLD = 4
@@ -192,9 +200,7 @@ def _run_all() -> dict[str, dict | str]:
 def grid_results() -> list[dict]:
     # check_groups=False: FSDP2's and DTensor's caches keep the meshes they have seen for the life
     # of the process (as in tests/test_shard_weights.py).
-    per_rank = run_spawned(_run_all, WORLD, check_groups=False)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD, check_groups=False)
 
 
 @pytest.mark.parametrize("key", output_keys(SHAPES))
@@ -202,7 +208,7 @@ def test_sharded_outputs_match_one_process(grid_results, key: str):
     assert_within(grid_results, key, TOL)
 
 
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
+@pytest.mark.parametrize("key", grad_keys(SHAPES) + ["grad-ckpt-p4"])
 def test_parameter_gradients_match_one_process(grid_results, key: str):
     assert_within(grid_results, key, TOL)
 

@@ -27,17 +27,19 @@ import torch
 from tests.adapter_parity import (
     assert_within,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
     output_keys,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_video import mochi_inputs, tiny_mochi
 from usp_dit.pipelines.families.mochi import ADAPTER
-from usp_dit.testing import assert_no_crash, run_spawned
 
 TOL = 1e-5
 WORLD = 4  # one spawned group; the 2-rank grids run on it as two data-parallel replicas
@@ -97,19 +99,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{GRAD_SHAPE}" for p in (2, 4)])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys([GRAD_SHAPE]), TOL,
+)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):

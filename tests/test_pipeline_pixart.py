@@ -36,23 +36,28 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 
-import usp_dit
 from tests.adapter_parity import (
     _param_grads,
+    allowance_gradient_errors,
+    assert_one_rank_bit_identical,
     assert_within,
+    cfg_split_case,
     forward,
+    grad_keys,
+    grid_tests,
     output_keys,
+    pipeline_cases,
+    pipeline_grids,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_pixart import pixart_inputs, tiny_pixart, tiny_pixart_pipeline
-from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines.families.pixart import ADAPTER
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_IMAGES = 1e-4
@@ -113,31 +118,13 @@ def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str,
     model, inputs = _build(shape)
     if checkpointing:
         model.enable_gradient_checkpointing()
-    ADAPTER.enable(model, mesh, "auto")
-    try:
-        grads = _param_grads(model, inputs, mesh.sequence_degree)
-    finally:
-        ADAPTER.disable(model)
-    worst = 0.0
-    for name, g in grads.items():
-        g = g.contiguous()  # gloo reduces contiguous buffers only
-        dist.all_reduce(g, group=mesh.seq_group)
-        allowed = max(TOL, 2 * rel_err(stock[name], exact[name]))
-        worst = max(worst, rel_err(g, exact[name]) / allowed)
-    return {"grad_over_allowed": worst}
+    return allowance_gradient_errors(model, inputs, ADAPTER, mesh, exact, stock, TOL)
 
 
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2: Alpha's batch of 2 (masks of 2 and 5 tokens, its
     per-element resolution and aspect ratio in the added_cond_kwargs dict) split over the cfg axis."""
-    model, inputs = _build(SHAPES[1])
-    ref = forward(model, inputs)
-    usp_dit.enable_usp(model, mesh=mesh)
-    try:
-        out = forward(model, inputs)
-    finally:
-        usp_dit.disable_usp(model)
-    return {"out": rel_err(out, ref)}
+    return cfg_split_case(*_build(SHAPES[1]), mesh)
 
 
 PROMPTS = (["a red fox jumps", "a cat"], ["blurry", "dark and dim"])  # of different lengths: padded, masked
@@ -161,26 +148,9 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _pipeline_cases(variant: str) -> dict[str, dict[str, float]]:
-    pipe = tiny_pixart_pipeline(variant)
-    pipe.set_progress_bar_config(disable=True)
-    ref_latents, ref_images = _generate(pipe)
-    results = {}
-    for u, r, c in PIPELINE_GRIDS:
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        enabled = is_usp_enabled(pipe.transformer)
-        try:
-            latents, images = _generate(pipe)
-        finally:
-            pipe.disable_usp()
-        results[f"pipeline-{variant}-u{u}r{r}cfg{c}"] = {
-            "not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer)),
-            "latents": rel_err(latents, ref_latents),
-            "images": rel_err(images, ref_images),
-        }
-    again_latents, again_images = _generate(pipe)
-    same = torch.equal(again_latents, ref_latents) and torch.equal(again_images, ref_images)
-    results[f"pipeline-{variant}-after-disable"] = {"not_bit_identical": float(not same)}
-    return results
+    grids = pipeline_grids(PIPELINE_GRIDS, f"pipeline-{variant}")
+    return pipeline_cases(tiny_pixart_pipeline(variant), _generate, grids,
+                          after_disable=f"pipeline-{variant}-after-disable")
 
 
 def _run_all() -> dict[str, dict | str]:
@@ -196,19 +166,13 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, 1.0)  # each parameter's error over its allowance (module docstring)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+    grad_tol=1.0,  # each parameter's error over its allowance (module docstring)
+)
 
 
 def test_cfg_split_of_a_masked_conditioned_batch_matches_stock(grid_results):
@@ -218,12 +182,7 @@ def test_cfg_split_of_a_masked_conditioned_batch_matches_stock(grid_results):
 @pytest.mark.parametrize("key", [f"pipeline-{v}-u{u}r{r}cfg{c}" for v in ("sigma", "alpha")
                                  for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get(f"pipeline-{key.split('-')[1]}", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: TOL_IMAGES if name == "images" else TOL for name in errors}
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback=f"pipeline-{key.split('-')[1]}")
 
 
 @pytest.mark.parametrize("variant", ["sigma", "alpha"])
@@ -235,14 +194,7 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results, variant: s
 
 
 def test_one_rank_is_bit_identical_to_stock():
-    model, inputs = _build(SHAPES[1])
-    ref = forward(model, inputs)
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    try:
-        out = forward(model, inputs)
-    finally:
-        ADAPTER.disable(model)
-    assert torch.equal(out, ref)
+    assert_one_rank_bit_identical(*_build(SHAPES[1]), ADAPTER)
 
 
 def test_prompt_mask_changes_the_output():

@@ -48,12 +48,19 @@ from diffusers.models.transformers import transformer_qwenimage
 import usp_dit
 from tests.adapter_parity import (
     assert_within,
+    cfg_split_case,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
+    latents_and,
     output_keys,
+    pipeline_cases,
+    pipeline_grids,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
@@ -63,11 +70,11 @@ from usp_dit.demo.tiny_qwen_image import (
     tiny_qwen_image,
     tiny_qwen_image_pipeline,
 )
-from usp_dit.pipelines import _routing, is_usp_enabled
+from usp_dit.pipelines import _routing
 from usp_dit.pipelines.families import qwen_image  # noqa: F401  (registers the adapter)
 from usp_dit.pipelines.families.qwen_image import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_IMAGES = 1e-4
@@ -181,14 +188,7 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2 (usp_dit.enable_usp on the model): its batch of 2
     (and the mask with holes) split over the cfg groups, equal to stock."""
-    model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
-    usp_dit.enable_usp(model, mesh=mesh)
-    try:
-        out = forward(model, inputs)
-    finally:
-        usp_dit.disable_usp(model)
-    return {"out": rel_err(out, ref)}
+    return cfg_split_case(*_build(SHAPES[0]), mesh)
 
 
 def _cfg_split_zero_cond_case(mesh) -> dict[str, float]:
@@ -211,45 +211,19 @@ PROMPTS = (["a red fox jumps", "a cat"], ["blurry", "dark and dim"])  # of diffe
 def _generate(pipe, prompts: tuple = PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps at 48 x 80 (3 x 5 = 15 image tokens), true CFG (a negative
     prompt: two transformer calls per step), seed 0."""
-    last = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-
     prompt, negative_prompt = prompts
-    images = pipe(
+    return latents_and(
+        pipe,
         prompt=prompt, negative_prompt=negative_prompt, true_cfg_scale=4.0, height=48, width=80,
         num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt",
-        callback_on_step_end=keep_latents,
-    ).images
-    return last["latents"], images
+    )
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits the batch of 2 prompts over cfg
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    pipe = tiny_qwen_image_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    ref_latents, ref_images = _generate(pipe)
-    results = {}
-    for u, r, c in PIPELINE_GRIDS:
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        enabled = is_usp_enabled(pipe.transformer)
-        try:
-            latents, images = _generate(pipe)
-        finally:
-            pipe.disable_usp()
-        results[f"pipeline-u{u}r{r}cfg{c}"] = {
-            "not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer)),
-            "latents": rel_err(latents, ref_latents),
-            "images": rel_err(images, ref_images),
-        }
-    again_latents, again_images = _generate(pipe)
-    same = torch.equal(again_latents, ref_latents) and torch.equal(again_images, ref_images)
-    results["pipeline-after-disable"] = {"not_bit_identical": float(not same)}
-    return results
+    return pipeline_cases(tiny_qwen_image_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS))
 
 
 def _pipeline_cfg_case() -> dict[str, float]:
@@ -286,25 +260,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-OUTPUT_KEYS = output_keys(SHAPES)
-
-
-@pytest.mark.parametrize("key", OUTPUT_KEYS)
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-GRAD_KEYS = [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES]
-
-
-@pytest.mark.parametrize("key", GRAD_KEYS + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 def test_valid_text_rows_match_stock_after_every_block(grid_results):
@@ -325,12 +286,7 @@ def test_cfg_split_with_zero_cond_t_is_refused(grid_results):
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: TOL_IMAGES if name == "images" else TOL for name in errors}
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):

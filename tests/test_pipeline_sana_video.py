@@ -43,24 +43,29 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 
-import usp_dit
 from tests.adapter_parity import (
     _param_grads,
+    allowance_gradient_errors,
+    assert_one_rank_bit_identical,
     assert_within,
+    cfg_split_case,
     forward,
+    grad_keys,
+    grid_tests,
+    latents_and,
     output_keys,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_sana_video import sana_video_inputs, tiny_sana_video, tiny_sana_video_pipeline
 from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines._grid_conv import GridShards, own_tokens, window_rows
 from usp_dit.pipelines.families.sana_video import ADAPTER, _rotated
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_VIDEO = 1e-4
@@ -137,18 +142,7 @@ def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str,
     model, inputs = _build(shape)
     if checkpointing:
         model.enable_gradient_checkpointing()
-    ADAPTER.enable(model, mesh, "auto")
-    try:
-        grads = _param_grads(model, inputs, mesh.sequence_degree)
-    finally:
-        ADAPTER.disable(model)
-    worst = 0.0
-    for name, g in grads.items():
-        g = g.contiguous()  # gloo reduces contiguous buffers only
-        dist.all_reduce(g, group=mesh.seq_group)
-        allowed = max(TOL, 2 * rel_err(stock[name], exact[name]))
-        worst = max(worst, rel_err(g, exact[name]) / allowed)
-    return {"grad_over_allowed": worst}
+    return allowance_gradient_errors(model, inputs, ADAPTER, mesh, exact, stock, TOL)
 
 
 def _conv_outputs(model, inputs) -> dict[str, list[torch.Tensor]]:
@@ -192,14 +186,7 @@ def _conv_case(mesh) -> dict[str, float]:
 
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2: its batch of 2 (masks of 3 and 6 tokens) split."""
-    model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
-    usp_dit.enable_usp(model, mesh=mesh)
-    try:
-        out = forward(model, inputs)
-    finally:
-        usp_dit.disable_usp(model)
-    return {"out": rel_err(out, ref)}
+    return cfg_split_case(*_build(SHAPES[0]), mesh)
 
 
 def _too_few_tokens_case(mesh) -> dict[str, float]:
@@ -232,20 +219,13 @@ PROMPTS = (["a red fox jumps", "a cat"], ["blurry", "dark and dim"])  # of diffe
 
 def _generate(pipe, output_type: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, video) of 2 steps at 32 x 96 x 9 frames (3 x 2 x 6 = 36 tokens), batched CFG, seed 0."""
-    last = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-
     prompt, negative_prompt = PROMPTS
-    frames = pipe(
+    return latents_and(
+        pipe, "frames",
         prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.5, height=32, width=96, frames=9,
         num_inference_steps=2, max_sequence_length=16, complex_human_instruction=None,
         use_resolution_binning=False, generator=torch.Generator().manual_seed(0), output_type=output_type,
-        callback_on_step_end=keep_latents,
-    ).frames
-    return last["latents"], frames
+    )
 
 
 # Decoding the video is the slow part on CPU: decoded on one grid, the other grids compare latents.
@@ -321,19 +301,13 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, 1.0)  # each parameter's error over its allowance (module docstring)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+    grad_tol=1.0,  # each parameter's error over its allowance (module docstring)
+)
 
 
 def test_mix_ffn_convs_equal_the_same_tokens_of_one_process(grid_results):
@@ -354,12 +328,7 @@ def test_per_token_timestep_of_image_to_video_matches_one_process(grid_results):
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c, _ in PIPELINE_GRIDS] + ["pipeline-i2v-u2r2cfg1"])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: TOL_VIDEO if name == "video" else TOL for name in errors}
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    assert_within(grid_results, key, TOL, {"video": TOL_VIDEO}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_latents(grid_results):
@@ -396,14 +365,7 @@ def test_frame_rows_must_divide_the_height():
 
 
 def test_one_rank_is_bit_identical_to_stock():
-    model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    try:
-        out = forward(model, inputs)
-    finally:
-        ADAPTER.disable(model)
-    assert torch.equal(out, ref)
+    assert_one_rank_bit_identical(*_build(SHAPES[0]), ADAPTER)
 
 
 def test_controlnet_residuals_are_refused():

@@ -30,29 +30,36 @@ arithmetic per query row as stock; the cfg split changes the batch of the matmul
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-import usp_dit
 from tests.adapter_parity import (
     assert_within,
+    cfg_split_case,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
+    latents_and,
     output_keys,
+    pipeline_cases,
+    pipeline_grids,
     record,
     run_grid_cases,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_sd3 import sd3_inputs, sd3_tokens, tiny_sd3, tiny_sd3_pipeline
-from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines.families import sd3  # noqa: F401  (registers the adapter)
 from usp_dit.pipelines.families.sd3 import ADAPTER
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_IMAGES = 1e-4
@@ -134,62 +141,36 @@ def _skip_layers_case(mesh) -> dict[str, float]:
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2 (usp_dit.enable_usp): its batch of 2 split over the
     cfg groups, equal to stock."""
-    model, inputs = _build(SHAPES[2])
-    ref = forward(model, inputs)
-    usp_dit.enable_usp(model, mesh=mesh)
-    try:
-        out = forward(model, inputs)
-    finally:
-        usp_dit.disable_usp(model)
-    return {"out": rel_err(out, ref)}
+    return cfg_split_case(*_build(SHAPES[2]), mesh)
 
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps at 12 x 20 (3 x 5 = 15 image tokens), CFG batched, seed 0;
     8 CLIP + 7 T5 text tokens."""
-    last = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-
-    images = pipe(
+    return latents_and(
+        pipe,
         prompt="fox", negative_prompt="dim", height=12, width=20, num_inference_steps=2, guidance_scale=4.0,
         max_sequence_length=7, generator=torch.Generator().manual_seed(0), output_type="pt",
-        callback_on_step_end=keep_latents,
-    ).images
-    return last["latents"], images
+    )
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
 
 
+@contextlib.contextmanager
+def _block0_tokens(pipe, grid: tuple[int, int, int]) -> Iterator[Callable[[], dict[str, float]]]:
+    """The ``pipeline_cases`` probe: 1.0 unless block 0's attention saw at most ceil(15 / P) image tokens."""
+    lengths = []
+    hook = pipe.transformer.transformer_blocks[0].attn.register_forward_pre_hook(
+        lambda m, args, kwargs: lengths.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
+    try:
+        yield lambda: {"block0_tokens_above_ceil": float(max(lengths) > math.ceil(15 / (grid[0] * grid[1])))}
+    finally:
+        hook.remove()
+
+
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    pipe = tiny_sd3_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    ref_latents, ref_images = _generate(pipe)
-    results = {}
-    for u, r, c in PIPELINE_GRIDS:
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        enabled = is_usp_enabled(pipe.transformer)
-        lengths = []
-        hook = pipe.transformer.transformer_blocks[0].attn.register_forward_pre_hook(
-            lambda m, args, kwargs: lengths.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
-        try:
-            latents, images = _generate(pipe)
-        finally:
-            hook.remove()
-            pipe.disable_usp()
-        results[f"pipeline-u{u}r{r}cfg{c}"] = {
-            "not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer)),
-            "block0_tokens_above_ceil": float(max(lengths) > math.ceil(15 / (u * r))),
-            "latents": rel_err(latents, ref_latents),
-            "images": rel_err(images, ref_images),
-        }
-    again_latents, again_images = _generate(pipe)
-    same = torch.equal(again_latents, ref_latents) and torch.equal(again_images, ref_images)
-    results["pipeline-after-disable"] = {"not_bit_identical": float(not same)}
-    return results
+    return pipeline_cases(tiny_sd3_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS), probe=_block0_tokens)
 
 
 def _skip_layer_guidance(pipe) -> torch.Tensor:
@@ -251,25 +232,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-OUTPUT_KEYS = output_keys(SHAPES)
-
-
-@pytest.mark.parametrize("key", OUTPUT_KEYS)
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-GRAD_KEYS = [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES]
-
-
-@pytest.mark.parametrize("key", GRAD_KEYS + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 def test_skip_layers_including_block_0_match_stock(grid_results):
@@ -283,12 +251,7 @@ def test_cfg_split_of_the_transformer_batch_matches_stock(grid_results):
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
     """(2,1) and (2,2) sequence grids, and cfg_degree=2: the pipeline batches [uncond, cond] in one call."""
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: TOL_IMAGES if name == "images" else TOL for name in errors}
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_skip_layer_guidance_pipeline_matches_one_process(grid_results):

@@ -26,20 +26,21 @@ import pytest
 import torch
 
 from tests.adapter_parity import (
-    assert_within,
     compiled_case,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
     output_keys,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
 )
 from usp_dit import single_rank_mesh
 from usp_dit.demo.tiny_skyreels_v2 import skyreels_inputs, skyreels_tokens, tiny_skyreels_v2
 from usp_dit.pipelines import _routing
 from usp_dit.pipelines._frame_mask import FrameMaskReader
 from usp_dit.pipelines.families.skyreels_v2 import ADAPTER
-from usp_dit.testing import assert_no_crash, run_spawned
 
 TOL = 1e-5
 WORLD = 4
@@ -92,19 +93,12 @@ def _run_all() -> dict:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(list(SHAPES), _fits))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(list(SHAPES), _fits), grad_keys(SHAPES), TOL,
+)
 
 
 def compile_case(mesh) -> dict[str, float]:

@@ -46,11 +46,14 @@ import usp_dit
 from tests.adapter_parity import (
     assert_within,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
     output_keys,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
@@ -58,7 +61,7 @@ from usp_dit.demo.tiny_wan import tiny_wan, tiny_wan_pipeline, wan_inputs, wan_t
 from usp_dit.pipelines import _routing, is_usp_enabled
 from usp_dit.pipelines.families.wan import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_FRAMES = 1e-4
@@ -263,25 +266,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-OUTPUT_KEYS = output_keys(SHAPES)
-
-
-@pytest.mark.parametrize("key", OUTPUT_KEYS)
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-GRAD_KEYS = [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES]
-
-
-@pytest.mark.parametrize("key", GRAD_KEYS + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
@@ -298,12 +288,7 @@ PIPELINE_KEYS = [f"pipeline-u{u}r{r}" for u, r in PIPELINE_GRIDS] + ["pipeline-t
 @pytest.mark.parametrize("key", PIPELINE_KEYS)
 def test_pipeline_matches_one_process(grid_results, key: str):
     """Two experts on each of PIPELINE_GRIDS; TI2V-5B on (2, 2)."""
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: TOL_FRAMES if name == "frames" else TOL for name in errors}
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):

@@ -39,17 +39,22 @@ from PIL import Image
 from tests.adapter_parity import (
     assert_within,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
+    latents_and,
     output_keys,
+    pipeline_cases,
     record,
     run_grid_cases,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_wan import wan_tokens
 from usp_dit.demo.tiny_wan_vace import tiny_wan_vace, tiny_wan_vace_pipeline, wan_prompt_embeds, wan_vace_inputs
 from usp_dit.pipelines.families.wan_vace import ADAPTER
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_FRAMES = 1e-4
@@ -127,18 +132,12 @@ def _conditions() -> dict:
 
 def _generate(pipe, embeds: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames) of 2 guided steps at 48 x 80 x 13 frames + 1 reference (75 tokens)."""
-    last = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-
-    frames = pipe(
+    return latents_and(
+        pipe, "frames",
         prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1], height=48, width=80, num_frames=13,
         num_inference_steps=2, conditioning_scale=[0.7, 1.3], generator=torch.Generator().manual_seed(0),
-        output_type="pt", callback_on_step_end=keep_latents, **_conditions(),
-    ).frames
-    return last["latents"], frames
+        output_type="pt", **_conditions(),
+    )
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
@@ -146,20 +145,8 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
     pipe.set_progress_bar_config(disable=True)
     embeds = (wan_prompt_embeds(pipe, "a red fox jumps over a log", PROMPT_LEN),
               wan_prompt_embeds(pipe, "blurry", PROMPT_LEN))
-    ref_latents, ref_frames = _generate(pipe, embeds)
-    results = {}
-    for name, degrees in (("u2r1", dict(ulysses_degree=2)), ("u2r2", dict(ulysses_degree=2, ring_degree=2)),
-                          ("cfg2", dict(cfg_degree=2))):
-        pipe.enable_usp(**degrees)
-        try:
-            latents, frames = _generate(pipe, embeds)
-        finally:
-            pipe.disable_usp()
-        results[f"pipeline-{name}"] = {"latents": rel_err(latents, ref_latents), "frames": rel_err(frames, ref_frames)}
-    again_latents, again_frames = _generate(pipe, embeds)
-    same = torch.equal(again_latents, ref_latents) and torch.equal(again_frames, ref_frames)
-    results["pipeline-after-disable"] = {"not_bit_identical": float(not same)}
-    return results
+    grids = {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipeline-cfg2": (1, 1, 2)}
+    return pipeline_cases(pipe, lambda p: _generate(p, embeds), grids, names=("latents", "frames"), check_enabled=False)
 
 
 def _run_all() -> dict[str, dict | str]:
@@ -174,19 +161,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
@@ -196,10 +176,7 @@ def test_ulysses_above_heads_raises_at_enable(grid_results):
 @pytest.mark.parametrize("key", ["pipeline-u2r1", "pipeline-u2r2", "pipeline-cfg2"])
 def test_pipeline_matches_one_process(grid_results, key: str):
     """The stock WanVACEPipeline through ``pipe.enable_usp`` on (2,1), (2,2) and with cfg_degree=2."""
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        assert errors["latents"] <= TOL and errors["frames"] <= TOL_FRAMES, f"rank {rank}: {errors}"
+    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):

@@ -23,9 +23,8 @@ import pytest
 from tests import test_pipeline_cogvideox as cogvideox
 from tests import test_pipeline_flux as flux
 from tests import test_pipeline_mochi as mochi
-from tests.adapter_parity import assert_within, gradient_errors, grid_id, record
+from tests.adapter_parity import assert_within, gradient_errors, grid_id, record, spawn_grid
 from usp_dit import init_usp
-from usp_dit.testing import assert_no_crash, run_spawned
 
 TOL = 1e-5
 WORLD = 8
@@ -57,9 +56,7 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
 OUTPUT_KEYS = [_key(family, grid) for family, (_, _, grids) in FAMILIES.items() for grid in grids]

@@ -46,15 +46,19 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_z_image
 
-import usp_dit
 from tests.adapter_parity import (
     assert_within,
+    cfg_split_case,
     forward,
+    grad_keys,
     gradient_errors,
+    grid_tests,
+    latents_and,
     output_keys,
     record,
     run_grid_cases,
     sharded_output_case,
+    spawn_grid,
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
@@ -63,7 +67,7 @@ from usp_dit.pipelines import _routing, is_usp_enabled
 from usp_dit.pipelines.families import zimage
 from usp_dit.pipelines.families.zimage import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_IMAGES = 1e-4
@@ -140,14 +144,7 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
 
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2: its lists of latents and prompts split over cfg."""
-    model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
-    usp_dit.enable_usp(model, mesh=mesh)
-    try:
-        out = forward(model, inputs)
-    finally:
-        usp_dit.disable_usp(model)
-    return {"out": rel_err(out, ref)}
+    return cfg_split_case(*_build(SHAPES[0]), mesh)
 
 
 PROMPTS = ["a red fox jumps", "a cat"]  # of different lengths: different embedding lengths
@@ -155,19 +152,13 @@ PROMPTS = ["a red fox jumps", "a cat"]  # of different lengths: different embedd
 
 def _generate(pipe, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) at 20 x 28 (5 x 7 patches), 2 steps unless ``kwargs`` say otherwise, seed 0."""
-    last = {}
-
-    def keep_latents(pipe, step, timestep, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-
     # Fresh lists: the Z-Image pipelines write the chat-templated prompts into the lists they are given.
     kwargs = {"num_inference_steps": 2, **{k: list(v) if isinstance(v, list) else v for k, v in kwargs.items()}}
-    images = pipe(
+    return latents_and(
+        pipe,
         prompt=list(PROMPTS), height=20, width=28, generator=torch.Generator().manual_seed(0), output_type="pt",
-        max_sequence_length=64, callback_on_step_end=keep_latents, **kwargs,
-    ).images
-    return last["latents"], images
+        max_sequence_length=64, **kwargs,
+    )
 
 
 # (U, R, cfg, pipeline arguments): CFG batched [cond; uncond] (split by cfg 2), Turbo's no-CFG call
@@ -238,19 +229,12 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p2-{SHAPES[0]}"] + [f"grad-p4-{s}" for s in SHAPES] + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES), grad_keys(by_world={2: SHAPES[:1], 4: SHAPES}) + ["grad-ckpt-p4"], TOL,
+)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
@@ -263,12 +247,7 @@ def test_cfg_split_of_the_lists_matches_stock(grid_results):
 
 def _assert_pipeline(grid_results: list[dict], key: str) -> None:
     """Latents within TOL, decoded images within TOL_IMAGES, on every rank."""
-    for rank, res in enumerate(grid_results):
-        errors = res.get(key) or res.get("pipeline", "no result")
-        assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        tols = {name: TOL_IMAGES if name == "images" else TOL for name in errors}
-        worst = {name: v for name, v in errors.items() if not v <= tols[name]}
-        assert not worst, f"rank {rank}: above {tols}: {worst}"
+    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 @pytest.mark.parametrize("key", list(PIPELINE_RUNS))

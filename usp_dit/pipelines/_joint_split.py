@@ -81,6 +81,33 @@ def gather_image(out: Any, split: FluxSplit, mesh: USPMesh) -> Any:
     return out
 
 
+class MaskRefusingJointProcessor:
+    """A Flux-like routed processor's call (put before the routed class in the bases): attention of
+    this rank's piece of the joint sequence against the whole sequence, an ``attention_mask``
+    refused (``mask_refusal``: the family's pipelines pass none, and a mask over the sharded joint
+    sequence is not split here).
+
+    Double blocks: ``hidden_states`` (B, N_local, C) image part, ``encoder_hidden_states``
+    (B, T_local, C) text part (may be empty); returns ``(image_out, text_out)`` of the same shapes.
+    Single blocks: ``hidden_states`` (B, T_local + N_local, C); returns (B, T_local + N_local, C).
+    ``image_rotary_emb``: ``(cos, sin)`` (T_local + N_local, D), this rank's rows (built from its ids).
+    """
+
+    mask_refusal = "usp_dit's processor does not support attention_mask"  # a family names itself
+
+    def __call__(
+        self,
+        attn: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Any:
+        if attention_mask is not None:
+            raise NotImplementedError(self.mask_refusal)
+        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+
+
 class JointSplitForward(MethodWrapper):
     """The forward on this rank's piece of ``[text; image]`` (Note [joint token split]), its image
     output gathered: (B, N, C_out) on every rank of the sequence group.

@@ -111,13 +111,19 @@ from typing import Any
 
 import torch
 from diffusers import BriaFiboTransformer2DModel, BriaTransformer2DModel
-from diffusers.models.transformers.transformer_bria import BriaAttention, BriaAttnProcessor
+from diffusers.models.transformers.transformer_bria import BriaAttnProcessor
 from diffusers.models.transformers.transformer_bria_fibo import BriaFiboAttention, BriaFiboAttnProcessor
 
 import usp_dit.pipelines.families.flux as flux  # noqa: PLR0402  (the module, not the package: no import circle)
 from usp_dit.attention.usp import usp_attention
 from usp_dit.pipelines._checks import require
-from usp_dit.pipelines._joint_split import FluxSplit, JointSplitForward, JointSplitPlanAdapter, rows
+from usp_dit.pipelines._joint_split import (
+    FluxSplit,
+    JointSplitForward,
+    JointSplitPlanAdapter,
+    MaskRefusingJointProcessor,
+    rows,
+)
 from usp_dit.pipelines._routing import ROUTED_NAME, Route, RoutedProcessor, routed_processor_class, with_global
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import ModelPlan, Parallel
@@ -128,27 +134,11 @@ from usp_dit.sharding.partition import offsets, split_sizes
 _RoutedBriaProcessor = routed_processor_class(BriaAttnProcessor, "_RoutedBriaProcessor")
 
 
-class USPBriaAttnProcessor(_RoutedBriaProcessor or RoutedProcessor):
-    """Bria attention of this rank's piece of the joint sequence against the whole sequence.
+class USPBriaAttnProcessor(MaskRefusingJointProcessor, _RoutedBriaProcessor or RoutedProcessor):
+    """Bria attention of this rank's piece of the joint sequence against the whole sequence
+    (layouts: ``MaskRefusingJointProcessor``)."""
 
-    Double blocks: ``hidden_states`` (B, N_local, C) image part, ``encoder_hidden_states``
-    (B, T_local, C) text part (may be empty); returns ``(image_out, text_out)`` of the same shapes.
-    Single blocks: ``hidden_states`` (B, T_local + N_local, C); returns (B, T_local + N_local, C).
-    ``image_rotary_emb``: ``(cos, sin)`` (T_local + N_local, D), this rank's rows (built from its ids).
-    """
-
-    def __call__(
-        self,
-        attn: BriaAttention,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> Any:
-        if attention_mask is not None:
-            raise NotImplementedError(
-                "usp_dit's Bria processor does not support attention_mask (BriaPipeline passes none)")
-        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+    mask_refusal = "usp_dit's Bria processor does not support attention_mask (BriaPipeline passes none)"
 
 
 class BriaSplitForward(JointSplitForward):

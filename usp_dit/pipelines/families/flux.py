@@ -33,11 +33,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from diffusers import FluxTransformer2DModel
-from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
-from usp_dit.pipelines._joint_split import FluxSplit, JointSplitForward, JointSplitPlanAdapter, rows
+from usp_dit.pipelines._joint_split import (
+    FluxSplit,
+    JointSplitForward,
+    JointSplitPlanAdapter,
+    MaskRefusingJointProcessor,
+    rows,
+)
 from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import ModelPlan, Parallel
@@ -48,26 +53,11 @@ from usp_dit.pipelines.tensor import BlockCuts, Concat, Split, TensorPlan
 _RoutedFluxProcessor = routed_processor_class(FluxAttnProcessor, "_RoutedFluxProcessor")
 
 
-class USPFluxAttnProcessor(_RoutedFluxProcessor or RoutedProcessor):
-    """Flux attention of this rank's piece of the joint sequence against the whole sequence.
+class USPFluxAttnProcessor(MaskRefusingJointProcessor, _RoutedFluxProcessor or RoutedProcessor):
+    """Flux attention of this rank's piece of the joint sequence against the whole sequence
+    (layouts: ``MaskRefusingJointProcessor``)."""
 
-    Double blocks: ``hidden_states`` (B, N_local, C) image part, ``encoder_hidden_states``
-    (B, T_local, C) text part (may be empty); returns ``(image_out, text_out)`` of the same shapes.
-    Single blocks: ``hidden_states`` (B, T_local + N_local, C); returns (B, T_local + N_local, C).
-    ``image_rotary_emb``: ``(cos, sin)`` (T_local + N_local, D), this rank's rows (built from its ids).
-    """
-
-    def __call__(
-        self,
-        attn: FluxAttention,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> Any:
-        if attention_mask is not None:
-            raise NotImplementedError("usp_dit's Flux processor does not support attention_mask (Flux pipelines pass none)")
-        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+    mask_refusal = "usp_dit's Flux processor does not support attention_mask (Flux pipelines pass none)"
 
 
 class FluxSplitForward(JointSplitForward):

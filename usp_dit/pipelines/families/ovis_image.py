@@ -41,13 +41,10 @@ column shard does not have.
 """
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 from diffusers import OvisImageTransformer2DModel
-from diffusers.models.transformers.transformer_ovis_image import OvisImageAttention, OvisImageAttnProcessor
+from diffusers.models.transformers.transformer_ovis_image import OvisImageAttnProcessor
 
-from usp_dit.pipelines._joint_split import JointSplitForward, JointSplitPlanAdapter
+from usp_dit.pipelines._joint_split import JointSplitForward, JointSplitPlanAdapter, MaskRefusingJointProcessor
 from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import ModelPlan, Parallel
@@ -57,27 +54,11 @@ from usp_dit.pipelines.plan import ModelPlan, Parallel
 _RoutedOvisProcessor = routed_processor_class(OvisImageAttnProcessor, "_RoutedOvisImageProcessor")
 
 
-class USPOvisImageAttnProcessor(_RoutedOvisProcessor or RoutedProcessor):
-    """Ovis-Image attention of this rank's piece of the joint sequence against the whole sequence.
+class USPOvisImageAttnProcessor(MaskRefusingJointProcessor, _RoutedOvisProcessor or RoutedProcessor):
+    """Ovis-Image attention of this rank's piece of the joint sequence against the whole sequence
+    (layouts: ``MaskRefusingJointProcessor``)."""
 
-    Double blocks: ``hidden_states`` (B, N_local, C) image part, ``encoder_hidden_states``
-    (B, T_local, C) text part (may be empty); returns ``(image_out, text_out)`` of the same shapes.
-    Single blocks: ``hidden_states`` (B, T_local + N_local, C); returns (B, T_local + N_local, C).
-    ``image_rotary_emb``: ``(cos, sin)`` (T_local + N_local, D), this rank's rows (built from its ids).
-    """
-
-    def __call__(
-        self,
-        attn: OvisImageAttention,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> Any:
-        if attention_mask is not None:
-            raise NotImplementedError(
-                "usp_dit's Ovis-Image processor does not support attention_mask (OvisImagePipeline passes none)")
-        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+    mask_refusal = "usp_dit's Ovis-Image processor does not support attention_mask (OvisImagePipeline passes none)"
 
 
 def _routed_call_missing(transformer: OvisImageTransformer2DModel) -> str | None:
