@@ -234,7 +234,7 @@ def test_a_model_without_fused_blocks_is_refused():
 
 
 def test_a_mask_in_a_parallel_site_is_refused():
-    model, inputs = _build(SHAPES[0])
+    model, _ = _build(SHAPES[0])
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         attention = model.visual_transformer_blocks[0].video_dec_block.self_attention
