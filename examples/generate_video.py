@@ -50,6 +50,7 @@ pipelines compress as the real ones do):
     wan_vace       16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     hunyuan_video  16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          with --true-cfg (two calls)
     kandinsky5     16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
+    kandinsky6     16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162 (+11 audio) yes (two calls a step)
     hunyuan_video15 16           4k + 1    48 x 96, 9   -> 3 x 3 x 6 = 54           yes (two calls a step)
     ltx_video      32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45           yes (batched CFG)
     chronoedit     16            4k + 1    96 x 144, 5  -> 2 x 6 x 9 = 108          yes (two calls a step)
@@ -176,6 +177,10 @@ FAMILIES = {
     # Two calls a step (the prompt's, the negative prompt's); HunyuanVideo's VAE class.
     "kandinsky5": VideoFamily(
         "Kandinsky5T2VPipeline", 9, 4, 4, "Kandinsky 5's VAE (HunyuanVideo's): 4 frames per latent frame", 8, 16,
+        cfg="two calls"),
+    # Video and audio; the example writes the frames (the audio is dropped, as LTX-2's).
+    "kandinsky6": VideoFamily(
+        "Kandinsky6TI2VAPipeline", 9, 4, 4, "Kandinsky 6's VAE (HunyuanVideo's): 4 frames per latent frame", 8, 16,
         cfg="two calls"),
     # CFG by the pipeline's guider (--guidance > 1, default 4 here): one call per branch.
     "hunyuan_video15": VideoFamily(
@@ -333,6 +338,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             tiny_hunyuan_video,
             tiny_hunyuan_video15,
             tiny_kandinsky5,
+            tiny_kandinsky6,
             tiny_ltx2,
             tiny_ltx_video,
             tiny_sana_video,
@@ -352,6 +358,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             "helios": tiny_helios.tiny_helios_pipeline,
             # (its character tokenizers and short template fit TINY_TEXT_LEN as built)
             "kandinsky5": lambda max_text_len: tiny_kandinsky5.tiny_kandinsky5_pipeline(),
+            "kandinsky6": lambda max_text_len: tiny_kandinsky6.tiny_kandinsky6_pipeline(),
             # Cosmos 3 has no text encoder (the transformer embeds the token ids): no text length to set.
             "cosmos3": lambda max_text_len: tiny_cosmos3.tiny_cosmos3_pipeline(),
             "ltx2": tiny_ltx2.tiny_ltx2_pipeline,

@@ -26,6 +26,7 @@ from usp_dit.demo import (
     tiny_hunyuan_video,
     tiny_hunyuan_video15,
     tiny_kandinsky5,
+    tiny_kandinsky6,
     tiny_ltx2,
     tiny_ltx_video,
     tiny_qwen_image,
@@ -85,6 +86,7 @@ BUILDERS = {
     "WanAnimate": tiny_wan_animate.tiny_wan_animate,  # the face adapters' per-frame attention too
     "WanVACE": tiny_wan_vace.tiny_wan_vace,  # the control blocks' attention too
     "Kandinsky5": tiny_kandinsky5.tiny_kandinsky5,  # the text stream's local attention too
+    "Kandinsky6": tiny_kandinsky6.tiny_kandinsky6,  # two text streams, the replicated audio's attention too
     "Cosmos3": lambda: tiny_cosmos3.tiny_cosmos3("nemotron-omni"),  # sound and action heads too
     "MiniMax-H3": tiny_minimax_h3,  # the text refiner's local attention too
     "CogView4": tiny_cogview4,

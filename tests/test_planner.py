@@ -27,8 +27,8 @@ from usp_dit.planner.models import SPECS, spec_for
 from usp_dit.planner.plan import main, plan
 
 WORLDS = (1, 2, 4, 8, 16, 32, 64)
-# The specs enable_usp can run (the memory table's other, Kandinsky 6, is
-# refused by plan(): tests/test_planner_memory.py).
+# The specs enable_usp can run (a spec marked ``unsupported`` is refused by plan():
+# tests/test_planner_memory.py).
 RUNNABLE = sorted(name for name in SPECS if not spec_for(name).unsupported)
 
 
@@ -136,7 +136,8 @@ def test_the_planners_classes_are_the_adapters_classes():
     by_class = {getattr(a, "model_class", type(None)).__name__: a.name for a in registered_adapters()}
     family_spec = {"Flux": "flux", "Flux2": "flux2", "SD3": "sd35", "QwenImage": "qwen_image",
                    "CogVideoX": "cogvideox", "Mochi": "mochi", "Wan": "wan", "HunyuanVideo": "hunyuan_video",
-                   "HunyuanVideo15": "hunyuan_video15", "LTX-Video": "ltx_video"}
+                   "HunyuanVideo15": "hunyuan_video15", "LTX-Video": "ltx_video",
+                   "Kandinsky6": "kandinsky6"}
     assert {name: family_spec[by_class[name]] for name in CLASSES} == CLASSES
     # wan22 (Wan 2.2 A14B) is two WanTransformer3DModels: the "wan" class, both experts counted.
     assert set(CLASSES.values()) == set(RUNNABLE) - {"wan22"}

@@ -383,10 +383,13 @@ def test_bad_gpu_memory_is_named(value):
         plan("flux2", world_size=8, gpu_memory_gib=value)
 
 
-@pytest.mark.parametrize("model", ["kandinsky6"])
-def test_models_enable_usp_cannot_run_are_not_planned(model):
+def test_models_enable_usp_cannot_run_are_not_planned(monkeypatch):
+    # Every model of the memory table runs now: one marked as not runnable stands in for the next.
+    spec = SPECS["kandinsky6"]
+    monkeypatch.setitem(SPECS, "kandinsky6", lambda **kw: replace(spec(**kw), unsupported="enable_usp has no "
+                                                                  "adapter for Kandinsky6Transformer3DModel yet"))
     with pytest.raises(ValueError, match="enable_usp has no adapter for .* yet"):
-        plan(model, world_size=8, gpu_memory_gib=80)
+        plan("kandinsky6", world_size=8, gpu_memory_gib=80)
 
 
 def test_cli(capsys):

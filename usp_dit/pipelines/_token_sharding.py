@@ -156,8 +156,12 @@ class TokenShardHooks:
         self.state.seq_len = x.shape[1]
         return shard_sequence(x, self.state.mesh, dim=1, layout=self.state.layout)
 
-    def _gather_output(self, module, args: tuple, out_local: torch.Tensor) -> torch.Tensor:
-        """(B, S_local, C_out) -> (B, S, C_out), identical on every rank of the sequence group."""
+    def _gather_output(self, module, args: tuple, out_local: Any) -> Any:
+        """(B, S_local, C_out) -> (B, S, C_out), identical on every rank of the sequence group. A
+        tuple output (a block returning (tokens, another stream), Kandinsky 6's fused video / audio
+        block): its first entry gathered, the others passed on as they are."""
+        if isinstance(out_local, tuple):
+            return (self._gather_output(module, args, out_local[0]), *out_local[1:])
         return gather_sequence(out_local, self.state.mesh, dim=1, seq_len=self.state.seq_len,
                                layout=self.state.layout)
 

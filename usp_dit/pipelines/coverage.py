@@ -179,6 +179,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "Kandinsky5": FamilyPipelines("Kandinsky 5.0 T2V / I2V Lite 5 s, T2I, I2I (dense attention; NABLA refused)",
                                   ("Kandinsky5T2VPipeline", "Kandinsky5I2VPipeline", "Kandinsky5T2IPipeline",
                                    "Kandinsky5I2IPipeline")),
+    "Kandinsky6": FamilyPipelines("Kandinsky 6.0 text / image to video and audio (the SR stage refused: NABLA)",
+                                  ("Kandinsky6TI2VAPipeline",), one_call="the distilled checkpoints (guidance_scale=1)"),
     "HunyuanVideo": FamilyPipelines("T2V; I2V (latent_concat, token_replace)",
                                     ("HunyuanVideoPipeline", "HunyuanVideoImageToVideoPipeline"),
                                     one_call="T2V without true CFG (guidance-distilled)"),

@@ -22,6 +22,10 @@ _REASONS = {
         f"{NO_ADAPTER} (in-context reference attention: each generation frame attends every generation token "
         "plus the cached reference tokens of its own frame, a flex BlockMask over a packed [generation | reference] "
         "buffer, the reference K/V written by a separate extract pass into a per-layer cache)"),
+    "Kandinsky6SRTransformer3DModel": (
+        "every self-attention is NABLA block-sparse: a flex-attention BlockMask over 64-token blocks chosen from the "
+        "whole sequence's mean-pooled Q and K (top-P of the softmax mass) OR a sliding window, which no rank holds "
+        "and usp_attention cannot express (as Kandinsky 5's refused sparse configs)"),
     "QwenImage21Transformer2DModel": f"{NO_ADAPTER} (a different class from Qwen-Image's)",
 }
 

@@ -384,8 +384,7 @@ def kandinsky6(height=512, width=768, num_frames=121) -> ModelSpec:
     # to 1024 Qwen2.5-VL tokens); the audio stream's tokens are left out (few beside the video's).
     return ModelSpec("kandinsky6", frames * _patches(height, width, 16), 1024, "cross", 32, 32, 128, 60, 48.2e9,
                      "two_call", out_channels=64, memory=_kandinsky6_memory(), output_size=(num_frames, height, width),
-                     label="Kandinsky 6",
-                     unsupported="enable_usp has no adapter for Kandinsky6Transformer3DModel yet")
+                     label="Kandinsky 6")
 
 
 def ltx_video(height=512, width=768, num_frames=121) -> ModelSpec:
@@ -412,7 +411,7 @@ CLASSES = {
     "QwenImageTransformer2DModel": "qwen_image", "CogVideoXTransformer3DModel": "cogvideox",
     "MochiTransformer3DModel": "mochi", "WanTransformer3DModel": "wan",
     "HunyuanVideoTransformer3DModel": "hunyuan_video", "LTXVideoTransformer3DModel": "ltx_video",
-    "HunyuanVideo15Transformer3DModel": "hunyuan_video15",
+    "HunyuanVideo15Transformer3DModel": "hunyuan_video15", "Kandinsky6Transformer3DModel": "kandinsky6",
 }
 
 

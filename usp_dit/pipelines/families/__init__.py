@@ -25,6 +25,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     hunyuan_video,
     hunyuan_video15,
     kandinsky5,
+    kandinsky6,
     krea2,
     longcat_image,
     ltx2,

@@ -122,7 +122,12 @@ class USPKandinsky5AttnProcessor(_RoutedKandinsky5Processor or RoutedProcessor):
 
 class VisualRopeHooks:
     """Every visual block gets this rank's rows of the flattened visual RoPE table (dim 1), cut
-    like the tokens (a view). Block 0's token hook runs first and sets this call's ``seq_len``."""
+    like the tokens (a view). Block 0's token hook runs first and sets this call's ``seq_len``.
+    ``rope_arg`` (name, position) and ``dim`` (its sequence dimension): where the table is in the
+    blocks' arguments (Kandinsky 6's subclass names its own)."""
+
+    rope_arg: tuple[str, int] = _ROPE_ARG
+    dim: int = 1
 
     def __init__(self, transformer: Kandinsky5Transformer3DModel, state: ShardState) -> None:
         self.state = state
@@ -144,14 +149,14 @@ class VisualRopeHooks:
         Raises:
             ValueError: the table's length is not the call's token count.
         """
-        name, index = _ROPE_ARG
+        name, index = self.rope_arg
         rope = _get_arg(args, kwargs, name, index)
-        if rope.shape[1] != self.state.seq_len:
+        if rope.shape[self.dim] != self.state.seq_len:
             raise ValueError(
-                f"the visual RoPE table has {rope.shape[1]} rows but the transformer has {self.state.seq_len} video "
-                f"tokens: they must match for the table to be cut like the tokens"
+                f"the visual RoPE table has {rope.shape[self.dim]} rows but the transformer has {self.state.seq_len} "
+                f"video tokens: they must match for the table to be cut like the tokens"
             )
-        local = shard_sequence(rope, self.state.mesh, dim=1, layout=self.state.layout)
+        local = shard_sequence(rope, self.state.mesh, dim=self.dim, layout=self.state.layout)
         return _set_arg(args, kwargs, name, index, local)
 
 
