@@ -158,6 +158,7 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     # (an odd batch is refused: no two-call fallback runs it whole), so no one_call entry.
     "ZImage": FamilyPipelines("Z-Image, Z-Image-Turbo; text- and image-to-image",
                               ("ZImagePipeline", "ZImageImg2ImgPipeline")),
+    "ErnieImage": FamilyPipelines("ERNIE-Image (prompt enhancer optional)", ("ErnieImagePipeline",)),
     "AuraFlow": FamilyPipelines("AuraFlow v0.1 - v0.3", ("AuraFlowPipeline",)),
     "Sana": FamilyPipelines("Sana 600M, 1600M; Sana 1.5; Sana-Sprint (linear attention)",
                             ("SanaPipeline", "SanaSprintPipeline"),
