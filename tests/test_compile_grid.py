@@ -436,6 +436,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("minimax_h3", (2, 2, 1), 0),  # one packed sequence: per-row vectors cut at each block, two heads gathered
     ("zimage", (2, 2, 1), 0),  # single stream [image shard; masked text], RoPE cut per layer, list inputs
     ("ernie_image", (2, 2, 1), 0),  # sequence-first single stream [image shard; masked text], cut at its seams
+    ("glm_image", (1, 4, 1), 0),  # CogView4's block: the text mask as a bias channel (routed dispatch call)
     ("sana", (2, 2, 1), 1),  # linear attention's all-reduced summaries, the Mix-FFN conv's halo exchange
     ("sana_video", (2, 2, 1), 0),  # the same with RoPE, per-frame rows and a temporal conv's halo frames
     ("consisid", (2, 2, 1), 0),  # CogVideoX's plan + perceiver cross-attention of the shard to identity tokens

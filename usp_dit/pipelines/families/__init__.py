@@ -19,6 +19,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     flux,
     flux2,
     flux3,
+    glm_image,
     helios,
     hidream,
     hunyuan_dit,
