@@ -175,6 +175,8 @@ CASES: dict[str, Callable] = {
     "consisid": _later(pipeline_cases.consisid_case),
     "auraflow": _later(pipeline_cases.auraflow_case),
     "bria": _later(pipeline_cases.bria_case),
+    "ernie_image": _later(pipeline_cases.ernie_image_case),
+    "glm_image": _later(pipeline_cases.glm_image_case),
 }
 
 
