@@ -185,6 +185,8 @@ CASES: dict[str, Callable] = {
     "cosmos3": _later(pipeline_cases.cosmos3_case), "wan_animate": _later(pipeline_cases.wan_animate_case),
     # 33 B: 62 GiB of bf16 weights (one copy: the variants switch one model), see benchmarks/GPU_PENDING.md.
     "minimax_h3": _later(pipeline_cases.minimax_h3_case),
+    "ernie_image": _later(pipeline_cases.ernie_image_case),
+    "glm_image": _later(pipeline_cases.glm_image_case),
 }
 
 

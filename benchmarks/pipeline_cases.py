@@ -882,3 +882,46 @@ def minimax_h3_case(build, device: torch.device, num_frames: int = 124, height: 
     )
     return model, inputs, (f"{num_frames}x{height}x{width} ({video_idx.numel()} video + {audio_idx.numel()} audio + "
                            f"{text_len} text rows)")
+def ernie_image_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """ERNIE-Image: latents (1, 128, h/16, w/16) (the Flux.2 VAE's 32 channels at h/8, patchified
+    2x2 by the pipeline; patch size 1 in the model); a Mistral-3 prompt of 128 tokens, no padding
+    (batch 1: the pipeline pads to the batch's longest prompt). The config is Diffusers'
+    ``ErnieImageTransformer2DModel`` defaults (24 layers, 3072 wide, 24 heads x 128, text_in_dim
+    2560), which the diffusers docs give as ERNIE-Image's (baidu/ERNIE-Image transformer/config.json
+    was not at hand offline to compare). ``config``: overrides (a tiny model to check the case builds on CPU)."""
+    from diffusers import ErnieImageTransformer2DModel
+
+    model = build(ErnieImageTransformer2DModel, config or {}, device)
+    cfg = model.config
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, cfg.in_channels, height // 16, width // 16, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 500.0, **_bf(device)),
+        text_bth=torch.randn(1, 128, cfg.text_in_dim, generator=g, **_bf(device)),
+        text_lens=torch.tensor([128], device=device), return_dict=False,
+    )
+    return model, inputs, f"{height}x{width} ({(height // 16) * (width // 16)} + 128 tokens)"
+
+
+def glm_image_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """GLM-Image's diffusion decoder: latents (1, 16, h/8, w/8), 2x2 patches, one AR prior token per
+    image token; a glyph prompt of 32 ByT5 tokens (the quoted text only: short), no mask (the
+    pipeline passes none); the conditional call of a step. The config is Diffusers'
+    ``GlmImageTransformer2DModel`` defaults (30 layers, 64 heads x 40, text_embed_dim 1472, codebook
+    16384: zai-org/GLM-Image's transformer, per the diffusers docs; its config.json was not at hand
+    offline to compare). ``config``: overrides (a tiny model to check the case builds on CPU)."""
+    from diffusers import GlmImageTransformer2DModel
+
+    model = build(GlmImageTransformer2DModel, config or {}, device)
+    cfg = model.config
+    g = torch.Generator(device).manual_seed(0)
+    tokens = (height // 16) * (width // 16)
+    inputs = dict(
+        hidden_states=torch.randn(1, cfg.in_channels, height // 8, width // 8, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 32, cfg.text_embed_dim, generator=g, **_bf(device)),
+        prior_token_id=torch.randint(0, cfg.prior_vq_quantizer_codebook_size, (1, tokens), generator=g, device=device),
+        prior_token_drop=torch.zeros(1, tokens, dtype=torch.bool, device=device),
+        timestep=torch.full((1,), 500.0, **_bf(device)), target_size=torch.tensor([[height, width]], **_bf(device)),
+        crop_coords=torch.zeros(1, 2, **_bf(device)), return_dict=False,
+    )
+    return model, inputs, f"{height}x{width} ({tokens} + 32 tokens)"

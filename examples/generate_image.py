@@ -66,6 +66,7 @@ tokenizer as ``text_encoder_4`` / ``tokenizer_4``, which HiDream's own repositor
     ovis_image  60 x 100 -> 15 x 25 = 375           1024 x 1024     the two calls of a step (true CFG)
     bria        60 x 100 -> 15 x 25 = 375           1024 x 1024     [uncond, cond] (batched CFG)
     pixart      40 x 56 -> 5 x 7 = 35               1024 x 1024     [uncond, cond] (batched CFG)
+    ernie_image 20 x 28 -> 5 x 7 = 35               1024 x 1024     [uncond, cond] (batched CFG)
 
 (LongCat-Image's tiny VAE has 7 levels, 128 pixels per token: its edit pipeline works at about
 1024 x 1024 pixels; the tiny example runs the text-to-image pipeline without its prompt rewrite.)
@@ -175,6 +176,9 @@ FAMILIES = {
     # PixArt-Sigma; the tiny VAE is 4x (the pipelines take sides in multiples of 8), patch 2.
     "pixart": ImageFamily("PixArtSigmaPipeline", "PixArt-Sigma", (40, 56), 8, "guidance_scale", batched_cfg=True,
                           negative_prompt=True),
+    # ERNIE-Image: the Flux.2 VAE (8x; the tiny one 2x), its latent patchified 2x2 by the pipeline.
+    "ernie_image": ImageFamily("ErnieImagePipeline", "ERNIE-Image", (20, 28), 4, "guidance_scale", batched_cfg=True,
+                               negative_prompt=True),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -329,6 +333,9 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         kwargs["enable_prompt_rewrite"] = False  # the tiny processor has no chat template to rewrite with
     elif args.model is None and args.family == "ovis_image":
         kwargs["max_sequence_length"] = 256  # the pipeline's most: its system prompt is ~150 characters
+    if args.family == "ernie_image":
+        # The prompt enhancer samples a rewrite from the global RNG: each rank could get another prompt.
+        kwargs["use_pe"] = False
     if args.model is None and args.family == "pixart":
         # clean_caption needs bs4 / ftfy; the size bins are the real model's.
         kwargs.update(clean_caption=False, use_resolution_binning=False)

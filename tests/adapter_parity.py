@@ -58,11 +58,12 @@ def compiled_case(model, inputs, mesh, backend: str = "aot_eager") -> dict[str, 
 
 
 def _output_vs_stock(model, inputs, adapter, mesh, attention: torch.nn.Module, tokens: int,
-                     seen_tokens: Callable[[tuple, dict], int]) -> dict[str, float]:
+                     seen_tokens: Callable[[tuple, dict], int], replicated: int = 0) -> dict[str, float]:
     """Output through ``adapter`` on ``mesh`` vs the stock output; 1.0 if the most tokens
-    ``attention`` saw in a call (``seen_tokens(args, kwargs)`` of its forward) exceed ceil(tokens / P),
-    i.e. the tokens were not split (or it never ran); 1.0 if the output after ``disable`` is not
-    bit-identical."""
+    ``attention`` saw in a call (``seen_tokens(args, kwargs)`` of its forward) exceed
+    ceil(tokens / P) + ``replicated`` (text tokens every rank holds beside its shard in the same
+    sequence, e.g. a single-stream model's), i.e. the tokens were not split (or it never ran); 1.0
+    if the output after ``disable`` is not bit-identical."""
     ref = forward(model, inputs)
     lengths = []
     adapter.enable(model, mesh, "auto")
@@ -76,18 +77,20 @@ def _output_vs_stock(model, inputs, adapter, mesh, attention: torch.nn.Module, t
     again = forward(model, inputs)
     return {
         "out": rel_err(out, ref),
-        "block0_tokens_above_ceil": float(not lengths or max(lengths) > math.ceil(tokens / mesh.sequence_degree)),
+        "block0_tokens_above_ceil": float(
+            not lengths or max(lengths) > math.ceil(tokens / mesh.sequence_degree) + replicated),
         "disable_not_bit_identical": float(not torch.equal(again, ref)),
     }
 
 
-def sharded_output_case(model, inputs, adapter, mesh, attention: torch.nn.Module, tokens: int) -> dict[str, float]:
+def sharded_output_case(model, inputs, adapter, mesh, attention: torch.nn.Module, tokens: int,
+                        replicated: int = 0) -> dict[str, float]:
     """``_output_vs_stock`` where ``attention`` (block 0's, of ``model``) sees the sequence as its
-    ``hidden_states``: at most ceil(tokens / P) of them."""
+    ``hidden_states``: at most ceil(tokens / P) + ``replicated`` of them."""
     def seen(args: tuple, kwargs: dict) -> int:
         return (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).shape[1]
 
-    return _output_vs_stock(model, inputs, adapter, mesh, attention, tokens, seen)
+    return _output_vs_stock(model, inputs, adapter, mesh, attention, tokens, seen, replicated)
 
 
 def joint_output_case(model, inputs, adapter, mesh, attention: torch.nn.Module, tokens: int) -> dict[str, float]:

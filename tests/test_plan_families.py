@@ -42,7 +42,9 @@ from usp_dit.demo.tiny_bria import tiny_bria, tiny_bria_fibo
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
 from usp_dit.demo.tiny_consisid import tiny_consisid
+from usp_dit.demo.tiny_ernie_image import tiny_ernie_image
 from usp_dit.demo.tiny_flux3 import tiny_flux3
+from usp_dit.demo.tiny_glm_image import tiny_glm_image
 from usp_dit.demo.tiny_helios import tiny_helios
 from usp_dit.demo.tiny_hunyuan_dit import tiny_hunyuan_dit
 from usp_dit.demo.tiny_hunyuan_image import tiny_hunyuan_image
@@ -78,6 +80,8 @@ BUILDERS = {
     "HiDream": tiny_hidream.tiny_hidream,
     "LongCatImage": tiny_longcat_image,
     "OvisImage": tiny_ovis_image,
+    "ErnieImage": tiny_ernie_image,
+    "GlmImage": tiny_glm_image,
     "Bria": tiny_bria,
     "BriaFibo": tiny_bria_fibo,
     "SkyReels-V2": lambda: tiny_skyreels_v2(num_frame_per_block=2),  # diffusion forcing's block-causal mask

@@ -145,6 +145,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                    whole_vae="no recipe yet"),
     "SD3": FamilyPipelines("SD3 Medium; SD3.5 Large, Medium", ("StableDiffusion3Pipeline",)),
     "CogView4": FamilyPipelines("CogView4-6B; CogView4 Control", ("CogView4Pipeline", "CogView4ControlPipeline")),
+    "GlmImage": FamilyPipelines("GLM-Image (its diffusion decoder; text-to-image; editing refused)",
+                                ("GlmImagePipeline",)),
     "CogView3Plus": FamilyPipelines("CogView3-Plus-3B", ("CogView3PlusPipeline",)),
     "Lumina2": FamilyPipelines("Lumina-Image 2.0", ("Lumina2Pipeline",)),
     "Krea2": FamilyPipelines("Krea 2 (base; distilled at guidance_scale=0)", ("Krea2Pipeline",),
@@ -158,6 +160,7 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     # (an odd batch is refused: no two-call fallback runs it whole), so no one_call entry.
     "ZImage": FamilyPipelines("Z-Image, Z-Image-Turbo; text- and image-to-image",
                               ("ZImagePipeline", "ZImageImg2ImgPipeline")),
+    "ErnieImage": FamilyPipelines("ERNIE-Image (prompt enhancer optional)", ("ErnieImagePipeline",)),
     "AuraFlow": FamilyPipelines("AuraFlow v0.1 - v0.3", ("AuraFlowPipeline",)),
     "Sana": FamilyPipelines("Sana 600M, 1600M; Sana 1.5; Sana-Sprint (linear attention)",
                             ("SanaPipeline", "SanaSprintPipeline"),
