@@ -55,8 +55,11 @@ Note [Lumina2's attention call]
     ``scaled_dot_product_attention`` takes every ``n_rep``-th head of K/V back (exact: they are
     copies) and routes the call with the kv heads, so Ulysses moves 8 K/V heads, not 24, and the
     core's GQA splits them (``usp_dit.attention`` handles head counts U does not divide, and fewer
-    kv heads than U). The stock code's optional ``base_sequence_length`` (a scale from the local
-    length) is never passed by the model; a call that passes one is refused.
+    kv heads than U). At sequence degree 1 nothing moves K/V: the repeated heads go to the kernel as
+    stock made them (taking the kv heads back would only make the kernel repeat them again, two
+    copies of K/V a layer that stock does not make; the values are the same). The stock code's
+    optional ``base_sequence_length`` (a scale from the local length) is never passed by the
+    model; a call that passes one is refused.
 
 Refused (NotImplementedError): at enable, processors other than the stock
 ``Lumina2AttnProcessor2_0`` (LoRA-replaced, custom, Diffusers' context parallelism), attention
@@ -105,7 +108,9 @@ class _RoutedFunctional:
         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
     ) -> torch.Tensor:
         """(B, H, L, D) in and out; K/V repeated to H heads (every ``n_rep``-th is a kv head)."""
-        k, v = key[:, :: self.n_rep], value[:, :: self.n_rep]  # (B, H_kv, L, D): the copies dropped
+        k, v = key, value  # sequence degree 1: no K/V moves, and the kernel takes stock's heads as they are
+        if self.route.state.mesh.sequence_degree > 1:
+            k, v = key[:, :: self.n_rep], value[:, :: self.n_rep]  # (B, H_kv, L, D): the copies dropped
         out = route_attention(query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask, dropout_p,
                               is_causal, scale, parallel_config=self.route)
         return out.transpose(1, 2)
