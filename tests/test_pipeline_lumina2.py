@@ -17,6 +17,8 @@ recomputed with its forward's rearranged table). The tiny ``Lumina2Pipeline`` (G
 prompts of different lengths padded to 64 and masked, true CFG: two calls of batch 2 a step) through
 ``pipe.enable_usp()`` on (2,1,1), (2,2,1) and (1,2,2), 2 steps, and with one prompt and
 ``cfg_degree=2`` (its two calls a step on the two cfg groups); bit-identical after ``disable_usp``.
+On one process (sequence degree 1): bit-identical to stock, with no copying op and no attention kernel
+call that stock does not make (a padded caption of batch 1, and equal captions of batch 2).
 Not compiled: the stock forward reads the caption lengths with ``.tolist()`` (a graph break).
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients and the pipeline's latents:
@@ -25,6 +27,7 @@ element, gradients summed over ranks). Decoded images: 1e-4 (an untrained random
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
@@ -169,6 +172,40 @@ def test_a_model_without_refiner_layers_is_refused():
     model.noise_refiner = torch.nn.ModuleList()
     with pytest.raises(NotImplementedError, match="num_refiner_layers=0"):
         ADAPTER.enable(model, single_rank_mesh(), "auto")
+
+
+# What moves data or picks a kernel: at sequence degree 1 enable_usp adds none of these to a forward
+# (the rest it adds are views: transposes, slices). The kernel ops are compared with their shapes,
+# the mask's included: the same attention kernel path as stock.
+_COPYING = frozenset({"aten::copy_", "aten::clone", "aten::cat", "aten::stack", "aten::repeat_interleave",
+                      "aten::constant_pad_nd", "aten::index_copy", "aten::nonzero", "aten::_local_scalar_dense",
+                      "aten::empty", "aten::empty_like", "aten::new_zeros", "aten::zeros"})
+_KERNEL = "aten::_scaled_dot_product_flash_attention_for_cpu"
+
+
+def _profiled(model, inputs) -> tuple[torch.Tensor, Counter]:
+    """(output, count of each copying op and of each kernel call by its input shapes) of one forward."""
+    with torch.no_grad(), torch.profiler.profile(record_shapes=True) as prof:
+        out = model(**inputs.kwargs(), return_dict=False)[0]
+    ops = Counter((e.name, str(e.input_shapes) if e.name == _KERNEL else "") for e in prof.events()
+                  if e.name in _COPYING or e.name == _KERNEL)
+    return out, ops
+
+
+@pytest.mark.parametrize("valid", [(3,), (9, 9)], ids=["batch1-padded-caption", "equal-captions"])
+def test_one_rank_is_bit_identical_to_stock_and_adds_no_copies(valid: tuple):
+    """Note [Lumina2's joint layout] at sequence degree 1: stock's layout kept; K/V heads as stock
+    repeated them (Note [Lumina2's attention call]). A padded caption of batch 1: stock drops the
+    padding (no mask), and so does the adapter."""
+    model, inputs = tiny_lumina2(), lumina2_inputs(3, 5, list(valid))
+    ref, stock_ops = _profiled(model, inputs)
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    try:
+        out, usp_ops = _profiled(model, inputs)
+    finally:
+        ADAPTER.disable(model)
+    assert torch.equal(out, ref)
+    assert usp_ops == stock_ops, f"stock {sorted(stock_ops.items())}\nusp {sorted(usp_ops.items())}"
 
 
 def test_a_layer_called_with_a_table_of_no_forward_is_refused():

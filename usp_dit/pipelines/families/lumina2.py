@@ -35,6 +35,13 @@ Note [Lumina2's joint layout]
     gathered and the stock layout (B, L, p*p*channels) rebuilt (caption rows in place, padding
     rows zero: stock's padding rows hold values nobody reads), so the stock unpatchify runs.
 
+    At sequence degree 1 with every element's caption of the same length (batch 1: one prompt, or
+    each call of the pipeline's true CFG) stock's joint sequence already is ``[caption; image]`` with
+    no mask: the layout is the identity, and the hooks change nothing (no copies: the tokens, table
+    and output are stock's own). Only captions of different lengths are rearranged there, for the
+    mask (stock's padding sits at each element's tail, among the image rows, where ``_routing`` takes
+    no mask; rearranged, each element attends without a mask over its own keys).
+
     Per-rank tokens, Lumina-Image 2.0 at 1024 x 1024 (4096 image tokens) with a prompt of up to
     256 Gemma tokens (system prompt included): 512 image + <= 256 caption tokens on 8 ranks.
 
@@ -55,8 +62,11 @@ Note [Lumina2's attention call]
     ``scaled_dot_product_attention`` takes every ``n_rep``-th head of K/V back (exact: they are
     copies) and routes the call with the kv heads, so Ulysses moves 8 K/V heads, not 24, and the
     core's GQA splits them (``usp_dit.attention`` handles head counts U does not divide, and fewer
-    kv heads than U). The stock code's optional ``base_sequence_length`` (a scale from the local
-    length) is never passed by the model; a call that passes one is refused.
+    kv heads than U). At sequence degree 1 nothing moves K/V: the repeated heads go to the kernel as
+    stock made them (taking the kv heads back would only make the kernel repeat them again, two
+    copies of K/V a layer that stock does not make; the values are the same). The stock code's
+    optional ``base_sequence_length`` (a scale from the local length) is never passed by the
+    model; a call that passes one is refused.
 
 Refused (NotImplementedError): at enable, processors other than the stock
 ``Lumina2AttnProcessor2_0`` (LoRA-replaced, custom, Diffusers' context parallelism), attention
@@ -105,7 +115,9 @@ class _RoutedFunctional:
         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
     ) -> torch.Tensor:
         """(B, H, L, D) in and out; K/V repeated to H heads (every ``n_rep``-th is a kv head)."""
-        k, v = key[:, :: self.n_rep], value[:, :: self.n_rep]  # (B, H_kv, L, D): the copies dropped
+        k, v = key, value  # sequence degree 1: no K/V moves, and the kernel takes stock's heads as they are
+        if self.route.state.mesh.sequence_degree > 1:
+            k, v = key[:, :: self.n_rep], value[:, :: self.n_rep]  # (B, H_kv, L, D): the copies dropped
         out = route_attention(query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask, dropout_p,
                               is_causal, scale, parallel_config=self.route)
         return out.transpose(1, 2)
@@ -172,13 +184,15 @@ class USPLumina2JointProcessor(USPLumina2AttnProcessor):
 class JointLayout:
     """One forward's Note [Lumina2's joint layout]: ``source`` (B, L, D/2), the stock joint RoPE
     table it was made from; ``rotary`` (B, T + S_local, D/2); ``mask`` (B, T + S_local) bool, or
-    ``None`` when every element's caption has T tokens (stock passes no mask then either)."""
+    ``None`` when every element's caption has T tokens (stock passes no mask then either);
+    ``identity``: stock's own layout, nothing rearranged (sequence degree 1, captions of one length)."""
 
     source: torch.Tensor
     caption_lens: list[int]
     image_len: int
     rotary: torch.Tensor
     mask: torch.Tensor | None
+    identity: bool = False  # stock's own layout (Note [Lumina2's joint layout], sequence degree 1)
 
     @property
     def text_len(self) -> int:
@@ -228,6 +242,9 @@ class JointLayoutHooks:
         source, caption_lens, seq_lens = out[3], list(out[4]), list(out[5])
         image_len = seq_lens[0] - caption_lens[0]
         text_len = max(caption_lens)
+        if self.state.mesh.sequence_degree == 1 and min(caption_lens) == text_len:
+            self._keep(JointLayout(source, caption_lens, image_len, source, None, identity=True))
+            return
         image_rot = shard_sequence(_image_rows(source, caption_lens, image_len), self.state.mesh, dim=1)
         rotary = torch.cat([_caption_rows(source, caption_lens, text_len), image_rot], dim=1)
         mask = None
@@ -235,7 +252,10 @@ class JointLayoutHooks:
             valid = torch.arange(text_len, device=source.device)[None, :] < torch.tensor(
                 caption_lens, device=source.device)[:, None]
             mask = torch.cat([valid, valid.new_ones(len(caption_lens), image_rot.shape[1])], dim=1)
-        self.kept = [*self.kept[-(_KEPT - 1):], JointLayout(source, caption_lens, image_len, rotary, mask)]
+        self._keep(JointLayout(source, caption_lens, image_len, rotary, mask))
+
+    def _keep(self, layout: JointLayout) -> None:
+        self.kept = [*self.kept[-(_KEPT - 1):], layout]
 
     def _layout_of(self, rotary: torch.Tensor) -> JointLayout:
         for layout in reversed(self.kept):
@@ -245,19 +265,23 @@ class JointLayoutHooks:
             "usp_dit's Lumina2 adapter: a layer was called with a RoPE table its rope_embedder did not make in one "
             "of the last forwards (Note [Lumina2's joint layout]); call the model, not its layers")
 
-    def _layer(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _layer(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Every layer: the stock mask and table -> this layout's (B, T + S_local) ones."""
         layout = self._layout_of(_get_arg(args, kwargs, "image_rotary_emb", 2))
+        if layout.identity:
+            return None  # stock's table and mask (None) are the layout's
         args, kwargs = _set_arg(args, kwargs, "attention_mask", 1, layout.mask)
         return _set_arg(args, kwargs, "image_rotary_emb", 2, layout.rotary)
 
-    def _first_layer(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _first_layer(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """``layers.0``: also the joint tokens (B, L, C) -> (B, T + S_local, C).
 
         Raises:
             ValueError: the tokens are not the layout's L = T + S rows.
         """
         layout = self._layout_of(_get_arg(args, kwargs, "image_rotary_emb", 2))
+        if layout.identity:
+            return None
         x = _get_arg(args, kwargs, "hidden_states", 0)
         if x.shape[1] != layout.text_len + layout.image_len:
             raise ValueError(f"layers.0 got {x.shape[1]} tokens, the layout has {layout.text_len} caption + "
@@ -267,9 +291,11 @@ class JointLayoutHooks:
         args, kwargs = _set_arg(args, kwargs, "hidden_states", 0, x_local)
         return self._layer(module, args, kwargs)
 
-    def _gather(self, module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    def _gather(self, module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
         """``norm_out``'s (B, T + S_local, p*p*C) -> the stock layout (B, T + S, p*p*C)."""
         layout = self.kept[-1]
+        if layout.identity:
+            return None  # already stock's
         text_len, image_len = layout.text_len, layout.image_len
         image = gather_sequence(out[:, text_len:], self.state.mesh, dim=1, seq_len=image_len)
         rows = [torch.cat([out[b, :c], image[b], out.new_zeros(text_len - c, out.shape[2])])
