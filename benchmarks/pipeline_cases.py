@@ -678,6 +678,11 @@ def kandinsky5_case(build, device: torch.device, frames: int = 121, height: int 
     from diffusers import Kandinsky5Transformer3DModel
 
     model = build(Kandinsky5Transformer3DModel, {**KANDINSKY5_LITE, **(config or {})}, device)
+    # As from_pretrained(torch_dtype=bf16) loads it: the time embeddings and modulations stay float32
+    # (_keep_in_fp32_modules), or the float32 sinusoidal time features meet bf16 weights.
+    for name, module in model.named_modules():
+        if set(name.split(".")) & set(model._keep_in_fp32_modules or ()):
+            module.float()
     cfg = model.config
     lat = ((frames - 1) // 4 + 1, height // 8, width // 8)
     channels = 2 * cfg.in_visual_dim + 1 if cfg.visual_cond else cfg.in_visual_dim
