@@ -414,12 +414,6 @@ def _enable_one(transformer: torch.nn.Module, adapter: ModelAdapter, mesh: USPMe
 def _check_tensor(transformers: list[torch.nn.Module], adapters: list[ModelAdapter], mesh: USPMesh,
                   shard_weights: bool) -> None:
     """``tensor_degree > 1``: refusals made on every rank before anything is patched."""
-    if shard_weights:
-        raise NotImplementedError(
-            f"shard_weights=True with tensor_degree={mesh.tensor_degree}: FSDP2 over tensor-parallel weights is not "
-            f"supported yet; tensor parallelism alone already keeps about 1/{mesh.tensor_degree} of each block's "
-            f"weights per rank (choose one)"
-        )
     for transformer, adapter in zip(transformers, adapters):
         plan = getattr(adapter, "plan", None)
         tensor.check_tensor_plan(transformer, getattr(plan, "tensor", None), adapter.name, mesh.tensor_degree)
