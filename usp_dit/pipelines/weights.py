@@ -60,7 +60,7 @@ Note [sharded tensor-parallel weights]
     modules and the transformer's own parameters, which tensor parallelism leaves whole too. What
     stays whole inside a child that also holds cut weights (the per-head Q/K norms: a head_dim
     vector each) is sharded with its block over the sequence ranks.
-    These subunits are prefetched with their block (``_RunOrder``). With no sequence ranks (the
+    These subunits are prefetched with their block (``_RunOrder``, P > 1). With no sequence ranks (the
     replica is the tensor group alone, P = 1) the cut weights are left as tensor parallelism made
     them (FSDP2's ``ignored_params``) and the uncut ones are still sharded over the tensor ranks.
     ``unshard_weights`` gives a cut parameter back as the tensor-parallel DTensor it was (its
