@@ -13,8 +13,21 @@ on 4 ranks, the ring grid also with the "stream" and "gather_merge" schedules fo
 output vs stock, and after ``disable_usp`` bit-identical output and parameters. Gradients of every
 parameter on (2,1,1,2) (each cut parameter's gradient gathered and put back in the original layout,
 ``usp_dit.pipelines.tensor.full_tensor``). Refusals: a family without a tensor plan (Wan), T above
-the heads, U above a tensor rank's heads, ``shard_weights=True`` with T > 1, LoRA layers, on every
-rank without a hang.
+the heads, U above a tensor rank's heads (with ``shard_weights=True``: nothing left enabled or
+sharded), LoRA layers, on every rank without a hang.
+
+``shard_weights=True`` with T = 2 (Note [sharded tensor-parallel weights] in
+``usp_dit.pipelines.weights``): Flux with 3 heads on (2,1,1,2) (padded to 4 heads, 2 a tensor rank,
+which Ulysses splits) and 5 heads on (1,2,1,2) "gather_merge"; Qwen-Image with 5 heads on (2,1,1,2)
+and (1,1,2,2); Flux with 5 heads on (1,1,1,4) (no sequence ranks: only the uncut weights shard).
+Each: the first call (no prefetch) and the second (each block prefetching the next with its
+subunits) equal the unsharded tensor-parallel grid's output exactly (0: FSDP2 all-gathers the very
+local tensors tensor parallelism made) and one process's within 1e-5; resident parameter bytes
+right after each block and between calls within the bounds of tests/test_shard_weights.py, with a
+cut weight's share its tensor rank's local bytes / P and an uncut one's 1 / (T x P); a call
+recording gradients refused (inference only: Note [sharded tensor-parallel weights]); ``disable_usp`` gives every parameter back bit for bit as a plain tensor with no FSDP2 or DTensor
+trace; sharding again after the undo gives the same output (Flux on (2,1,1,2), Qwen-Image on
+(1,1,2,2)).
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32). Tensor parallelism reorders float32 sums (the
 row-parallel all-reduce adds the tensor ranks' partial products, and the padded heads add exact
@@ -25,12 +38,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from tests.adapter_parity import forward
 from usp_dit import disable_usp, enable_usp, init_usp
 from usp_dit.demo.tiny_flux import flux_inputs, tiny_flux_transformer
 from usp_dit.demo.tiny_qwen_image import qwen_image_inputs, tiny_qwen_image
 from usp_dit.pipelines import tensor as tp
+from usp_dit.pipelines import weights
 from usp_dit.testing import assert_no_crash, rel_err, run_spawned
 
 TOL = 1e-5
@@ -40,6 +56,10 @@ GRIDS = [
     (1, 1, 1, 2, "auto"), (2, 1, 1, 2, "auto"), (1, 2, 1, 2, "stream"), (1, 2, 1, 2, "gather_merge"),
     (1, 1, 2, 2, "auto"), (1, 1, 1, 4, "auto"),
 ]
+# shard_weights=True on top: (family, heads, grid)
+SHARDED = [("flux", 3, (2, 1, 1, 2, "auto")), ("flux", 5, (1, 2, 1, 2, "gather_merge")),
+           ("qwen", 5, (2, 1, 1, 2, "auto")), ("qwen", 5, (1, 1, 2, 2, "auto")), ("flux", 5, (1, 1, 1, 4, "auto"))]
+RESHARDED = {SHARDED[0], SHARDED[3]}  # sharded again after the undo (one case a family: CI's time)
 FLUX_SHAPES = [(2, 3, 3, 6), (2, 8, 8, 7)]  # (batch, height, width, text): 15 and 71 joint tokens
 
 
@@ -75,7 +95,7 @@ def _same_state(model, before: dict[str, torch.Tensor]) -> bool:
         type(after[k]) is torch.Tensor and torch.equal(after[k], v) for k, v in before.items())
 
 
-def _output_case(model, args, grid) -> dict[str, float]:
+def _output_case(model, args, grid, shard: bool = False, again: bool = False) -> dict[str, float]:
     u, r, c, t, schedule = grid
     ref, before = forward(model, args), _state(model)
     mesh = init_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c, tensor_degree=t, ring_schedule=schedule)
@@ -83,13 +103,87 @@ def _output_case(model, args, grid) -> dict[str, float]:
     try:
         local_heads = model.transformer_blocks[0].attn.heads if hasattr(model, "transformer_blocks") else None
         out = forward(model, args)
+        bounds = _sharded_bounds(model, mesh) if shard else None
     finally:
         disable_usp(model)
-    return {
+    case = {
         "out": rel_err(out, ref),
         "disable_not_bit_identical": float(not torch.equal(forward(model, args), ref)),
         "params_not_restored": float(not _same_state(model, before)),
         "local_heads": float(local_heads or 0),
+    }
+    if shard:
+        case["sharded"] = _sharded_case(model, args, mesh, ref, out, before, bounds, again)
+    return case
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _sharded_bounds(model, mesh) -> tuple[int, int]:
+    """(bytes allowed right after a block, between calls) for ``model`` as tensor parallelism left it
+    (enabled, not sharded), as tests/test_shard_weights.py bounds them: a cut weight's share is its
+    local bytes / P (P sequence ranks), an uncut child of a block's or anything outside the blocks'
+    1 / (T x P), what stays whole inside a cut child (Q/K norms) 1 / P; FSDP2 pads a shard by at most
+    a row; right after a block, the next block gathered (its tensor rank's bytes) and the direct
+    parameters."""
+    t, p = mesh.tensor_degree, mesh.config.model_degree // mesh.tensor_degree
+    blocks = weights.blocks_in_order(model, model._usp_dit_state.adapter.plan.block_lists)
+    in_block = {id(q) for b in blocks for q in b.parameters()}
+    whole = {id(q) for b in blocks for u in weights.uncut_children(b) for q in u.parameters()}
+    local = [q.to_local() if isinstance(q, DTensor) else q for q in model.parameters()]
+    between = 0
+    for q, data in zip(model.parameters(), local):
+        ranks = p if isinstance(q, DTensor) or (id(q) in in_block and id(q) not in whole) else t * p
+        between += -(-data.shape[0] // ranks) * data[0].numel() * data.element_size() if data.dim() else data.element_size()
+    largest = max(_nbytes(q.to_local() if isinstance(q, DTensor) else q for q in b.parameters()) for b in blocks)
+    return between + largest + _nbytes(model.parameters(recurse=False)), between
+
+
+def _fsdp_left(model) -> int:
+    """FSDP2 or DTensor traces left on any module: its class, DTensor parameters, hooks, markers."""
+    left = 0
+    for module in model.modules():
+        left += isinstance(module, FSDPModule)
+        left += any(isinstance(q, DTensor) for q in module.parameters(recurse=False))
+        left += len(module._forward_pre_hooks) + len(module._forward_hooks)
+        left += "_is_fsdp_managed_module" in module.__dict__ or "_distribute_module_applied" in module.__dict__
+    return left
+
+
+def _sharded_case(model, args, mesh, ref, grid_out, before, bounds, again: bool) -> dict[str, float]:
+    """shard_weights=True over tensor parallelism against the unsharded tensor-parallel grid's
+    output ``grid_out`` (``_output_case`` made it, and the resident ``bounds``, on the same mesh);
+    ``again``: sharded once more after the undo."""
+    enable_usp(model, mesh=mesh, shard_weights=True)
+    blocks = weights.blocks_in_order(model, model._usp_dit_state.adapter.plan.block_lists)
+    seen: list[int] = []
+    hooks = [b.register_forward_hook(lambda *_: seen.append(weights.resident_parameter_bytes(model))) for b in blocks]
+    first, second = forward(model, args), forward(model, args)
+    for hook in hooks:
+        hook.remove()
+    idle = weights.resident_parameter_bytes(model)
+    run_order = model._usp_dit_state.sharded.run_order
+    # inference only: a call recording gradients is refused before FSDP2 gathers anything
+    training = _raises(lambda: model(**args.kwargs(), return_dict=False), NotImplementedError, "inference only")
+    disable_usp(model)
+    restored, left = _same_state(model, before), _fsdp_left(model)
+    outputs = [first, second]
+    if again:
+        enable_usp(model, mesh=mesh, shard_weights=True)  # sharding again after an undo
+        outputs.append(forward(model, args))
+        disable_usp(model)
+    return {
+        "out": rel_err(first, ref),
+        "vs_unsharded_grid": max((x - grid_out).abs().max().item() for x in outputs),
+        "no_prefetch_after_two_calls": float(run_order is not None and bool(run_order.handles)),
+        "resident_after_block_over_bound": float(bool(seen) and max(seen) > bounds[0]),
+        "resident_between_calls_over_bound": float(idle > bounds[1]),
+        "training_not_refused": training,
+        "params_not_restored": float(not restored),
+        "fsdp_left": float(left + _fsdp_left(model)),
+        "idle_bytes": float(idle), "between_bound": float(bounds[1]),
     }
 
 
@@ -138,7 +232,7 @@ def _raises(fn, exc: type, text: str) -> float:
 def _refusal_cases() -> dict[str, float]:
     from usp_dit.demo.tiny_wan import tiny_wan
 
-    flux = _flux(heads=3)
+    flux = _flux(heads=2)
     mesh = init_usp(tensor_degree=2, ulysses_degree=2)
     return {
         "no_plan": _raises(lambda: enable_usp(tiny_wan(), mesh=init_usp(tensor_degree=2)), NotImplementedError,
@@ -146,11 +240,9 @@ def _refusal_cases() -> dict[str, float]:
         "tensor_above_heads": _raises(lambda: enable_usp(_flux(heads=3), mesh=init_usp(tensor_degree=4)), ValueError,
                                       "tensor_degree=4 exceeds the 3 attention heads"),
         # 2 heads over T = 2: one a tensor rank, which U = 2 cannot share
-        "ulysses_above_local_heads": _raises(lambda: enable_usp(_flux(heads=2), mesh=mesh), ValueError,
+        "ulysses_above_local_heads": _raises(lambda: enable_usp(flux, mesh=mesh, shard_weights=True), ValueError,
                                              "heads of a tensor rank"),
-        "with_shard_weights": _raises(lambda: enable_usp(flux, mesh=mesh, shard_weights=True), NotImplementedError,
-                                      "shard_weights=True with tensor_degree=2"),
-        "not_enabled_after_refusals": float(getattr(flux, "_usp_dit_state", None) is not None),
+        "not_enabled_after_refusals": float(getattr(flux, "_usp_dit_state", None) is not None or _fsdp_left(flux) > 0),
     }
 
 
@@ -172,12 +264,15 @@ def _run_all() -> dict[str, dict]:
             for grid in GRIDS:
                 if not _fits(heads, grid):
                     continue
-                results[f"flux-h{heads}-{shape}-{grid}"] = _output_case(model, args, grid)
+                shard = ("flux", heads, grid) in SHARDED and shape == FLUX_SHAPES[0]
+                results[f"flux-h{heads}-{shape}-{grid}"] = _output_case(model, args, grid, shard,
+                                                                        ("flux", heads, grid) in RESHARDED)
     qwen = tiny_qwen_image(num_heads=5)
     # batch 2, prompts of 9 and 5 valid tokens (the text mask), 5x7 = 35 image tokens
     qwen_args = qwen_image_inputs(qwen, [(1, 5, 7)], masks=[[1] * 9, [1] * 5 + [0] * 4])
     for grid in GRIDS:
-        results[f"qwen-h5-{grid}"] = _output_case(qwen, qwen_args, grid)
+        results[f"qwen-h5-{grid}"] = _output_case(qwen, qwen_args, grid, ("qwen", 5, grid) in SHARDED,
+                                                  ("qwen", 5, grid) in RESHARDED)
     results["grad-qwen-h5-(1,2,1,2)"] = _grad_case(qwen, qwen_args, (1, 2, 1, 2, "gather_merge"))
     results["grad-flux-h5-(2,1,1,2)"] = _grad_case(_flux(5), _flux_args(FLUX_SHAPES[0]), (2, 1, 1, 2, "auto"))
     results["grad-flux-h5-(1,2,1,2)"] = _grad_case(_flux(5), _flux_args(FLUX_SHAPES[0]), (1, 2, 1, 2, "stream"))
@@ -222,7 +317,21 @@ def test_every_parameter_gradient_equals_one_process(results, key):
         assert res[key]["grad"] <= TOL, (rank, res[key])
 
 
-@pytest.mark.parametrize("name", ["no_plan", "tensor_above_heads", "ulysses_above_local_heads", "with_shard_weights",
+def _sharded_key(family: str, heads: int, grid: tuple) -> str:
+    return f"flux-h{heads}-{FLUX_SHAPES[0]}-{grid}" if family == "flux" else f"qwen-h{heads}-{grid}"
+
+
+@pytest.mark.parametrize("key", [_sharded_key(*case) for case in SHARDED])
+def test_sharded_weights_over_tensor_parallelism(results, key):
+    for rank, res in enumerate(results):
+        case = res[key]["sharded"]
+        assert case["out"] <= TOL, (rank, key, case)
+        for flag in ("vs_unsharded_grid", "no_prefetch_after_two_calls", "resident_after_block_over_bound",
+                     "resident_between_calls_over_bound", "training_not_refused", "params_not_restored", "fsdp_left"):
+            assert case[flag] == 0.0, (rank, key, flag, case)
+
+
+@pytest.mark.parametrize("name", ["no_plan", "tensor_above_heads", "ulysses_above_local_heads",
                                   "not_enabled_after_refusals"])
 def test_refusals_on_every_rank(results, name):
     assert all(res["refusals"][name] == 0.0 for res in results), [res["refusals"] for res in results]

@@ -291,7 +291,10 @@ def enable_usp(
             (FSDP2, one unit per block, gathered just in time with the next block prefetched:
             Note [sharded weights] in ``usp_dit.pipelines.weights``): a rank holds about 1/P of
             the weights between blocks. The output is unchanged; ``disable_usp`` gives every
-            rank its full weights back. Nothing to shard on a replica of one rank.
+            rank its full weights back. Nothing to shard on a replica of one rank. With
+            ``tensor_degree > 1`` the cut weights are sharded over the sequence ranks on top of
+            the cut, the rest over the whole replica (Note [sharded tensor-parallel weights]);
+            inference only there (a call recording gradients raises NotImplementedError).
         text_encoder: on a pipeline, where its text encoders live (Note [text encoders on a
             grid] in ``usp_dit.pipelines.encoders``): "replicate" (whole on every rank),
             "shard" (per layer over the replica, like ``shard_weights``) or "rank0" (run on the
@@ -319,7 +322,7 @@ def enable_usp(
             this rank's (``LOCAL_RANK``), or a transformer on which usp_dit is already enabled.
         NotImplementedError: no adapter for this transformer class (the message names the
             supported ones) or a pipeline without a transformer; ``tensor_degree > 1`` on a family
-            without a tensor plan, with LoRA layers, quantized weights or ``shard_weights=True``.
+            without a tensor plan, with LoRA layers or quantized weights.
     """
     transformers, pipe = _transformers_of(pipe_or_transformer)
     _check_backend(backend)
@@ -414,12 +417,6 @@ def _enable_one(transformer: torch.nn.Module, adapter: ModelAdapter, mesh: USPMe
 def _check_tensor(transformers: list[torch.nn.Module], adapters: list[ModelAdapter], mesh: USPMesh,
                   shard_weights: bool) -> None:
     """``tensor_degree > 1``: refusals made on every rank before anything is patched."""
-    if shard_weights:
-        raise NotImplementedError(
-            f"shard_weights=True with tensor_degree={mesh.tensor_degree}: FSDP2 over tensor-parallel weights is not "
-            f"supported yet; tensor parallelism alone already keeps about 1/{mesh.tensor_degree} of each block's "
-            f"weights per rank (choose one)"
-        )
     for transformer, adapter in zip(transformers, adapters):
         plan = getattr(adapter, "plan", None)
         tensor.check_tensor_plan(transformer, getattr(plan, "tensor", None), adapter.name, mesh.tensor_degree)
