@@ -58,16 +58,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The first line of a native crash's report (faulthandler, glibc's heap checks): a rank that died
+# prints its stacks after it, and the last lines alone would hide what killed it.
+FATAL_MARKS = ("Fatal Python error", "malloc(): ", "free(): ", "double free", "corrupted ", "Segmentation fault")
+
+
 def log_tails(directory: str, world_size: int, lines: int = 30) -> str:
-    """The last ``lines`` lines of each rank's stderr, ``directory/rank{r}.log``."""
+    """The last ``lines`` lines of each rank's stderr, ``directory/rank{r}.log``, and the first
+    lines of a native crash's report where there is one (``FATAL_MARKS``)."""
     parts = []
     for rank in range(world_size):
         try:
             with open(os.path.join(directory, f"rank{rank}.log"), errors="replace") as f:
-                tail = f.read().splitlines()[-lines:]
+                text = f.read().splitlines()
         except OSError:
-            tail = ["(no log)"]
-        parts.append(f"--- rank {rank} stderr (last {lines} lines) ---\n" + "\n".join(tail))
+            text = ["(no log)"]
+        fatal = [i for i, line in enumerate(text) if any(mark in line for mark in FATAL_MARKS)]
+        if fatal and fatal[0] < len(text) - lines:
+            parts.append(f"--- rank {rank} crash report (from its first line) ---\n" +
+                         "\n".join(text[fatal[0]:fatal[0] + 12]))
+        parts.append(f"--- rank {rank} stderr (last {lines} lines) ---\n" + "\n".join(text[-lines:]))
     return "\n".join(parts)
 
 
