@@ -39,12 +39,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.adapter_parity import assert_within, output_keys, record, run_grid_cases, ulysses_above_heads_case
+from tests.adapter_parity import (
+    assert_within,
+    grad_keys,
+    grid_tests,
+    output_keys,
+    record,
+    run_grid_cases,
+    spawn_grid,
+    ulysses_above_heads_case,
+)
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_kandinsky6 import kandinsky6_inputs, kandinsky6_tokens, tiny_kandinsky6, tiny_kandinsky6_pipeline
 from usp_dit.pipelines import is_usp_enabled
 from usp_dit.pipelines.families.kandinsky6 import ADAPTER
-from usp_dit.testing import assert_no_crash, rel_err, run_spawned
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 WORLD = 4
@@ -190,19 +199,11 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    per_rank = run_spawned(_run_all, WORLD)
-    assert_no_crash(per_rank)
-    return per_rank
+    return spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES, _fits))
-def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
-
-
-@pytest.mark.parametrize("key", [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"])
-def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES, _fits), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
