@@ -51,12 +51,32 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(resp.read())
 
 
-def _batch_seconds(port: int) -> tuple[float, float]:
-    """(sum, count) of the server's ``usp_dit_batch_seconds``: its own pipeline time."""
+def _histograms(port: int) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the server's ``usp_dit_batch_seconds`` (its own pipeline time, from the batch's
+    pick) as "batch", and of ``usp_dit_request_latency_seconds{kind="image"}`` (arrival to the
+    encoded answer) as "latency"."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         lines = resp.read().decode().splitlines()
-    value = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in lines if ln.startswith("usp_dit_batch_seconds_")}
-    return value["usp_dit_batch_seconds_sum"], value["usp_dit_batch_seconds_count"]
+    value = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("usp_dit_")}
+    latency = 'usp_dit_request_latency_seconds_{}{{kind="image"}}'
+    return {"batch": (value["usp_dit_batch_seconds_sum"], value["usp_dit_batch_seconds_count"]),
+            "latency": (value.get(latency.format("sum"), 0.0), value.get(latency.format("count"), 0.0))}
+
+
+def _mean_between(before: dict, after: dict, name: str) -> float:
+    return (after[name][0] - before[name][0]) / (after[name][1] - before[name][1])
+
+
+def _encode_ms(call_direct_output) -> float:
+    """Median ms of the server's PNG + base64 encoding of one image (``usp_dit.serve.encode``)."""
+    from usp_dit.serve.encode import png_b64
+
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        png_b64(call_direct_output)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
 
 
 def _gpu_mib(port: int) -> dict[str, float]:
@@ -139,11 +159,13 @@ def direct_caller(args):
 
     def call(seed: int) -> float:
         start = time.perf_counter()
-        pipe(prompt=[PROMPT], height=height, width=width, num_inference_steps=args.steps,
-             generator=[torch.Generator().manual_seed(seed)], output_type="np", **extra)
+        out = pipe(prompt=[PROMPT], height=height, width=width, num_inference_steps=args.steps,
+                   generator=[torch.Generator().manual_seed(seed)], output_type="np", **extra)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - start
+        took = time.perf_counter() - start
+        call.last_image = out.images[0]  # the encoding is timed on it, as the server encodes its own
+        return took
 
     return call
 
@@ -200,16 +222,17 @@ def main() -> None:
         _post(url, {**body, "seed": 0})
         # Alternated, one at a time: a shared or loaded machine slows both alike.
         direct_s, served_s = [], []
-        inside_before = _batch_seconds(port)
+        before = _histograms(port)
         for i in range(args.requests):
             direct_s.append(call_direct(i))
             start = time.perf_counter()
             _post(url, {**body, "seed": i})
             served_s.append(time.perf_counter() - start)
         direct, served = statistics.median(direct_s), statistics.median(served_s)
-        inside_after = _batch_seconds(port)
+        after = _histograms(port)
         served_mean = statistics.mean(served_s)
-        inside = (inside_after[0] - inside_before[0]) / (inside_after[1] - inside_before[1])
+        inside, latency = _mean_between(before, after, "batch"), _mean_between(before, after, "latency")
+        encode_ms = _encode_ms(call_direct.last_image)
         throughput = {}
         for clients in (1, 2, 4):
             per_client = args.throughput_requests // clients
@@ -241,6 +264,11 @@ def main() -> None:
           f"{inside * 1000:.1f} ms, {served_mean * 1000:.1f} ms |")
     print(f"| what the server adds (HTTP, queue, control plane, PNG): served / its pipeline call | "
           f"{served_mean / inside:.3f}x ({(served_mean - inside) * 1000:.1f} ms) |")
+    print(f"| of which: queue, PNG and control plane (arrival to encoded answer, less the pipeline call) | "
+          f"{(latency - inside) * 1000:.1f} ms |")
+    print(f"| of which: the PNG + base64 encoding alone (this process, the same image) | {encode_ms:.1f} ms |")
+    print(f"| of which: HTTP and JSON (client's time less arrival to encoded answer) | "
+          f"{(served_mean - latency) * 1000:.1f} ms |")
     for clients, rate in throughput.items():
         print(f"| throughput, {clients} client(s), --max-batch {args.max_batch} | {rate:.2f} images/s |")
     print(f"| server RSS after 10 / {args.memory_requests} requests (64x64, 1 step) | {rss_10:.0f} MiB / {rss_200:.0f} MiB |")

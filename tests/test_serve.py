@@ -244,6 +244,37 @@ def test_queue_is_bounded_and_batches_compatible_requests_in_order():
     assert sched.fail_queued(ServeError(503, "stopped")) == 1 and jobs[3].future.exception().status == 503
 
 
+@pytest.mark.parametrize("height, width", [(1, 1), (1, 9), (7, 5), (33, 17)])
+def test_png_answers_decode_to_the_same_pixels(height, width):
+    """The server's own PNG writer (Up-filtered rows, stdlib zlib) read back by Pillow, an independent
+    decoder: every byte equal, on odd sizes, a one-row image (no row above: the filter is the row
+    itself) and rows whose differences wrap below 0 and above 255 (the filter's mod-256 arithmetic),
+    the data deflated in one band and in many (joined raw deflate streams under one Adler-32)."""
+    import zlib
+
+    from usp_dit.serve.encode import zlib_stream
+
+    data = bytes(range(256)) * 41 + b"tail"
+    for band in (1, 5, 256, 1 << 20):
+        assert zlib.decompress(zlib_stream(data, 1, band)) == data
+    assert zlib.decompress(zlib_stream(b"", 1)) == b""
+    from PIL import Image
+
+    from usp_dit.serve.encode import png_b64, png_bytes, to_uint8
+
+    rng = np.random.default_rng(height * 100 + width)
+    rgb = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    rgb[::2] = 255 - rgb[::2] // 7  # alternate bright and dark rows: differences that wrap
+    for level, band in ((0, 1 << 20), (1, 1 << 20), (9, 1 << 20), (1, 7), (1, 64)):  # 7, 64: many bands
+        back = np.asarray(Image.open(io.BytesIO(png_bytes(rgb, level, band))))
+        assert back.dtype == np.uint8 and back.shape == rgb.shape and np.array_equal(back, rgb)
+    pixels = rng.random((height, width, 3), dtype=np.float32)
+    decoded = np.asarray(Image.open(io.BytesIO(base64.b64decode(png_b64(pixels)))))
+    assert np.array_equal(decoded, to_uint8(pixels))
+    with pytest.raises(ValueError, match="uint8"):
+        png_bytes(rgb.astype(np.int16))
+
+
 def test_a_stalled_batch_logs_every_threads_stack_and_a_rearmed_one_does_not(capfd):
     import time as _time
 
