@@ -47,6 +47,8 @@ SHAPES = {  # name: (tokens, heads, head_dim)
     "mochi": (44520 + 256, 24, 128),
     "wan": (75600 + 512, 40, 128),
     "hunyuan_video": (118800 + 256, 24, 128),  # 129 x 720 x 1280
+    "pixart": (4096, 16, 72),  # PixArt-Sigma 1024²'s self-attention
+    "auraflow": (4096 + 8 + 256, 12, 256),  # AuraFlow v0.3 1024²: image + registers + text
 }
 SDPA_ENUM = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
              "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -85,7 +87,7 @@ def make_qkv(shape: str, requires_grad: bool = False):
 
 
 def iters_for(shape: str) -> int:
-    return {"flux": 50, "cogvideox": 10, "mochi": 4, "wan": 2, "hunyuan_video": 1}[shape]
+    return {"flux": 50, "cogvideox": 10, "mochi": 4, "wan": 2, "hunyuan_video": 1, "pixart": 50, "auraflow": 50}[shape]
 
 
 def suite_world1(shapes: list[str]) -> list[dict]:
@@ -117,6 +119,27 @@ def suite_world1(shapes: list[str]) -> list[dict]:
                              "direct_ms": t["direct"], "usp_ms": t["usp"], "ratio": t["usp"] / t["direct"]})
                 print(f"| {shape} | {name} | {mode} | {t['direct']:.3f} | {t['usp']:.3f} | {t['usp'] / t['direct']:.3f} |",
                       flush=True)
+    return rows
+
+
+def suite_auto(shapes: list[str]) -> list[dict]:
+    """Forward at world size 1: what a stock Diffusers processor calls (``F.scaled_dot_product_attention``
+    with PyTorch's own kernel choice) against ``usp_attention`` under ``auto`` and each SDPA kernel,
+    side by side: where ``auto`` loses to PyTorch's choice, a family's world-size-1 step loses too."""
+    rows = []
+    for shape in shapes:
+        q, k, v = make_qkv(shape)
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        fns = {"stock": lambda: F.scaled_dot_product_attention(qt, kt, vt),
+               "auto": lambda: usp_attention(q, k, v).out}
+        for name in SDPA_ENUM:  # those that run this head_dim
+            if get_backend(name).caps.why_not("cuda", q.dtype, q.shape[-1], False) is None:
+                fns[name] = lambda name=name: usp_attention(q, k, v, backend=name).out
+        with torch.inference_mode():
+            t = side_by_side(fns, iters_for(shape))
+        rows.append({"suite": "auto", "shape": shape, **{f"{n}_ms": ms for n, ms in t.items()}})
+        cells = [f"{t[n]:.3f} ({t[n] / t['stock']:.2f}x)" if n in t else "—" for n in ("stock", "auto", *SDPA_ENUM)]
+        print(f"| {shape} | " + " | ".join(cells) + " |", flush=True)
     return rows
 
 
@@ -323,7 +346,7 @@ def _sage_large_values(backend, sageattn) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", default="all",
-                   choices=["all", "world1", "backends", "ring", "ring_graphs", "ring_compiled", "splits", "calls", "sage"])
+                   choices=["all", "world1", "auto", "backends", "ring", "ring_graphs", "ring_compiled", "splits", "calls", "sage"])
     p.add_argument("--shapes", default="flux,cogvideox,mochi,wan")
     p.add_argument("--out", default=None, help="write all rows as JSON here")
     p.add_argument("--backend", default="sdpa_cudnn", help="kernel of the ring suites")
@@ -338,6 +361,9 @@ def main() -> int:
     if args.suite in ("all", "world1"):
         print("\n| shape | kernel | mode | direct ms | usp_attention ms | ratio |\n|---|---|---|---|---|---|")
         rows += suite_world1(shapes)
+    if args.suite in ("all", "auto"):
+        print("\n| shape | stock (PyTorch's choice) | usp auto | " + " | ".join(SDPA_ENUM) + " |\n" + "|---" * (3 + len(SDPA_ENUM)) + "|")
+        rows += suite_auto(shapes)
     if args.suite in ("all", "backends"):
         print("\n| shape | backend | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s |\n|---|---|---|---|---|---|")
         rows += suite_backends(shapes, tuple(args.backends.split(",")))
