@@ -173,3 +173,22 @@ def test_auto_rules_name_training_and_head_dims():
     rule = policy.AutoRule("x", training=False, max_head_dim=64)
     assert rule.applies(64, False) and not rule.applies(128, False) and not rule.applies(64, True)
     assert policy.AutoRule("x").applies(256, True)
+
+
+def test_auto_on_torch_alone_takes_cudnn_for_a_head_dim_256_forward_and_flash_for_its_backward(monkeypatch):
+    """With PyTorch's kernels alone (no FA3/FA4/FlashInfer), head_dim 256 inference goes to cuDNN,
+    as PyTorch's own SDPA does (AuraFlow's 12 x 256: flash took 1.9x cuDNN's time on the H100,
+    docs/PERFORMANCE.md); cuDNN's backward is kept to head_dim 128, so training takes flash, and
+    naming cuDNN for a head_dim 256 backward says why not."""
+    from usp_dit.kernels import get_backend
+
+    have = {"sdpa_cudnn", "sdpa_flash", "sdpa_efficient"}
+    for name in ("flash_attn_3", "flash_attn_4", "flashinfer", "flash_attn_2", *have):
+        monkeypatch.setattr(get_backend(name), "available", lambda name=name: name in have)
+    monkeypatch.setattr(policy, "_SELECTED", {})
+    pick = lambda head_dim, grad: select_backend("auto", "cuda", torch.bfloat16, head_dim, grad, 1e12).name  # noqa: E731
+    assert (pick(256, False), pick(256, True)) == ("sdpa_cudnn", "sdpa_flash")
+    assert (pick(128, False), pick(128, True)) == ("sdpa_cudnn", "sdpa_cudnn")
+    assert pick(264, False) == "sdpa_efficient"
+    with pytest.raises(NotImplementedError, match="head_dim=256 has a forward only"):
+        select_backend("sdpa_cudnn", "cuda", torch.bfloat16, 256, True)

@@ -194,3 +194,32 @@ def test_matches_float64_reference(grid_results, case: Case):
         assert not isinstance(errors, str), f"rank {rank}: {errors}"
         worst = {k: v for k, v in errors.items() if not v <= tol}
         assert not worst, f"rank {rank}: errors above {tol}: {worst}"
+
+
+def test_one_rank_without_lse_uses_the_kernels_out_only_forward(monkeypatch):
+    """At one rank a call that needs neither the LSE nor a gradient runs the kernel's ``forward_out``
+    (cuDNN and mem-efficient skip the LSE's work there), dense and with joint tokens, and gives the
+    float64 reference's output; a call that returns the LSE, or needs a gradient, runs ``forward``.
+    Tolerance 1e-12: float64 on both sides."""
+    from usp_dit.kernels import get_backend
+
+    backend, calls = get_backend("reference"), []
+
+    def forward_out(q, k, v, scale):
+        calls.append("out")
+        return backend.forward(q, k, v, scale)[0]
+
+    monkeypatch.setattr(backend, "forward_out", forward_out, raising=False)
+    g = torch.Generator().manual_seed(5)
+    q, k, v, jq, jk, jv = (torch.randn(2, n, 3, 8, generator=g, dtype=torch.float64) for n in (13, 13, 13, 5, 5, 5))
+    with torch.no_grad():
+        out = usp_attention(q, k, v, backend="reference").out
+        res = usp_attention(q, k, v, joint_q=jq, joint_k=jk, joint_v=jv, backend="reference")
+    assert calls == ["out", "out"]
+    assert rel_err(out, attention_ref(q, k, v, 8 ** -0.5)[0]) < 1e-12
+    ref_out, ref_joint = joint_attention_ref(q, k, v, jq, jk, jv, 8 ** -0.5)[:2]
+    assert rel_err(res.out, ref_out) < 1e-12 and rel_err(res.joint_out, ref_joint) < 1e-12
+    with torch.no_grad():
+        assert usp_attention(q, k, v, backend="reference", return_lse=True).lse is not None
+    assert usp_attention(q.requires_grad_(), k, v, backend="reference").out.requires_grad
+    assert calls == ["out", "out"]

@@ -314,3 +314,21 @@ def test_backend_causal_whole_and_ring(name, shape):
             ring = _causal_ring_errors(backend, q, k, v, dout, torch.bfloat16, n, layout, ref)
             bad = {key: (ring[key], whole[key]) for key in whole if ring[key] > 2 * whole[key] + 1e-5}
             assert not bad, f"{layout} N={n}: (ring, whole) errors {bad}"
+
+
+@pytest.mark.parametrize("name", ["sdpa_cudnn", "sdpa_efficient"])
+@pytest.mark.parametrize("shape", [(2, 777, 8, 2, 128), (1, 1100, 6, 6, 256)], ids=lambda s: "x".join(map(str, s)))
+def test_forward_out_and_head_dim_256(name, shape):
+    """``forward_out`` (no LSE: what a one-rank call without return_lse runs) against float64, as
+    close as ``forward``'s own output (bf16: same 2e-2 bound, within 2x forward's error); cuDNN's
+    head_dim 256 forward (AuraFlow's) with its LSE too (LSE float32: 1e-4)."""
+    backend = _backend(name)
+    q, k, v, _ = _inputs(*shape)
+    ref_out, ref_lse = attention_ref(q, k, v, shape[-1] ** -0.5)
+    qc, kc, vc = (t.to(torch.bfloat16) for t in (q, k, v))
+    out, lse = backend.forward(qc, kc, vc, shape[-1] ** -0.5)
+    plain = backend.forward_out(qc, kc, vc, shape[-1] ** -0.5)
+    err, err_plain = rel_err(out, ref_out), rel_err(plain, ref_out)
+    assert err < 2e-2 and err_plain <= 2 * err + 1e-5 and rel_err(lse, ref_lse) < 1e-4, (err, err_plain)
+    with torch.no_grad():
+        assert rel_err(usp_attention(qc, kc, vc, backend=name).out, ref_out) <= 2 * err + 1e-5

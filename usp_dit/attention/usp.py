@@ -52,7 +52,7 @@ from usp_dit.distributed.config import canonical_schedule
 from usp_dit.distributed.fp8_wire import check_comm_dtype
 from usp_dit.distributed.handshake import agree, calls_verified
 from usp_dit.distributed.mesh import USPMesh, resolve_mesh
-from usp_dit.kernels import attend, select_backend
+from usp_dit.kernels import attend, attend_out, select_backend
 from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 from usp_dit.kernels.registry import backends_with_lse
 from usp_dit.sharding.layouts import check_layout
@@ -280,18 +280,22 @@ def _share_failure(exc: Exception, q, mesh: USPMesh, seq_len: int | None) -> Non
               what="a usp_attention call")
 
 
-def _single_rank(q, k, v, joint, kernel, scale, frame: int | None = None, joint_mask=None):
+def _single_rank(q, k, v, joint, kernel, scale, frame: int | None = None, joint_mask=None, want_lse: bool = True):
     """P == 1: joint tokens simply join the sequence (masked ones: Note [masked joint tokens]); a
-    mask runs its plan (for causal attention one call in the kernel's causal mode)."""
+    mask runs its plan (for causal attention one call in the kernel's causal mode). Without
+    ``want_lse`` a dense call skips the LSE's work where the kernel can (``attend_out``): it has no
+    merge to feed, and the LSE is ``None`` then."""
     if frame is not None:
         plan = ring_plans(_concrete(q.shape[1]), 1, 1, "contiguous", frame, 0)[0]
         return masked_attend(q, k, v, plan, kernel, scale), None
     if joint is None:
-        return attend(q, k, v, kernel, scale), None
+        return ((attend_out(q, k, v, kernel, scale), None) if not want_lse else attend(q, k, v, kernel, scale)), None
     jq, jk, jv = joint
     n = q.shape[1]
     if joint_mask is not None:
         out, lse = JointMaskedAttention.apply(torch.cat([q, jq], 1), k, v, jk, jv, joint_mask, kernel, scale)
+    elif not want_lse:
+        out, lse = attend_out(torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1), kernel, scale), None
     else:
         out, lse = attend(torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1), kernel, scale)
     return (out[:, :n], _rows(lse, 0, n)), (out[:, n:], _rows(lse, n, None))
@@ -549,7 +553,7 @@ def usp_attention(
         raise
     joint, joint_empty, kernel, scale = call.joint, call.joint_empty, call.kernel, call.scale
     if mesh.sequence_degree == 1:
-        main, joint_res = _single_rank(q, k, v, joint, kernel, scale, call.frame, call.joint_mask)
+        main, joint_res = _single_rank(q, k, v, joint, kernel, scale, call.frame, call.joint_mask, return_lse)
     else:
         main, joint_res = _sharded(q, k, v, call, mesh, seq_len)
     joint_out, joint_lse = joint_res or joint_empty or (None, None)

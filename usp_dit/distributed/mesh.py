@@ -338,6 +338,7 @@ class _Default:
     """Holds the mesh that ``usp_attention(mesh=None)`` uses (the last one ``init_usp`` built)."""
 
     mesh: USPMesh | None = None
+    single: USPMesh | None = None  # resolve_mesh's mesh of one rank, kept
 
 
 def set_default_mesh(mesh: USPMesh | None) -> None:
@@ -361,4 +362,8 @@ def resolve_mesh(mesh: USPMesh | None) -> USPMesh:
             "mesh=None but no USP mesh was initialised in this multi-process job: "
             "call usp_dit.init_usp(ulysses_degree=..., ring_degree=...) first or pass mesh="
         )
-    return single_rank_mesh()
+    # One kept instance (a new mesh a call was a third of a small call's Python time); a released
+    # one is replaced.
+    if _Default.single is None or _Default.single.released:
+        _Default.single = single_rank_mesh()
+    return _Default.single

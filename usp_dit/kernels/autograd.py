@@ -135,3 +135,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Attention
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return KernelAttention.apply(q, k, v, backend, scale, causal)
     return kernel_forward(backend, q, k, v, scale, causal)
+
+
+def attend_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: AttentionBackend, scale: float):
+    """``out`` of one kernel call whose LSE nobody reads (one rank, no merge, ``return_lse=False``):
+    the backend's ``forward_out`` where it has one and no gradient is needed outside a trace (it
+    skips the LSE's work), else ``attend``'s first result."""
+    forward_out = getattr(backend, "forward_out", None)
+    if forward_out is None or torch.compiler.is_compiling() or (
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return attend(q, k, v, backend, scale)[0]
+    return forward_out(q, k, v, scale)

@@ -51,6 +51,8 @@ class BackendCaps:
     min_call_flops: float = 0.0
     causal: bool = False  # takes ``causal=True`` (the square diagonal block of causal attention)
     key_mask: bool = False  # takes ``key_mask=`` (a (batch, seq_k) key padding mask)
+    # The largest head_dim of the backward where it is below the forward's (None: ``max_head_dim``).
+    max_head_dim_backward: int | None = None
 
     def why_not(
         self, device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, causal: bool = False
@@ -68,6 +70,8 @@ class BackendCaps:
             return f"head_dim={head_dim} not in {sorted(self.head_dims)}"
         if needs_grad and not self.supports_backward:
             return "it has no backward (forward only) but gradients are needed"
+        if needs_grad and self.max_head_dim_backward is not None and head_dim > self.max_head_dim_backward:
+            return f"head_dim={head_dim} has a forward only (backward up to head_dim {self.max_head_dim_backward})"
         return None
 
 
@@ -92,6 +96,11 @@ class AttentionBackend(Protocol):
         ``None`` for a backend whose caps say ``returns_lse=False``. ``causal``: see the module
         docstring (passed only when true)."""
         ...
+
+    # Optional: ``forward_out(q, k, v, scale) -> out``, the same attention without computing the
+    # LSE, for a call that needs neither the LSE nor a gradient (one rank, no merge). A kernel
+    # whose LSE costs work defines it (cuDNN, mem-efficient); ``usp_dit.kernels.autograd.attend_out``
+    # falls back to ``forward`` where it is absent.
 
     def backward(
         self,
