@@ -49,6 +49,7 @@ from usp_dit.demo.tiny_helios import tiny_helios
 from usp_dit.demo.tiny_hunyuan_dit import tiny_hunyuan_dit
 from usp_dit.demo.tiny_hunyuan_image import tiny_hunyuan_image
 from usp_dit.demo.tiny_krea2 import tiny_krea2
+from usp_dit.demo.tiny_latte import tiny_latte
 from usp_dit.demo.tiny_longcat_image import tiny_longcat_image
 from usp_dit.demo.tiny_lumina2 import tiny_lumina2
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
@@ -105,6 +106,7 @@ BUILDERS = {
     "AuraFlow": tiny_auraflow,  # joint and single-stream blocks, one processor class
     "PixArt": lambda: tiny_pixart("alpha"),  # routed AttnProcessor2_0 (self), local masked cross-attention
     "HunyuanDiT": tiny_hunyuan_dit,  # the RoPE table cut at every block, local cross-attention, long skips
+    "Latte": tiny_latte,  # routed spatial self-attention; local cross- and temporal attention
 }
 
 

@@ -29,6 +29,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     kandinsky5,
     kandinsky6,
     krea2,
+    latte,
     longcat_image,
     ltx2,
     ltx_video,
