@@ -37,6 +37,7 @@ from usp_dit.demo import (
     tiny_wan_animate,
     tiny_wan_vace,
 )
+from usp_dit.demo.tiny_allegro import tiny_allegro
 from usp_dit.demo.tiny_auraflow import tiny_auraflow
 from usp_dit.demo.tiny_bria import tiny_bria, tiny_bria_fibo
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
@@ -107,6 +108,7 @@ BUILDERS = {
     "PixArt": lambda: tiny_pixart("alpha"),  # routed AttnProcessor2_0 (self), local masked cross-attention
     "HunyuanDiT": tiny_hunyuan_dit,  # the RoPE table cut at every block, local cross-attention, long skips
     "Latte": tiny_latte,  # routed spatial self-attention; local cross- and temporal attention
+    "Allegro": tiny_allegro,  # routed 3D self-attention with RoPE positions cut per block; local cross-attention
 }
 
 

@@ -176,6 +176,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "ConsisID": FamilyPipelines("ConsisID-preview (identity-preserving image-to-video)", ("ConsisIDPipeline",)),
     "Mochi": FamilyPipelines("Mochi 1", ("MochiPipeline",)),
     "Latte": FamilyPipelines("Latte-1 text-to-video (spatial and temporal blocks)", ("LattePipeline",)),
+    "Allegro": FamilyPipelines("Allegro T2V (88 frames, 720p)", ("AllegroPipeline",),
+                               whole_vae="no recipe yet: it decodes in its own overlapping 3D tiles"),
     "Wan": FamilyPipelines("Wan 2.1 T2V, I2V, FLF2V; Wan 2.2 A14B (both experts on one mesh), TI2V-5B",
                            ("WanPipeline", "WanImageToVideoPipeline")),
     "WanAnimate": FamilyPipelines("Wan 2.2 Animate-14B (animation, replacement)", ("WanAnimatePipeline",)),
