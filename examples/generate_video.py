@@ -1,5 +1,5 @@
 """torchrun: generate a video with any video family of usp_dit (CogVideoX, Mochi, Wan, Wan VACE, HunyuanVideo,
-HunyuanVideo 1.5, Kandinsky 5, LTX-Video, LTX-2, ChronoEdit, Helios, Cosmos 3, Sana-Video, ConsisID) on a Ulysses x Ring
+HunyuanVideo 1.5, Kandinsky 5, LTX-Video, LTX-2, ChronoEdit, Helios, Cosmos 3, Sana-Video, ConsisID, Latte, Allegro) on a Ulysses x Ring
 (x CFG) grid,
 checked against one rank.
 
@@ -16,6 +16,8 @@ checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model ltx2 --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model sana_video --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model consisid --ulysses 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model latte --ulysses 2 --ring 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model allegro --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model cogvideox \
         --model-path THUDM/CogVideoX-5b --height 480 --width 720 --frames 49 --steps 50 --ulysses 2 --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model ltx_video \
@@ -59,6 +61,8 @@ pipelines compress as the real ones do):
     ltx2           32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45 (+18 audio) yes (CFG only, below)
     sana_video     16 (x 32)     4k + 1    64 x 96, 9   -> 3 x 4 x 6 = 72           yes (batched CFG)
     consisid       16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
+    latte          16            any       96 x 144, 3  -> 3 x 6 x 9 = 162          yes (batched CFG)
+    allegro        16            any       96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
 
 Helios generates chunk after chunk, each attending to the history of the earlier ones (short,
 mid, long memory: 162 + 108 + 15 + 6 = 291 tokens a call for the tiny default); the tiny pipeline
@@ -90,6 +94,15 @@ divided by 4 ranks, but Sana-Video's: ``SanaVideoPipeline`` takes sizes in multi
 (2 tokens), so its token counts are. Sana-Video (``tiny_sana_video``: Gemma-2 text encoder, Wan's
 VAE) runs linear attention (an all-reduce of summaries, no ring) and a Mix-FFN whose convolutions
 fetch halo rows and frames from the neighbouring ranks.
+
+Latte (``tiny_latte``: T5, an image VAE, one latent frame a frame) alternates spatial attention
+over each frame's positions (split over the grid) with temporal attention over the frames of each
+position (local to a rank); its transformer has a fixed frame count (its temporal position table),
+so the tiny pipeline is built for ``--frames`` and Latte-1 from ``--model-path`` takes 16.
+Allegro's VAE compresses 4 frames (the pipeline rounds up to whole latent frames and crops the
+decoded video: the release makes 88 frames); it decodes in 3D tiles of 24 frames x 320 x 320, so the
+tiny pipeline's VAE (``tiny_allegro``) is built with one tile of ``--frames`` x ``--height`` x
+``--width``.
 
 LTX-2 generates video and audio; the example writes the frames only (the audio is dropped, and the
 one-rank check compares the frames). Its transformer splits the video tokens and keeps the audio
@@ -205,6 +218,12 @@ FAMILIES = {
         size_multiple=32),
     "consisid": VideoFamily(
         "ConsisIDPipeline", 9, 4, 4, "ConsisID's VAE (CogVideoX's): 4 frames per latent frame", 8, 16),
+    # An image VAE (one latent frame a frame); the transformer's temporal table fixes the frame count.
+    "latte": VideoFamily(
+        "LattePipeline", 3, 1, 1, "Latte's VAE is an image VAE: one latent frame a frame", 8, 16),
+    # The pipeline rounds the frames up to whole latent frames and crops the decoded video (88 as released).
+    "allegro": VideoFamily(
+        "AllegroPipeline", 9, 4, 1, "Allegro's pipeline rounds up to latent frames of 4 and crops", 8, 16),
 }
 # Families whose pipeline cleans prompts with ftfy unconditionally (diffusers 0.42): without ftfy
 # the example passes embeds made by Wan's T5 encoding (ftfy only when installed) instead.
@@ -331,6 +350,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
     """``--model-path`` in bf16 on GPUs (VAE tiling on), or the tiny random pipeline in float32."""
     if args.model_path is None:
         from usp_dit.demo import (
+            tiny_allegro,
             tiny_chronoedit,
             tiny_consisid,
             tiny_cosmos3,
@@ -339,6 +359,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             tiny_hunyuan_video15,
             tiny_kandinsky5,
             tiny_kandinsky6,
+            tiny_latte,
             tiny_ltx2,
             tiny_ltx_video,
             tiny_sana_video,
@@ -364,6 +385,11 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             "ltx2": tiny_ltx2.tiny_ltx2_pipeline,
             "sana_video": tiny_sana_video.tiny_sana_video_pipeline,
             "consisid": tiny_consisid.tiny_consisid_pipeline,
+            # Built for --frames: its temporal position table has one row a frame.
+            "latte": lambda max_text_len: tiny_latte.tiny_latte_pipeline(args.frames),
+            # Its VAE's one decode tile is the video's size.
+            "allegro": lambda max_text_len: tiny_allegro.tiny_allegro_pipeline(
+                args.frames, args.height, args.width, max_text_len),
         }
         return builders[args.model](max_text_len=TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)).to(device)
     import diffusers
@@ -380,7 +406,9 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     kwargs = {}
     if args.model == "hunyuan_video15":
         return _generate_hunyuan_video15(pipe, args)
-    if args.model_path is None and args.model != "cosmos3":  # Cosmos 3 has no text encoder
+    if args.model in ("latte", "allegro"):  # without bs4 / ftfy (LattePipeline pads prompts to 120 tokens)
+        kwargs["clean_caption"] = False
+    if args.model_path is None and args.model not in ("cosmos3", "latte"):  # Cosmos 3 has no text encoder
         kwargs["max_sequence_length"] = TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)
         if args.model == "helios":
             kwargs.update(TINY_HELIOS_CHUNKS)
@@ -405,7 +433,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     prompts = dict(prompt=args.prompt, negative_prompt=args.negative_prompt)
     if args.model in EMBEDS_FAMILIES and importlib.util.find_spec("ftfy") is None:
         prompts = embedded_prompts(pipe, args, kwargs.get("max_sequence_length", 512))
-    kwargs["frames" if args.model == "sana_video" else "num_frames"] = args.frames  # SanaVideoPipeline's name
+    frames_arg = {"sana_video": "frames", "latte": "video_length"}.get(args.model, "num_frames")  # the pipelines' names
+    kwargs[frames_arg] = args.frames
     out = pipe(
         **prompts, height=args.height, width=args.width, num_inference_steps=args.steps, output_type="np",
         generator=torch.Generator("cpu").manual_seed(args.seed), **kwargs,

@@ -463,6 +463,8 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("auraflow", (1, 2, 1), 1),  # SD3's routed F namespace, text first; [text; shard] in the single-stream blocks
     ("hunyuan_dit", (2, 1, 1), 0),  # HunyuanAttnProcessor2_0's routed F.sdpa; the RoPE argument cut at each block
     ("pixart", (1, 2, 1), 1),  # AttnProcessor2_0's routed F.sdpa; masked cross-attention on the shard; Alpha's size conditions
+    ("latte", (2, 1, 1), 0),  # frames as batch rows of the routed F.sdpa; temporal blocks' timestep cut per block
+    ("allegro", (1, 2, 1), 0),  # AllegroAttnProcessor2_0's routed F.sdpa; RoPE positions cut at every block
     ("kandinsky6", (1, 2, 1), 0),  # the audio queries over the video merged by log-sum-exp; a (video, audio) gather
     ("ernie_image", (2, 1, 1), 0),  # sequence-first single stream [image shard; masked text], cut at its seams
     ("glm_image", (1, 2, 1), 0),  # CogView4's block: the text mask as a bias channel (routed dispatch call)

@@ -368,6 +368,8 @@ def test_video_example_rejects_what_the_new_families_cannot_take(argv, message, 
     (["--model", "sana_video", "--cfg", "2"], (9, 64, 96, (1, 1, 2))),
     (["--model", "hunyuan_video15"], (9, 48, 96, (2, 1, 1))),
     (["--model", "hunyuan_video15", "--cfg", "2"], (9, 48, 96, (1, 1, 2))),
+    (["--model", "latte", "--cfg", "2", "--frames", "4"], (4, 96, 144, (1, 1, 2))),  # any frame count: an image VAE
+    (["--model", "allegro", "--cfg", "2", "--frames", "8"], (8, 96, 144, (1, 1, 2))),  # rounded up to latent frames
 ])
 def test_video_example_fills_each_familys_defaults(argv, expected, two_ranks):
     args = _example("generate_video").parse_args(argv)
@@ -382,6 +384,24 @@ def test_video_example_generates_with_the_tiny_hunyuan_video15(two_ranks):
     pipe.set_progress_bar_config(disable=True)
     frames = example.generate(pipe, args)
     assert frames.shape == (9, 48, 96, 3) and pipe.guider.guidance_scale == 3.0
+
+
+def test_video_example_generates_with_the_tiny_latte(two_ranks):
+    """One process, no grid: the tiny Latte pipeline built for --frames, its video_length and prompt keywords."""
+    example = _example("generate_video")
+    args = example.parse_args(["--model", "latte", "--steps", "1", "--frames", "2", "--height", "48", "--width", "64"])
+    pipe = example.load_pipeline(args, torch.device("cpu"))
+    pipe.set_progress_bar_config(disable=True)
+    assert example.generate(pipe, args).shape == (2, 48, 64, 3) and example.video_tokens(args, pipe) == 2 * 3 * 4
+
+
+def test_video_example_generates_with_the_tiny_allegro(two_ranks):
+    """One process, no grid: the tiny Allegro pipeline, its VAE's one tile fitted to the video."""
+    example = _example("generate_video")
+    args = example.parse_args(["--model", "allegro", "--steps", "1", "--frames", "5", "--height", "48", "--width", "64"])
+    pipe = example.load_pipeline(args, torch.device("cpu"))
+    pipe.set_progress_bar_config(disable=True)
+    assert example.generate(pipe, args).shape == (5, 48, 64, 3) and example.video_tokens(args, pipe) == 2 * 3 * 4
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -37,6 +37,7 @@ from usp_dit.demo import (
     tiny_wan_animate,
     tiny_wan_vace,
 )
+from usp_dit.demo.tiny_allegro import tiny_allegro
 from usp_dit.demo.tiny_auraflow import tiny_auraflow
 from usp_dit.demo.tiny_bria import tiny_bria, tiny_bria_fibo
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
@@ -49,6 +50,7 @@ from usp_dit.demo.tiny_helios import tiny_helios
 from usp_dit.demo.tiny_hunyuan_dit import tiny_hunyuan_dit
 from usp_dit.demo.tiny_hunyuan_image import tiny_hunyuan_image
 from usp_dit.demo.tiny_krea2 import tiny_krea2
+from usp_dit.demo.tiny_latte import tiny_latte
 from usp_dit.demo.tiny_longcat_image import tiny_longcat_image
 from usp_dit.demo.tiny_lumina2 import tiny_lumina2
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
@@ -105,6 +107,8 @@ BUILDERS = {
     "AuraFlow": tiny_auraflow,  # joint and single-stream blocks, one processor class
     "PixArt": lambda: tiny_pixart("alpha"),  # routed AttnProcessor2_0 (self), local masked cross-attention
     "HunyuanDiT": tiny_hunyuan_dit,  # the RoPE table cut at every block, local cross-attention, long skips
+    "Latte": tiny_latte,  # routed spatial self-attention; local cross- and temporal attention
+    "Allegro": tiny_allegro,  # routed 3D self-attention with RoPE positions cut per block; local cross-attention
 }
 
 
