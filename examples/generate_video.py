@@ -59,6 +59,7 @@ pipelines compress as the real ones do):
     ltx2           32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45 (+18 audio) yes (CFG only, below)
     sana_video     16 (x 32)     4k + 1    64 x 96, 9   -> 3 x 4 x 6 = 72           yes (batched CFG)
     consisid       16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
+    easyanimate    16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
 
 Helios generates chunk after chunk, each attending to the history of the earlier ones (short,
 mid, long memory: 162 + 108 + 15 + 6 = 291 tokens a call for the tiny default); the tiny pipeline
@@ -205,6 +206,9 @@ FAMILIES = {
         size_multiple=32),
     "consisid": VideoFamily(
         "ConsisIDPipeline", 9, 4, 4, "ConsisID's VAE (CogVideoX's): 4 frames per latent frame", 8, 16),
+    # Its pipeline pads every prompt to 256 tokens (no max_sequence_length argument).
+    "easyanimate": VideoFamily(
+        "EasyAnimatePipeline", 9, 4, 4, "EasyAnimate's VAE (Magvit): 4 frames per latent frame", 8, 16),
 }
 # Families whose pipeline cleans prompts with ftfy unconditionally (diffusers 0.42): without ftfy
 # the example passes embeds made by Wan's T5 encoding (ftfy only when installed) instead.
@@ -334,6 +338,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             tiny_chronoedit,
             tiny_consisid,
             tiny_cosmos3,
+            tiny_easyanimate,
             tiny_helios,
             tiny_hunyuan_video,
             tiny_hunyuan_video15,
@@ -364,6 +369,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             "ltx2": tiny_ltx2.tiny_ltx2_pipeline,
             "sana_video": tiny_sana_video.tiny_sana_video_pipeline,
             "consisid": tiny_consisid.tiny_consisid_pipeline,
+            "easyanimate": tiny_easyanimate.tiny_easyanimate_pipeline,
         }
         return builders[args.model](max_text_len=TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)).to(device)
     import diffusers
@@ -380,7 +386,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     kwargs = {}
     if args.model == "hunyuan_video15":
         return _generate_hunyuan_video15(pipe, args)
-    if args.model_path is None and args.model != "cosmos3":  # Cosmos 3 has no text encoder
+    # Cosmos 3 has no text encoder; EasyAnimatePipeline takes no text length (it pads to 256)
+    if args.model_path is None and args.model not in ("cosmos3", "easyanimate"):
         kwargs["max_sequence_length"] = TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)
         if args.model == "helios":
             kwargs.update(TINY_HELIOS_CHUNKS)

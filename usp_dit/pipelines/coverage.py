@@ -208,6 +208,9 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                  whole_vae="no recipe yet; the 480p release decodes with Wan 2.1's VAE, which has one"),
     "Cosmos3": FamilyPipelines("Cosmos 3 Omni: text/image/video-to-video, sound and action streams",
                                ("Cosmos3OmniPipeline",)),
+    "EasyAnimate": FamilyPipelines("EasyAnimate V5.1; text-, image- (inpaint), control-to-video",
+                                   ("EasyAnimatePipeline", "EasyAnimateInpaintPipeline", "EasyAnimateControlPipeline"),
+                                   whole_vae="no recipe yet"),
     "MiniMax-H3": FamilyPipelines("MiniMax-H3 (33B): text-, first-last-frame-, reference-to-video with audio", (),
                                   whole_vae="no DiffusionPipeline: Diffusers ships MiniMax-H3 as modular blocks, "
                                             "which `pipe.enable_usp()` does not wrap (enable the transformer)"),

@@ -15,6 +15,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     cogview4,
     consisid,
     cosmos3,
+    easyanimate,
     ernie_image,
     flux,
     flux2,
