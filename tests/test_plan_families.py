@@ -42,6 +42,7 @@ from usp_dit.demo.tiny_bria import tiny_bria, tiny_bria_fibo
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
 from usp_dit.demo.tiny_consisid import tiny_consisid
+from usp_dit.demo.tiny_cosmos import tiny_cosmos
 from usp_dit.demo.tiny_easyanimate import tiny_easyanimate
 from usp_dit.demo.tiny_ernie_image import tiny_ernie_image
 from usp_dit.demo.tiny_flux3 import tiny_flux3
@@ -107,6 +108,7 @@ BUILDERS = {
     "PixArt": lambda: tiny_pixart("alpha"),  # routed AttnProcessor2_0 (self), local masked cross-attention
     "HunyuanDiT": tiny_hunyuan_dit,  # the RoPE table cut at every block, local cross-attention, long skips
     "EasyAnimate": lambda: tiny_easyanimate("mixed-control"),  # an MMDiT block and a shared-weights block
+    "Cosmos": lambda: tiny_cosmos("img-context"),  # routed attn1, local attn2 (CosmosAttnProcessor2_5)
 }
 
 

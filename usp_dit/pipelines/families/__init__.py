@@ -14,6 +14,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     cogvideox,
     cogview4,
     consisid,
+    cosmos,
     cosmos3,
     easyanimate,
     ernie_image,
