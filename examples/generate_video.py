@@ -63,6 +63,7 @@ pipelines compress as the real ones do):
     consisid       16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
     latte          16            any       96 x 144, 3  -> 3 x 6 x 9 = 162          yes (batched CFG)
     allegro        16            any       96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
+    easyanimate    16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
 
 Helios generates chunk after chunk, each attending to the history of the earlier ones (short,
 mid, long memory: 162 + 108 + 15 + 6 = 291 tokens a call for the tiny default); the tiny pipeline
@@ -224,6 +225,9 @@ FAMILIES = {
     # The pipeline rounds the frames up to whole latent frames and crops the decoded video (88 as released).
     "allegro": VideoFamily(
         "AllegroPipeline", 9, 4, 1, "Allegro's pipeline rounds up to latent frames of 4 and crops", 8, 16),
+    # Its pipeline pads every prompt to 256 tokens (no max_sequence_length argument).
+    "easyanimate": VideoFamily(
+        "EasyAnimatePipeline", 9, 4, 4, "EasyAnimate's VAE (Magvit): 4 frames per latent frame", 8, 16),
 }
 # Families whose pipeline cleans prompts with ftfy unconditionally (diffusers 0.42): without ftfy
 # the example passes embeds made by Wan's T5 encoding (ftfy only when installed) instead.
@@ -354,6 +358,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             tiny_chronoedit,
             tiny_consisid,
             tiny_cosmos3,
+            tiny_easyanimate,
             tiny_helios,
             tiny_hunyuan_video,
             tiny_hunyuan_video15,
@@ -390,6 +395,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             # Its VAE's one decode tile is the video's size.
             "allegro": lambda max_text_len: tiny_allegro.tiny_allegro_pipeline(
                 args.frames, args.height, args.width, max_text_len),
+            "easyanimate": tiny_easyanimate.tiny_easyanimate_pipeline,
         }
         return builders[args.model](max_text_len=TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)).to(device)
     import diffusers
@@ -408,7 +414,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         return _generate_hunyuan_video15(pipe, args)
     if args.model in ("latte", "allegro"):  # without bs4 / ftfy (LattePipeline pads prompts to 120 tokens)
         kwargs["clean_caption"] = False
-    if args.model_path is None and args.model not in ("cosmos3", "latte"):  # Cosmos 3 has no text encoder
+    # Cosmos 3 has no text encoder; Latte's and EasyAnimate's pipelines take no text length
+    if args.model_path is None and args.model not in ("cosmos3", "latte", "easyanimate"):
         kwargs["max_sequence_length"] = TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)
         if args.model == "helios":
             kwargs.update(TINY_HELIOS_CHUNKS)

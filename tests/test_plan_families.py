@@ -43,6 +43,8 @@ from usp_dit.demo.tiny_bria import tiny_bria, tiny_bria_fibo
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
 from usp_dit.demo.tiny_consisid import tiny_consisid
+from usp_dit.demo.tiny_cosmos import tiny_cosmos
+from usp_dit.demo.tiny_easyanimate import tiny_easyanimate
 from usp_dit.demo.tiny_ernie_image import tiny_ernie_image
 from usp_dit.demo.tiny_flux3 import tiny_flux3
 from usp_dit.demo.tiny_glm_image import tiny_glm_image
@@ -109,6 +111,8 @@ BUILDERS = {
     "HunyuanDiT": tiny_hunyuan_dit,  # the RoPE table cut at every block, local cross-attention, long skips
     "Latte": tiny_latte,  # routed spatial self-attention; local cross- and temporal attention
     "Allegro": tiny_allegro,  # routed 3D self-attention with RoPE positions cut per block; local cross-attention
+    "EasyAnimate": lambda: tiny_easyanimate("mixed-control"),  # an MMDiT block and a shared-weights block
+    "Cosmos": lambda: tiny_cosmos("img-context"),  # routed attn1, local attn2 (CosmosAttnProcessor2_5)
 }
 
 

@@ -211,6 +211,15 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                  whole_vae="no recipe yet; the 480p release decodes with Wan 2.1's VAE, which has one"),
     "Cosmos3": FamilyPipelines("Cosmos 3 Omni: text/image/video-to-video, sound and action streams",
                                ("Cosmos3OmniPipeline",)),
+    "Cosmos": FamilyPipelines(
+        "Cosmos 1 Diffusion 7B, 14B; Predict2 2B, 14B; Predict2.5 (Transfer2.5's ControlNet refused; the "
+        "video-to-world calls of a step may differ in their latents too: those are not paired)",
+        ("CosmosTextToWorldPipeline", "CosmosVideoToWorldPipeline", "Cosmos2TextToImagePipeline",
+         "Cosmos2VideoToWorldPipeline", "Cosmos2_5_PredictBasePipeline"),
+        whole_vae="no recipe yet for Cosmos 1's tokenizer; Predict2 and 2.5 decode with Wan 2.1's VAE, which has one"),
+    "EasyAnimate": FamilyPipelines("EasyAnimate V5.1; text-, image- (inpaint), control-to-video",
+                                   ("EasyAnimatePipeline", "EasyAnimateInpaintPipeline", "EasyAnimateControlPipeline"),
+                                   whole_vae="no recipe yet"),
     "MiniMax-H3": FamilyPipelines("MiniMax-H3 (33B): text-, first-last-frame-, reference-to-video with audio", (),
                                   whole_vae="no DiffusionPipeline: Diffusers ships MiniMax-H3 as modular blocks, "
                                             "which `pipe.enable_usp()` does not wrap (enable the transformer)"),
