@@ -466,6 +466,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("kandinsky6", (1, 2, 1), 0),  # the audio queries over the video merged by log-sum-exp; a (video, audio) gather
     ("ernie_image", (2, 1, 1), 0),  # sequence-first single stream [image shard; masked text], cut at its seams
     ("glm_image", (1, 2, 1), 0),  # CogView4's block: the text mask as a bias channel (routed dispatch call)
+    ("nucleus_moe", (2, 1, 1), 2),  # image queries over [shard; masked text] keys (zero text queries); all-dense
 ]
 
 

@@ -35,6 +35,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     lumina2,
     minimax_h3,
     mochi,
+    nucleus_moe,
     ovis_image,
     pixart,
     qwen_image,
