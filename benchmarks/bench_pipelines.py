@@ -188,6 +188,7 @@ CASES: dict[str, Callable] = {
     "ernie_image": _later(pipeline_cases.ernie_image_case),
     "glm_image": _later(pipeline_cases.glm_image_case),
     "nucleus_moe": _later(pipeline_cases.nucleus_moe_case),
+    "omnigen": _later(pipeline_cases.omnigen_case),
 }
 
 

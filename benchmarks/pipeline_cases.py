@@ -958,3 +958,24 @@ def nucleus_moe_case(build, device: torch.device, height: int = 1024, width: int
         img_shapes=[(1, rows, cols)], return_dict=False,
     )
     return model, inputs, f"{height}x{width} ({rows * cols} + 256 tokens, 200 real)"
+
+
+def omnigen_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """OmniGen v1: latents (1, 4, h/8, w/8), 2x2 patches; a text-to-image prompt of 100 Phi-3 tokens
+    (the instruction template and the prompt), the mask and positions from Diffusers' collator. The
+    config is Diffusers' ``OmniGenTransformer2DModel`` defaults (32 Phi-3 layers, 3072 wide, 32 heads
+    x 96), Shitao/OmniGen-v1's per its docs, with su-scaled RoPE factors of 1 (the checkpoint's
+    were not at hand offline). ``config``: overrides (a tiny model to check the case builds on CPU)."""
+    from diffusers import OmniGenTransformer2DModel
+
+    from usp_dit.demo.tiny_omnigen import omnigen_inputs
+
+    base = {"rope_scaling": {"short_factor": [1.0] * 48, "long_factor": [1.0] * 48}}
+    model = build(OmniGenTransformer2DModel, {**base, **(config or {})}, device)
+    rows, cols = height // 16, width // 16
+    inputs = omnigen_inputs(rows, cols, (100,))
+    kwargs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in inputs.kwargs().items()}
+    kwargs["hidden_states"] = kwargs["hidden_states"].to(torch.bfloat16)
+    kwargs["timestep"] = kwargs["timestep"].to(torch.bfloat16)
+    kwargs["return_dict"] = False
+    return model, kwargs, f"{height}x{width} ({rows * cols} image + 101 prefix tokens)"

@@ -36,6 +36,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     minimax_h3,
     mochi,
     nucleus_moe,
+    omnigen,
     ovis_image,
     pixart,
     qwen_image,
