@@ -937,7 +937,8 @@ def nucleus_moe_case(build, device: torch.device, height: int = 1024, width: int
     default system prompt and the user's, padded), 200 real. The config is Diffusers'
     ``NucleusMoEImageTransformer2DModel`` defaults (24 layers, 16 heads x 128, expert-choice MoE in
     blocks 3-22, capacity factor 8) with 64 routed experts, the model card's count (NucleusAI/Nucleus-Image's
-    transformer/config.json was not at hand offline to compare). The packed experts are ``torch.empty``
+    transformer/config.json was not at hand offline to compare; this config counts 12.1 B parameters on the
+    meta device, the card says 17 B total, so the release differs somewhere). The packed experts are ``torch.empty``
     in stock (loaded from a checkpoint): drawn here from N(0, 0.02). ``config``: overrides (a tiny
     model to check the case builds on CPU)."""
     from diffusers import NucleusMoEImageTransformer2DModel
@@ -964,7 +965,7 @@ def omnigen_case(build, device: torch.device, height: int = 1024, width: int = 1
     """OmniGen v1: latents (1, 4, h/8, w/8), 2x2 patches; a text-to-image prompt of 100 Phi-3 tokens
     (the instruction template and the prompt), the mask and positions from Diffusers' collator. The
     config is Diffusers' ``OmniGenTransformer2DModel`` defaults (32 Phi-3 layers, 3072 wide, 32 heads
-    x 96), Shitao/OmniGen-v1's per its docs, with su-scaled RoPE factors of 1 (the checkpoint's
+    x 96; 3.76 B on the meta device, OmniGen's stated 3.8 B), with su-scaled RoPE factors of 1 (the checkpoint's
     were not at hand offline). ``config``: overrides (a tiny model to check the case builds on CPU)."""
     from diffusers import OmniGenTransformer2DModel
 

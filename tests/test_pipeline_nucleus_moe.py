@@ -13,7 +13,8 @@ model's own (centred) positions.
 Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2) (tests/adapter_parity.GRIDS);
 ring grids also with "stream" and "gather_merge" forced (tests/adapter_parity Note [schedules in
 CI]). Each case: output vs stock, block 0's attention sees at most ceil(N / P) image queries, after
-``disable`` the output is bit-identical. Every parameter's gradient (the router's and the experts'
+``disable`` the output is bit-identical; each rank's rotated image Q/K equal the same rows of one
+process's (the text K all of them). Every parameter's gradient (the router's and the experts'
 included) on 2 and 4 ranks, and with gradient checkpointing. The expert-choice routing couples
 tokens: the same enabled model with the stock MoE forward on each shard (each expert's top-k over
 the shard alone) is far from stock, so the cases above do see the routing (Note [expert-choice
@@ -37,9 +38,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
+from diffusers.models.transformers import transformer_nucleusmoe_image
 
 import usp_dit
 from tests.adapter_parity import (
@@ -63,9 +66,11 @@ from tests.adapter_parity import (
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_nucleus_moe import nucleus_moe_inputs, tiny_nucleus_moe, tiny_nucleus_moe_pipeline
+from usp_dit.pipelines import _routing
 from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import nucleus_moe
 from usp_dit.pipelines.families.nucleus_moe import ADAPTER, USPNucleusMoEAttnProcessor
+from usp_dit.sharding.shard import shard_sequence
 from usp_dit.testing import rel_err
 
 TOL = 1e-5
@@ -136,6 +141,35 @@ def _naive_routing_case(mesh) -> dict[str, float]:
     return {"naive_not_off": float(not rel_err(out, ref) > NAIVE_MIN), "no_moe_layer": float(not moe)}
 
 
+def _first_call(model, inputs, module, name: str) -> tuple[torch.Tensor, ...]:
+    """(q, k, joint_k) of the first call of ``module.name`` in a forward (joint_k None for stock's)."""
+    seen = []
+    inner = getattr(module, name)
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.clone(), k.clone(), kwargs.get("joint_k")))
+        return inner(q, k, v, *args, **kwargs)
+
+    with mock.patch.object(module, name, spy):
+        forward(model, inputs)
+    return seen[0]
+
+
+def _rotated_qk_case(mesh) -> dict[str, float]:
+    """Each rank's rotated image Q/K of block 0 equal the same rows of one process's, its text K
+    all of them (the 35-token shape, no mask: one usp_attention call a block)."""
+    model, inputs = _build(SHAPES[1])
+    q_ref, k_ref, _ = _first_call(model, inputs, transformer_nucleusmoe_image, "dispatch_attention_fn")
+    ADAPTER.enable(model, mesh, "auto")
+    try:
+        q, k, text_k = _first_call(model, inputs, _routing, "usp_attention")
+    finally:
+        ADAPTER.disable(model)
+    image = SHAPES[1].tokens
+    return {"q": rel_err(q, shard_sequence(q_ref, mesh)), "k": rel_err(k, shard_sequence(k_ref[:, :image], mesh)),
+            "text_k": rel_err(text_k, k_ref[:, image:])}
+
+
 PROMPTS = (["a red fox jumps", "a cat"], ["blurry", "dark and dim"])  # of different lengths: padded, masked
 
 
@@ -160,6 +194,7 @@ def _run_all() -> dict[str, dict | str]:
     run_grid_cases(results, GRID_SHAPES, _output_case,
                    lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
     record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
     record(results, "naive-routing", lambda: _naive_routing_case(init_usp(2, 2)))
     record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
     two_heads = tiny_nucleus_moe(num_heads=2, head_dim=32)
@@ -176,6 +211,10 @@ def grid_results() -> list[dict]:
 
 test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
     output_keys(GRID_SHAPES), grad_keys(GRID_SHAPES) + ["grad-ckpt-p4"], TOL)
+
+
+def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
+    assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_per_shard_routing_would_be_wrong(grid_results):

@@ -14,7 +14,8 @@ Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2) (tests/a
 ring grids also with "stream" and "gather_merge" forced (Note [schedules in CI]). Each case: output
 vs stock, block 0's attention sees at most P + ceil(N / P_ranks) tokens (the prefix is replicated:
 Note [OmniGen's sequence]), after ``disable`` the output is bit-identical. Every parameter's gradient
-on 2 and 4 ranks, and with gradient checkpointing. The transformer enabled with cfg_degree=2 on the
+on 2 and 4 ranks, and with gradient checkpointing. Each rank's rotated image Q/K of layer 0 equal
+the same rows of one process's (the prefix K all of them). The transformer enabled with cfg_degree=2 on the
 text-to-image batch (position_ids kept whole: the stock RoPE reads row 0) equals stock; with input
 images it is refused. The fullgraph-compiled case is in tests/test_compile_grid.py (ADAPTER_CASES).
 
@@ -31,9 +32,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
+from diffusers.models.transformers import transformer_omnigen
 
 import usp_dit
 from tests.adapter_parity import (
@@ -56,9 +59,12 @@ from tests.adapter_parity import (
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_omnigen import omnigen_inputs, tiny_omnigen, tiny_omnigen_pipeline
+from usp_dit.pipelines import _routing
 from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import omnigen
 from usp_dit.pipelines.families.omnigen import ADAPTER, USPOmniGenAttnProcessor
+from usp_dit.sharding.shard import shard_sequence
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_IMAGES = 1e-4
@@ -124,6 +130,48 @@ def _cfg_images_refused_case(mesh) -> dict[str, float]:
     return {"did_not_raise": 1.0}
 
 
+class _SpyFunctional:
+    """``torch.nn.functional`` for the stock processor's module, keeping each attention call's (q, k)."""
+
+    def __init__(self, seen: list) -> None:
+        self.seen = seen
+
+    def scaled_dot_product_attention(self, q, k, v, *args, **kwargs):
+        self.seen.append((q.clone(), k.clone()))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(torch.nn.functional, name)
+
+
+def _rotated_qk_case(mesh) -> dict[str, float]:
+    """Each rank's rotated image Q/K of layer 0 equal the same rows of one process's, the prefix K all
+    of them (element 0: the longest prompt, so every prefix token is a key of its first call)."""
+    shape = SHAPES[0]
+    model, inputs = _build(shape)
+    stock = []
+    with mock.patch.object(transformer_omnigen, "F", _SpyFunctional(stock)):
+        forward(model, inputs)
+    q_ref, k_ref = (t[:1].transpose(1, 2) for t in stock[0])  # (1, L, H, D)
+    seen = []
+    inner = _routing.usp_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.clone(), k.clone(), kwargs["joint_k"]))
+        return inner(q, k, v, *args, **kwargs)
+
+    ADAPTER.enable(model, mesh, "auto")
+    try:
+        with mock.patch.object(_routing, "usp_attention", spy):
+            forward(model, inputs)
+    finally:
+        ADAPTER.disable(model)
+    q, k, prefix_k = seen[0]
+    return {"q": rel_err(q, shard_sequence(q_ref[:, shape.prefix:], mesh)),
+            "k": rel_err(k, shard_sequence(k_ref[:, shape.prefix:], mesh)),
+            "prefix_k": rel_err(prefix_k, k_ref[:, :shape.prefix])}
+
+
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps at 48 x 80 (3 x 5 = 15 image tokens), two prompts, seed 0."""
     return latents_and(pipe, prompt=["a red fox jumps", "a cat"], guidance_scale=3.0, height=48, width=80,
@@ -137,6 +185,7 @@ def _run_all() -> dict[str, dict | str]:
     results = {}
     run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
     record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
     record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
     record(results, "cfg-images-refused", lambda: _cfg_images_refused_case(init_usp(1, 2, 2)))
     record(results, "ulysses-above-heads",
@@ -153,6 +202,10 @@ def grid_results() -> list[dict]:
 
 test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
     output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL)
+
+
+def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
+    assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_cfg_split_keeps_the_first_rows_positions_and_matches_stock(grid_results):
