@@ -187,6 +187,8 @@ CASES: dict[str, Callable] = {
     "minimax_h3": _later(pipeline_cases.minimax_h3_case),
     "ernie_image": _later(pipeline_cases.ernie_image_case),
     "glm_image": _later(pipeline_cases.glm_image_case),
+    "nucleus_moe": _later(pipeline_cases.nucleus_moe_case),
+    "omnigen": _later(pipeline_cases.omnigen_case),
 }
 
 

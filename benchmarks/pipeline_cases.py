@@ -930,3 +930,53 @@ def glm_image_case(build, device: torch.device, height: int = 1024, width: int =
         crop_coords=torch.zeros(1, 2, **_bf(device)), return_dict=False,
     )
     return model, inputs, f"{height}x{width} ({tokens} + 32 tokens)"
+
+
+def nucleus_moe_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """NucleusMoE-Image: packed latents (1, (h/16)*(w/16), 64); 256 prompt tokens (Qwen3-VL: the
+    default system prompt and the user's, padded), 200 real. The config is Diffusers'
+    ``NucleusMoEImageTransformer2DModel`` defaults (24 layers, 16 heads x 128, expert-choice MoE in
+    blocks 3-22, capacity factor 8) with 64 routed experts, the model card's count (NucleusAI/Nucleus-Image's
+    transformer/config.json was not at hand offline to compare; this config counts 12.1 B parameters on the
+    meta device, the card says 17 B total, so the release differs somewhere). The packed experts are ``torch.empty``
+    in stock (loaded from a checkpoint): drawn here from N(0, 0.02). ``config``: overrides (a tiny
+    model to check the case builds on CPU)."""
+    from diffusers import NucleusMoEImageTransformer2DModel
+
+    model = build(NucleusMoEImageTransformer2DModel, {"num_experts": 64, **(config or {})}, device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                p.normal_(0.0, 0.02)
+    cfg = model.config
+    rows, cols = height // 16, width // 16
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, rows * cols, cfg.in_channels, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 256, cfg.joint_attention_dim, generator=g, **_bf(device)),
+        encoder_hidden_states_mask=_prompt_mask(device, 256, 200), timestep=torch.full((1,), 0.5, **_bf(device)),
+        img_shapes=[(1, rows, cols)], return_dict=False,
+    )
+    return model, inputs, f"{height}x{width} ({rows * cols} + 256 tokens, 200 real)"
+
+
+def omnigen_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """OmniGen v1: latents (1, 4, h/8, w/8), 2x2 patches; a text-to-image prompt of 100 Phi-3 tokens
+    (the instruction template and the prompt), the mask and positions from Diffusers' collator. The
+    config is Diffusers' ``OmniGenTransformer2DModel`` defaults (32 Phi-3 layers, 3072 wide, 32 heads
+    x 96; 3.76 B on the meta device, OmniGen's stated 3.8 B), with su-scaled RoPE factors of 1 (the checkpoint's
+    were not at hand offline). ``config``: overrides (a tiny model to check the case builds on CPU)."""
+    from diffusers import OmniGenTransformer2DModel
+
+    from usp_dit.demo.tiny_omnigen import omnigen_inputs
+
+    base = {"rope_scaling": {"short_factor": [1.0] * 48, "long_factor": [1.0] * 48}}
+    model = build(OmniGenTransformer2DModel, {**base, **(config or {})}, device)
+    rows, cols = height // 16, width // 16
+    inputs = omnigen_inputs(rows, cols, (100,))
+    kwargs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in inputs.kwargs().items()}
+    kwargs["hidden_states"] = kwargs["hidden_states"].to(torch.bfloat16)
+    kwargs["timestep"] = kwargs["timestep"].to(torch.bfloat16)
+    kwargs["return_dict"] = False
+    return model, kwargs, f"{height}x{width} ({rows * cols} image + 101 prefix tokens)"

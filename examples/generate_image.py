@@ -67,6 +67,8 @@ tokenizer as ``text_encoder_4`` / ``tokenizer_4``, which HiDream's own repositor
     bria        60 x 100 -> 15 x 25 = 375           1024 x 1024     [uncond, cond] (batched CFG)
     pixart      40 x 56 -> 5 x 7 = 35               1024 x 1024     [uncond, cond] (batched CFG)
     ernie_image 20 x 28 -> 5 x 7 = 35               1024 x 1024     [uncond, cond] (batched CFG)
+    nucleus_moe 80 x 112 -> 5 x 7 = 35              1024 x 1024     the two calls of a step (true CFG)
+    omnigen     48 x 80 -> 3 x 5 = 15               1024 x 1024     [cond, uncond] (batched CFG)
 
 (LongCat-Image's tiny VAE has 7 levels, 128 pixels per token: its edit pipeline works at about
 1024 x 1024 pixels; the tiny example runs the text-to-image pipeline without its prompt rewrite.)
@@ -179,6 +181,11 @@ FAMILIES = {
     # ERNIE-Image: the Flux.2 VAE (8x; the tiny one 2x), its latent patchified 2x2 by the pipeline.
     "ernie_image": ImageFamily("ErnieImagePipeline", "ERNIE-Image", (20, 28), 4, "guidance_scale", batched_cfg=True,
                                negative_prompt=True),
+    # NucleusMoE-Image: the Qwen-Image VAE (8x, the tiny one too), an expert-choice MoE transformer.
+    "nucleus_moe": ImageFamily("NucleusMoEImagePipeline", "NucleusMoE-Image", (80, 112), 16, "guidance_scale",
+                               two_call_cfg=True, negative_prompt=True),
+    # OmniGen: the SDXL VAE (8x, the tiny one too); its pipeline's negative prompt is built in.
+    "omnigen": ImageFamily("OmniGenPipeline", "OmniGen", (48, 80), 16, "guidance_scale", batched_cfg=True),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is

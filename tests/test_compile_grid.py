@@ -470,6 +470,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("glm_image", (1, 2, 1), 0),  # CogView4's block: the text mask as a bias channel (routed dispatch call)
     ("easyanimate", (1, 2, 1), 2),  # SD3's routed F namespace, text first; an MMDiT block and a shared-weights one
     ("cosmos", (1, 2, 1), 1),  # dispatch call routed by a bound partial; per-frame timestep rows cut at every block
+    ("nucleus_moe", (2, 1, 1), 2),  # image queries over [shard; masked text] keys (zero text queries); all-dense
 ]
 
 

@@ -462,6 +462,10 @@ NEGATIVE = "blurry, low quality"  # the image example's default negative prompt 
     (["--family", "bria", "--cfg", "2"], (60, 100, None, NEGATIVE, "bria_usp.png", (1, 1, 2), 1)),
     # PixArt-Sigma batches CFG: the cfg axis splits [uncond, cond] of a single image.
     (["--family", "pixart", "--cfg", "2"], (40, 56, None, NEGATIVE, "pixart_usp.png", (1, 1, 2), 1)),
+    # NucleusMoE-Image: two calls a step (true CFG), run on the two cfg groups at once.
+    (["--family", "nucleus_moe", "--cfg", "2"], (80, 112, None, NEGATIVE, "nucleus_moe_usp.png", (1, 1, 2), 1)),
+    # OmniGen batches [cond, uncond] (its negative prompt built in): the cfg axis splits them.
+    (["--family", "omnigen", "--cfg", "2"], (48, 80, None, None, "omnigen_usp.png", (1, 1, 2), 1)),
 ])
 def test_image_example_fills_each_familys_defaults(argv, expected, two_ranks):
     a = _example("generate_image").parse_args(argv)

@@ -56,6 +56,8 @@ from usp_dit.demo.tiny_latte import tiny_latte
 from usp_dit.demo.tiny_longcat_image import tiny_longcat_image
 from usp_dit.demo.tiny_lumina2 import tiny_lumina2
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
+from usp_dit.demo.tiny_nucleus_moe import tiny_nucleus_moe
+from usp_dit.demo.tiny_omnigen import tiny_omnigen
 from usp_dit.demo.tiny_ovis_image import tiny_ovis_image
 from usp_dit.demo.tiny_pixart import tiny_pixart
 from usp_dit.demo.tiny_qwen_image21 import tiny_qwen_image21
@@ -86,6 +88,8 @@ BUILDERS = {
     "OvisImage": tiny_ovis_image,
     "ErnieImage": tiny_ernie_image,
     "GlmImage": tiny_glm_image,
+    "NucleusMoE": tiny_nucleus_moe,  # image queries over [image; text] keys; the MoE layers' forwards put back
+    "OmniGen": tiny_omnigen,  # [replicated prefix; image shard], cut at its seams
     "Bria": tiny_bria,
     "BriaFibo": tiny_bria_fibo,
     "SkyReels-V2": lambda: tiny_skyreels_v2(num_frame_per_block=2),  # diffusion forcing's block-causal mask

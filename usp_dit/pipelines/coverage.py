@@ -161,6 +161,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "ZImage": FamilyPipelines("Z-Image, Z-Image-Turbo; text- and image-to-image",
                               ("ZImagePipeline", "ZImageImg2ImgPipeline")),
     "ErnieImage": FamilyPipelines("ERNIE-Image (prompt enhancer optional)", ("ErnieImagePipeline",)),
+    "NucleusMoE": FamilyPipelines("NucleusMoE-Image (expert-choice MoE)", ("NucleusMoEImagePipeline",)),
+    "OmniGen": FamilyPipelines("OmniGen v1 (text-to-image; editing: cfg_degree 1)", ("OmniGenPipeline",)),
     "AuraFlow": FamilyPipelines("AuraFlow v0.1 - v0.3", ("AuraFlowPipeline",)),
     "Sana": FamilyPipelines("Sana 600M, 1600M; Sana 1.5; Sana-Sprint (linear attention)",
                             ("SanaPipeline", "SanaSprintPipeline"),
