@@ -144,7 +144,7 @@ def suite_auto(shapes: list[str]) -> list[dict]:
 
 
 CUDA_BACKENDS = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_4", "flash_attn_3", "flash_attn_2",
-                 "flashinfer", "sage", "fp8")
+                 "flashinfer", "sage", "fp8", "fp8_flashinfer")
 SLOW_AT_WAN = ("sdpa_flash", "sdpa_efficient", "flash_attn_2")  # 1.6-3x cuDNN's 0.2 s a call: left out at Wan
 
 

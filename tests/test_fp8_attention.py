@@ -88,3 +88,24 @@ def test_caps_refuse_gradients_cpu_and_auto_never_picks_it():
     with pytest.raises(NotImplementedError, match="device 'cpu'"):
         select_backend("fp8", "cpu", torch.float32, 128, needs_grad=False)
     assert all(rule.backend != "fp8" for rules in AUTO_TABLE.values() for rule in rules)
+
+
+def test_fp8_flashinfer_scales_are_per_head_and_it_is_opt_in_only():
+    """``fp8_flashinfer`` (Note [fp8 attention, per head]): one scale per (element, head) over its
+    tokens and channels, every head's largest value mapped to e4m3's 448, dequantised values within
+    e4m3's half step (2^-4 relative, or 2^-10 of the scale below 2^-6 of it); forward only, never
+    on CPU, never picked by "auto"."""
+    from usp_dit.kernels.fp8_quant import head_quant
+
+    q, _, _ = _inputs()
+    q8, sq = head_quant(q)
+    assert sq.shape == (2, 4) and q8.dtype == torch.float8_e4m3fn
+    assert (q8.double().abs().amax(dim=(1, 3)) == 448).all()
+    back = q8.double() * sq.double()[:, None, :, None]
+    bound = torch.maximum(q.abs() * 2.0 ** -4, sq.double()[:, None, :, None] * 2.0 ** -9)
+    assert ((back - q).abs() <= bound).all()
+    with pytest.raises(NotImplementedError, match="no backward"):
+        select_backend("fp8_flashinfer", "cuda", torch.bfloat16, 128, needs_grad=True)
+    with pytest.raises(NotImplementedError, match="device 'cpu'"):
+        select_backend("fp8_flashinfer", "cpu", torch.float32, 128, needs_grad=False)
+    assert all(rule.backend != "fp8_flashinfer" for rules in AUTO_TABLE.values() for rule in rules)

@@ -43,6 +43,17 @@ def channel_quant(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scale
 
 
+def head_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (B, S, H, D) -> e4m3 values (B, S, H, D) and float32 scales (B, H): one per (element,
+    head) over all its tokens and channels (the ``fp8_flashinfer`` backend's scales, Note [fp8
+    attention, per head])."""
+    work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    amax = work.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).to(torch.float32)
+    values = (work / scale.to(work.dtype)[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return values, scale
+
+
 def reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """What the ``fp8`` kernel computes (Note [fp8 attention]), in float64 on any device: the same
     e4m3 inputs and scales, the probabilities rounded to e4m3 for P.V, their sum unrounded.
