@@ -250,12 +250,45 @@ def _video_contiguous(world: int) -> dict[str, object]:
     return out
 
 
+def _kernel_fails_in_a_ring(mesh, grad: bool) -> dict[str, object]:
+    """Every rank's kernel raises at its first block call of a "stream" ring (the forward's, or the
+    backward's), after the next block's transfer was posted: the error reaches the caller, and the
+    next call on the same group matches the reference (the posted transfer was drained, not
+    dropped: Note [draining a posted transfer] in usp_dit.distributed.comm)."""
+    from usp_dit.kernels import get_backend
+
+    backend, name = get_backend("reference"), "backward" if grad else "forward"
+
+    def failing(*args, **kwargs):
+        raise RuntimeError(f"kernel {name} failed")
+
+    x = _tensors(joint=None, seed=3)
+    local = {n: shard_sequence(x[n], mesh).clone().requires_grad_(grad) for n in ("q", "k", "v")}
+    error = "no error"
+    try:
+        if not grad:
+            setattr(backend, name, failing)
+        res = usp_attention(local["q"], local["k"], local["v"], mesh=mesh, backend="reference", ring_schedule="stream")
+        if grad:
+            setattr(backend, name, failing)
+            res.out.sum().backward()
+    except RuntimeError as exc:
+        error = str(exc)
+    finally:
+        vars(backend).pop(name, None)  # the class's method again
+    return {"error": error, "healthy": _healthy(mesh)}
+
+
 def run_world(world: int) -> dict[str, object]:
     results: dict[str, object] = {}
     for u, r in GRIDS[world]:
         mesh = init_usp(ulysses_degree=u, ring_degree=r)
         for name, value in {**_handshake_cases(mesh, world), **_gather_cases(mesh, world)}.items():
             results[f"u{u}r{r}/{name}"] = value
+        if r > 1:
+            for grad in (False, True):
+                for key, value in _kernel_fails_in_a_ring(mesh, grad).items():
+                    results[f"u{u}r{r}/kernel_fails/{'backward' if grad else 'forward'}/{key}"] = value
         for pattern in JOINT_USE:
             try:
                 results[f"u{u}r{r}/joint_use/{pattern}"] = _partial_joint_loss(mesh, world, pattern)
@@ -288,6 +321,20 @@ def test_ranks_that_disagree_all_raise_naming_the_field(results, world, name):
             assert all(text in msg for text in expected), f"rank {rank} {key}: {msg}"
             assert f"rank {world - 1}:" in msg, f"rank {rank} {key}: every rank's value is named: {msg}"
             assert res[f"{key}/healthy"] <= F64_TOL, f"rank {rank} {key}: group unusable afterwards"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_kernel_failing_mid_ring_raises_and_leaves_the_group_exact(results, world):
+    checked = 0
+    for rank, res in enumerate(results[world]):
+        for key in _grid_keys(world, "kernel_fails"):
+            for part in ("forward", "backward"):
+                if f"{key}/{part}/error" not in res:  # a grid without a ring
+                    continue
+                assert res[f"{key}/{part}/error"] == f"kernel {part} failed", (rank, key, res[f"{key}/{part}/error"])
+                assert res[f"{key}/{part}/healthy"] <= F64_TOL, (rank, key, part, res[f"{key}/{part}/healthy"])
+                checked += 1
+    assert checked >= 2 * world
 
 
 @pytest.mark.parametrize("world", [2, 4])

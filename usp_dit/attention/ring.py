@@ -133,7 +133,12 @@ def _ring_blocks(k: torch.Tensor, v: torch.Tensor, spec: RingSpec):
         if step < spec.size - 1:
             shape = _kv_shape(cur, spec.block_sizes[spec.block_at(step + 1)])
             receive = spec.exchanger.post(cur, shape, cur.dtype, _KV_TAG, kind="ring_kv")
-        yield step, cur
+        try:
+            yield step, cur
+        except BaseException:  # the caller raised or closed the loop early: Note [draining a posted transfer]
+            if receive is not None:
+                receive.drain()
+            raise
         cur = receive() if receive is not None else cur
 
 
@@ -391,24 +396,29 @@ def ring_backward(dout, q, k, v, joint: JointKV | None, out, lse, spec: RingSpec
             dq_j, djk, djv = joint_grads(dout, q, joint, out, lse, backend, scale)
             dq += dq_j
     receive = None
-    for step, cur in _ring_blocks(k, v, spec):
-        k_t, v_t = _with_joint(cur, joint, step)
-        if spec.plans is None:
-            dq_t, dk_t, dv_t = _block_grads(backend, dout, q, k_t, v_t, out, lse, scale)
-        else:  # under a mask (no joint tokens): the plan of this block pair
-            plan = spec.plans[spec.block_at(step)]
-            dq_t, dk_t, dv_t = masked_block_grads(backend, dout, q, k_t, v_t, out, lse, scale, plan)
-        dq += dq_t
-        n = cur.shape[2]
-        if step == 0 and _in_call(joint)[0] is not None:
-            djk, djv = dk_t[:, n:], dv_t[:, n:]
-        dkv = torch.stack([dk_t[:, :n], dv_t[:, :n]]).to(acc)
+    try:
+        for step, cur in _ring_blocks(k, v, spec):
+            k_t, v_t = _with_joint(cur, joint, step)
+            if spec.plans is None:
+                dq_t, dk_t, dv_t = _block_grads(backend, dout, q, k_t, v_t, out, lse, scale)
+            else:  # under a mask (no joint tokens): the plan of this block pair
+                plan = spec.plans[spec.block_at(step)]
+                dq_t, dk_t, dv_t = masked_block_grads(backend, dout, q, k_t, v_t, out, lse, scale, plan)
+            dq += dq_t
+            n = cur.shape[2]
+            if step == 0 and _in_call(joint)[0] is not None:
+                djk, djv = dk_t[:, n:], dv_t[:, n:]
+            dkv = torch.stack([dk_t[:, :n], dv_t[:, :n]]).to(acc)
+            if receive is not None:
+                dkv += receive()
+            # The accumulator we receive next belongs to the block we hold at the next step; after the
+            # last step that is our own block, coming home.
+            shape = _kv_shape(cur, spec.block_sizes[spec.block_at(step + 1)])
+            receive = spec.exchanger.post(dkv, shape, acc, _DKV_TAG, kind="ring_grad")
+    except BaseException:  # Note [draining a posted transfer]
         if receive is not None:
-            dkv += receive()
-        # The accumulator we receive next belongs to the block we hold at the next step; after the
-        # last step that is our own block, coming home.
-        shape = _kv_shape(cur, spec.block_sizes[spec.block_at(step + 1)])
-        receive = spec.exchanger.post(dkv, shape, acc, _DKV_TAG, kind="ring_grad")
+            receive.drain()
+        raise
     dkv_home = receive()
     return dq.to(q.dtype), dkv_home[0].to(k.dtype), dkv_home[1].to(v.dtype), djk, djv
 

@@ -12,8 +12,10 @@ Note [Ulysses all-to-all]
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -211,6 +213,17 @@ def all_gather_uneven(
     return _GatherUneven.apply(x, list(sizes), dim, group, kind)
 
 
+# Note [draining a posted transfer]
+#     A caller that raises between ``post`` and ``receive`` (a kernel refusing a block, an
+#     interrupt) must not just drop the transfer: gloo's send/recv work holds the transport's
+#     buffer, and a receive destroyed in flight lets the peer's bytes land in freed memory (the
+#     "malloc(): unaligned tcache chunk" crashes of long-lived test ranks, jobs after the one that
+#     raised), or a later call on the same tag take the stale block. So ring loops ``drain()``
+#     what they posted while unwinding: wait for it (bounded: a peer that never posts its side
+#     cannot hang the error), keep both buffers alive until then, and re-raise the first error.
+DRAIN_TIMEOUT = timedelta(seconds=60)
+
+
 class RingExchanger:
     """Passes tensors to the next rank of a ring and receives from the previous one, non-blocking.
 
@@ -276,6 +289,14 @@ class RingExchanger:
             del_after = send  # noqa: F841 -- the send buffer must outlive its transfer
             return recv
 
+        def drain(timeout: timedelta = DRAIN_TIMEOUT) -> None:
+            """Note [draining a posted transfer]: finish it without using it (a caller unwinding)."""
+            for work in works:
+                with contextlib.suppress(Exception):  # the error being unwound is the one to report
+                    work.wait(timeout)
+            del_after = (send, recv)  # noqa: F841 -- both buffers outlive their transfers
+
+        receive.drain = drain
         return receive
 
     def _post_traced(self, send: torch.Tensor, recv_shape: tuple[int, ...], kind: str = "ring_kv"):
@@ -287,4 +308,9 @@ class RingExchanger:
         if traffic.counting():  # only when run eagerly (Note [counting traffic])
             traffic.record(kind, traffic.nbytes(send), out_splits[prev] * send.element_size())
         pending = funcol.all_to_all_single(send.reshape(-1), out_splits, in_splits, self.group)
-        return lambda: funcol.wait_tensor(pending).view(recv_shape)
+
+        def receive() -> torch.Tensor:
+            return funcol.wait_tensor(pending).view(recv_shape)
+
+        receive.drain = lambda timeout=None: None  # a traced collective: the graph owns its buffers
+        return receive
