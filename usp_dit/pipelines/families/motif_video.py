@@ -69,8 +69,8 @@ decoder blocks (marked at enable by ``DecoderMarks``).
 Refused (NotImplementedError, at enable unless noted): attention processors other than the stock
 ``MotifVideoAttnProcessor2_0`` / ``MotifVideoCrossAttnProcessor2_0`` (custom ones, or Diffusers'
 context parallelism already enabled), an attention module the plan does not name, a Diffusers
-cache (its decisions would be taken per rank on a shard), a model with no blocks at all; at the call a mask other than a text key-padding mask (the
-model builds none other), a mask in a decoder block (the model passes none), and under
+cache (its decisions would be taken per rank on a shard), a model with no blocks at all; at the
+call a mask other than a text key-padding mask (the model builds none other), a mask in a decoder block (the model passes none), and under
 torch.compile a decoder block whose video token count the sequence degree does not divide
 (Note [Motif-Video's decoder blocks]). ``MotifVideoPipeline`` and
 ``MotifVideoImage2VideoPipeline`` run classifier-free guidance through their guider, one
@@ -92,7 +92,7 @@ from diffusers.models.transformers.transformer_motif_video import (
 )
 
 from usp_dit.attention.usp import usp_attention
-from usp_dit.pipelines._routing import ROUTED_NAME, Route, RoutedProcessor, routed_processor_class, with_global
+from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class, with_global
 from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import Local, ModelPlan, Parallel, PlanAdapter, Table
