@@ -54,6 +54,7 @@ pipelines compress as the real ones do):
     kandinsky5     16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     kandinsky6     16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162 (+11 audio) yes (two calls a step)
     hunyuan_video15 16           4k + 1    48 x 96, 9   -> 3 x 3 x 6 = 54           yes (two calls a step)
+    motif_video    16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     ltx_video      32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45           yes (batched CFG)
     chronoedit     16            4k + 1    96 x 144, 5  -> 2 x 6 x 9 = 108          yes (two calls a step)
     helios         16            4k + 1    96 x 144, 17 -> 2 chunks of 3 x 6 x 9    yes (two calls a step)
@@ -200,6 +201,10 @@ FAMILIES = {
     "hunyuan_video15": VideoFamily(
         "HunyuanVideo15Pipeline", 9, 4, 4, "HunyuanVideo 1.5's VAE: 4 frames per latent frame", 16, 16,
         size=(48, 96), cfg="two calls"),
+    # CFG by the pipeline's guider (--guidance > 1, default 5 here): one call per branch; Wan's VAE.
+    "motif_video": VideoFamily(
+        "MotifVideoPipeline", 9, 4, 4, "Motif-Video's VAE (Wan's): 4 frames per latent frame", 8, 16,
+        cfg="two calls"),
     "ltx_video": VideoFamily(
         "LTXPipeline", 17, 8, 8, "LTX-Video's VAE: 8 frames per latent frame", 32, 32, size=(96, 160)),
     "chronoedit": VideoFamily(
@@ -367,6 +372,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             tiny_latte,
             tiny_ltx2,
             tiny_ltx_video,
+            tiny_motif_video,
             tiny_sana_video,
             tiny_video,
             tiny_wan,
@@ -380,6 +386,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             "hunyuan_video": tiny_hunyuan_video.tiny_hunyuan_video_pipeline,
             "hunyuan_video15": tiny_hunyuan_video15.tiny_hunyuan_video15_pipeline,
             "ltx_video": tiny_ltx_video.tiny_ltx_video_pipeline,
+            "motif_video": tiny_motif_video.tiny_motif_video_pipeline,
             "chronoedit": tiny_chronoedit.tiny_chronoedit_pipeline,
             "helios": tiny_helios.tiny_helios_pipeline,
             # (its character tokenizers and short template fit TINY_TEXT_LEN as built)
@@ -410,8 +417,8 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
 def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     """(frames, height, width, 3) float32 in [0, 1]; the seeded generator is the same on every rank."""
     kwargs = {}
-    if args.model == "hunyuan_video15":
-        return _generate_hunyuan_video15(pipe, args)
+    if args.model in ("hunyuan_video15", "motif_video"):
+        return _generate_guided_by_guider(pipe, args)
     if args.model in ("latte", "allegro"):  # without bs4 / ftfy (LattePipeline pads prompts to 120 tokens)
         kwargs["clean_caption"] = False
     # Cosmos 3 has no text encoder; Latte's and EasyAnimate's pipelines take no text length
@@ -491,15 +498,19 @@ def embedded_prompts(pipe, args: argparse.Namespace, max_sequence_length: int) -
     return dict(prompt_embeds=encode(args.prompt), negative_prompt_embeds=encode(args.negative_prompt))
 
 
-def _generate_hunyuan_video15(pipe, args: argparse.Namespace) -> np.ndarray:
-    """HunyuanVideo 1.5's pipeline takes no guidance scale: its guider holds it (``--guidance``
-    replaces the guider by one of that scale), and no text length (the tiny one is built with it)."""
+def _generate_guided_by_guider(pipe, args: argparse.Namespace) -> np.ndarray:
+    """HunyuanVideo 1.5's and Motif-Video's pipelines take no guidance scale: their guider holds it
+    (``--guidance`` replaces the guider by one of that scale). HunyuanVideo 1.5's takes no text length
+    (the tiny one is built with it); Motif-Video's tiny one encodes ``TINY_TEXT_LEN`` tokens."""
     if args.guidance is not None:
         pipe.guider = pipe.guider.new(guidance_scale=args.guidance)
+    kwargs = {}
+    if args.model == "motif_video" and args.model_path is None:
+        kwargs["max_sequence_length"] = TINY_TEXT_LEN
     out = pipe(
         args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
         num_frames=args.frames, num_inference_steps=args.steps, output_type="np",
-        generator=torch.Generator("cpu").manual_seed(args.seed),
+        generator=torch.Generator("cpu").manual_seed(args.seed), **kwargs,
     )
     return np.asarray(out.frames[0], dtype=np.float32)
 

@@ -368,6 +368,7 @@ def test_video_example_rejects_what_the_new_families_cannot_take(argv, message, 
     (["--model", "sana_video", "--cfg", "2"], (9, 64, 96, (1, 1, 2))),
     (["--model", "hunyuan_video15"], (9, 48, 96, (2, 1, 1))),
     (["--model", "hunyuan_video15", "--cfg", "2"], (9, 48, 96, (1, 1, 2))),
+    (["--model", "motif_video", "--cfg", "2"], (9, 96, 144, (1, 1, 2))),
     (["--model", "latte", "--cfg", "2", "--frames", "4"], (4, 96, 144, (1, 1, 2))),  # any frame count: an image VAE
     (["--model", "allegro", "--cfg", "2", "--frames", "8"], (8, 96, 144, (1, 1, 2))),  # rounded up to latent frames
 ])
@@ -384,6 +385,17 @@ def test_video_example_generates_with_the_tiny_hunyuan_video15(two_ranks):
     pipe.set_progress_bar_config(disable=True)
     frames = example.generate(pipe, args)
     assert frames.shape == (9, 48, 96, 3) and pipe.guider.guidance_scale == 3.0
+
+
+def test_video_example_generates_with_the_tiny_motif_video(two_ranks):
+    """One process, no grid: the tiny Motif-Video pipeline (decoder block), its guider-held scale."""
+    example = _example("generate_video")
+    args = example.parse_args(["--model", "motif_video", "--steps", "1", "--guidance", "3", "--height", "48",
+                               "--width", "80"])
+    pipe = example.load_pipeline(args, torch.device("cpu"))
+    pipe.set_progress_bar_config(disable=True)
+    frames = example.generate(pipe, args)
+    assert frames.shape == (9, 48, 80, 3) and pipe.guider.guidance_scale == 3.0
 
 
 def test_video_example_generates_with_the_tiny_latte(two_ranks):

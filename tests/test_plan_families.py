@@ -56,6 +56,7 @@ from usp_dit.demo.tiny_latte import tiny_latte
 from usp_dit.demo.tiny_longcat_image import tiny_longcat_image
 from usp_dit.demo.tiny_lumina2 import tiny_lumina2
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
+from usp_dit.demo.tiny_motif_video import tiny_motif_video
 from usp_dit.demo.tiny_nucleus_moe import tiny_nucleus_moe
 from usp_dit.demo.tiny_omnigen import tiny_omnigen
 from usp_dit.demo.tiny_ovis_image import tiny_ovis_image
@@ -117,6 +118,7 @@ BUILDERS = {
     "Allegro": tiny_allegro,  # routed 3D self-attention with RoPE positions cut per block; local cross-attention
     "EasyAnimate": lambda: tiny_easyanimate("mixed-control"),  # an MMDiT block and a shared-weights block
     "Cosmos": lambda: tiny_cosmos("img-context"),  # routed attn1, local attn2 (CosmosAttnProcessor2_5)
+    "MotifVideo": tiny_motif_video,  # joint, decoder (both streams video) and local cross-attention
 }
 
 

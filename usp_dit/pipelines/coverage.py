@@ -194,6 +194,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                     one_call="T2V without true CFG (guidance-distilled)"),
     "HunyuanVideo15": FamilyPipelines("HunyuanVideo 1.5 T2V, I2V (480p, 720p)",
                                       ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline")),
+    "MotifVideo": FamilyPipelines("Motif-Video T2V, I2V (first-frame conditioning; decoder blocks)",
+                                  ("MotifVideoPipeline", "MotifVideoImage2VideoPipeline")),
     "LTX-Video": FamilyPipelines("text-, image-to-video, condition",
                                  ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline")),
     "LTX-2": FamilyPipelines("LTX-2, LTX-2.3; text-, image-to-video, condition (video and audio)",

@@ -39,6 +39,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     lumina2,
     minimax_h3,
     mochi,
+    motif_video,
     nucleus_moe,
     omnigen,
     ovis_image,
