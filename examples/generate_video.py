@@ -1,5 +1,5 @@
 """torchrun: generate a video with any video family of usp_dit (CogVideoX, Mochi, Wan, Wan VACE, HunyuanVideo,
-HunyuanVideo 1.5, Kandinsky 5, LTX-Video, LTX-2, ChronoEdit, Helios, Cosmos 3, Sana-Video, ConsisID, Latte, Allegro) on a Ulysses x Ring
+HunyuanVideo 1.5, FramePack, Kandinsky 5, LTX-Video, LTX-2, ChronoEdit, Helios, Cosmos 3, Sana-Video, ConsisID, Latte, Allegro) on a Ulysses x Ring
 (x CFG) grid,
 checked against one rank.
 
@@ -55,6 +55,7 @@ pipelines compress as the real ones do):
     kandinsky6     16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162 (+11 audio) yes (two calls a step)
     hunyuan_video15 16           4k + 1    48 x 96, 9   -> 3 x 3 x 6 = 54           yes (two calls a step)
     motif_video    16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
+    hunyuan_video_framepack 16   4k + 1    48 x 80, 9   -> 3 x 3 x 5 = 45 (+44 history) with --true-cfg (two calls)
     ltx_video      32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45           yes (batched CFG)
     chronoedit     16            4k + 1    96 x 144, 5  -> 2 x 6 x 9 = 108          yes (two calls a step)
     helios         16            4k + 1    96 x 144, 17 -> 2 chunks of 3 x 6 x 9    yes (two calls a step)
@@ -189,6 +190,11 @@ FAMILIES = {
     "hunyuan_video": VideoFamily(
         "HunyuanVideoPipeline", 9, 4, 4, "HunyuanVideo's VAE: 4 frames per latent frame", 8, 16, cfg="two calls",
         cfg_flag="--true-cfg", guided_by_default=False),
+    # FramePack: image-to-video, one section of --frames (its latent window); the image's latent frame
+    # is prepended, so 9 frames come back as 13. Guidance-distilled, as HunyuanVideo: --true-cfg.
+    "hunyuan_video_framepack": VideoFamily(
+        "HunyuanVideoFramepackPipeline", 9, 4, 4, "FramePack's VAE (HunyuanVideo's): 4 frames per latent frame", 8, 16,
+        size=(48, 80), cfg="two calls", cfg_flag="--true-cfg", guided_by_default=False),
     # Two calls a step (the prompt's, the negative prompt's); HunyuanVideo's VAE class.
     "kandinsky5": VideoFamily(
         "Kandinsky5T2VPipeline", 9, 4, 4, "Kandinsky 5's VAE (HunyuanVideo's): 4 frames per latent frame", 8, 16,
@@ -237,7 +243,8 @@ FAMILIES = {
 # Families whose pipeline cleans prompts with ftfy unconditionally (diffusers 0.42): without ftfy
 # the example passes embeds made by Wan's T5 encoding (ftfy only when installed) instead.
 EMBEDS_FAMILIES = ("wan_vace", "chronoedit", "helios")
-IMAGE_FAMILIES = ("chronoedit", "consisid")  # conditioned on --image
+IMAGE_FAMILIES = ("chronoedit", "consisid", "hunyuan_video_framepack")  # conditioned on --image
+TRUE_CFG_FAMILIES = ("hunyuan_video", "hunyuan_video_framepack")  # guidance-distilled: --true-cfg adds a negative call
 PLANNED = ("cogvideox", "mochi", "wan", "hunyuan_video", "ltx_video")  # families usp_dit.plan has a cost model for
 TINY_TEXT_LENS = {"chronoedit": 512}  # the stock processor's fixed text length (image tokens come first)
 TINY_HELIOS_CHUNKS = {"history_sizes": [4, 2, 1], "num_latent_frames_per_chunk": 3}  # the release's: [16, 2, 1], 9
@@ -311,16 +318,16 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     if args.model == "consisid" and args.model_path is not None:
         raise launch.UsageError("--model-path with --model consisid: the example has no face models (InsightFace, "
                                 "EVA-CLIP) to embed a face with; it runs the tiny pipeline only")
-    if args.true_cfg is not None and args.model != "hunyuan_video":
-        raise launch.UsageError(f"--true-cfg with --model {args.model}: only HunyuanVideo (guidance-distilled) has a "
-                                f"separate true CFG scale; use --guidance")
+    if args.true_cfg is not None and args.model not in TRUE_CFG_FAMILIES:
+        raise launch.UsageError(f"--true-cfg with --model {args.model}: only HunyuanVideo and FramePack "
+                                f"(guidance-distilled) have a separate true CFG scale; use --guidance")
     if args.cfg != 1:
         check_cfg(args, family)
     if args.output.lower().endswith(".mp4"):
         launch.check_installed("--output", args.output, MP4_MODULES,
                                "pip install imageio imageio-ffmpeg (or 'usp-dit[video]'), or write .webp / .gif")
     if args.degrees == "auto":
-        guided = args.model != "hunyuan_video" or args.true_cfg is not None  # HunyuanVideo: guidance-distilled
+        guided = args.model not in TRUE_CFG_FAMILIES or args.true_cfg is not None  # guidance-distilled
         args.degrees = launch.planned_degrees(args, world, args.model if args.model in PLANNED else None, guided,
                                               args.frames)
     else:
@@ -367,6 +374,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             tiny_helios,
             tiny_hunyuan_video,
             tiny_hunyuan_video15,
+            tiny_hunyuan_video_framepack,
             tiny_kandinsky5,
             tiny_kandinsky6,
             tiny_latte,
@@ -385,6 +393,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             "wan_vace": tiny_wan_vace.tiny_wan_vace_pipeline,
             "hunyuan_video": tiny_hunyuan_video.tiny_hunyuan_video_pipeline,
             "hunyuan_video15": tiny_hunyuan_video15.tiny_hunyuan_video15_pipeline,
+            "hunyuan_video_framepack": tiny_hunyuan_video_framepack.tiny_framepack_pipeline,
             "ltx_video": tiny_ltx_video.tiny_ltx_video_pipeline,
             "motif_video": tiny_motif_video.tiny_motif_video_pipeline,
             "chronoedit": tiny_chronoedit.tiny_chronoedit_pipeline,
@@ -426,7 +435,7 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         kwargs["max_sequence_length"] = TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)
         if args.model == "helios":
             kwargs.update(TINY_HELIOS_CHUNKS)
-        if args.model == "hunyuan_video":
+        if args.model in TRUE_CFG_FAMILIES:
             from usp_dit.demo.tiny_hunyuan_video import TINY_PROMPT_TEMPLATE
 
             # The default template is the real model's chat template, cropped by Llama token counts
@@ -444,6 +453,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         kwargs.update(chronoedit_kwargs(args))
     if args.model == "consisid":
         kwargs.update(consisid_kwargs(args))
+    if args.model == "hunyuan_video_framepack":
+        kwargs.update(framepack_kwargs(args))
     prompts = dict(prompt=args.prompt, negative_prompt=args.negative_prompt)
     if args.model in EMBEDS_FAMILIES and importlib.util.find_spec("ftfy") is None:
         prompts = embedded_prompts(pipe, args, kwargs.get("max_sequence_length", 512))
@@ -470,6 +481,17 @@ def chronoedit_kwargs(args: argparse.Namespace) -> dict:
     if args.frames > 5:
         kwargs.update(enable_temporal_reasoning=True, num_temporal_reasoning_steps=max(1, args.steps // 2))
     return kwargs
+
+
+def framepack_kwargs(args: argparse.Namespace) -> dict:
+    """The image to start from (``--image``, or a colour gradient of the output's size) and one
+    section of ``--frames``: a latent window of ``(frames - 1) / 4 + 1`` latent frames."""
+    from PIL import ImageOps
+
+    from usp_dit.demo.tiny_video import gradient_image
+
+    image = gradient_image(args.height, args.width) if args.image is None else Image.open(args.image).convert("RGB")
+    return {"image": ImageOps.fit(image, (args.width, args.height)), "latent_window_size": (args.frames - 1) // 4 + 1}
 
 
 def consisid_kwargs(args: argparse.Namespace) -> dict:

@@ -446,6 +446,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     # The prompt-masked families (Note [masked joint tokens]): padded prompts that differ per element.
     ("mochi", (1, 2, 1), 2),  # padding in front for one element, no real prompt token in the other
     ("hunyuan_video", (1, 2, 1), 0), ("qwen_image", (2, 1, 1), 0), ("chroma", (2, 1, 1), 0),
+    ("hunyuan_video_framepack", (1, 2, 1), 0),  # the packed RoPE table cut at every block; gathered before the crop
     ("chronoedit", (1, 2, 1), 0),  # the edit mode's RoPE (2 latent frames), ChronoEdit's own processor class
     ("helios", (1, 2, 1), 1),  # history tokens: per-shard context lengths, amplified history keys
     ("wan_vace", (2, 1, 1), 1),  # control blocks cut by their own hook, hints added on the shard

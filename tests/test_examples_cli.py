@@ -367,6 +367,7 @@ def test_video_example_rejects_what_the_new_families_cannot_take(argv, message, 
     (["--model", "ltx2", "--cfg", "2"], (17, 96, 160, (1, 1, 2))),
     (["--model", "sana_video", "--cfg", "2"], (9, 64, 96, (1, 1, 2))),
     (["--model", "hunyuan_video15"], (9, 48, 96, (2, 1, 1))),
+    (["--model", "hunyuan_video_framepack", "--true-cfg", "3", "--cfg", "2"], (9, 48, 80, (1, 1, 2))),
     (["--model", "hunyuan_video15", "--cfg", "2"], (9, 48, 96, (1, 1, 2))),
     (["--model", "motif_video", "--cfg", "2"], (9, 96, 144, (1, 1, 2))),
     (["--model", "latte", "--cfg", "2", "--frames", "4"], (4, 96, 144, (1, 1, 2))),  # any frame count: an image VAE
@@ -396,6 +397,16 @@ def test_video_example_generates_with_the_tiny_motif_video(two_ranks):
     pipe.set_progress_bar_config(disable=True)
     frames = example.generate(pipe, args)
     assert frames.shape == (9, 48, 80, 3) and pipe.guider.guidance_scale == 3.0
+
+
+def test_video_example_generates_with_the_tiny_framepack(two_ranks):
+    """One process, no grid: the tiny FramePack pipeline from the default gradient image, one
+    section of --frames (the image's latent frame prepended: 9 frames come back as 13)."""
+    example = _example("generate_video")
+    args = example.parse_args(["--model", "hunyuan_video_framepack", "--steps", "1", "--true-cfg", "2"])
+    pipe = example.load_pipeline(args, torch.device("cpu"))
+    pipe.set_progress_bar_config(disable=True)
+    assert example.generate(pipe, args).shape == (13, 48, 80, 3)
 
 
 def test_video_example_generates_with_the_tiny_latte(two_ranks):

@@ -25,6 +25,7 @@ from usp_dit.demo import (
     tiny_hidream,
     tiny_hunyuan_video,
     tiny_hunyuan_video15,
+    tiny_hunyuan_video_framepack,
     tiny_kandinsky5,
     tiny_kandinsky6,
     tiny_ltx2,
@@ -75,6 +76,7 @@ BUILDERS = {
     "Wan": lambda: tiny_wan.tiny_wan("i2v"),  # I2V: the added K/V cross-attention too
     "HunyuanVideo": tiny_hunyuan_video.tiny_hunyuan_video,  # the token refiner's local attention too
     "HunyuanVideo15": tiny_hunyuan_video15.tiny_hunyuan_video15,
+    "HunyuanVideoFramepack": tiny_hunyuan_video_framepack.tiny_framepack,  # the history embedders beside the blocks
     "LTX-Video": tiny_ltx_video.tiny_ltx_video,
     "LTX-2": lambda: tiny_ltx2.tiny_ltx2("2.3"),  # perturbed processors (spatio-temporal guidance) too
     "QwenImage": tiny_qwen_image.tiny_qwen_image,

@@ -192,6 +192,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "HunyuanVideo": FamilyPipelines("T2V; I2V (latent_concat, token_replace)",
                                     ("HunyuanVideoPipeline", "HunyuanVideoImageToVideoPipeline"),
                                     one_call="T2V without true CFG (guidance-distilled)"),
+    "HunyuanVideoFramepack": FamilyPipelines("FramePack I2V (FramePackI2V_HY, FramePack-F1)", ("HunyuanVideoFramepackPipeline",),
+                                             one_call="FramePack without true CFG (guidance-distilled; the default)"),
     "HunyuanVideo15": FamilyPipelines("HunyuanVideo 1.5 T2V, I2V (480p, 720p)",
                                       ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline")),
     "MotifVideo": FamilyPipelines("Motif-Video T2V, I2V (first-frame conditioning; decoder blocks)",

@@ -29,6 +29,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     hunyuan_image,
     hunyuan_video,
     hunyuan_video15,
+    hunyuan_video_framepack,
     kandinsky5,
     kandinsky6,
     krea2,

@@ -68,8 +68,8 @@ calls of a step run on the two cfg groups at once (``cfg_branch_args``, ``usp_di
 Note [two calls a step]); a call not run so (the first step) splits a batch of prompts over the cfg
 groups, or runs whole on both. Without true CFG (the distilled guidance alone: one call a step)
 ``cfg_degree=2`` runs every call whole on both groups: correct, no faster.
-``HunyuanVideoFramepackTransformer3DModel`` is a different class (not a subclass) and is not
-handled by this adapter. No dropout is configurable in this model, so no replicated-dropout
+``HunyuanVideoFramepackTransformer3DModel`` is a different class (not a subclass), run by its own adapter
+(``usp_dit.pipelines.families.hunyuan_video_framepack``). No dropout is configurable in this model, so no replicated-dropout
 handling is needed for the replicated text stream.
 """
 from __future__ import annotations
