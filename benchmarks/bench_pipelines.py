@@ -178,7 +178,7 @@ CASES: dict[str, Callable] = {
     "longcat_image": _later(pipeline_cases.longcat_image_case), "ovis_image": _later(pipeline_cases.ovis_image_case),
     "consisid": _later(pipeline_cases.consisid_case),
     "auraflow": _later(pipeline_cases.auraflow_case),
-    "bria": _later(pipeline_cases.bria_case),
+    "bria": _later(pipeline_cases.bria_case), "bria_fibo2": _later(pipeline_cases.bria_fibo2_case),
     "qwen_image21": _later(pipeline_cases.qwen_image21_case), "flux3": _later(pipeline_cases.flux3_case),
     "ltx2": _later(pipeline_cases.ltx2_case), "kandinsky5": _later(pipeline_cases.kandinsky5_case),
     "chronoedit": _later(pipeline_cases.chronoedit_case), "helios": _later(pipeline_cases.helios_case),

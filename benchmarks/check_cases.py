@@ -38,6 +38,13 @@ FAMILIES: dict[str, tuple[Callable, dict, dict, str, dict, str]] = {
              context_in_dim=32, axes_dims_rope=(4, 6, 6)),
         dict(height=128, width=96, text_len=7), "QwenImage21Transformer2DModel", pc.QWEN_IMAGE21, "not published",
     ),
+    "bria_fibo2": (
+        pc.bria_fibo2_case,
+        dict(in_channels=4, dim=64, n_layers=2, n_refiner_layers=1, n_heads=4, cap_feat_dim=32,
+             injection_layer_ids=(1,), perceiver_num_layers=1, min_num_gist_tokens=3, max_num_gist_tokens=9,
+             gist_step=3, gist_min_text_len=2, gist_max_text_len=12, axes_dims=(4, 6, 6), axes_lens=(32, 16, 16)),
+        dict(height=80, width=112, text_len=7), "BriaFibo2Transformer2DModel", {}, "not found",
+    ),
     "flux3": (
         pc.flux3_case,
         dict(in_channels=8, cond_in_channels=8, num_layers=1, num_single_layers=2, attention_head_dim=16,

@@ -556,6 +556,29 @@ def bria_case(build, device: torch.device, height: int = 1024, width: int = 1024
     return model, inputs, f"{height}x{width} ({img_ids.shape[0]} + 128 tokens)"
 
 
+
+def bria_fibo2_case(build, device: torch.device, height: int = 1024, width: int = 1024, text_len: int = 512,
+                    config: dict | None = None):
+    """FIBO 2.0 (diffusers' ``BriaFibo2Transformer2DModel`` defaults, taken as the released config:
+    44 layers + 2 refiner, 28 heads x 128, injection blocks 6, 14, 22, 30, 38): latents
+    (1, 32, h/8, w/8) as the pipeline passes them (the Flux.2 VAE), 2x2 patches; ``text_len``
+    Qwen3-VL tokens, unpadded, in 6 bundles of 7680 (the Perceiver's and one per injection block):
+    512 give 320 gist tokens. ``config``: overrides (a tiny model, to check the case builds on CPU)."""
+    from diffusers import BriaFibo2Transformer2DModel
+
+    model = build(BriaFibo2Transformer2DModel, config or {}, device)
+    cfg = model.config
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, cfg.in_channels, height // 8, width // 8, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 0.5, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 1 + len(cfg.injection_layer_ids), text_len, cfg.cap_feat_dim,
+                                          generator=g, **_bf(device)),
+        return_dict=False,
+    )
+    tokens = (height // 8 // cfg.patch_size) * (width // 8 // cfg.patch_size)
+    return model, inputs, f"{height}x{width} ({tokens} image + gist tokens of {text_len} text)"
+
 # ---- families without a GPU figure yet (checked on CPU by benchmarks/check_cases.py) ----------------------
 #
 # Each case below takes ``config``: overrides of the released config (a tiny model, to check the case on

@@ -456,6 +456,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("cogview4", (2, 1, 1), 0),  # the text mask as a bias channel (routed F.sdpa of the stock code)
     ("longcat_image", (1, 2, 1), 2), ("ovis_image", (2, 1, 1), 0),  # Flux-like joint split; 2: the edit call
     ("bria", (1, 2, 1), 2),  # FIBO: the key mask as an extra Q/K coordinate; rank 1 holds padded keys only
+    ("bria_fibo2", (1, 2, 1), 0),  # [gist; piece] single stream, tables and noise flags cut per block, image rows gathered
     ("minimax_h3", (2, 1, 1), 0),  # one packed sequence: per-row vectors cut at each block, two heads gathered
     ("zimage", (1, 2, 1), 0),  # single stream [image shard; masked text], RoPE cut per layer, list inputs
     ("sana", (2, 1, 1), 1),  # linear attention's all-reduced summaries, the Mix-FFN conv's halo exchange

@@ -41,6 +41,7 @@ from usp_dit.demo import (
 from usp_dit.demo.tiny_allegro import tiny_allegro
 from usp_dit.demo.tiny_auraflow import tiny_auraflow
 from usp_dit.demo.tiny_bria import tiny_bria, tiny_bria_fibo
+from usp_dit.demo.tiny_bria_fibo2 import tiny_bria_fibo2
 from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
 from usp_dit.demo.tiny_consisid import tiny_consisid
@@ -95,6 +96,7 @@ BUILDERS = {
     "OmniGen": tiny_omnigen,  # [replicated prefix; image shard], cut at its seams
     "Bria": tiny_bria,
     "BriaFibo": tiny_bria_fibo,
+    "BriaFibo2": tiny_bria_fibo2,  # the Perceiver and injection cross-attention local
     "SkyReels-V2": lambda: tiny_skyreels_v2(num_frame_per_block=2),  # diffusion forcing's block-causal mask
     "ChronoEdit": tiny_chronoedit,  # Wan I2V's attention with ChronoEdit's own processor class
     "Helios": lambda: tiny_helios("amplify"),  # the history's key scales too

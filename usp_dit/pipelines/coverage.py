@@ -134,6 +134,7 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "OvisImage": FamilyPipelines("Ovis-Image-7B", ("OvisImagePipeline",)),
     "Bria": FamilyPipelines("Bria 3.x (BRIA-3.2)", ("BriaPipeline",)),
     "BriaFibo": FamilyPipelines("FIBO", ("BriaFiboPipeline",)),
+    "BriaFibo2": FamilyPipelines("FIBO 2.0: text-to-image, editing", ("BriaFibo2Pipeline",)),
     "QwenImage": FamilyPipelines(
         "Qwen-Image, -Edit, -Edit-2511, -Layered",
         ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline"),

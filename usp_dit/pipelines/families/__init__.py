@@ -10,6 +10,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     allegro,
     auraflow,
     bria,
+    bria_fibo2,
     chroma,
     chronoedit,
     cogvideox,
