@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from usp_dit.kernels import flashinfer as _fi
+from usp_dit.kernels.flashinfer import BUILD, INSTALL, _module, can_build_kernels
 from usp_dit.kernels.fp8_quant import head_quant
 from usp_dit.kernels.protocol import BackendCaps
 from usp_dit.kernels.registry import register_backend
@@ -42,13 +42,13 @@ class FP8FlashInferBackend:
 
     def available(self) -> bool:
         return (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
-                and _fi._module() is not None and _fi.can_build_kernels())
+                and _module() is not None and can_build_kernels())
 
     def require(self) -> None:
         if not self.available():
             raise RuntimeError(
                 f"backend 'fp8_flashinfer' needs flashinfer-python, nvcc and a GPU of compute capability 9.0+: "
-                f"{_fi.INSTALL}; {_fi.BUILD}"
+                f"{INSTALL}; {BUILD}"
             )
 
     def forward(self, q, k, v, scale, causal=False):
@@ -57,7 +57,7 @@ class FP8FlashInferBackend:
         if k.shape[1] == 0:  # no key: out 0 and lse -inf, as every backend
             return torch.zeros_like(q), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
         (q8, sq), (k8, sk), (v8, sv) = head_quant(q), head_quant(k), head_quant(v)
-        prefill = _fi._module().single_prefill_with_kv_cache
+        prefill = _module().single_prefill_with_kv_cache
         parts = [
             prefill(q8[b], k8[b], v8[b], scale_q=sq[b], scale_k=sk[b], scale_v=sv[b], o_dtype=q.dtype,
                     kv_layout="NHD", sm_scale=scale, return_lse=True, backend="fa3")
