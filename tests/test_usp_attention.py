@@ -223,3 +223,22 @@ def test_one_rank_without_lse_uses_the_kernels_out_only_forward(monkeypatch):
         assert usp_attention(q, k, v, backend="reference", return_lse=True).lse is not None
     assert usp_attention(q.requires_grad_(), k, v, backend="reference").out.requires_grad
     assert calls == ["out", "out"]
+
+
+def test_one_rank_attention_is_usp_attentions_output():
+    """The routed processors' one-rank path (``one_rank_attention``): the float64 reference's output
+    with GQA, a given scale and odd lengths, and gradients through it equal the reference's (1e-10:
+    float64 on both sides)."""
+    from usp_dit.attention.usp import one_rank_attention
+
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 13, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 9, 2, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = one_rank_attention(q, k, v, scale=0.3, backend="reference")
+    ref = attention_ref(q, k, v, 0.3)[0]
+    assert rel_err(out, ref) < 1e-10
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    assert max(rel_err(a, b) for a, b in zip(grads, ref_grads)) < 1e-10
+    with torch.no_grad():
+        assert rel_err(one_rank_attention(q, k, v, backend="reference"), attention_ref(q, k, v, 8 ** -0.5)[0]) < 1e-10

@@ -464,6 +464,26 @@ class _GatherBack(torch.autograd.Function):
         return torch.cat([grad_main, ctx.pieces.of(total)], dim=1), None, None, None, None, None
 
 
+def one_rank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                       backend: str = "auto") -> torch.Tensor:
+    """``usp_attention(q, k, v, ...).out`` for a caller that knows it runs on one rank of the
+    sequence, with no joint tokens, mask or LSE: the out-only kernel call and the backend choice,
+    without the sharded path's checks and bookkeeping (the stock processors routed at world size 1
+    call attention 20-60 times a forward, and a host-bound small model pays every microsecond).
+
+    q (B, S, H, D), k/v (B, S_k, H_k, D) -> out (B, S, H, D). Under torch.compile it is
+    ``usp_attention`` itself (the traced graph has no per-call Python to save).
+    """
+    if torch.compiler.is_compiling():
+        return usp_attention(q, k, v, scale=scale, backend=backend, mesh=resolve_mesh(None)).out
+    head_dim = q.shape[3]
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # "auto" weighs the call size (as _call_flops does for one rank: every key in one call)
+    flops = 4.0 * q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2] * head_dim if backend == "auto" else None
+    kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad, flops)
+    return attend_out(q, k, v, kernel, head_dim ** -0.5 if scale is None else float(scale))
+
+
 def usp_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import torch
 
-from usp_dit.attention.usp import usp_attention
+from usp_dit.attention.usp import one_rank_attention, usp_attention
 from usp_dit.pipelines._checks import require
 from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.sharding.shard import layout_sizes
@@ -259,6 +259,8 @@ def route_attention(
         # One rank: attention over [text; shard] is plain attention over the sequence the stock
         # code concatenated; taking it apart and joining it again would copy q, k, v and the output.
         state = route.state
+        if route.block_causal is None:
+            return one_rank_attention(query, key, value, scale=scale, backend=state.backend)
         return usp_attention(query, key, value, scale=scale, mesh=state.mesh, backend=state.backend,
                              block_causal=route.block_causal).out
     split = (lambda x: (x[:, text_len:], x[:, :text_len])) if route.text == "first" else (
