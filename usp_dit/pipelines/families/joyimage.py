@@ -43,7 +43,6 @@ negative prompt's): with ``cfg_degree=2`` the two calls run on the two cfg group
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
