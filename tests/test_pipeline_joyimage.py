@@ -125,7 +125,7 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
     return pipeline_cases(
-        tiny_joyimage_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS),
+        tiny_joyimage_pipeline(text_encoder=False), _generate, pipeline_grids(PIPELINE_GRIDS),
         probe=functools.partial(cfg_pair_computations, steps=STEPS, blocks="double_blocks"),
     )
 

@@ -73,22 +73,32 @@ def joyimage_inputs(model: JoyImageEditTransformer3DModel, batch: int, h: int, w
     return JoyImageInputs(x, timestep, text)
 
 
-def tiny_joyimage_pipeline(seed: int = 0):
-    """A ``JoyImageEditPipeline`` of a tiny transformer and Wan VAE (8x spatial), float32, with no
-    text encoder, tokenizer or Qwen3-VL processor: call it with ``prompt_embeds`` (and
-    ``negative_prompt_embeds`` under CFG) and their masks. ``height x width`` gives
+def tiny_joyimage_pipeline(seed: int = 0, text_encoder: bool = True):
+    """A ``JoyImageEditPipeline`` of tiny random models, float32: a 2-layer Qwen3-VL-like text encoder
+    (``tiny_nucleus_moe.tiny_qwen3_vl_generation``, width ``TEXT_DIM``) with a character tokenizer
+    (``tiny_qwen_image.tiny_qwen_tokenizer``) for text-to-image prompts, a Wan VAE (8x spatial) and
+    the transformer. No Qwen3-VL processor: an edit call (``image=``) takes ``prompt_embeds`` (and
+    ``negative_prompt_embeds`` under CFG) with their masks. ``text_encoder=False`` leaves out the
+    text encoder and tokenizer (a test that passes embeddings). ``height x width`` gives
     ``(height / 16) * (width / 16)`` tokens an item; e.g. 80 x 112 -> 5 x 7 = 35.
 
     The stock image processor snaps every size to its 1024-base buckets (at least 512 x 960: 1920
-    tokens an item); this one keeps a given ``height`` and ``width`` (``_ExactSize``), so a test runs
-    at a few tokens. Resizing, cropping and everything after are stock."""
+    tokens an item); this one keeps a given ``height`` and ``width`` (``_exact_size_processor``), so a
+    test runs at a few tokens. Resizing, cropping and everything after are stock."""
     from diffusers import FlowMatchEulerDiscreteScheduler, JoyImageEditPipeline
 
     from usp_dit.demo.tiny_wan import tiny_wan_vae
 
+    tokenizer = encoder = None
+    if text_encoder:
+        from usp_dit.demo.tiny_nucleus_moe import tiny_qwen3_vl_generation
+        from usp_dit.demo.tiny_qwen_image import tiny_qwen_tokenizer
+
+        tokenizer = tiny_qwen_tokenizer()
+        encoder = tiny_qwen3_vl_generation(len(tokenizer), seed + 10)
     pipe = JoyImageEditPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=tiny_wan_vae(CHANNELS, seed=seed + 20),
-        text_encoder=None, tokenizer=None, transformer=tiny_joyimage(seed=seed + 30), processor=None,
+        text_encoder=encoder, tokenizer=tokenizer, transformer=tiny_joyimage(seed=seed + 30), processor=None,
     )
     pipe.vae_image_processor = _exact_size_processor(pipe.vae_scale_factor_spatial)
     return pipe
