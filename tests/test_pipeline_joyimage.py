@@ -16,7 +16,9 @@ ceil(tokens / P) image tokens (the text is replicated), bit-identical output aft
 Per shape, on 2 and on 4 ranks: every parameter's gradient (tests/adapter_parity.gradient_errors),
 and the edit shape once with gradient checkpointing. The transformer enabled with cfg_degree=2 (the
 batch split over cfg) equals stock; the whole model compiled with ``fullgraph=True`` on (2,2) (the
-generation shape: ``mrope`` reads a ``.item()``) equals eager in one graph.
+generation shape: ``mrope`` reads a ``.item()``) equals eager in one graph; tensor parallelism on
+2 ranks (the edit shape: heads, fused QKV and MLP widths cut) equals stock and leaves the weights
+as found.
 
 Pipeline: the tiny ``JoyImageEditPipeline`` (tiny Wan VAE, no text encoder: prompt embeddings of 7
 and negative ones of 5 tokens given, different per element; a reference image of 80 x 112: 2 items
@@ -26,7 +28,7 @@ the two cfg groups at once: ``steps + 1`` computations a rank), equal one proces
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients and the pipeline's latents:
 sharding only reorders float32 sums (attention blocks merged by log-sum-exp, gradients summed over
-ranks). Decoded images: 1e-4 (an untrained random VAE's gain, as in tests/test_video_pipelines.py).
+ranks, tensor-parallel partial products all-reduced). Decoded images: 1e-4 (an untrained random VAE's gain, as in tests/test_video_pipelines.py).
 """
 from __future__ import annotations
 
@@ -58,12 +60,13 @@ from tests.adapter_parity import (
     spawn_grid,
     ulysses_above_heads_case,
 )
-from usp_dit import init_usp, single_rank_mesh
+from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
 from usp_dit.demo.tiny_joyimage import TEXT_DIM, joyimage_inputs, joyimage_tokens, tiny_joyimage, tiny_joyimage_pipeline
 from usp_dit.demo.tiny_video import gradient_image
 from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import joyimage
 from usp_dit.pipelines.families.joyimage import ADAPTER, USPJoyImageAttnProcessor
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_IMAGES = 1e-4
@@ -99,6 +102,22 @@ def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[1])
     model.enable_gradient_checkpointing()
     return gradient_errors(model, inputs, ADAPTER, mesh)
+
+
+def _tensor_case(mesh) -> dict[str, float]:
+    """The transformer enabled with ``tensor_degree=2`` (heads, fused QKV and MLP widths cut): equal
+    to stock, its weights left as found."""
+    model, inputs = _build(SHAPES[1])
+    ref = forward(model, inputs)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    enable_usp(model, mesh=mesh)
+    try:
+        out = forward(model, inputs)
+    finally:
+        disable_usp(model)
+    after = model.state_dict()
+    return {"out": rel_err(out, ref),
+            "weights_not_restored": float(not all(torch.equal(after[k], v) for k, v in before.items()))}
 
 
 # ---- the stock pipeline -------------------------------------------------------------------------
@@ -138,6 +157,7 @@ def _run_all() -> dict[str, dict | str]:
     two_heads = tiny_joyimage(num_heads=2, head_dim=32)
     record(results, "ulysses-above-heads",
            lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    record(results, "tensor-t2", lambda: _tensor_case(init_usp(tensor_degree=2)))
     record(results, "compiled", lambda: compiled_case(*_build(SHAPES[0]), init_usp(2, 2), backend="eager"))
     record(results, "pipeline", _pipeline_cases, many=True)
     return results
@@ -157,6 +177,10 @@ test_sharded_output_matches_one_process, test_parameter_gradients_match_one_proc
 
 def test_cfg_split_matches_stock(grid_results):
     assert_within(grid_results, "cfg-split", TOL)
+
+
+def test_tensor_parallel_matches_stock_and_restores_weights(grid_results):
+    assert_within(grid_results, "tensor-t2", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):

@@ -37,7 +37,8 @@ Refused (NotImplementedError, at enable unless noted): a processor other than th
 ``JoyImageAttnProcessor``, an attention module the plan does not name, a Diffusers cache, a
 processor that no longer calls ``dispatch_attention_fn``, ``num_layers=0``; at the call, an image
 RoPE argument that is not a (cos, sin) pair with one row per token (ValueError when its length
-differs). The pipeline's CFG calls the transformer once per branch (the prompt's embeds, then the
+differs). Tensor parallelism (``tensor_degree > 1``) cuts the blocks' heads and MLP widths (``_TENSOR``).
+The pipeline's CFG calls the transformer once per branch (the prompt's embeds, then the
 negative prompt's): with ``cfg_degree=2`` the two calls run on the two cfg groups at once
 (``cfg_branch_args``).
 """
@@ -54,6 +55,7 @@ from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_proc
 from usp_dit.pipelines._token_sharding import ShardState, _get_arg, _set_arg
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter
+from usp_dit.pipelines.tensor import BlockCuts, Split, TensorPlan
 from usp_dit.sharding.shard import shard_sequence
 
 # Note [routing a stock processor's attention call]: the stock code, its one call routed; None if
@@ -141,6 +143,17 @@ def _routed_call_missing(transformer: JoyImageEditTransformer3DModel) -> str | N
     return None
 
 
+# Tensor parallelism (usp_dit.pipelines.tensor Note [tensor plans]): the joint attention's heads
+# (each stream's fused QKV, [q; k; v] packed: three packs; both output projections) and the two
+# MLPs' hidden widths. The QK norms are per head (RMSNorm over head_dim): exact on a rank's heads;
+# the modulation tables and the norms stay whole.
+_TENSOR = TensorPlan((BlockCuts("double_blocks", splits=(
+    Split(columns=("attn.img_attn_qkv", "attn.txt_attn_qkv"), rows=("attn.img_attn_proj", "attn.txt_attn_proj"),
+          heads="attn", packs=3),
+    Split(columns=("img_mlp.net.0.proj",), rows=("img_mlp.net.2",)),
+    Split(columns=("txt_mlp.net.0.proj",), rows=("txt_mlp.net.2",)),
+)),))
+
 PLAN = ModelPlan(
     name="JoyImageEdit",
     model_class=JoyImageEditTransformer3DModel,
@@ -159,6 +172,7 @@ PLAN = ModelPlan(
     cfg_branch_args=("encoder_hidden_states",),
     hooks=(ImageRopeHooks,),
     refuse=(_routed_call_missing,),
+    tensor=_TENSOR,
 )
 
 ADAPTER = register_adapter(PlanAdapter(PLAN, __name__))
