@@ -18,7 +18,7 @@ and the edit shape once with gradient checkpointing. The transformer enabled wit
 batch split over cfg) equals stock; the whole model compiled with ``fullgraph=True`` on (2,2) (the
 generation shape: ``mrope`` reads a ``.item()``) equals eager in one graph; tensor parallelism on
 2 ranks (the edit shape: heads, fused QKV and MLP widths cut) equals stock and leaves the weights
-as found.
+as found. Each rank's rotated Q/K of block 0 (edit shape, (2,2)) equal the same rows of one process's.
 
 Pipeline: the tiny ``JoyImageEditPipeline`` (tiny Wan VAE, no text encoder: prompt embeddings of 7
 and negative ones of 5 tokens given, different per element; a reference image of 80 x 112: 2 items
@@ -35,9 +35,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
+from diffusers.models.transformers import transformer_joyimage
 
 from tests.adapter_parity import (
     assert_disable_restores,
@@ -63,9 +65,11 @@ from tests.adapter_parity import (
 from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
 from usp_dit.demo.tiny_joyimage import TEXT_DIM, joyimage_inputs, joyimage_tokens, tiny_joyimage, tiny_joyimage_pipeline
 from usp_dit.demo.tiny_video import gradient_image
+from usp_dit.pipelines import _routing
 from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import joyimage
 from usp_dit.pipelines.families.joyimage import ADAPTER, USPJoyImageAttnProcessor
+from usp_dit.sharding.shard import shard_sequence
 from usp_dit.testing import rel_err
 
 TOL = 1e-5
@@ -102,6 +106,39 @@ def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[1])
     model.enable_gradient_checkpointing()
     return gradient_errors(model, inputs, ADAPTER, mesh)
+
+
+def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (q, k) that block 0's attention hands ``module.name`` first, rotated."""
+    seen = []
+    inner = getattr(module, name)
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.clone(), k.clone()))
+        return inner(q, k, v, *args, **kwargs)
+
+    with mock.patch.object(module, name, spy):
+        forward(model, inputs)
+    return seen[0]
+
+
+def _rotated_qk_case(mesh) -> dict[str, float]:
+    """Each rank's rotated image Q/K (the edit shape: target and reference frames) equal the same
+    rows of one process's (stock hands ``dispatch_attention_fn`` the joint [image; text])."""
+    shape = SHAPES[1]
+    model, inputs = _build(shape)
+    tokens = joyimage_tokens(shape.items, 1, H, W)
+    q_ref, k_ref = _first_attention_call(model, inputs, transformer_joyimage, "dispatch_attention_fn")
+    ADAPTER.enable(model, mesh, "auto")
+    try:
+        q, k = _first_attention_call(model, inputs, _routing, "usp_attention")
+    finally:
+        ADAPTER.disable(model)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(t[:, :tokens], mesh)
+
+    return {"q": rel_err(q, rows(q_ref)), "k": rel_err(k, rows(k_ref))}
 
 
 def _tensor_case(mesh) -> dict[str, float]:
@@ -157,6 +194,7 @@ def _run_all() -> dict[str, dict | str]:
     two_heads = tiny_joyimage(num_heads=2, head_dim=32)
     record(results, "ulysses-above-heads",
            lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
     record(results, "tensor-t2", lambda: _tensor_case(init_usp(tensor_degree=2)))
     record(results, "compiled", lambda: compiled_case(*_build(SHAPES[0]), init_usp(2, 2), backend="eager"))
     record(results, "pipeline", _pipeline_cases, many=True)
@@ -177,6 +215,10 @@ test_sharded_output_matches_one_process, test_parameter_gradients_match_one_proc
 
 def test_cfg_split_matches_stock(grid_results):
     assert_within(grid_results, "cfg-split", TOL)
+
+
+def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
+    assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_tensor_parallel_matches_stock_and_restores_weights(grid_results):
