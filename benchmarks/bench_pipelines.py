@@ -189,6 +189,7 @@ CASES: dict[str, Callable] = {
     "glm_image": _later(pipeline_cases.glm_image_case),
     "nucleus_moe": _later(pipeline_cases.nucleus_moe_case),
     "omnigen": _later(pipeline_cases.omnigen_case),
+    "joyimage": _later(pipeline_cases.joyimage_case),
 }
 
 

@@ -1003,3 +1003,25 @@ def omnigen_case(build, device: torch.device, height: int = 1024, width: int = 1
     kwargs["timestep"] = kwargs["timestep"].to(torch.bfloat16)
     kwargs["return_dict"] = False
     return model, kwargs, f"{height}x{width} ({rows * cols} image + 101 prefix tokens)"
+
+
+def joyimage_case(build, device: torch.device, height: int = 1024, width: int = 1024, text_len: int = 300,
+                  config: dict | None = None):
+    """JoyImage-Edit (Diffusers' ``JoyImageEditTransformer3DModel`` defaults: 20 double-stream blocks,
+    3072 wide, 24 heads x 128, text 4096; the checkpoint's own config.json was not at hand offline):
+    an edit call, latents (1, 2, 16, 1, h/8, w/8) (a reference and the target, split together),
+    patch (1, 2, 2); ``text_len`` Qwen3-VL prompt tokens, no mask (the pipeline passes none).
+    ``config``: overrides (a tiny model to check the case builds on CPU)."""
+    from diffusers import JoyImageEditTransformer3DModel
+
+    model = build(JoyImageEditTransformer3DModel, dict(config or {}), device)
+    g = torch.Generator(device).manual_seed(0)
+    channels = model.config.in_channels
+    kwargs = dict(
+        hidden_states=torch.randn(1, 2, channels, 1, height // 8, width // 8, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 500.0, device=device, dtype=torch.bfloat16),
+        encoder_hidden_states=torch.randn(1, text_len, model.config.text_dim, generator=g, **_bf(device)),
+        return_dict=False,
+    )
+    tokens = 2 * (height // 16) * (width // 16)
+    return model, kwargs, f"{height}x{width} edit ({tokens} image tokens, 2 items + {text_len} text)"

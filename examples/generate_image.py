@@ -69,6 +69,7 @@ tokenizer as ``text_encoder_4`` / ``tokenizer_4``, which HiDream's own repositor
     ernie_image 20 x 28 -> 5 x 7 = 35               1024 x 1024     [uncond, cond] (batched CFG)
     nucleus_moe 80 x 112 -> 5 x 7 = 35              1024 x 1024     the two calls of a step (true CFG)
     omnigen     48 x 80 -> 3 x 5 = 15               1024 x 1024     [cond, uncond] (batched CFG)
+    joyimage    80 x 112 -> 5 x 7 = 35              1024 x 1024     the two calls of a step (true CFG)
 
 (LongCat-Image's tiny VAE has 7 levels, 128 pixels per token: its edit pipeline works at about
 1024 x 1024 pixels; the tiny example runs the text-to-image pipeline without its prompt rewrite.)
@@ -184,6 +185,9 @@ FAMILIES = {
     # NucleusMoE-Image: the Qwen-Image VAE (8x, the tiny one too), an expert-choice MoE transformer.
     "nucleus_moe": ImageFamily("NucleusMoEImagePipeline", "NucleusMoE-Image", (80, 112), 16, "guidance_scale",
                                two_call_cfg=True, negative_prompt=True),
+    # JoyImage-Edit: the Wan VAE (8x, the tiny one too), patch 2; text-to-image here (no reference image).
+    "joyimage": ImageFamily("JoyImageEditPipeline", "JoyImage-Edit", (80, 112), 16, "guidance_scale",
+                            two_call_cfg=True, negative_prompt=True),
     # OmniGen: the SDXL VAE (8x, the tiny one too); its pipeline's negative prompt is built in.
     "omnigen": ImageFamily("OmniGenPipeline", "OmniGen", (48, 80), 16, "guidance_scale", batched_cfg=True),
 }

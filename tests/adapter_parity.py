@@ -368,12 +368,15 @@ def pipeline_cases(
 
 
 @contextlib.contextmanager
-def cfg_pair_computations(pipe, grid: tuple[int, int, int], steps: int) -> Iterator[Callable[[], dict[str, float]]]:
+def cfg_pair_computations(pipe, grid: tuple[int, int, int], steps: int,
+                          blocks: str = "transformer_blocks") -> Iterator[Callable[[], dict[str, float]]]:
     """A ``pipeline_cases`` probe for a pipeline of two guidance calls a step: at cfg 2, 1.0 under
-    "computations_not_steps_plus_1" unless block 0 ran ``steps + 1`` times on this rank (the first
-    step's two calls, then one pair a step: ``usp_dit.pipelines.cfg_pair`` Note [two calls a step])."""
+    "computations_not_steps_plus_1" unless block 0 (of the transformer's list ``blocks``) ran
+    ``steps + 1`` times on this rank (the first step's two calls, then one pair a step:
+    ``usp_dit.pipelines.cfg_pair`` Note [two calls a step])."""
     computed = []
-    hook = pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda m, a: computed.append(1))
+    first = getattr(pipe.transformer, blocks)[0]
+    hook = first.register_forward_pre_hook(lambda m, a: computed.append(1))
     try:
         yield lambda: {"computations_not_steps_plus_1": float(len(computed) != steps + 1)} if grid[2] == 2 else {}
     finally:

@@ -474,6 +474,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("cosmos", (1, 2, 1), 1),  # dispatch call routed by a bound partial; per-frame timestep rows cut at every block
     ("nucleus_moe", (2, 1, 1), 2),  # image queries over [shard; masked text] keys (zero text queries); all-dense
     ("motif_video", (2, 1, 1), 2),  # masked joint text, local cross-attention, the decoder's two sharded streams
+    ("joyimage", (1, 2, 1), 0),  # routed joint [image shard; text], the image RoPE cut at every block, rolled items
 ]
 
 

@@ -487,6 +487,8 @@ NEGATIVE = "blurry, low quality"  # the image example's default negative prompt 
     (["--family", "pixart", "--cfg", "2"], (40, 56, None, NEGATIVE, "pixart_usp.png", (1, 1, 2), 1)),
     # NucleusMoE-Image: two calls a step (true CFG), run on the two cfg groups at once.
     (["--family", "nucleus_moe", "--cfg", "2"], (80, 112, None, NEGATIVE, "nucleus_moe_usp.png", (1, 1, 2), 1)),
+    # JoyImage-Edit: two calls a step (CFG), run on the two cfg groups at once.
+    (["--family", "joyimage", "--cfg", "2"], (80, 112, None, NEGATIVE, "joyimage_usp.png", (1, 1, 2), 1)),
     # OmniGen batches [cond, uncond] (its negative prompt built in): the cfg axis splits them.
     (["--family", "omnigen", "--cfg", "2"], (48, 80, None, None, "omnigen_usp.png", (1, 1, 2), 1)),
 ])

@@ -53,6 +53,7 @@ from usp_dit.demo.tiny_glm_image import tiny_glm_image
 from usp_dit.demo.tiny_helios import tiny_helios
 from usp_dit.demo.tiny_hunyuan_dit import tiny_hunyuan_dit
 from usp_dit.demo.tiny_hunyuan_image import tiny_hunyuan_image
+from usp_dit.demo.tiny_joyimage import tiny_joyimage
 from usp_dit.demo.tiny_krea2 import tiny_krea2
 from usp_dit.demo.tiny_latte import tiny_latte
 from usp_dit.demo.tiny_longcat_image import tiny_longcat_image
@@ -123,6 +124,7 @@ BUILDERS = {
     "EasyAnimate": lambda: tiny_easyanimate("mixed-control"),  # an MMDiT block and a shared-weights block
     "Cosmos": lambda: tiny_cosmos("img-context"),  # routed attn1, local attn2 (CosmosAttnProcessor2_5)
     "MotifVideo": tiny_motif_video,  # joint, decoder (both streams video) and local cross-attention
+    "JoyImageEdit": tiny_joyimage,  # routed joint [image; text] attention, the image RoPE cut at every block
 }
 
 

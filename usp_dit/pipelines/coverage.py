@@ -157,6 +157,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
         one_call="a pipeline without a guider (the distilled checkpoint, guidance embedded)",
         whole_vae="no recipe yet (an exact one looks possible: convolutions, GroupNorms, one attention, "
                   "pixel (un)shuffles)"),
+    "JoyImageEdit": FamilyPipelines("JoyImage-Edit: editing (reference frames split with the target), text-to-image",
+                                    ("JoyImageEditPipeline",)),
     # Z-Image-Turbo runs guidance_scale=0: one call of the prompts' batch, which cfg_degree=2 splits
     # (an odd batch is refused: no two-call fallback runs it whole), so no one_call entry.
     "ZImage": FamilyPipelines("Z-Image, Z-Image-Turbo; text- and image-to-image",
