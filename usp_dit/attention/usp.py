@@ -53,6 +53,7 @@ from usp_dit.distributed.fp8_wire import check_comm_dtype
 from usp_dit.distributed.handshake import agree, calls_verified
 from usp_dit.distributed.mesh import USPMesh, resolve_mesh
 from usp_dit.kernels import attend, attend_out, select_backend
+from usp_dit.kernels.autograd import needs_grad
 from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 from usp_dit.kernels.registry import backends_with_lse
 from usp_dit.sharding.layouts import check_layout
@@ -235,25 +236,25 @@ def _prepare(
     head_dim = q.shape[3]
     scale = head_dim ** -0.5 if scale is None else float(scale)
     tensors = (q, k, v) + (joint or ())
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    grad = needs_grad(*tensors)
     # Only "auto" weighs the call size; a named backend skips the estimate (every call pays it).
     schedule = mesh.ring_schedule if schedule is None else canonical_schedule(schedule)
     flops = None
     if backend == "auto" and not torch.compiler.is_compiling():
-        flops = _call_flops(q, k, joint, mesh, needs_grad, schedule)
-    kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad, flops, causal=frame is not None)
+        flops = _call_flops(q, k, joint, mesh, grad, schedule)
+    kernel = select_backend(backend, q.device.type, q.dtype, head_dim, grad, flops, causal=frame is not None)
     _check_lse(kernel, return_lse, mesh)
     if frame is not None and mesh.ring_degree > 1:
         masked_schedule(schedule)  # refuse a schedule that cannot run a mask before any transfer
-    if return_lse and needs_grad and torch.compiler.is_compiling():
+    if return_lse and grad and torch.compiler.is_compiling():
         # Traced backwards get a zero LSE gradient whether or not the loss read it: refuse rather
         # than silently drop a gradient (eager raises when one reaches the LSE).
         raise NotImplementedError(
             "return_lse=True with gradients under torch.compile: the LSE is not differentiable; "
             "call with return_lse=False, or under torch.no_grad(), or eagerly"
         )
-    comm = _check_comm(comm_dtype, mesh, needs_grad)
-    return _Call(joint, joint_empty, kernel, scale, needs_grad, schedule, return_lse, layout, frame, joint_mask, comm)
+    comm = _check_comm(comm_dtype, mesh, grad)
+    return _Call(joint, joint_empty, kernel, scale, grad, schedule, return_lse, layout, frame, joint_mask, comm)
 
 
 def _check_comm(comm_dtype: str | None, mesh: USPMesh, needs_grad: bool) -> str:
@@ -288,16 +289,15 @@ def _single_rank(q, k, v, joint, kernel, scale, frame: int | None = None, joint_
     if frame is not None:
         plan = ring_plans(_concrete(q.shape[1]), 1, 1, "contiguous", frame, 0)[0]
         return masked_attend(q, k, v, plan, kernel, scale), None
+    dense = attend if want_lse else lambda *args: (attend_out(*args), None)
     if joint is None:
-        return ((attend_out(q, k, v, kernel, scale), None) if not want_lse else attend(q, k, v, kernel, scale)), None
+        return dense(q, k, v, kernel, scale), None
     jq, jk, jv = joint
     n = q.shape[1]
     if joint_mask is not None:
         out, lse = JointMaskedAttention.apply(torch.cat([q, jq], 1), k, v, jk, jv, joint_mask, kernel, scale)
-    elif not want_lse:
-        out, lse = attend_out(torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1), kernel, scale), None
     else:
-        out, lse = attend(torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1), kernel, scale)
+        out, lse = dense(torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1), kernel, scale)
     return (out[:, :n], _rows(lse, 0, n)), (out[:, n:], _rows(lse, n, None))
 
 
@@ -477,10 +477,9 @@ def one_rank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sca
     if torch.compiler.is_compiling():
         return usp_attention(q, k, v, scale=scale, backend=backend, mesh=resolve_mesh(None)).out
     head_dim = q.shape[3]
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     # "auto" weighs the call size (as _call_flops does for one rank: every key in one call)
     flops = 4.0 * q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2] * head_dim if backend == "auto" else None
-    kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad, flops)
+    kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad(q, k, v), flops)
     return attend_out(q, k, v, kernel, head_dim ** -0.5 if scale is None else float(scale))
 
 

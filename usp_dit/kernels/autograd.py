@@ -125,6 +125,11 @@ def _backward(ctx, dout, dlse):
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Autograd is on and one of ``tensors`` requires a gradient."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: AttentionBackend, scale: float,
            causal: bool = False):
     """``(out, lse)`` of one kernel call: the custom op under ``torch.compile``, the autograd.Function
@@ -132,7 +137,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Attention
     ``causal``: the square diagonal block of causal attention (``usp_dit.kernels.protocol``)."""
     if torch.compiler.is_compiling():  # traced as an opaque custom op with a fake implementation
         return torch.ops.usp_dit.attention(q, k, v, scale, backend.name, causal)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if needs_grad(q, k, v):
         return KernelAttention.apply(q, k, v, backend, scale, causal)
     return kernel_forward(backend, q, k, v, scale, causal)
 
@@ -142,7 +147,6 @@ def attend_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Atten
     the backend's ``forward_out`` where it has one and no gradient is needed outside a trace (it
     skips the LSE's work), else ``attend``'s first result."""
     forward_out = getattr(backend, "forward_out", None)
-    if forward_out is None or torch.compiler.is_compiling() or (
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    if forward_out is None or torch.compiler.is_compiling() or needs_grad(q, k, v):
         return attend(q, k, v, backend, scale)[0]
     return forward_out(q, k, v, scale)
