@@ -49,6 +49,23 @@ def can_build_kernels() -> bool:
     return os.path.exists(nvcc)
 
 
+def prefill_each(q, k, v, element_kwargs=lambda b: {}, **kwargs):
+    """``(out, lse)`` of one ``single_prefill_with_kv_cache`` call per batch entry ("NHD", with its
+    LSE, converted from base 2 to our natural log), ``kwargs`` to every call and
+    ``element_kwargs(b)`` to entry b's (per-entry scales)."""
+    prefill = _module().single_prefill_with_kv_cache
+    parts = [  # .contiguous(): a no-op for the usual layouts, a copy for exotic strides
+        prefill(q[b].contiguous(), k[b].contiguous(), v[b].contiguous(), kv_layout="NHD", return_lse=True,
+                **kwargs, **element_kwargs(b))
+        for b in range(q.shape[0])
+    ]
+    if len(parts) == 1:
+        out, lse = parts[0][0].unsqueeze(0), parts[0][1].unsqueeze(0)
+    else:
+        out, lse = torch.stack([o for o, _ in parts]), torch.stack([l for _, l in parts])
+    return out, lse.to(lse_dtype(q.dtype)) * _LN2
+
+
 class FlashInferBackend:
     name = "flashinfer"
     caps = BackendCaps(
@@ -68,17 +85,7 @@ class FlashInferBackend:
         raise RuntimeError(f"backend 'flashinfer' needs the flashinfer-python package and an Ampere or newer GPU: {INSTALL}")
 
     def forward(self, q, k, v, scale, causal=False):
-        prefill = _module().single_prefill_with_kv_cache
-        parts = [  # .contiguous(): a no-op for the usual layouts, a copy for exotic strides
-            prefill(q[b].contiguous(), k[b].contiguous(), v[b].contiguous(),
-                    causal=causal, kv_layout="NHD", sm_scale=scale, return_lse=True)
-            for b in range(q.shape[0])
-        ]
-        if len(parts) == 1:
-            out, lse = parts[0][0].unsqueeze(0), parts[0][1].unsqueeze(0)
-        else:
-            out, lse = torch.stack([o for o, _ in parts]), torch.stack([l for _, l in parts])
-        return out, lse.to(lse_dtype(q.dtype)) * _LN2
+        return prefill_each(q, k, v, causal=causal, sm_scale=scale)
 
     def backward(self, *args):
         raise NotImplementedError("backend 'flashinfer' has no backward")

@@ -21,16 +21,12 @@ sm90 GPU (H100 / H200).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from usp_dit.kernels.flashinfer import BUILD, INSTALL, _module, can_build_kernels
+from usp_dit.kernels.flashinfer import BUILD, INSTALL, _module, can_build_kernels, prefill_each
 from usp_dit.kernels.fp8_quant import head_quant
 from usp_dit.kernels.protocol import BackendCaps
 from usp_dit.kernels.registry import register_backend
-
-_LN2 = math.log(2.0)
 
 
 class FP8FlashInferBackend:
@@ -57,15 +53,8 @@ class FP8FlashInferBackend:
         if k.shape[1] == 0:  # no key: out 0 and lse -inf, as every backend
             return torch.zeros_like(q), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
         (q8, sq), (k8, sk), (v8, sv) = head_quant(q), head_quant(k), head_quant(v)
-        prefill = _module().single_prefill_with_kv_cache
-        parts = [
-            prefill(q8[b], k8[b], v8[b], scale_q=sq[b], scale_k=sk[b], scale_v=sv[b], o_dtype=q.dtype,
-                    kv_layout="NHD", sm_scale=scale, return_lse=True, backend="fa3")
-            for b in range(q.shape[0])
-        ]
-        out = torch.stack([o for o, _ in parts])
-        lse = torch.stack([lse for _, lse in parts])
-        return out, lse.float() * _LN2
+        return prefill_each(q8, k8, v8, lambda b: {"scale_q": sq[b], "scale_k": sk[b], "scale_v": sv[b]},
+                            o_dtype=q.dtype, sm_scale=scale, backend="fa3")
 
 
 register_backend(FP8FlashInferBackend())

@@ -24,34 +24,32 @@ import torch
 E4M3_MAX = 448.0
 
 
+def _e4m3(x: torch.Tensor, dims: int | tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in e4m3 with one float32 scale per slice over ``dims``, s = max|slice| / 448 (1 for an
+    all-zero slice); the scales have ``dims`` removed."""
+    work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    amax = work.abs().amax(dim=dims, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).to(torch.float32)
+    values = (work / scale.to(work.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return values, scale.squeeze(dims)
+
+
 def row_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (..., D) -> e4m3 values (..., D) and float32 scales (...,) per row (Note [fp8 attention])."""
-    work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    amax = work.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).to(torch.float32)
-    values = (work / scale.to(work.dtype)[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return values, scale
+    return _e4m3(x, -1)
 
 
 def channel_quant(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``v`` (B, S, Hk, D) -> e4m3 values (B, S, Hk, D) and float32 scales (B, Hk, D): one per
     (K/V head, channel) over the keys (Note [fp8 attention])."""
-    work = v.to(torch.float64 if v.dtype == torch.float64 else torch.float32)
-    amax = work.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).to(torch.float32)
-    values = (work / scale.to(work.dtype)[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return values, scale
+    return _e4m3(v, 1)
 
 
 def head_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (B, S, H, D) -> e4m3 values (B, S, H, D) and float32 scales (B, H): one per (element,
     head) over all its tokens and channels (the ``fp8_flashinfer`` backend's scales, Note [fp8
     attention, per head])."""
-    work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    amax = work.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).to(torch.float32)
-    values = (work / scale.to(work.dtype)[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return values, scale
+    return _e4m3(x, (1, 3))
 
 
 def reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
