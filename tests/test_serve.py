@@ -249,15 +249,8 @@ def test_png_answers_decode_to_the_same_pixels(height, width):
     """The server's own PNG writer (Up-filtered rows, stdlib zlib) read back by Pillow, an independent
     decoder: every byte equal, on odd sizes, a one-row image (no row above: the filter is the row
     itself) and rows whose differences wrap below 0 and above 255 (the filter's mod-256 arithmetic),
-    the data deflated in one band and in many (joined raw deflate streams under one Adler-32)."""
-    import zlib
-
-    from usp_dit.serve.encode import zlib_stream
-
-    data = bytes(range(256)) * 41 + b"tail"
-    for band in (1, 5, 256, 1 << 20):
-        assert zlib.decompress(zlib_stream(data, 1, band)) == data
-    assert zlib.decompress(zlib_stream(b"", 1)) == b""
+    encoded in one band of rows and in many (each band converting and filtering from the row above
+    it, the joined raw deflate streams under one Adler-32), from uint8 and from float pixels."""
     from PIL import Image
 
     from usp_dit.serve.encode import png_b64, png_bytes, to_uint8
@@ -265,14 +258,29 @@ def test_png_answers_decode_to_the_same_pixels(height, width):
     rng = np.random.default_rng(height * 100 + width)
     rgb = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
     rgb[::2] = 255 - rgb[::2] // 7  # alternate bright and dark rows: differences that wrap
+    pixels = rng.random((height, width, 3), dtype=np.float32) * 1.2 - 0.1  # some outside [0, 1]: clipped
     for level, band in ((0, 1 << 20), (1, 1 << 20), (9, 1 << 20), (1, 7), (1, 64)):  # 7, 64: many bands
-        back = np.asarray(Image.open(io.BytesIO(png_bytes(rgb, level, band))))
-        assert back.dtype == np.uint8 and back.shape == rgb.shape and np.array_equal(back, rgb)
-    pixels = rng.random((height, width, 3), dtype=np.float32)
+        for image, want in ((rgb, rgb), (pixels, to_uint8(pixels))):
+            back = np.asarray(Image.open(io.BytesIO(png_bytes(image, level, band))))
+            assert back.dtype == np.uint8 and back.shape == want.shape and np.array_equal(back, want)
     decoded = np.asarray(Image.open(io.BytesIO(base64.b64decode(png_b64(pixels)))))
     assert np.array_equal(decoded, to_uint8(pixels))
     with pytest.raises(ValueError, match="uint8"):
         png_bytes(rgb.astype(np.int16))
+
+
+def test_the_images_answer_is_the_json_of_its_fields_and_images():
+    """``images_json`` splices base64 bytes into the body instead of ``json.dumps``-ing them: it must
+    parse to exactly the dict the plain route would have sent, for 0, 1 and 3 images, with and
+    without other fields."""
+    from usp_dit.serve.encode import images_json
+
+    images = [base64.b64encode(bytes(range(n, n + 40))) for n in (0, 7, 200)]
+    fields = {"created": 17, "output_format": "png", "seed": 3, "replica": 0, "note": 'a "quoted" é'}
+    for count in (0, 1, 3):
+        for head in (fields, {}):
+            body = json.loads(images_json(head, images[:count]))
+            assert body == {**head, "data": [{"b64_json": image.decode()} for image in images[:count]]}
 
 
 def test_a_stalled_batch_logs_every_threads_stack_and_a_rearmed_one_does_not(capfd):

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
-from usp_dit.serve.encode import npy_b64, png_b64
+from usp_dit.serve.encode import images_json, npy_b64, png_b64
 from usp_dit.serve.jobs import Job, Scheduler, ServeError
 from usp_dit.serve.loras import Registry
 from usp_dit.serve.metrics import Metrics
@@ -97,11 +97,12 @@ def build_app(state: ServerState) -> FastAPI:
             metrics.requests.labels("image", str(err.status)).inc()
             return _serve_error(err)
         encode = npy_b64 if params.output_format == "npy" else png_b64
-        data = await run_in_threadpool(lambda: [{"b64_json": encode(image)} for image in output])
+        fields = {"created": int(job.created), "output_format": params.output_format, "seed": params.seed,
+                  "batch_size": job.batch_size, "replica": job.replica}
+        body = await run_in_threadpool(lambda: images_json(fields, [encode(image) for image in output]))
         metrics.latency.labels("image").observe(time.perf_counter() - arrived)
         metrics.requests.labels("image", "200").inc()
-        return {"created": int(job.created), "data": data, "output_format": params.output_format,
-                "seed": params.seed, "batch_size": job.batch_size, "replica": job.replica}
+        return Response(body, media_type="application/json")
 
     @app.post("/v1/videos")
     async def create_video(request: Request):
