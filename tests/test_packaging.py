@@ -36,6 +36,7 @@ OPTIONAL_MODULES = {
     "imageio": "video",  # video files in fine-tuning data, MP4 output
     "triton": None,  # ships with CUDA builds of torch; the fused ring merge runs on CUDA only
     "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "pydantic": "serve",  # usp_dit.serve
+    "torchao": "fp8",  # usp_dit.quantize_fp8_linears (the FP8 step recipe)
 }
 # Base dependencies; accelerate is imported by no one here, but without it from_pretrained loads slowly.
 EXPECTED_BASE = ("torch", "diffusers", "transformers", "accelerate", "numpy", "safetensors", "pillow", "tqdm")

@@ -28,6 +28,7 @@ _INTEGRATION = {
     "enable_parallel_vae": "usp_dit.pipelines.vae", "disable_parallel_vae": "usp_dit.pipelines.vae",
     "register_transformers": "usp_dit.llm.hf",  # transformers itself is imported only when it is called
     "plan": "usp_dit.planner.plan", "Plan": "usp_dit.planner.plan",  # the planner (python -m usp_dit.planner)
+    "quantize_fp8_linears": "usp_dit.pipelines.fp8_linears",  # the FP8 step recipe's linears (torchao)
 }
 
 
@@ -50,6 +51,7 @@ __all__ = [
     "gather_sequence",
     "init_usp",
     "plan",
+    "quantize_fp8_linears",
     "register_transformers",
     "set_default_mesh",
     "shard_sequence",
