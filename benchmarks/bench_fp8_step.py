@@ -16,6 +16,9 @@ Variants, timed on one model in this order (the linears are quantized in place, 
   weight and per-token activation scales, the blocks' projections and MLPs) under the same backend;
 - ``fp8-linear``: the quantized linears with usp_dit's bf16 ``auto`` attention.
 
+With ``--compile`` the blocks of the enabled model are ``torch.compile``d for the FP8 variants
+(stock stays Diffusers' eager call), and ``fp8-linear`` is skipped.
+
 Each variant: ``--warmup`` untimed forwards, then the median of ``--rounds`` rounds of ``--iters``
 forwards between CUDA events (ms per forward). Error of each variant's output against ``stock``'s:
 cosine similarity and relative L1 (sum |got - ref| / sum |ref|) in float64. Random weights make
@@ -56,6 +59,17 @@ def timed(forward, args: argparse.Namespace) -> tuple[float, torch.Tensor]:
     return statistics.median(samples), out
 
 
+def compile_blocks(model: torch.nn.Module) -> None:
+    """``torch.compile`` each block of the family's plan (graph breaks allowed): torchao's per-token
+    activation quantization and usp_dit's Q/K/V quantization then fuse into the kernels around
+    them instead of running as separate eager passes."""
+    from usp_dit.pipelines.base import find_adapter
+
+    for list_name in find_adapter(model).plan.block_lists:
+        for block in getattr(model, list_name):
+            block.compile()
+
+
 def run(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     start = time.perf_counter()
     kwargs = {"frames": args.frames} if args.frames else {}
@@ -74,16 +88,19 @@ def run(name: str, args: argparse.Namespace, device: torch.device) -> dict:
 
     variant("stock")
     usp_dit.enable_usp(model, backend=args.backend)
+    if args.compile:
+        compile_blocks(model)
     variant("fp8-attn")
     with torch.no_grad():  # outside inference mode: the quantized weights are ordinary parameters
         quantized = usp_dit.quantize_fp8_linears(model)
     variant("fp8-attn+linear")
     usp_dit.disable_usp(model)
-    usp_dit.enable_usp(model)
-    variant("fp8-linear")
-    usp_dit.disable_usp(model)
+    if not args.compile:  # compiled, the recipe's parts are the two rows above
+        usp_dit.enable_usp(model)
+        variant("fp8-linear")
+        usp_dit.disable_usp(model)
     ref = outs["stock"]
-    result = {"shape": shape, "backend": args.backend, "quantized_linears": len(quantized),
+    result = {"shape": shape, "backend": args.backend, "compiled_blocks": args.compile, "quantized_linears": len(quantized),
               "ms": {k: round(v, 1) for k, v in ms.items()},
               "speedup": {k: round(ms["stock"] / v, 3) for k, v in ms.items() if k != "stock"},
               "error_vs_stock": {k: errors(v, ref) for k, v in outs.items() if k != "stock"}}
@@ -98,6 +115,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="torch.compile the blocks for the FP8 variants (stock stays eager)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
