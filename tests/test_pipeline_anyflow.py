@@ -232,3 +232,32 @@ def test_far_model_is_refused_with_its_reason():
     from usp_dit.pipelines.refusals import refusal_reason
 
     assert "BlockMask" in refusal_reason(AnyFlowFARTransformer3DModel)
+
+
+# ---- the video example's AnyFlow option (one process, no grid) -------------------------------------
+
+
+def test_video_example_anyflow_defaults_and_tiny_generation(monkeypatch):
+    """The tiny default (9 frames of 96 x 144: 162 tokens) through the example's own load and generate."""
+    from tests.test_examples_cli import _example
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    ex = _example("generate_video")
+    args = ex.parse_args(["--model", "anyflow", "--steps", "1", "--height", "48", "--width", "80"])
+    assert (args.frames, args.degrees) == (9, (1, 1, 1))
+    pipe = ex.load_pipeline(args, torch.device("cpu"))
+    pipe.set_progress_bar_config(disable=True)
+    frames = ex.generate(pipe, args)
+    assert frames.shape == (9, 48, 80, 3) and torch.isfinite(torch.from_numpy(frames)).all()
+    assert ex.video_tokens(args, pipe) == 3 * 3 * 5
+
+
+def test_video_example_refuses_cfg_without_guidance(monkeypatch):
+    from tests.test_examples_cli import _example
+    from usp_dit.cli.launch import UsageError
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(UsageError, match="AnyFlowPipeline is guidance-distilled"):
+        _example("generate_video").parse_args(["--model", "anyflow", "--cfg", "2"])
