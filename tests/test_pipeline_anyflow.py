@@ -15,7 +15,8 @@ and after ``disable`` the output is bit-identical. Every parameter's gradient on
 (loss / P per rank summed over the sequence group equals one process's), and once with gradient
 checkpointing. Each rank's rotated Q/K of block 0 equal the same rows of one process's (the dict
 RoPE table cut on its dim 2). The tiny ``AnyFlowPipeline`` (T5 stand-in, Wan VAE, flow-map Euler
-scheduler, 2 steps, guidance 2.0 so that [negative; positive] are batched in one call) through
+scheduler, 2 steps continuing a 5-frame video (2 context latent frames at t = 0), guidance 2.0 so
+that [negative; positive] are batched in one call) through
 ``pipe.enable_usp()`` on (2,1,1), (2,2,1) and (1,2,2), equal to one process, then bit-identical
 after ``disable_usp``.
 
@@ -131,10 +132,13 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
 
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
-    """(final latents (1, 3, 4, 6, 10), frames) of 2 steps at 48 x 80 x 9 frames (45 tokens), guidance 2."""
+    """(final latents (1, 3, 4, 6, 10), frames) of 2 steps at 48 x 80 x 9 frames (45 tokens), guidance 2,
+    continuing a 5-frame video: the pipeline VAE-encodes it to 2 context latent frames, writes them into
+    the latents and gives them t = 0 each step (timestep rows [0, 0, t]: per-frame modulation)."""
+    video = torch.rand(1, 5, 3, 48, 80, generator=torch.Generator().manual_seed(1))
     return latents_and(
-        pipe, "frames", prompt="a red fox jumps over a log", negative_prompt="blurry", height=48, width=80,
-        num_frames=9, num_inference_steps=2, guidance_scale=2.0, max_sequence_length=16,
+        pipe, "frames", prompt="a red fox jumps over a log", negative_prompt="blurry", video=video, height=48,
+        width=80, num_frames=9, num_inference_steps=2, guidance_scale=2.0, max_sequence_length=16,
         generator=torch.Generator().manual_seed(0), output_type="pt",
     )
 
