@@ -11,7 +11,8 @@ sd35 (SD3.5 Large 1024x1024), ltx_video (121x512x768), flux2 (Flux.2-dev 1024x10
 hunyuan_image (HunyuanImage 2.1, 2048x2048), zimage (Z-Image / Z-Image-Turbo 1024x1024), pixart (PixArt-Sigma
 1024x1024), hunyuan_dit (HunyuanDiT v1.2 1024x1024), qwen_image21 (1024x1024), flux3 (1024x1024), ltx2 (LTX-2
 121x512x768, video + audio), kandinsky5 (T2V Lite 121x512x768), chronoedit (5x480x832), helios (384x640 chunk),
-cosmos3 (189x720x1280), wan_animate (77x720x1280 segment), minimax_h3 (33 B, 124x768x1344):
+cosmos3 (189x720x1280), wan_animate (77x720x1280 segment), minimax_h3 (33 B, 124x768x1344), anyflow
+(AnyFlow-Wan2.1-T2V-14B, 81x480x832):
 benchmarks/pipeline_cases.py (benchmarks/check_cases.py checks those on CPU; benchmarks/GPU_PENDING.md: the
 commands for their first GPU figures).
 
@@ -190,6 +191,7 @@ CASES: dict[str, Callable] = {
     "nucleus_moe": _later(pipeline_cases.nucleus_moe_case),
     "omnigen": _later(pipeline_cases.omnigen_case),
     "joyimage": _later(pipeline_cases.joyimage_case),
+    "anyflow": _later(pipeline_cases.anyflow_case),
 }
 
 

@@ -74,6 +74,13 @@ FAMILIES: dict[str, tuple[Callable, dict, dict, str, dict, str]] = {
         dict(frames=5, height=48, width=80, image_len=5), "ChronoEditTransformer3DModel", pc.CHRONOEDIT_14B,
         "14 B (ChronoEdit-14B)",
     ),
+    "anyflow": (
+        pc.anyflow_case,
+        dict(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=32, freq_dim=16,
+             ffn_dim=96, num_layers=2, rope_max_seq_len=32),
+        dict(frames=9, height=48, width=80, text_len=7), "AnyFlowTransformer3DModel", {},
+        "14 B (AnyFlow-Wan2.1-T2V-14B: Wan 2.1-14B's backbone)",
+    ),
     "helios": (
         pc.helios_case,
         dict(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=32, freq_dim=16,

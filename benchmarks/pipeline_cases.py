@@ -1025,3 +1025,24 @@ def joyimage_case(build, device: torch.device, height: int = 1024, width: int = 
     )
     tokens = 2 * (height // 16) * (width // 16)
     return model, kwargs, f"{height}x{width} edit ({tokens} image tokens, 2 items + {text_len} text)"
+
+
+def anyflow_case(build, device: torch.device, frames: int = 81, height: int = 480, width: int = 832,
+                 text_len: int = 512, config: dict | None = None):
+    """AnyFlow-Wan2.1-T2V-14B at ``AnyFlowPipeline``'s default size (diffusers' AnyFlowTransformer3DModel
+    defaults: Wan 2.1-14B's backbone with the dual-timestep embedder): latents (1, (f-1)/4+1, 16, h/8, w/8)
+    (frames before channels, as the pipeline permutes them), 1x2x2 patches, 512 UMT5 tokens; one flow-map
+    step t=1000 -> r=750 per latent frame."""
+    from diffusers import AnyFlowTransformer3DModel
+
+    model = build(AnyFlowTransformer3DModel, config or {}, device)
+    cfg = model.config
+    lat = ((frames - 1) // 4 + 1, height // 8, width // 8)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, lat[0], cfg.in_channels, lat[1], lat[2], generator=g, **_bf(device)),
+        timestep=torch.full((1, lat[0]), 1000.0, device=device), r_timestep=torch.full((1, lat[0]), 750.0, device=device),
+        encoder_hidden_states=torch.randn(1, text_len, cfg.text_dim, generator=g, **_bf(device)), return_dict=False,
+    )
+    tokens = lat[0] * (lat[1] // 2) * (lat[2] // 2)
+    return model, inputs, f"{frames}x{height}x{width} ({tokens} + {text_len} tokens)"

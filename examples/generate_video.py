@@ -1,5 +1,6 @@
 """torchrun: generate a video with any video family of usp_dit (CogVideoX, Mochi, Wan, Wan VACE, HunyuanVideo,
-HunyuanVideo 1.5, FramePack, Kandinsky 5, LTX-Video, LTX-2, ChronoEdit, Helios, Cosmos 3, Sana-Video, ConsisID, Latte, Allegro) on a Ulysses x Ring
+HunyuanVideo 1.5, FramePack, Kandinsky 5, LTX-Video, LTX-2, ChronoEdit, Helios, Cosmos 3, Sana-Video, ConsisID, Latte, Allegro,
+AnyFlow) on a Ulysses x Ring
 (x CFG) grid,
 checked against one rank.
 
@@ -66,6 +67,7 @@ pipelines compress as the real ones do):
     latte          16            any       96 x 144, 3  -> 3 x 6 x 9 = 162          yes (batched CFG)
     allegro        16            any       96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
     easyanimate    16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
+    anyflow        16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          with --guidance > 1 (batched)
 
 Helios generates chunk after chunk, each attending to the history of the earlier ones (short,
 mid, long memory: 162 + 108 + 15 + 6 = 291 tokens a call for the tiny default); the tiny pipeline
@@ -110,6 +112,10 @@ tiny pipeline's VAE (``tiny_allegro``) is built with one tile of ``--frames`` x 
 LTX-2 generates video and audio; the example writes the frames only (the audio is dropped, and the
 one-rank check compares the frames). Its transformer splits the video tokens and keeps the audio
 tokens (18 at the default size) whole on every rank (``usp_dit.pipelines.families.ltx2``).
+
+AnyFlow (``tiny_anyflow``: the bidirectional flow-map model, Wan's VAE) steps from ``t`` to ``r`` each
+step; its released checkpoints fuse guidance into the weights (``guidance_scale`` 1, one call a step), so
+``--cfg 2`` needs ``--guidance`` above 1 (then ``AnyFlowPipeline`` batches [uncond, cond] in one call).
 
 Guidance: CogVideoX, Mochi, LTX-Video and LTX-2 batch classifier-free guidance ([uncond, cond] in one
 transformer call of batch 2 when ``--guidance`` > 1), which ``--cfg 2`` splits over two groups of
@@ -239,6 +245,10 @@ FAMILIES = {
     # Its pipeline pads every prompt to 256 tokens (no max_sequence_length argument).
     "easyanimate": VideoFamily(
         "EasyAnimatePipeline", 9, 4, 4, "EasyAnimate's VAE (Magvit): 4 frames per latent frame", 8, 16),
+    # CFG fused into the released weights (guidance_scale 1 by default): --guidance > 1 batches [uncond, cond].
+    "anyflow": VideoFamily(
+        "AnyFlowPipeline", 9, 4, 4, "AnyFlow's VAE (Wan's): 4 frames per latent frame", 8, 16,
+        guided_by_default=False),
 }
 # Families whose pipeline cleans prompts with ftfy unconditionally (diffusers 0.42): without ftfy
 # the example passes embeds made by Wan's T5 encoding (ftfy only when installed) instead.
@@ -367,6 +377,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
     if args.model_path is None:
         from usp_dit.demo import (
             tiny_allegro,
+            tiny_anyflow,
             tiny_chronoedit,
             tiny_consisid,
             tiny_cosmos3,
@@ -412,6 +423,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             "allegro": lambda max_text_len: tiny_allegro.tiny_allegro_pipeline(
                 args.frames, args.height, args.width, max_text_len),
             "easyanimate": tiny_easyanimate.tiny_easyanimate_pipeline,
+            "anyflow": tiny_anyflow.tiny_anyflow_pipeline,
         }
         return builders[args.model](max_text_len=TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)).to(device)
     import diffusers

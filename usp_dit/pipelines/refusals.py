@@ -27,6 +27,12 @@ _REASONS = {
         "whole sequence's mean-pooled Q and K (top-P of the softmax mass) OR a sliding window, which no rank holds "
         "and usp_attention cannot express (as Kandinsky 5's refused sparse configs)"),
     "QwenImage21Transformer2DModel": f"{NO_ADAPTER} (a different class from Qwen-Image's)",
+    "AnyFlowFARTransformer3DModel": (
+        "frame-autoregressive (FAR), refused: a chunk-causal flex BlockMask over [compressed context chunks (a "
+        "second, coarser patch embedding); full noise chunks (; clean chunks)] with chunks of unequal token counts, "
+        "noise-to-same-frame-only rules in training, and a per-layer K/V cache written and read per chunk in "
+        "inference: not a uniform block-causal layout usp_attention can express, and the cache is not sharded "
+        "(the bidirectional AnyFlowTransformer3DModel is supported)"),
 }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from usp_dit.pipelines.families import (  # noqa: F401  (each module calls register_adapter on import)
     allegro,
+    anyflow,
     auraflow,
     bria,
     bria_fibo2,
