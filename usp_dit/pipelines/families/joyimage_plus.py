@@ -66,7 +66,7 @@ from diffusers.models.transformers.transformer_joyimage_edit_plus import (
     JoyImageEditPlusAttnProcessor,
 )
 
-import usp_dit.pipelines.families.joyimage as joyimage
+import usp_dit.pipelines.families.joyimage as joyimage  # noqa: PLR0402  (the module, not the package: no import circle)
 from usp_dit.pipelines._checks import require
 from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class
 from usp_dit.pipelines._token_sharding import _get_arg, _set_arg
