@@ -103,8 +103,8 @@ def tiny_joyimage_plus_tokenizer():
 
 def tiny_qwen3_vl_processor(tokenizer):
     """A real ``Qwen3VLProcessor`` over ``tokenizer`` and a (PIL) ``Qwen2VLImageProcessorPil`` of
-    Qwen3-VL's patches (16 pixels, 2 frames, 2x2 merge), at most 64 x 64 pixels an image: 4 vision
-    tokens a reference. Transformers checks the processor's video processor's class, which needs
+    Qwen3-VL's patches (16 pixels, 2 frames, 2x2 merge), at most 64 x 64 pixels an image (at most 4
+    vision tokens a reference). Transformers checks the processor's video processor's class, which needs
     torchvision (absent here); the pipeline passes no video, so the check is skipped for a missing one."""
     from transformers import Qwen2VLImageProcessorPil, Qwen3VLProcessor
 
