@@ -192,6 +192,7 @@ CASES: dict[str, Callable] = {
     "omnigen": _later(pipeline_cases.omnigen_case),
     "joyimage": _later(pipeline_cases.joyimage_case),
     "anyflow": _later(pipeline_cases.anyflow_case),
+    "joyimage_plus": _later(pipeline_cases.joyimage_plus_case),
 }
 
 

@@ -1046,3 +1046,28 @@ def anyflow_case(build, device: torch.device, frames: int = 81, height: int = 48
     )
     tokens = lat[0] * (lat[1] // 2) * (lat[2] // 2)
     return model, inputs, f"{frames}x{height}x{width} ({tokens} + {text_len} tokens)"
+
+
+def joyimage_plus_case(build, device: torch.device, height: int = 1024, width: int = 1024, text_len: int = 300,
+                       config: dict | None = None):
+    """JoyImage-Edit-Plus (Diffusers' ``JoyImageEditPlusTransformer3DModel`` defaults: 20 double-stream
+    blocks, 3072 wide, 24 heads x 128, text 4096; the checkpoint's own config.json was not at hand
+    offline): an edit call with one ``height x width`` reference beside the target, as the pipeline
+    packs them: flat patches (1, 2 * (h/16) * (w/16), 16, 1, 2, 2) with their ``shape_list``;
+    ``text_len`` Qwen3-VL prompt tokens under an all-valid mask (the pipeline passes one).
+    ``config``: overrides (a tiny model to check the case builds on CPU)."""
+    from diffusers import JoyImageEditPlusTransformer3DModel
+
+    model = build(JoyImageEditPlusTransformer3DModel, dict(config or {}), device)
+    g = torch.Generator(device).manual_seed(0)
+    grid = (1, height // 16, width // 16)
+    tokens = 2 * grid[1] * grid[2]
+    kwargs = dict(
+        hidden_states=torch.randn(1, tokens, model.config.in_channels, 1, 2, 2, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 500.0, device=device, dtype=torch.bfloat16),
+        encoder_hidden_states=torch.randn(1, text_len, model.config.text_dim, generator=g, **_bf(device)),
+        encoder_hidden_states_mask=torch.ones(1, text_len, device=device, dtype=torch.long),
+        shape_list=[[grid, grid]],
+        return_dict=False,
+    )
+    return model, kwargs, f"{height}x{width} edit ({tokens} image tokens, target + 1 reference + {text_len} text)"

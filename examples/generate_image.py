@@ -70,6 +70,7 @@ tokenizer as ``text_encoder_4`` / ``tokenizer_4``, which HiDream's own repositor
     nucleus_moe 80 x 112 -> 5 x 7 = 35              1024 x 1024     the two calls of a step (true CFG)
     omnigen     48 x 80 -> 3 x 5 = 15               1024 x 1024     [cond, uncond] (batched CFG)
     joyimage    80 x 112 -> 5 x 7 = 35              1024 x 1024     the two calls of a step (true CFG)
+    joyimage_plus 80 x 112 -> 5 x 7 = 35            1024 x 1024     [negative, positive] (batched CFG)
 
 (LongCat-Image's tiny VAE has 7 levels, 128 pixels per token: its edit pipeline works at about
 1024 x 1024 pixels; the tiny example runs the text-to-image pipeline without its prompt rewrite.)
@@ -188,6 +189,10 @@ FAMILIES = {
     # JoyImage-Edit: the Wan VAE (8x, the tiny one too), patch 2; text-to-image here (no reference image).
     "joyimage": ImageFamily("JoyImageEditPipeline", "JoyImage-Edit", (80, 112), 16, "guidance_scale",
                             two_call_cfg=True, negative_prompt=True),
+    # JoyImage-Edit-Plus: the same VAE and patch; text-to-image here (no reference image); no
+    # num_images_per_prompt: one prompt per image.
+    "joyimage_plus": ImageFamily("JoyImageEditPlusPipeline", "JoyImage-Edit-Plus", (80, 112), 16, "guidance_scale",
+                                 batched_cfg=True, negative_prompt=True),
     # OmniGen: the SDXL VAE (8x, the tiny one too); its pipeline's negative prompt is built in.
     "omnigen": ImageFamily("OmniGenPipeline", "OmniGen", (48, 80), 16, "guidance_scale", batched_cfg=True),
 }
@@ -362,9 +367,12 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         kwargs[family.guidance_arg] = args.guidance
     if args.negative_prompt is not None:
         kwargs["negative_prompt"] = args.negative_prompt
+    if args.family == "joyimage_plus":  # its pipeline takes no num_images_per_prompt
+        kwargs["prompt"] = [args.prompt] * args.num_images
+    else:
+        kwargs.update(prompt=args.prompt, num_images_per_prompt=args.num_images)
     out = pipe(
-        prompt=args.prompt, height=args.height, width=args.width, num_inference_steps=args.steps,
-        num_images_per_prompt=args.num_images, output_type="np",
+        height=args.height, width=args.width, num_inference_steps=args.steps, output_type="np",
         generator=torch.Generator("cpu").manual_seed(args.seed), **kwargs,
     )
     return np.asarray(out.images, dtype=np.float32)

@@ -474,8 +474,9 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("cosmos", (1, 2, 1), 1),  # dispatch call routed by a bound partial; per-frame timestep rows cut at every block
     ("nucleus_moe", (2, 1, 1), 2),  # image queries over [shard; masked text] keys (zero text queries); all-dense
     ("motif_video", (2, 1, 1), 2),  # masked joint text, local cross-attention, the decoder's two sharded streams
-    ("joyimage", (1, 2, 1), 0),
-    ("anyflow", (1, 2, 1), 0),  # the dict RoPE table (complex) and per-token modulation cut; a shard starts mid-frame  # routed joint [image shard; text], the image RoPE cut at every block, rolled items
+    ("joyimage", (1, 2, 1), 0),  # routed joint [image shard; text], the image RoPE cut at every block, rolled items
+    ("anyflow", (1, 2, 1), 0),  # the dict RoPE table (complex) and per-token modulation cut; a shard starts mid-frame
+    ("joyimage_plus", (1, 2, 1), 0),  # batched per-element RoPE cut per block; a text key mask over the whole sequence
 ]
 
 

@@ -55,6 +55,7 @@ from usp_dit.demo.tiny_helios import tiny_helios
 from usp_dit.demo.tiny_hunyuan_dit import tiny_hunyuan_dit
 from usp_dit.demo.tiny_hunyuan_image import tiny_hunyuan_image
 from usp_dit.demo.tiny_joyimage import tiny_joyimage
+from usp_dit.demo.tiny_joyimage_plus import tiny_joyimage_plus
 from usp_dit.demo.tiny_krea2 import tiny_krea2
 from usp_dit.demo.tiny_latte import tiny_latte
 from usp_dit.demo.tiny_longcat_image import tiny_longcat_image
@@ -127,6 +128,7 @@ BUILDERS = {
     "Cosmos": lambda: tiny_cosmos("img-context"),  # routed attn1, local attn2 (CosmosAttnProcessor2_5)
     "MotifVideo": tiny_motif_video,  # joint, decoder (both streams video) and local cross-attention
     "JoyImageEdit": tiny_joyimage,  # routed joint [image; text] attention, the image RoPE cut at every block
+    "JoyImageEditPlus": tiny_joyimage_plus,  # the same, its batched RoPE cut on dim 1, a text key mask
 }
 
 

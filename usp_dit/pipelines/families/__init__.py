@@ -33,6 +33,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     hunyuan_video15,
     hunyuan_video_framepack,
     joyimage,
+    joyimage_plus,
     kandinsky5,
     kandinsky6,
     krea2,
