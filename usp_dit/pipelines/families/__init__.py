@@ -31,6 +31,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     hunyuan_video,
     hunyuan_video15,
     hunyuan_video_framepack,
+    ideogram4,
     joyimage,
     kandinsky5,
     kandinsky6,
