@@ -18,7 +18,7 @@ each ring grid also with the "stream" and "gather_merge" schedules forced (Note 
 Each case: output vs stock, block 0's attention sees at most ceil(N / P) image tokens beside the
 text rows, after ``disable`` the output is bit-identical. Per shape, on 2 and 4 ranks: every
 parameter's gradient; once with gradient checkpointing. The transformer enabled with cfg_degree=2
-(each call whole on both groups) equals stock. Fullgraph compile: the blocks
+(its batch of 2 split over the cfg groups) equals stock. Fullgraph compile: the blocks
 (``compile_repeated_blocks(fullgraph=True)``, through AOTAutograd) on (2,2), one graph, equal to
 eager. Refusals: image tokens that are not one suffix, or span two segments, on 2 ranks.
 

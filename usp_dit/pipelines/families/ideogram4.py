@@ -43,8 +43,8 @@ Note [Ideogram 4's packed sequence]
 Text: replicated (above). CFG: ``Ideogram4Pipeline`` calls two different transformers a step
 (``transformer`` on ``[text; image]``, ``unconditional_transformer`` on the image alone: asymmetric
 CFG), both enabled by ``pipe.enable_usp()``; their calls differ in model and length, so no pair of
-them can run on the two cfg groups at once: with ``cfg_degree=2`` each call runs whole on both
-groups (correct, no faster).
+them can run on the two cfg groups at once: ``cfg_degree=2`` splits a batch of prompts (an even
+batch: each call's elements over the two groups), and refuses an odd one.
 
 Refused (NotImplementedError): at enable, processors other than the stock ``Ideogram4AttnProcessor``
 (LoRA-replaced, custom, Diffusers' context parallelism), attention modules the plan does not name,
@@ -242,6 +242,10 @@ PLAN = ModelPlan(
     attention=(Parallel("layers.*.attention", USPIdeogram4AttnProcessor, stock=(Ideogram4AttnProcessor,),
                         text="first"),),
     block_lists=("layers",),
+    # None: with cfg_degree=2 every tensor argument whose dim 0 is the batch is split (a batch of
+    # prompts over the two groups; replica_forward Note [cfg parallel]). The pipeline's guidance
+    # branches are two models' calls, which nothing pairs.
+    cfg_batch_args=None,
     refuse=(_routed_call_missing,),
 )
 
