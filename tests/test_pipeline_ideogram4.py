@@ -20,7 +20,8 @@ text rows, after ``disable`` the output is bit-identical. Per shape, on 2 and 4 
 parameter's gradient; once with gradient checkpointing. The transformer enabled with cfg_degree=2
 (its batch of 2 split over the cfg groups) equals stock. Fullgraph compile: the blocks
 (``compile_repeated_blocks(fullgraph=True)``, through AOTAutograd) on (2,2), one graph, equal to
-eager. Refusals: image tokens that are not one suffix, or span two segments, on 2 ranks.
+eager. Tensor parallelism (heads and SwiGLU width) with tensor_degree=2, alone and beside
+ulysses_degree=2, equals stock and leaves the weights as found. Refusals: image tokens that are not one suffix, or span two segments, on 2 ranks.
 
 Pipeline: the tiny ``Ideogram4Pipeline`` (36-layer tiny Qwen3-VL, character tokenizer, 2x Flux.2
 VAE, two transformers), two prompts of different lengths left-padded to 40 tokens, 20 x 28 (35
@@ -29,7 +30,7 @@ after ``disable_usp``.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients and the pipeline's final
 latents: sharding only reorders float32 sums (attention blocks merged by log-sum-exp, gradients
-summed over ranks). Decoded images: 1e-4 (an untrained random VAE's gain).
+summed over ranks, tensor-parallel partial products all-reduced). Decoded images: 1e-4 (an untrained random VAE's gain).
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ from tests.adapter_parity import (
     sharded_output_case,
     spawn_grid,
 )
-from usp_dit import init_usp, single_rank_mesh
+from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ideogram4 import ideogram4_inputs, tiny_ideogram4, tiny_ideogram4_pipeline
 from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.ideogram4 import ADAPTER, USPIdeogram4AttnProcessor
@@ -131,6 +132,22 @@ def _compiled_blocks_case(mesh) -> dict[str, float]:
     return {"err": rel_err(got, ref), "graphs_not_1": float(counter.frame_count != 1)}
 
 
+def _tensor_case(mesh) -> dict[str, float]:
+    """The transformer enabled with a tensor degree (heads and SwiGLU width cut): equal to stock, its
+    weights left as found."""
+    model, inputs = _build(SHAPES[1])
+    ref = forward(model, inputs)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    enable_usp(model, mesh=mesh)
+    try:
+        out = forward(model, inputs)
+    finally:
+        disable_usp(model)
+    after = model.state_dict()
+    return {"out": rel_err(out, ref),
+            "weights_not_restored": float(not all(torch.equal(after[k], v) for k, v in before.items()))}
+
+
 def _refusal_case(mesh) -> dict[str, float]:
     """A sequence the split cannot run exactly raises NotImplementedError on every rank."""
     model, inputs = _build(SHAPES[0])
@@ -173,6 +190,8 @@ def _run_all() -> dict[str, dict | str]:
     record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
     record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
     record(results, "compiled-blocks", lambda: _compiled_blocks_case(init_usp(2, 2)))
+    record(results, "tensor-t2", lambda: _tensor_case(init_usp(tensor_degree=2)))
+    record(results, "tensor-t2-u2", lambda: _tensor_case(init_usp(ulysses_degree=2, tensor_degree=2)))
     record(results, "refusals", lambda: _refusal_case(init_usp(2, 1)))
     record(results, "pipeline", lambda: pipeline_cases(tiny_ideogram4_pipeline(), _generate, PIPELINE_GRIDS),
            many=True)
@@ -194,6 +213,11 @@ def test_cfg_degree_2_matches_stock(grid_results):
 
 def test_compiled_blocks_are_one_graph_equal_to_eager(grid_results):
     assert_within(grid_results, "compiled-blocks", TOL, {"graphs_not_1": 0.0})
+
+
+@pytest.mark.parametrize("key", ["tensor-t2", "tensor-t2-u2"])
+def test_tensor_parallel_matches_stock_and_restores_weights(grid_results, key: str):
+    assert_within(grid_results, key, TOL)
 
 
 def test_inexact_layouts_are_refused(grid_results):
@@ -244,9 +268,3 @@ def test_processor_swapped_after_enable_is_refused_at_the_call():
         ADAPTER.disable(model)
 
 
-def test_tensor_parallelism_is_refused_by_name():
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    assert ADAPTER.plan.tensor is None
-    with pytest.raises(NotImplementedError, match="usp_dit's Ideogram4 plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_ideogram4(), ADAPTER.plan.tensor, ADAPTER.name, 2)

@@ -46,12 +46,14 @@ CFG), both enabled by ``pipe.enable_usp()``; their calls differ in model and len
 them can run on the two cfg groups at once: ``cfg_degree=2`` splits a batch of prompts (an even
 batch: each call's elements over the two groups), and refuses an odd one.
 
+Tensor parallelism (``_TENSOR``): the attention's heads and the SwiGLU width over the "tensor" axis.
+
 Refused (NotImplementedError): at enable, processors other than the stock ``Ideogram4AttnProcessor``
 (LoRA-replaced, custom, Diffusers' context parallelism), attention modules the plan does not name,
 an unsupported Diffusers cache, ``num_layers=0``; at the call, a processor replaced after enable,
 a sequence whose image tokens (``indicator == 2``) are not one contiguous suffix of the same length
 in every element or do not share one segment, fewer image tokens than ranks, and attention_kwargs
-other than a LoRA scale. Tensor parallelism is refused (no ``TensorPlan``).
+other than a LoRA scale.
 """
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ from usp_dit.pipelines._routing import ROUTED_NAME, Route, RoutedProcessor, join
 from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.pipelines.base import MethodWrapper, register_adapter
 from usp_dit.pipelines.plan import ModelPlan, Parallel
+from usp_dit.pipelines.tensor import BlockCuts, Split, TensorPlan
 from usp_dit.sharding.partition import offsets, split_sizes
 
 # Arguments of the forward indexed by token on dim 1 (timestep too when it is (B, L)).
@@ -232,6 +235,16 @@ def _routed_call_missing(transformer: Ideogram4Transformer2DModel) -> str | None
     return None
 
 
+# Tensor parallelism (usp_dit.pipelines.tensor Note [tensor plans]): the attention's heads (Q/K/V
+# column-parallel, to_out row-parallel; q/k RMSNorms are over head_dim: per head, exact) and the
+# SwiGLU width (w1, w3 column-parallel, w2 row-parallel). The block's RMSNorms over the hidden width
+# (attention_norm2, ffn_norm2) read the row-parallel outputs after their all-reduce: whole.
+_TENSOR = TensorPlan((BlockCuts("layers", splits=(
+    Split(columns=("attention.to_q", "attention.to_k", "attention.to_v"), rows=("attention.to_out.0",),
+          heads="attention"),
+    Split(columns=("feed_forward.w1", "feed_forward.w3"), rows=("feed_forward.w2",)),
+)),))
+
 PLAN = ModelPlan(
     name="Ideogram4",
     model_class=Ideogram4Transformer2DModel,
@@ -247,6 +260,7 @@ PLAN = ModelPlan(
     # branches are two models' calls, which nothing pairs.
     cfg_batch_args=None,
     refuse=(_routed_call_missing,),
+    tensor=_TENSOR,
 )
 
 ADAPTER = register_adapter(JointSplitPlanAdapter(PLAN, __name__, Ideogram4SplitForward))
