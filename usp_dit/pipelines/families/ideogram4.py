@@ -52,8 +52,8 @@ Refused (NotImplementedError): at enable, processors other than the stock ``Ideo
 (LoRA-replaced, custom, Diffusers' context parallelism), attention modules the plan does not name,
 an unsupported Diffusers cache, ``num_layers=0``; at the call, a processor replaced after enable,
 a sequence whose image tokens (``indicator == 2``) are not one contiguous suffix of the same length
-in every element or do not share one segment, fewer image tokens than ranks, and attention_kwargs
-other than a LoRA scale.
+in every element or do not share one segment, fewer image tokens than ranks, and a compiled
+whole forward on more than one rank (compile the blocks).
 """
 from __future__ import annotations
 
@@ -188,10 +188,6 @@ class Ideogram4SplitForward(MethodWrapper):
         for name in _TOKEN_ARGS:
             if call.get(name) is None:
                 raise ValueError(f"usp_dit's Ideogram4 adapter needs {name}, got None")
-        extra = {k: v for k, v in (call.get("attention_kwargs") or {}).items() if k != "scale"}
-        if extra:
-            raise NotImplementedError(f"usp_dit's Ideogram4 adapter passes no attention_kwargs to its processors, "
-                                      f"got {sorted(extra)}")
         mesh = self.state.mesh
         if mesh.sequence_degree == 1:  # one rank holds every token: the stock forward as it is
             self.state.text_len = 0
