@@ -8,7 +8,8 @@ perturbed; ``usp_dit.demo.tiny_ideogram4``). Inputs packed as the pipeline packs
 and of the image grid at its 65536 offset, padding in segment -1): 3 x 5 = 15 image tokens beside 6
 text rows with prompts of 2 and 5 valid tokens (padding rows differ per element: the segment mask
 differs per element), 5 x 7 = 35 image tokens beside 9 rows with 7 and 3 valid tokens and a
-per-token (B, L) timestep, and the unconditional call's 5 x 7 image alone; neither 15 nor 35
+per-token (B, L) timestep, the unconditional call's 5 x 7 image alone, and 15 image tokens beside
+4 unpadded text rows (no padding segment); neither 15 nor 35
 divides 2 or 4; batch 2 with different latents, features and times. The text part is replicated,
 the image split (``usp_dit.pipelines.families.ideogram4`` Note [Ideogram 4's packed sequence]); the
 whole output is compared, the padding rows included.
@@ -16,8 +17,8 @@ whole output is compared, the padding rows included.
 Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2) (tests/adapter_parity.GRIDS);
 each ring grid also with the "stream" and "gather_merge" schedules forced (Note [schedules in CI]).
 Each case: output vs stock, block 0's attention sees at most ceil(N / P) image tokens beside the
-text rows, after ``disable`` the output is bit-identical. Per shape, on 2 and 4 ranks: every
-parameter's gradient; once with gradient checkpointing. The transformer enabled with cfg_degree=2
+text rows, after ``disable`` the output is bit-identical. Every parameter's gradient (``GRAD_SHAPES``):
+both padded shapes on 4 ranks, the first and the image alone on 2; once with gradient checkpointing. The transformer enabled with cfg_degree=2
 (its batch of 2 split over the cfg groups) equals stock. Fullgraph compile: the blocks
 (``compile_repeated_blocks(fullgraph=True)``, through AOTAutograd) on (2,2), one graph, equal to
 eager. Tensor parallelism (heads and SwiGLU width) with tensor_degree=2, alone and beside
@@ -90,7 +91,12 @@ SHAPES = [
     Shape(3, 5, (2, 5), 6),  # 15 image tokens, padded prompts of different lengths
     Shape(5, 7, (7, 3), 9, per_token_time=True),  # 35 image tokens, (B, L) time
     Shape(5, 7, (0, 0), 0),  # the unconditional call: the image alone
+    Shape(3, 5, (4, 4), 4),  # no padding: every text key is the image's (one joint call, no local part)
 ]
+
+
+# Gradients: the padded shapes on 4 ranks, the padded and the image-alone ones on 2.
+GRAD_SHAPES = {2: [SHAPES[0], SHAPES[2]], 4: [SHAPES[0], SHAPES[1]]}
 
 
 def _build(shape: Shape, seed: int = 0):
@@ -186,7 +192,7 @@ def _run_all() -> dict[str, dict | str]:
     warnings.filterwarnings("ignore", category=FutureWarning)
     results = {}
     run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
+                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh), grad_shapes=GRAD_SHAPES)
     record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
     record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
     record(results, "compiled-blocks", lambda: _compiled_blocks_case(init_usp(2, 2)))
@@ -204,7 +210,7 @@ def grid_results() -> list[dict]:
 
 
 test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL)
+    output_keys(SHAPES), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL)
 
 
 def test_cfg_degree_2_matches_stock(grid_results):
