@@ -26,8 +26,8 @@ ulysses_degree=2, equals stock and leaves the weights as found. Refusals: image 
 
 Pipeline: the tiny ``Ideogram4Pipeline`` (36-layer tiny Qwen3-VL, character tokenizer, 2x Flux.2
 VAE, two transformers), two prompts of different lengths left-padded to 40 tokens, 20 x 28 (35
-image tokens), 2 steps, on (2,1,1), (2,2,1) and (1,2,2), equal to one process's, and bit-identical
-after ``disable_usp``.
+image tokens), 2 steps, on (2,1,1), (2,2,1) and (1,2,2), equal to one process's (the unconditional
+transformer's block 0 seeing its shard of the image), and bit-identical after ``disable_usp``.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients and the pipeline's final
 latents: sharding only reorders float32 sums (attention blocks merged by log-sum-exp, gradients
@@ -35,6 +35,8 @@ summed over ranks, tensor-parallel partial products all-reduced). Decoded images
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -188,6 +190,19 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 PIPELINE_GRIDS = pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
 
 
+@contextlib.contextmanager
+def _unconditional_split(pipe, grid: tuple[int, int, int]):
+    """A ``pipeline_cases`` probe: 1.0 under "unconditional_not_split" unless the second model's block 0
+    saw at most ceil(35 / (U * R)) tokens (``pipe.enable_usp()`` enabled ``unconditional_transformer`` too)."""
+    seen = []
+    attention = pipe.unconditional_transformer.layers[0].attention
+    hook = attention.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+    try:
+        yield lambda: {"unconditional_not_split": float(not seen or max(seen) > math.ceil(35 / (grid[0] * grid[1])))}
+    finally:
+        hook.remove()
+
+
 def _run_all() -> dict[str, dict | str]:
     warnings.filterwarnings("ignore", category=FutureWarning)
     results = {}
@@ -199,8 +214,8 @@ def _run_all() -> dict[str, dict | str]:
     record(results, "tensor-t2", lambda: _tensor_case(init_usp(tensor_degree=2)))
     record(results, "tensor-t2-u2", lambda: _tensor_case(init_usp(ulysses_degree=2, tensor_degree=2)))
     record(results, "refusals", lambda: _refusal_case(init_usp(2, 1)))
-    record(results, "pipeline", lambda: pipeline_cases(tiny_ideogram4_pipeline(), _generate, PIPELINE_GRIDS),
-           many=True)
+    record(results, "pipeline", lambda: pipeline_cases(tiny_ideogram4_pipeline(), _generate, PIPELINE_GRIDS,
+                                                       probe=_unconditional_split), many=True)
     return results
 
 
