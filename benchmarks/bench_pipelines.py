@@ -193,6 +193,7 @@ CASES: dict[str, Callable] = {
     "joyimage": _later(pipeline_cases.joyimage_case),
     "anyflow": _later(pipeline_cases.anyflow_case),
     "joyimage_plus": _later(pipeline_cases.joyimage_plus_case),
+    "ideogram4": _later(pipeline_cases.ideogram4_case),
 }
 
 

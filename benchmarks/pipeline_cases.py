@@ -1071,3 +1071,30 @@ def joyimage_plus_case(build, device: torch.device, height: int = 1024, width: i
         return_dict=False,
     )
     return model, kwargs, f"{height}x{width} edit ({tokens} image tokens, target + 1 reference + {text_len} text)"
+
+
+def ideogram4_case(build, device: torch.device, height: int = 1024, width: int = 1024, max_text: int = 2048,
+                   valid: int = 300, config: dict | None = None):
+    """Ideogram 4, the conditional call of a step: one packed sequence ``[padding; text; image]`` as
+    ``Ideogram4Pipeline`` builds it: the prompt left-padded to ``max_text`` rows (the pipeline's
+    default ``max_sequence_length``, 2048), ``valid`` of them real (a structured caption of a few
+    hundred Qwen3-VL tokens), then (h/16)*(w/16) image tokens (the Flux.2 VAE's 32 channels at h/8,
+    patchified 2x2: 128 channels). The config is Diffusers' ``Ideogram4Transformer2DModel`` defaults
+    (34 layers, 18 heads x 256, SwiGLU 12288, text features 13 x 4096), which its docstring gives
+    as the released model's (ideogram-ai's transformer/config.json was not at hand offline to
+    compare). ``config``: overrides (a tiny model to check the case builds on CPU)."""
+    from diffusers import Ideogram4Pipeline, Ideogram4Transformer2DModel
+
+    model = build(Ideogram4Transformer2DModel, config or {}, device)
+    cfg = model.config
+    grid_h, grid_w = height // 16, width // 16
+    position_ids, segment_ids, indicator = Ideogram4Pipeline._prepare_ids([valid], grid_h, grid_w, max_text, device)
+    length = max_text + grid_h * grid_w
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, length, cfg.in_channels, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 0.5, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, length, cfg.llm_features_dim, generator=g, **_bf(device)),
+        position_ids=position_ids, segment_ids=segment_ids, indicator=indicator, return_dict=False,
+    )
+    return model, inputs, f"{height}x{width} ({grid_h * grid_w} image + {max_text} text rows, {valid} real)"

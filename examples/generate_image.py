@@ -71,6 +71,8 @@ tokenizer as ``text_encoder_4`` / ``tokenizer_4``, which HiDream's own repositor
     omnigen     48 x 80 -> 3 x 5 = 15               1024 x 1024     [cond, uncond] (batched CFG)
     joyimage    80 x 112 -> 5 x 7 = 35              1024 x 1024     the two calls of a step (true CFG)
     joyimage_plus 80 x 112 -> 5 x 7 = 35            1024 x 1024     [negative, positive] (batched CFG)
+    ideogram4   20 x 28 -> 5 x 7 = 35               2048 x 2048     nothing: its two calls a step go to two
+                                                                    transformers (asymmetric CFG), each whole
 
 (LongCat-Image's tiny VAE has 7 levels, 128 pixels per token: its edit pipeline works at about
 1024 x 1024 pixels; the tiny example runs the text-to-image pipeline without its prompt rewrite.)
@@ -195,6 +197,10 @@ FAMILIES = {
                                  batched_cfg=True, negative_prompt=True),
     # OmniGen: the SDXL VAE (8x, the tiny one too); its pipeline's negative prompt is built in.
     "omnigen": ImageFamily("OmniGenPipeline", "OmniGen", (48, 80), 16, "guidance_scale", batched_cfg=True),
+    # Ideogram 4: the Flux.2 VAE (8x; the tiny one 2x), 2x2 patches; a constant --guidance instead of the
+    # pipeline's 48-step schedule (generate passes guidance_schedule=None).
+    "ideogram4": ImageFamily("Ideogram4Pipeline", "Ideogram 4", (20, 28), 4, "guidance_scale", guidance=4.0,
+                             real_size=(2048, 2048)),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -349,6 +355,11 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         kwargs["enable_prompt_rewrite"] = False  # the tiny processor has no chat template to rewrite with
     elif args.model is None and args.family == "ovis_image":
         kwargs["max_sequence_length"] = 256  # the pipeline's most: its system prompt is ~150 characters
+    if args.family == "ideogram4":
+        # A constant scale: the default schedule has one entry per step of the default 48.
+        kwargs["guidance_schedule"] = None
+        if args.model is None:
+            kwargs["max_sequence_length"] = TINY_TEXT_LEN * 2  # its chat template (~30) and the prompt
     if args.family == "ernie_image":
         # The prompt enhancer samples a rewrite from the global RNG: each rank could get another prompt.
         kwargs["use_pe"] = False

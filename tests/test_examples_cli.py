@@ -493,6 +493,8 @@ NEGATIVE = "blurry, low quality"  # the image example's default negative prompt 
     (["--family", "joyimage_plus", "--cfg", "2"], (80, 112, None, NEGATIVE, "joyimage_plus_usp.png", (1, 1, 2), 1)),
     # OmniGen batches [cond, uncond] (its negative prompt built in): the cfg axis splits them.
     (["--family", "omnigen", "--cfg", "2"], (48, 80, None, None, "omnigen_usp.png", (1, 1, 2), 1)),
+    # Ideogram 4: two transformers a step (asymmetric CFG), nothing for the cfg axis to pair: it splits the images.
+    (["--family", "ideogram4", "--cfg", "2"], (20, 28, 4.0, None, "ideogram4_usp.png", (1, 1, 2), 2)),
 ])
 def test_image_example_fills_each_familys_defaults(argv, expected, two_ranks):
     a = _example("generate_image").parse_args(argv)

@@ -54,6 +54,7 @@ from usp_dit.demo.tiny_glm_image import tiny_glm_image
 from usp_dit.demo.tiny_helios import tiny_helios
 from usp_dit.demo.tiny_hunyuan_dit import tiny_hunyuan_dit
 from usp_dit.demo.tiny_hunyuan_image import tiny_hunyuan_image
+from usp_dit.demo.tiny_ideogram4 import tiny_ideogram4
 from usp_dit.demo.tiny_joyimage import tiny_joyimage
 from usp_dit.demo.tiny_joyimage_plus import tiny_joyimage_plus
 from usp_dit.demo.tiny_krea2 import tiny_krea2
@@ -94,6 +95,7 @@ BUILDERS = {
     "LongCatImage": tiny_longcat_image,
     "OvisImage": tiny_ovis_image,
     "ErnieImage": tiny_ernie_image,
+    "Ideogram4": tiny_ideogram4,  # [replicated text part; image shard], split at the forward's arguments
     "GlmImage": tiny_glm_image,
     "NucleusMoE": tiny_nucleus_moe,  # image queries over [image; text] keys; the MoE layers' forwards put back
     "OmniGen": tiny_omnigen,  # [replicated prefix; image shard], cut at its seams

@@ -80,8 +80,9 @@ _STATE_ATTR = "_usp_dit_state"
 
 
 # A pipeline's transformer components, in the order they are enabled: Wan 2.2's two experts are
-# ``transformer`` (high noise) and ``transformer_2`` (low noise); either may be None.
-_TRANSFORMER_COMPONENTS = ("transformer", "transformer_2")
+# ``transformer`` (high noise) and ``transformer_2`` (low noise); either may be None. Ideogram 4's
+# asymmetric CFG runs a second model on the unconditional branch, ``unconditional_transformer``.
+_TRANSFORMER_COMPONENTS = ("transformer", "transformer_2", "unconditional_transformer")
 
 
 def _transformers_of(target: Any) -> tuple[list[torch.nn.Module], Any]:

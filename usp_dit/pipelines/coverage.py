@@ -161,6 +161,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                     ("JoyImageEditPipeline",)),
     "JoyImageEditPlus": FamilyPipelines("JoyImage-Edit-Plus: multi-image editing (references of any size, one stream)",
                                         ("JoyImageEditPlusPipeline",)),
+    "Ideogram4": FamilyPipelines("Ideogram 4 (asymmetric CFG: a second, unconditional transformer; prompt enhancer "
+                                 "optional)", ("Ideogram4Pipeline",)),
     # Z-Image-Turbo runs guidance_scale=0: one call of the prompts' batch, which cfg_degree=2 splits
     # (an odd batch is refused: no two-call fallback runs it whole), so no one_call entry.
     "ZImage": FamilyPipelines("Z-Image, Z-Image-Turbo; text- and image-to-image",

@@ -134,7 +134,7 @@ def _layout(block: torch.nn.Module, split: Split, degree: int) -> _Layout:
     size = first.out_features // split.packs
     units, unit = size, 1
     if split.heads is not None:
-        units = block.get_submodule(split.heads).heads
+        units = _head_count(block.get_submodule(split.heads))
         unit = size // units
     return _Layout(units, unit, -(-units // degree) * degree)
 
@@ -198,17 +198,31 @@ def _lay_out_linear(record: TensorRecord, linear: torch.nn.Module, index: torch.
 
 
 # The attributes from which Diffusers' processors read the head count: ``unflatten(-1, (attn.heads, -1))``
-# (Wan, CogVideoX), ``attn.inner_dim // attn.heads`` (Qwen-Image), ``attn.head_dim`` (Flux: unchanged).
+# (Wan, CogVideoX), ``attn.inner_dim // attn.heads`` (Qwen-Image), ``attn.head_dim`` (Flux: unchanged);
+# ``attn.num_heads`` where a module has no ``heads`` (Ideogram 4, with ``hidden_size`` its heads x head_dim).
 _HEAD_ATTRS = ("heads", "inner_dim", "inner_kv_dim")
+_NUM_HEADS_ATTRS = ("num_heads", "hidden_size")
+
+
+def _head_attrs(attention: torch.nn.Module) -> tuple[str, tuple[str, ...]]:
+    """(the attribute holding ``attention``'s head count, every attribute that scales with it)."""
+    if isinstance(getattr(attention, "heads", None), int):
+        return "heads", _HEAD_ATTRS
+    return "num_heads", _NUM_HEADS_ATTRS
+
+
+def _head_count(attention: torch.nn.Module) -> int:
+    return getattr(attention, _head_attrs(attention)[0])
 
 
 def _set_local_heads(record: TensorRecord, attention: torch.nn.Module, heads: int, head_dim: int) -> None:
     """Make ``attention`` describe a tensor rank's ``heads`` (its head_dim unchanged)."""
-    saved = {a: getattr(attention, a) for a in _HEAD_ATTRS if isinstance(getattr(attention, a, None), int)}
+    count, attrs = _head_attrs(attention)
+    saved = {a: getattr(attention, a) for a in attrs if isinstance(getattr(attention, a, None), int)}
     record.heads.append((attention, saved))
-    total = saved["heads"]
+    total = saved[count]
     for attr, value in saved.items():
-        setattr(attention, attr, heads if attr == "heads" else value * heads // total if value == total * head_dim
+        setattr(attention, attr, heads if attr == count else value * heads // total if value == total * head_dim
                 else value)
 
 

@@ -32,6 +32,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     hunyuan_video,
     hunyuan_video15,
     hunyuan_video_framepack,
+    ideogram4,
     joyimage,
     joyimage_plus,
     kandinsky5,
