@@ -150,6 +150,7 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                 ("GlmImagePipeline",)),
     "CogView3Plus": FamilyPipelines("CogView3-Plus-3B", ("CogView3PlusPipeline",)),
     "Lumina2": FamilyPipelines("Lumina-Image 2.0", ("Lumina2Pipeline",)),
+    "LuminaNext": FamilyPipelines("Lumina-Next-SFT", ("LuminaPipeline",)),
     "Krea2": FamilyPipelines("Krea 2 (base; distilled at guidance_scale=0)", ("Krea2Pipeline",),
                              one_call="the distilled checkpoint (guidance_scale=0)"),
     "HunyuanImage": FamilyPipelines(

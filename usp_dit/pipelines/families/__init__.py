@@ -40,6 +40,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     ltx2,
     ltx_video,
     lumina2,
+    lumina_next,
     minimax_h3,
     mochi,
     motif_video,
