@@ -475,6 +475,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("nucleus_moe", (2, 1, 1), 2),  # image queries over [shard; masked text] keys (zero text queries); all-dense
     ("motif_video", (2, 1, 1), 2),  # masked joint text, local cross-attention, the decoder's two sharded streams
     ("joyimage", (1, 2, 1), 0),  # routed joint [image shard; text], the image RoPE cut at every block, rolled items
+    ("dreamlite", (1, 2, 1), 0),  # DreamLiteAttnProcessor2_0's routed dispatch call (GQA); gathered after the last block
     ("lumina_next", (2, 1, 1), 0),  # LuminaAttnProcessor2_0's routed F.sdpa (GQA, proportional scale); local masked attn2
 ]
 

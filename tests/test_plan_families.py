@@ -46,6 +46,7 @@ from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
 from usp_dit.demo.tiny_consisid import tiny_consisid
 from usp_dit.demo.tiny_cosmos import tiny_cosmos
+from usp_dit.demo.tiny_dreamlite import tiny_dreamlite
 from usp_dit.demo.tiny_easyanimate import tiny_easyanimate
 from usp_dit.demo.tiny_ernie_image import tiny_ernie_image
 from usp_dit.demo.tiny_flux3 import tiny_flux3
@@ -112,6 +113,7 @@ BUILDERS = {
     "CogView3Plus": tiny_cogview3plus,
     "Lumina2": tiny_lumina2,  # the context refiner's local attention too
     "LuminaNext": tiny_lumina_next,  # the cross-attention's local attention too
+    "DreamLite": tiny_dreamlite,  # the cross-attention's local attention too
     "Krea2": tiny_krea2,  # the text fusion's local attention too
     "HunyuanImage": tiny_hunyuan_image,  # the token refiner's local attention too
     "ZImage": tiny_zimage,  # the context refiner's local attention too

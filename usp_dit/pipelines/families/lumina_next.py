@@ -67,7 +67,7 @@ import torch
 from diffusers import LuminaNextDiT2DModel
 from diffusers.models.attention_processor import Attention, LuminaAttnProcessor2_0
 
-import usp_dit.pipelines.families.lumina2 as lumina2
+import usp_dit.pipelines.families.lumina2 as lumina2  # noqa: PLR0402  (the module, not the package: no import circle)
 from usp_dit.pipelines._routing import Route, with_global
 from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.pipelines.base import register_adapter
