@@ -489,6 +489,8 @@ NEGATIVE = "blurry, low quality"  # the image example's default negative prompt 
     (["--family", "nucleus_moe", "--cfg", "2"], (80, 112, None, NEGATIVE, "nucleus_moe_usp.png", (1, 1, 2), 1)),
     # JoyImage-Edit: two calls a step (CFG), run on the two cfg groups at once.
     (["--family", "joyimage", "--cfg", "2"], (80, 112, None, NEGATIVE, "joyimage_usp.png", (1, 1, 2), 1)),
+    # Lumina-Next batches [cond, uncond] in one call: the cfg axis splits them, one image uses both.
+    (["--family", "lumina_next", "--cfg", "2"], (80, 112, None, NEGATIVE, "lumina_next_usp.png", (1, 1, 2), 1)),
     # OmniGen batches [cond, uncond] (its negative prompt built in): the cfg axis splits them.
     (["--family", "omnigen", "--cfg", "2"], (48, 80, None, None, "omnigen_usp.png", (1, 1, 2), 1)),
 ])
