@@ -12,7 +12,8 @@ GroupNorm before the split takes its statistics over the whole map (it runs whol
 Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2), each ring grid also with the
 "stream" and "gather_merge" schedules forced (tests/adapter_parity.kept_in_ci). Each case: output vs
 stock, block 0's attention sees at most ceil(tokens / P) tokens, after ``disable`` the output is
-bit-identical. Every parameter's gradient on 2 and 4 ranks per variant, and with gradient
+bit-identical; on (2,2,1) the routed self-attention gets K/V with the 2 kv heads (GQA: not the 4
+repeated ones). Every parameter's gradient on 2 and 4 ranks per variant, and with gradient
 checkpointing; the block through ``enable_usp`` with cfg_degree=2 (its batch split). The U-Net
 (Note [DreamLite's pipelines]): a tiny 2-level ``DreamLiteUNetModel`` on a 10 x 14 latent (140 and
 35 tokens at its levels, 7 DreamLite blocks, with and without self-attention, one kv head) with
@@ -28,6 +29,7 @@ arithmetic per query row; gradients summed over ranks).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
@@ -95,6 +97,23 @@ def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str,
     return gradient_errors(model, inputs, ADAPTER, mesh)
 
 
+def _kv_heads_case() -> dict[str, float]:
+    """(2,2,1): the routed attn1 calls get K/V with the model's 2 kv heads (not its 4 repeated
+    heads) and the output still equals stock's."""
+    import usp_dit.pipelines.families.dreamlite as family
+
+    heads = []
+
+    def spy(query, key, value, *args, **kwargs):
+        heads.append((query.shape[2], key.shape[2], value.shape[2]))
+        return route(query, key, value, *args, **kwargs)
+
+    route = family.route_attention
+    with mock.patch.object(family, "route_attention", spy):
+        errors = _output_case(SHAPES[0], init_usp(2, 2))
+    return {**errors, "kv_heads_not_moved": float(not heads or set(heads) != {(4, 2, 2)})}
+
+
 UNET_GRIDS = [(2, 2, 1), (4, 1, 1)]
 
 
@@ -124,6 +143,7 @@ def _run_all() -> dict[str, dict | str]:
     run_grid_cases(results, SHAPES, _output_case, _gradient_case)
     record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
     record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
+    record(results, "kv-heads", _kv_heads_case)
     record(results, "unet", _unet_cases, many=True)
     return results
 
@@ -134,7 +154,7 @@ def grid_results() -> list[dict]:
 
 
 test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES) + ["cfg-split"], grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+    output_keys(SHAPES) + ["cfg-split", "kv-heads"], grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 

@@ -22,9 +22,11 @@ every token) and ``proj_in`` run whole on every rank before the split. In a bloc
 ``ada_norm`` variants modulate per element):
 
 * ``attn1`` (``Parallel``): ``DreamLiteAttnProcessor2_0``'s own code with its ``dispatch_attention_fn``
-  call routed (``_routing``): Ulysses x Ring over the whole map's tokens, no text. K/V reach the
-  route with their repeated heads, as the stock code made them (exact; Ulysses moves ``heads`` K/V
-  heads, not ``kv_heads``).
+  call routed (``_routing``): Ulysses x Ring over the whole map's tokens, no text. The stock code
+  repeats K/V from ``kv_heads`` to ``heads`` (``repeat_interleave``: query head h reads kv head
+  h // n_rep, the core's GQA convention); on a grid the routed call takes every ``n_rep``-th head
+  back (exact: the others are copies), so Ulysses moves ``kv_heads`` K/V heads, not ``heads``
+  (DreamLite's one kv head: 1 / heads of the traffic). On one rank the kernel takes stock's heads.
 * ``attn2`` (``Local``, the stock processor): each query attends to the replicated text under its
   key mask; a query's row needs nothing but the text, so this rank's rows are stock's.
 
@@ -57,22 +59,68 @@ the transformer is called with that batch).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from diffusers import DreamLiteTransformer2DModel
-from diffusers.models.attention_processor import AttnProcessor2_0
+from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 from diffusers.models.transformers.transformer_2d_dreamlite import BasicTransformerBlockDreamLite
 from diffusers.models.unets.unet_dreamlite import DreamLiteAttnProcessor2_0
 
-from usp_dit.pipelines._routing import routed_processor_class
+from usp_dit.pipelines._routing import ROUTED_NAME, Route, RoutedProcessor, route_attention, with_global
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import Local, ModelPlan, Parallel, PlanAdapter
 
+
+@dataclass(eq=False)
+class _KVHeadsRoute(Route):
+    """The ``Route`` of ``attn1`` with the call's query heads per kv head (set by the processor)."""
+
+    n_rep: int = 1
+
+
+def _route_kv_heads(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+    attention_kwargs: dict[str, Any] | None = None, *, backend: Any = None, parallel_config: Any = None,
+) -> torch.Tensor:
+    """``route_attention`` with the repeated K/V heads (B, S_local, heads, D) taken back to the kv heads
+    on a grid (the module Note's ``attn1``). Returns (B, S_local, heads, D)."""
+    route = parallel_config
+    if route.n_rep > 1 and route.state.mesh.sequence_degree > 1:
+        key, value = key[:, :, :: route.n_rep], value[:, :, :: route.n_rep]
+    return route_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
+                           backend=backend, parallel_config=route)
+
+
 # DreamLiteAttnProcessor2_0's code with its dispatch_attention_fn call routed (None: it no longer makes one).
-USPDreamLiteAttnProcessor = routed_processor_class(DreamLiteAttnProcessor2_0, "USPDreamLiteAttnProcessor")
+_ROUTED_CALL = with_global(DreamLiteAttnProcessor2_0.__call__, ROUTED_NAME, _route_kv_heads)
+
+
+class USPDreamLiteAttnProcessor(RoutedProcessor):
+    """``attn1`` of this rank's tokens: ``DreamLiteAttnProcessor2_0``'s code, its attention call
+    routed with the kv heads. Inputs as stock's (``hidden_states`` (B, S_local, C); no mask: refused
+    at the call); returns (B, S_local, C), stock's rows of this rank's tokens."""
+
+    _stock_call = _ROUTED_CALL
+
+    def __init__(self, route: Route) -> None:
+        super().__init__(_KVHeadsRoute(route.state, route.text))
+
+    def __call__(
+        self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        head_dim = attn.to_q.out_features // attn.heads
+        n_rep = attn.heads // (attn.to_k.out_features // head_dim)
+        if self.route.n_rep != n_rep:  # every block of a model has the same: set once
+            self.route.n_rep = n_rep
+        return _ROUTED_CALL(self, attn, hidden_states, encoder_hidden_states, attention_mask, temb)
 
 
 def _routed_call_missing(model: torch.nn.Module) -> str | None:
-    if USPDreamLiteAttnProcessor is None:
+    if _ROUTED_CALL is None:
         return "this diffusers' DreamLiteAttnProcessor2_0 does not call dispatch_attention_fn, the call usp_dit routes"
     return None
 
@@ -99,8 +147,7 @@ PLAN = ModelPlan(
     split_at="transformer_blocks.0",
     gather_at="transformer_blocks.-1",  # before the reshape to a map that proj_out (a 1x1 conv) needs whole
     attention=(
-        Parallel("transformer_blocks.*.attn1", USPDreamLiteAttnProcessor or DreamLiteAttnProcessor2_0,
-                 stock=(DreamLiteAttnProcessor2_0,)),
+        Parallel("transformer_blocks.*.attn1", USPDreamLiteAttnProcessor, stock=(DreamLiteAttnProcessor2_0,)),
         Local("transformer_blocks.*.attn2", stock=(DreamLiteAttnProcessor2_0, AttnProcessor2_0)),
     ),
     block_lists=("transformer_blocks",),
