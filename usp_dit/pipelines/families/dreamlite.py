@@ -54,7 +54,7 @@ default ``AttnProcessor2_0`` mishandles GQA) and ``attn2`` processors other than
 cross-attention the plan splits); dropout (a shard would draw other random numbers than one
 process); a block with a position embedding; an unsupported Diffusers cache; at the call,
 ``attention_mask`` (a mask over the tokens, which ``attn1`` would apply to its shard).
-No CFG axis of its own: the U-Net's callers batch [uncond, cond] (``cfg_batch_args`` split it when
+Tensor parallelism is not declared (refused). No CFG axis of its own: the U-Net's callers batch [uncond, cond] (``cfg_batch_args`` split it when
 the transformer is called with that batch).
 """
 from __future__ import annotations

@@ -56,7 +56,9 @@ an unsupported Diffusers cache, and a Diffusers whose ``LuminaAttnProcessor2_0``
 ``F.scaled_dot_product_attention`` call; at the call, a processor replaced after enable, and an
 ``attn1`` called with other keys than its queries (cross-attention where self-attention is split).
 ``LuminaPipeline`` batches its CFG branches ([cond, uncond], one call a step): ``cfg_degree=2``
-splits that batch. LuminaNext configs have no dropout. Tensor parallelism is not declared.
+splits that batch. LuminaNext configs have no dropout. Tensor parallelism is not declared (refused):
+the QK norm is a LayerNorm across all heads (``layer_norm_across_heads``), so a rank holding some
+heads would need the statistics of every head.
 """
 from __future__ import annotations
 
