@@ -168,7 +168,7 @@ CASES: dict[str, Callable] = {
     "ltx_video": _later(pipeline_cases.ltx_video_case), "flux2": _later(pipeline_cases.flux2_case),
     "skyreels_df": _later(pipeline_cases.skyreels_df_case),
     "hunyuan_video15": _later(pipeline_cases.hunyuan_video15_case), "wan_vace": _later(pipeline_cases.wan_vace_case),
-    "cogview4": _later(pipeline_cases.cogview4_case), "lumina2": _later(pipeline_cases.lumina2_case),
+    "cogview4": _later(pipeline_cases.cogview4_case), "lumina2": _later(pipeline_cases.lumina2_case), "lumina_next": _later(pipeline_cases.lumina_next_case), "dreamlite": _later(pipeline_cases.dreamlite_case),
     "krea2": _later(pipeline_cases.krea2_case), "hunyuan_image": _later(pipeline_cases.hunyuan_image_case),
     "zimage": _later(pipeline_cases.zimage_case),
     "sana": _later(pipeline_cases.sana_case),

@@ -43,6 +43,16 @@ LUMINA2 = dict(
     num_attention_heads=24, num_kv_heads=8, multiple_of=256, norm_eps=1e-5, axes_dim_rope=(32, 32, 32),
     axes_lens=(300, 512, 512), cap_feat_dim=2304,
 )
+# Lumina-Next-SFT (Alpha-VLLM/Lumina-Next-SFT-diffusers; Lumina-T2X's NextDiT_2B_GQA_patch2): 2B, Gemma-2B captions.
+LUMINA_NEXT = dict(
+    sample_size=128, patch_size=2, in_channels=4, hidden_size=2304, num_layers=24, num_attention_heads=32,
+    num_kv_heads=8, multiple_of=256, norm_eps=1e-5, learn_sigma=True, qk_norm=True, cross_attention_dim=2048,
+)
+# One DreamLite U-Net attention block at the deepest level of diffusers' DreamLiteUNetModel defaults.
+DREAMLITE_BLOCK = dict(
+    num_attention_heads=64, attention_head_dim=20, in_channels=1280, num_layers=1, norm_num_groups=32,
+    cross_attention_dim=2048, qk_norm="rms_norm", num_kv_heads=1, ff_mult=6,
+)
 # HunyuanVideo, Qwen-Image, LTX-Video 0.9 and Flux.2-dev: diffusers' defaults are the released configs.
 # HiDream-I1 Full (HiDream-ai/HiDream-I1-Full, transformer/config.json; Dev and Fast are the same
 # architecture): 16 double- + 32 single-stream blocks, MoE of 4 routed experts (2 active), one Llama
@@ -307,6 +317,52 @@ def lumina2_case(build, device: torch.device, height: int = 1024, width: int = 1
     )
     tokens = (height // 16) * (width // 16)
     return model, inputs, f"{height}x{width} ({tokens} + 256 caption tokens, 96 valid)"
+def lumina_next_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """Lumina-Next-SFT: latents (1, 4, h/8, w/8), 2x2 patches; 128 Gemma caption tokens (the pipeline
+    pads to a multiple of 8), 96 valid, attended by cross-attention; the pipeline's proportional
+    attention (base (1024 / 16)^2 tokens) and its 384 x 384 RoPE table at scale 1."""
+    from diffusers import LuminaNextDiT2DModel
+    from diffusers.models.embeddings import get_2d_rotary_pos_embed_lumina
+
+    model = build(LuminaNextDiT2DModel, LUMINA_NEXT if config is None else config, device)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, model.config.in_channels, height // 8, width // 8, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 0.5, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 128, model.config.cross_attention_dim, generator=g, **_bf(device)),
+        encoder_mask=_prompt_mask(device, 128, 96),
+        image_rotary_emb=get_2d_rotary_pos_embed_lumina(model.head_dim, 384, 384).to(device),
+        cross_attention_kwargs={"base_sequence_length": (model.config.sample_size * 8 // 16) ** 2}, return_dict=False,
+    )
+    tokens = (height // 16) * (width // 16)
+    return model, inputs, f"{height}x{width} ({tokens} image tokens; 128 caption tokens, 96 valid)"
+
+
+def dreamlite_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """One DreamLite attention block at its U-Net's deepest level (diffusers' ``DreamLiteUNetModel``
+    defaults: 1280 channels, 64 heads as its legacy ``attention_head_dim``, 1 kv head, RMS QK norm,
+    feed-forward x6; the released checkpoint's config not checked): the latent (h/8 x w/8) down 4x,
+    (h/32) * (w/32) tokens; 128 text tokens of 2048 (Qwen3-VL), 96 valid. The U-Net's convolutions
+    run whole on every rank (Note [DreamLite's pipelines]): only its blocks are split."""
+    from diffusers import DreamLiteTransformer2DModel
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.unets.unet_dreamlite import DreamLiteAttnProcessor2_0
+
+    model = build(DreamLiteTransformer2DModel, DREAMLITE_BLOCK if config is None else config, device)
+    for module in model.modules():  # as DreamLiteUNetModel installs it
+        if isinstance(module, Attention):
+            module.set_processor(DreamLiteAttnProcessor2_0())
+    g = torch.Generator(device).manual_seed(0)
+    channels = model.config.in_channels
+    inputs = dict(
+        hidden_states=torch.randn(1, channels, height // 32, width // 32, generator=g, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 128, model.config.cross_attention_dim, generator=g, **_bf(device)),
+        encoder_attention_mask=_prompt_mask(device, 128, 96), return_dict=False,
+    )
+    tokens = (height // 32) * (width // 32)
+    return model, inputs, f"{height}x{width} ({tokens} tokens of one U-Net level; 128 text tokens, 96 valid)"
+
+
 def krea2_case(build, device: torch.device, height: int = 1024, width: int = 1024):
     """Krea 2 (diffusers' defaults: the released 28 blocks, 48 query / 12 K/V heads x 128): packed
     latents (1, (h/16)*(w/16), 64); 512 text tokens of 12 tapped Qwen3-VL layers, 120 real (a typical

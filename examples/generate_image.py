@@ -47,6 +47,7 @@ tokens, so its sides are at most 64. Defaults:
     chroma      60 x 100 -> 15 x 25 = 375           1024 x 1024     the two calls of a step (true CFG)
     cogview4    144 x 240 -> 9 x 15 = 135           1024 x 1024     the two calls of a step (true CFG)
     lumina2     144 x 240 -> 9 x 15 = 135           1024 x 1024     the two calls of a step (true CFG)
+    lumina_next 80 x 112 -> 5 x 7 = 35              1024 x 1024     [cond, uncond] (batched CFG)
     krea2       80 x 112 -> 5 x 7 = 35              1024 x 1024     the two calls of a step (true CFG)
     hunyuan_image 40 x 56 -> 5 x 7 = 35             2048 x 2048     the two calls of a step (the guider)
     zimage      60 x 100 -> 15 x 25 = 375 (384)     1024 x 1024     [cond, uncond] (batched CFG)
@@ -157,6 +158,9 @@ FAMILIES = {
                             negative_prompt=True),
     "lumina2": ImageFamily("Lumina2Pipeline", "Lumina2", (144, 240), 16, "guidance_scale", two_call_cfg=True,
                            negative_prompt=True),
+    # Lumina-Next (LuminaPipeline): batched CFG [cond, uncond]; the SDXL VAE (8x, the tiny one too).
+    "lumina_next": ImageFamily("LuminaPipeline", "Lumina-Next", (80, 112), 16, "guidance_scale", batched_cfg=True,
+                               negative_prompt=True),
     "krea2": ImageFamily("Krea2Pipeline", "Krea 2", (80, 112), 16, "guidance_scale", two_call_cfg=True,
                          negative_prompt=True),
     # HunyuanImage 2.1: a 32x VAE and patch 1 (the tiny one: 8x); CFG by the pipeline's guider (its
@@ -363,7 +367,9 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     if args.family == "ernie_image":
         # The prompt enhancer samples a rewrite from the global RNG: each rank could get another prompt.
         kwargs["use_pe"] = False
-    if args.model is None and args.family == "pixart":
+    if args.model is None and args.family == "lumina_next":
+        kwargs["clean_caption"] = False  # needs bs4 / ftfy
+    elif args.model is None and args.family == "pixart":
         # clean_caption needs bs4 / ftfy; the size bins are the real model's.
         kwargs.update(clean_caption=False, use_resolution_binning=False)
     elif args.model is None and args.family == "sana":

@@ -477,6 +477,8 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("joyimage", (1, 2, 1), 0),  # routed joint [image shard; text], the image RoPE cut at every block, rolled items
     ("anyflow", (1, 2, 1), 0),  # the dict RoPE table (complex) and per-token modulation cut; a shard starts mid-frame
     ("joyimage_plus", (1, 2, 1), 0),  # batched per-element RoPE cut per block; a text key mask over the whole sequence
+    ("dreamlite", (1, 2, 1), 0),  # DreamLiteAttnProcessor2_0's routed dispatch call (GQA); gathered after the last block
+    ("lumina_next", (2, 1, 1), 0),  # LuminaAttnProcessor2_0's routed F.sdpa (GQA, proportional scale); local masked attn2
 ]
 
 

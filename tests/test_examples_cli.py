@@ -491,6 +491,8 @@ NEGATIVE = "blurry, low quality"  # the image example's default negative prompt 
     (["--family", "joyimage", "--cfg", "2"], (80, 112, None, NEGATIVE, "joyimage_usp.png", (1, 1, 2), 1)),
     # JoyImage-Edit-Plus batches [negative, positive]: the cfg axis splits them.
     (["--family", "joyimage_plus", "--cfg", "2"], (80, 112, None, NEGATIVE, "joyimage_plus_usp.png", (1, 1, 2), 1)),
+    # Lumina-Next batches [cond, uncond] in one call: the cfg axis splits them, one image uses both.
+    (["--family", "lumina_next", "--cfg", "2"], (80, 112, None, NEGATIVE, "lumina_next_usp.png", (1, 1, 2), 1)),
     # OmniGen batches [cond, uncond] (its negative prompt built in): the cfg axis splits them.
     (["--family", "omnigen", "--cfg", "2"], (48, 80, None, None, "omnigen_usp.png", (1, 1, 2), 1)),
     # Ideogram 4: two transformers a step (asymmetric CFG), nothing for the cfg axis to pair: it splits the images.

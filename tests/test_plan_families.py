@@ -47,6 +47,7 @@ from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
 from usp_dit.demo.tiny_consisid import tiny_consisid
 from usp_dit.demo.tiny_cosmos import tiny_cosmos
+from usp_dit.demo.tiny_dreamlite import tiny_dreamlite
 from usp_dit.demo.tiny_easyanimate import tiny_easyanimate
 from usp_dit.demo.tiny_ernie_image import tiny_ernie_image
 from usp_dit.demo.tiny_flux3 import tiny_flux3
@@ -61,6 +62,7 @@ from usp_dit.demo.tiny_krea2 import tiny_krea2
 from usp_dit.demo.tiny_latte import tiny_latte
 from usp_dit.demo.tiny_longcat_image import tiny_longcat_image
 from usp_dit.demo.tiny_lumina2 import tiny_lumina2
+from usp_dit.demo.tiny_lumina_next import tiny_lumina_next
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
 from usp_dit.demo.tiny_motif_video import tiny_motif_video
 from usp_dit.demo.tiny_nucleus_moe import tiny_nucleus_moe
@@ -115,6 +117,8 @@ BUILDERS = {
     "CogView4": tiny_cogview4,
     "CogView3Plus": tiny_cogview3plus,
     "Lumina2": tiny_lumina2,  # the context refiner's local attention too
+    "LuminaNext": tiny_lumina_next,  # the cross-attention's local attention too
+    "DreamLite": tiny_dreamlite,  # the cross-attention's local attention too
     "Krea2": tiny_krea2,  # the text fusion's local attention too
     "HunyuanImage": tiny_hunyuan_image,  # the token refiner's local attention too
     "ZImage": tiny_zimage,  # the context refiner's local attention too

@@ -150,6 +150,11 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                 ("GlmImagePipeline",)),
     "CogView3Plus": FamilyPipelines("CogView3-Plus-3B", ("CogView3PlusPipeline",)),
     "Lumina2": FamilyPipelines("Lumina-Image 2.0", ("Lumina2Pipeline",)),
+    "LuminaNext": FamilyPipelines("Lumina-Next-SFT", ("LuminaPipeline",)),
+    "DreamLite": FamilyPipelines(
+        "DreamLite's U-Net attention blocks (each enabled on its own; the U-Net's convolutions run whole)", (),
+        whole_vae="DreamLitePipeline and DreamLiteMobilePipeline run a DreamLiteUNetModel: pipe.enable_usp refuses "
+                  "U-Net pipelines; enable_usp(block, mesh=...) on each block of pipe.unet splits its tokens"),
     "Krea2": FamilyPipelines("Krea 2 (base; distilled at guidance_scale=0)", ("Krea2Pipeline",),
                              one_call="the distilled checkpoint (guidance_scale=0)"),
     "HunyuanImage": FamilyPipelines(
