@@ -165,6 +165,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                               ("ZImagePipeline", "ZImageImg2ImgPipeline")),
     "ErnieImage": FamilyPipelines("ERNIE-Image (prompt enhancer optional)", ("ErnieImagePipeline",)),
     "NucleusMoE": FamilyPipelines("NucleusMoE-Image (expert-choice MoE)", ("NucleusMoEImagePipeline",)),
+    "PRX": FamilyPipelines("PRX-1.2B (Flux VAE, DC-AE); PRX-7B pixel space (no VAE)", ("PRXPipeline", "PRXPixelPipeline"),
+                           whole_vae="no recipe yet (DC-AE: its own blocks and linear attention)"),
     "OmniGen": FamilyPipelines("OmniGen v1 (text-to-image; editing: cfg_degree 1)", ("OmniGenPipeline",)),
     "AuraFlow": FamilyPipelines("AuraFlow v0.1 - v0.3", ("AuraFlowPipeline",)),
     "Sana": FamilyPipelines("Sana 600M, 1600M; Sana 1.5; Sana-Sprint (linear attention)",
@@ -249,6 +251,8 @@ class FamilyRow:
 
 def _classes(annotation: typing.Any) -> list[type]:
     """The classes an ``__init__`` annotation names (``X``, ``X | None``, ``Optional[X]``, ``Union[...]``)."""
+    if annotation is type(None):  # an optional component (``X | None``): no class of its own
+        return []
     if isinstance(annotation, type) and not isinstance(annotation, types.GenericAlias):
         return [annotation]
     return [c for arg in typing.get_args(annotation) for c in _classes(arg)]
