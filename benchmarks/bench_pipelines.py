@@ -190,6 +190,7 @@ CASES: dict[str, Callable] = {
     "nucleus_moe": _later(pipeline_cases.nucleus_moe_case),
     "omnigen": _later(pipeline_cases.omnigen_case),
     "joyimage": _later(pipeline_cases.joyimage_case),
+    "prx": _later(pipeline_cases.prx_case),
 }
 
 

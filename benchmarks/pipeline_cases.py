@@ -1025,3 +1025,23 @@ def joyimage_case(build, device: torch.device, height: int = 1024, width: int = 
     )
     tokens = 2 * (height // 16) * (width // 16)
     return model, kwargs, f"{height}x{width} edit ({tokens} image tokens, 2 items + {text_len} text)"
+
+
+def prx_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """PRX-1.2B (the Flux VAE variant): latents (1, 16, h/8, w/8), 2x2 patches; 256 T5Gemma tokens,
+    100 real (the pipeline pads to the tokenizer's length and masks the rest). The config is
+    Diffusers' ``PRXTransformer2DModel`` defaults (16 blocks, 28 heads x 64, T5Gemma-2B's 2304-wide
+    text). ``config``: overrides (a tiny model to check the case builds on CPU)."""
+    from diffusers import PRXTransformer2DModel
+
+    model = build(PRXTransformer2DModel, dict(config or {}), device)
+    cfg = model.config
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, cfg.in_channels, height // 8, width // 8, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 0.5, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 256, cfg.context_in_dim, generator=g, **_bf(device)),
+        attention_mask=_prompt_mask(device, 256, 100), return_dict=False,
+    )
+    tokens = (height // (8 * cfg.patch_size)) * (width // (8 * cfg.patch_size))
+    return model, inputs, f"{height}x{width} ({tokens} image tokens, 256 text keys, 100 real)"

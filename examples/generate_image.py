@@ -70,6 +70,7 @@ tokenizer as ``text_encoder_4`` / ``tokenizer_4``, which HiDream's own repositor
     nucleus_moe 80 x 112 -> 5 x 7 = 35              1024 x 1024     the two calls of a step (true CFG)
     omnigen     48 x 80 -> 3 x 5 = 15               1024 x 1024     [cond, uncond] (batched CFG)
     joyimage    80 x 112 -> 5 x 7 = 35              1024 x 1024     the two calls of a step (true CFG)
+    prx         20 x 28 -> 5 x 7 = 35               1024 x 1024     [uncond, cond] (batched CFG)
 
 (LongCat-Image's tiny VAE has 7 levels, 128 pixels per token: its edit pipeline works at about
 1024 x 1024 pixels; the tiny example runs the text-to-image pipeline without its prompt rewrite.)
@@ -190,6 +191,8 @@ FAMILIES = {
                             two_call_cfg=True, negative_prompt=True),
     # OmniGen: the SDXL VAE (8x, the tiny one too); its pipeline's negative prompt is built in.
     "omnigen": ImageFamily("OmniGenPipeline", "OmniGen", (48, 80), 16, "guidance_scale", batched_cfg=True),
+    # PRX-1.2B: the Flux VAE (8x; the tiny one 2x), patch 2; image queries over [text; image] keys.
+    "prx": ImageFamily("PRXPipeline", "PRX", (20, 28), 4, "guidance_scale", batched_cfg=True, negative_prompt=True),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -319,6 +322,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
                   "auraflow": dict(max_text_len=TINY_TEXT_LEN),
                   "bria": dict(max_text_len=TINY_TEXT_LEN),
                   "pixart": dict(max_text_len=TINY_TEXT_LEN),
+                  "prx": dict(max_text_len=TINY_TEXT_LEN),
                   }.get(args.family, {})
         return build(**kwargs).to(device)
     import diffusers
@@ -350,6 +354,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     if args.model is None and args.family == "pixart":
         # clean_caption needs bs4 / ftfy; the size bins are the real model's.
         kwargs.update(clean_caption=False, use_resolution_binning=False)
+    elif args.model is None and args.family == "prx":
+        kwargs["use_resolution_binning"] = False  # the size bins are the real model's
     elif args.model is None and args.family == "sana":
         # Sana's default chat instruction is ~1000 characters (tokens here); its size bins are the real model's.
         kwargs.update(complex_human_instruction=None, use_resolution_binning=False)

@@ -47,6 +47,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     omnigen,
     ovis_image,
     pixart,
+    prx,
     qwen_image,
     qwen_image21,
     sana,
