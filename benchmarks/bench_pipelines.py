@@ -191,6 +191,7 @@ CASES: dict[str, Callable] = {
     "omnigen": _later(pipeline_cases.omnigen_case),
     "joyimage": _later(pipeline_cases.joyimage_case),
     "prx": _later(pipeline_cases.prx_case),
+    "dit": _later(pipeline_cases.dit_case),
 }
 
 

@@ -1045,3 +1045,28 @@ def prx_case(build, device: torch.device, height: int = 1024, width: int = 1024,
     )
     tokens = (height // (8 * cfg.patch_size)) * (width // (8 * cfg.patch_size))
     return model, inputs, f"{height}x{width} ({tokens} image tokens, 256 text keys, 100 real)"
+
+
+# DiT-XL/2 512 (facebook/DiT-XL-2-512, transformer/config.json): diffusers' defaults but for the
+# latent size and the learned-sigma output.
+DIT_XL_2_512 = dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8, num_layers=28,
+                    sample_size=64, patch_size=2)
+
+
+def dit_case(build, device: torch.device, height: int = 512, width: int = 512, config: dict | None = None):
+    """DiT-XL/2 512: latents (1, 4, h/8, w/8), square, 2x2 patches; a class label and a timestep
+    (no text). 512 x 512 is the release's largest size (1024 tokens); the sin-cos table is rebuilt
+    for another one. ``config``: overrides (a tiny model to check the case builds on CPU)."""
+    from diffusers import DiTTransformer2DModel
+
+    if height != width:
+        raise ValueError(f"DiT folds its output as a square: height={height} and width={width} must be equal")
+    model = build(DiTTransformer2DModel, {**DIT_XL_2_512, **(config or {})}, device)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, model.config.in_channels, height // 8, width // 8, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 500, device=device, dtype=torch.long),
+        class_labels=torch.full((1,), 207, device=device, dtype=torch.long), return_dict=False,
+    )
+    tokens = (height // 16) * (width // 16)
+    return model, inputs, f"{height}x{width} ({tokens} tokens, class-conditional)"

@@ -46,6 +46,7 @@ from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
 from usp_dit.demo.tiny_consisid import tiny_consisid
 from usp_dit.demo.tiny_cosmos import tiny_cosmos
+from usp_dit.demo.tiny_dit import tiny_dit
 from usp_dit.demo.tiny_easyanimate import tiny_easyanimate
 from usp_dit.demo.tiny_ernie_image import tiny_ernie_image
 from usp_dit.demo.tiny_flux3 import tiny_flux3
@@ -119,6 +120,7 @@ BUILDERS = {
     "ConsisID": tiny_consisid,  # the perceiver cross-attention (not an Attention: no processor) stays
     "AuraFlow": tiny_auraflow,  # joint and single-stream blocks, one processor class
     "PixArt": lambda: tiny_pixart("alpha"),  # routed AttnProcessor2_0 (self), local masked cross-attention
+    "DiT": tiny_dit,  # PixArt's routed AttnProcessor2_0 (self-attention only), ada_norm_zero blocks
     "PRX": tiny_prx,  # image queries over [text; image] keys (zero text queries)
     "HunyuanDiT": tiny_hunyuan_dit,  # the RoPE table cut at every block, local cross-attention, long skips
     "Latte": tiny_latte,  # routed spatial self-attention; local cross- and temporal attention

@@ -175,6 +175,7 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                             whole_vae="no recipe yet (DC-AE: its own blocks and linear attention)"),
     "PixArt": FamilyPipelines("PixArt-Alpha 512, 1024; PixArt-Sigma 512, 1024, 2K",
                               ("PixArtAlphaPipeline", "PixArtSigmaPipeline")),
+    "DiT": FamilyPipelines("DiT-XL/2 256, 512 (class-conditional, ImageNet)", ("DiTPipeline",)),
     "HunyuanDiT": FamilyPipelines("HunyuanDiT v1.0 - v1.2, -Distilled", ("HunyuanDiTPipeline",)),
     "HiDream": FamilyPipelines("HiDream-I1 Full, Dev, Fast (MoE feed-forward)", ("HiDreamImagePipeline",),
                                one_call="HiDream-I1 Dev and Fast (guidance-distilled, run at guidance_scale=0)"),

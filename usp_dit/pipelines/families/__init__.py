@@ -18,6 +18,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     consisid,
     cosmos,
     cosmos3,
+    dit,
     easyanimate,
     ernie_image,
     flux,
