@@ -14,7 +14,11 @@ ring grids also with "stream" and "gather_merge" forced (tests/adapter_parity No
 CI]). Each case: output vs stock, block 0's attention sees at most ceil(N / P) tokens, after
 ``disable`` the output is bit-identical. Every parameter's gradient on 2 and 4 ranks, and with
 gradient checkpointing. The transformer enabled with cfg_degree=2 on its batch equals stock. The
-fullgraph-compiled case is in tests/test_compile_grid.py (ADAPTER_CASES).
+fullgraph-compiled case is in tests/test_compile_grid.py (ADAPTER_CASES). Tensor parallelism
+(issue 28) on a 5-head model without attention biases (uneven over 2 tensor ranks: 3 heads a rank,
+one of them zero padding): T=2 alone, with U=2, with R=2 (gather_merge), outputs and the restored
+parameters; every gradient on (R=2, T=2), each cut parameter's gathered back
+(tests/test_tensor_parallel.py's cases, reused).
 
 Pipeline: the tiny ``DiTPipeline`` (2x AutoencoderKL, DPM-Solver++), two class labels, 20 x 20
 pixels (25 tokens), 2 steps of batched CFG on the label ([cond, null] in one call of batch 4), on
@@ -118,8 +122,25 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
     return pipeline_cases(tiny_dit_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS))
 
 
+# Tensor parallelism (issue 28), 5 heads (uneven over 2 tensor ranks): (U, R, cfg, T, schedule).
+TENSOR_GRIDS = [(1, 1, 1, 2, "auto"), (2, 1, 1, 2, "auto"), (1, 2, 1, 2, "gather_merge")]
+
+
+def _tensor_cases() -> dict[str, dict[str, float]]:
+    """tests/test_tensor_parallel.py's cases: outputs, restored parameters, every gradient (the
+    attention without biases here: its key bias's gradient is zero by maths, rounding noise)."""
+    from tests import test_tensor_parallel as tp
+
+    model = tiny_dit(num_heads=5, attention_bias=False)
+    args = tp.Args(dit_inputs(10, list(SHAPES[0].labels)).kwargs())
+    results = {f"tensor-{g}": tp._output_case(model, args, g) for g in TENSOR_GRIDS}
+    results["grad-tensor-(1,2,1,2)"] = tp._grad_case(model, args, (1, 2, 1, 2, "stream"))
+    return results
+
+
 def _run_all() -> dict[str, dict | str]:
     results = {}
+    record(results, "tensor", _tensor_cases, many=True)
     run_grid_cases(results, SHAPES, _output_case,
                    lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh, KEY_BIASES))
     record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
@@ -138,6 +159,16 @@ def grid_results() -> list[dict]:
 
 test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
     output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL)
+
+
+@pytest.mark.parametrize("key", [f"tensor-{g}" for g in TENSOR_GRIDS] + ["grad-tensor-(1,2,1,2)"])
+def test_tensor_parallel_matches_one_process(grid_results, key: str):
+    for rank, res in enumerate(grid_results):
+        errors = res.get(key) or res.get("tensor", "no result")
+        assert not isinstance(errors, str), f"rank {rank}: {errors}"
+        assert errors.get("local_heads", 3.0) == 3.0 or key.startswith("grad"), errors  # ceil(5 / 2) heads a rank
+        worst = {k: v for k, v in errors.items() if k != "local_heads" and not k.startswith("worst_is_") and not v <= TOL}
+        assert not worst, f"rank {rank}: above {TOL}: {worst}"
 
 
 def test_cfg_split_of_a_batch_matches_stock(grid_results):
@@ -204,9 +235,3 @@ def test_label_dropout_in_training_is_refused_at_the_call():
     finally:
         ADAPTER.disable(model)
 
-
-def test_tensor_parallelism_is_refused_by_name():
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    with pytest.raises(NotImplementedError, match="usp_dit's DiT plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_dit(), ADAPTER.plan.tensor, ADAPTER.name, 2)

@@ -23,17 +23,18 @@ NUM_CLASSES = 1000  # ImageNet's; class 1000 is the null class (CFG)
 
 def tiny_dit(
     num_heads: int = 4, head_dim: int = 16, num_layers: int = 2, sample_size: int = 10, patch_size: int = 2,
-    seed: int = 0,
+    attention_bias: bool = True, seed: int = 0,
 ) -> DiTTransformer2DModel:
     """A small ``DiTTransformer2DModel`` (``num_heads * head_dim`` wide), float32, eval mode; its
-    ``sample_size`` is the pipeline's latent side. Every parameter is perturbed
+    ``sample_size`` is the pipeline's latent side; ``attention_bias``: the Q/K/V/out biases (the
+    release has them). Every parameter is perturbed
     (``tiny_video._perturb``): stock zero-initialises nothing here, but LayerNorm-like constants would
     hide a misplaced token."""
     torch.manual_seed(seed)
     model = DiTTransformer2DModel(
         num_attention_heads=num_heads, attention_head_dim=head_dim, in_channels=LATENT_CHANNELS,
         out_channels=2 * LATENT_CHANNELS, num_layers=num_layers, sample_size=sample_size, patch_size=patch_size,
-        num_embeds_ada_norm=NUM_CLASSES,
+        num_embeds_ada_norm=NUM_CLASSES, attention_bias=attention_bias,
     )
     _perturb(model, seed + 1)
     return model.eval()

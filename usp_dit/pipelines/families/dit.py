@@ -29,8 +29,8 @@ no per-block position embedding, an unsupported Diffusers cache, ``num_layers=0`
 model in training mode whose class embedding drops labels (``class_dropout_prob`` > 0: each rank
 would draw its own drops, so the tokens of one image would see different conditionings; stock
 draws them again in every block). Dropout inside the blocks (``dropout`` > 0, training) draws each
-rank's mask over its own tokens, as it does on one process over all of them. Tensor parallelism is
-refused (no ``TensorPlan``).
+rank's mask over its own tokens, as it does on one process over all of them. Tensor parallelism
+(``tensor_degree`` > 1) cuts attn1's heads and the feed-forward's width (``_TENSOR``).
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ import usp_dit.pipelines.families.pixart as pixart  # noqa: PLR0402  (its routed
 from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter
+from usp_dit.pipelines.tensor import BlockCuts, Split, TensorPlan
 
 
 def _blocks_reason(model: DiTTransformer2DModel) -> str | None:
@@ -87,6 +88,16 @@ class LabelDropCheck:
                 )
 
 
+# Tensor parallelism (usp_dit.pipelines.tensor Note [tensor plans]): attn1's heads (to_q, to_k, to_v
+# column-parallel with their biases, to_out.0 row-parallel) and the feed-forward's hidden width
+# (GELU(proj) column-parallel, net.2 row-parallel). DiT's attention has no QK norm, and
+# AttnProcessor2_0 reads the head count from ``attn.heads``: exact on a rank's heads; the adaLN-zero
+# modulation and the LayerNorms stay whole.
+_TENSOR = TensorPlan((BlockCuts("transformer_blocks", splits=(
+    Split(columns=("attn1.to_q", "attn1.to_k", "attn1.to_v"), rows=("attn1.to_out.0",), heads="attn1"),
+    Split(columns=("ff.net.0.proj",), rows=("ff.net.2",)),
+)),))
+
 PLAN = ModelPlan(
     name="DiT",
     model_class=DiTTransformer2DModel,
@@ -98,6 +109,7 @@ PLAN = ModelPlan(
     cfg_batch_args=("hidden_states", "timestep", "class_labels"),
     hooks=(LabelDropCheck,),
     refuse=(_blocks_reason, pixart._routed_call_missing),
+    tensor=_TENSOR,
 )
 
 ADAPTER = register_adapter(PlanAdapter(PLAN, __name__))
