@@ -21,7 +21,10 @@ Pipeline: the tiny ``PRXPipeline`` (character T5 tokenizer, T5Gemma encoder, 2x 
 prompt and a negative prompt of different lengths padded to 16 tokens and masked, 12 x 20 pixels
 (3 x 5 = 15 image tokens), 2 steps of batched CFG ([uncond, cond] in one call; stock's timestep is
 batch 2 only for one prompt), on (2,1,1), (2,2,1) and (1,2,2) (the CFG halves split over the cfg
-groups), equal to one process's; bit-identical after ``disable_usp``.
+groups), equal to one process's; bit-identical after ``disable_usp``. ``PRXPixelPipeline`` (the "pixel"
+transformer, no VAE) at 6 x 10 pixels (15 tokens), prompt embeddings of 5 and 11 real tokens of 16
+(its cleaner needs ftfy, not installed here), on (2,2,1) and (1,2,2); its pixels after ``disable_usp``
+bit-identical.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients, rotated Q/K and the
 pipeline's final latents: sharding only reorders float32 sums (attention blocks merged by
@@ -56,7 +59,7 @@ from tests.adapter_parity import (
     ulysses_above_heads_case,
 )
 from usp_dit import init_usp, single_rank_mesh
-from usp_dit.demo.tiny_prx import prx_inputs, tiny_prx, tiny_prx_pipeline
+from usp_dit.demo.tiny_prx import TEXT_DIM, prx_inputs, tiny_prx, tiny_prx_pipeline, tiny_prx_pixel_pipeline
 from usp_dit.pipelines import _routing
 from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import prx
@@ -96,7 +99,7 @@ SHAPES = [
 def _build(shape: Shape, seed: int = 0):
     model = tiny_prx(shape.variant, seed=seed)
     prompts = list(shape.prompts) if shape.prompts else None
-    return model, prx_inputs(shape.height, shape.width, prompts, TEXT_LEN)
+    return model, prx_inputs(shape.height, shape.width, prompts, TEXT_LEN, channels=model.config.in_channels)
 
 
 # ---- what each rank runs ---------------------------------------------------------------------------
@@ -156,6 +159,26 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
     return pipeline_cases(tiny_prx_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS))
 
 
+def _generate_pixel(pipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final pixels, images) of PRXPixelPipeline, 2 steps at 6 x 10 (15 tokens), batched CFG over
+    seeded prompt embeddings of 5 and 11 real tokens of 16 (its cleaner needs ftfy: no prompts)."""
+    g = torch.Generator().manual_seed(3)
+    embeds = [torch.randn(1, 16, TEXT_DIM, generator=g) for _ in range(2)]
+    masks = [torch.arange(16)[None] < n for n in (5, 11)]
+    return latents_and(pipe, prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1], prompt_attention_mask=masks[0],
+                       negative_prompt_attention_mask=masks[1], guidance_scale=4.0, height=6, width=10,
+                       num_inference_steps=STEPS, generator=torch.Generator().manual_seed(0), output_type="pt",
+                       use_resolution_binning=False)
+
+
+PIXEL_GRIDS = [(2, 2, 1), (1, 2, 2)]
+
+
+def _pixel_pipeline_cases() -> dict[str, dict[str, float]]:
+    return pipeline_cases(tiny_prx_pixel_pipeline(), _generate_pixel, pipeline_grids(PIXEL_GRIDS, "pixel"),
+                          after_disable="pixel-after-disable")
+
+
 def _run_all() -> dict[str, dict | str]:
     results = {}
     run_grid_cases(results, SHAPES, _output_case,
@@ -167,6 +190,7 @@ def _run_all() -> dict[str, dict | str]:
     record(results, "ulysses-above-heads",
            lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
     record(results, "pipeline", _pipeline_cases, many=True)
+    record(results, "pixel", _pixel_pipeline_cases, many=True)
     return results
 
 
@@ -201,6 +225,12 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
     assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
+@pytest.mark.parametrize("key", [f"pixel-u{u}r{r}cfg{c}" for u, r, c in PIXEL_GRIDS] + ["pixel-after-disable"])
+def test_pixel_pipeline_matches_one_process(grid_results, key: str):
+    assert_within(grid_results, key, TOL, {"not_enabled_then_restored": 0.0, "not_bit_identical": 0.0},
+                  fallback="pixel")
+
+
 # ---- single process: registration, the mask's effect, restore exactly, loud failures ---------------
 
 
@@ -213,7 +243,7 @@ def test_the_mask_changes_the_output_and_is_kept():
     one rank (the routed call, per-element masked text keys) gives stock's masked output."""
     model, inputs = _build(SHAPES[0])
     ref = forward(model, inputs)
-    unmasked = forward(model, prx_inputs(5, 7, None, TEXT_LEN))
+    unmasked = forward(model, prx_inputs(5, 7, None, TEXT_LEN, channels=model.config.in_channels))
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         out = forward(model, inputs)

@@ -24,8 +24,8 @@ LATENT_CHANNELS = 4  # the tiny stand-in for the Flux VAE's 16 (or DC-AE's 32)
 # Variants of the family, each a tiny version of a released config.
 PRX_VARIANTS = {
     "prx": {},  # PRX-1.2B: a linear patch embedding, timestep conditioning
-    # PRX-7B (pixel space, PRXPixelPipeline): a bottleneck patch embedding, resolution conditioning.
-    "pixel": {"bottleneck_size": 24, "resolution_embeds": True},
+    # PRX-7B (pixel space, PRXPixelPipeline): RGB in and out, a bottleneck patch embedding, resolution conditioning.
+    "pixel": {"in_channels": 3, "bottleneck_size": 24, "resolution_embeds": True},
 }
 
 
@@ -46,10 +46,11 @@ def tiny_prx(
     if head_dim % 4:
         raise ValueError(f"head_dim must be a multiple of 4 (two even RoPE axes), got {head_dim}")
     torch.manual_seed(seed)
+    options = {"in_channels": LATENT_CHANNELS, **PRX_VARIANTS[variant]}
     model = PRXTransformer2DModel(
-        in_channels=LATENT_CHANNELS, patch_size=patch_size, context_in_dim=TEXT_DIM,
+        patch_size=patch_size, context_in_dim=TEXT_DIM,
         hidden_size=num_heads * head_dim, mlp_ratio=2.0, num_heads=num_heads, depth=depth,
-        axes_dim=[head_dim // 2, head_dim // 2], **PRX_VARIANTS[variant],
+        axes_dim=[head_dim // 2, head_dim // 2], **options,
     )
     _perturb(model, seed + 1)
     return model.eval()
@@ -59,7 +60,7 @@ def tiny_prx(
 class PRXInputs:
     """Keyword arguments of one ``PRXTransformer2DModel.forward`` call."""
 
-    hidden_states: torch.Tensor  # (B, LATENT_CHANNELS, h, w)
+    hidden_states: torch.Tensor  # (B, in_channels, h, w): LATENT_CHANNELS, or 3 (RGB) for "pixel"
     timestep: torch.Tensor  # (B,)
     encoder_hidden_states: torch.Tensor  # (B, T, TEXT_DIM)
     attention_mask: torch.Tensor | None  # (B, T) bool, True = a real token
@@ -70,16 +71,18 @@ class PRXInputs:
 
 def prx_inputs(
     height: int, width: int, prompt_lengths: list[int] | None, text_len: int = 8, batch: int = 2, seed: int = 0,
+    channels: int = LATENT_CHANNELS,
 ) -> PRXInputs:
-    """Seeded inputs of ``height x width`` latent pixels: a different latent, prompt and timestep per
-    element; ``prompt_lengths[b]``: element b's real tokens (the rest padding, masked), ``None``: no mask."""
+    """Seeded inputs of ``height x width`` latent pixels of ``channels``: a different latent, prompt
+    and timestep per element; ``prompt_lengths[b]``: element b's real tokens (the rest padding,
+    masked), ``None``: no mask."""
     g = torch.Generator().manual_seed(seed)
     mask = None
     if prompt_lengths is not None:
         batch = len(prompt_lengths)
         mask = torch.arange(text_len)[None, :] < torch.tensor(prompt_lengths)[:, None]
     return PRXInputs(
-        hidden_states=torch.randn(batch, LATENT_CHANNELS, height, width, generator=g),
+        hidden_states=torch.randn(batch, channels, height, width, generator=g),
         timestep=torch.rand(batch, generator=g),
         encoder_hidden_states=torch.randn(batch, text_len, TEXT_DIM, generator=g),
         attention_mask=mask,
@@ -139,3 +142,20 @@ class _PlainText:
         return text.lower().strip()
 
     basic_clean = clean_text
+
+
+def tiny_prx_pixel_pipeline(max_text_len: int = 16, seed: int = 0):
+    """A ``PRXPixelPipeline`` of tiny random models (character T5 tokenizer, T5Gemma encoder, the
+    "pixel" transformer with 2x2 patches: no VAE), float32 on CPU: ``height x width`` pixels give
+    ``(height / 2) * (width / 2)`` image tokens (6 x 10 -> 3 x 5 = 15). Its cleaner needs ftfy
+    (module-level, not replaceable): without it, call it with ``prompt_embeds`` and masks."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, PRXPixelPipeline
+
+    from usp_dit.demo.tiny_chroma import tiny_t5
+
+    tokenizer, _ = tiny_t5(max_text_len, seed + 10)
+    return PRXPixelPipeline(
+        transformer=tiny_prx("pixel", patch_size=2, seed=seed + 30), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        text_encoder=tiny_t5gemma_encoder(len(tokenizer), seed + 10), tokenizer=tokenizer,
+        prompt_max_tokens=max_text_len,
+    )
