@@ -194,6 +194,8 @@ CASES: dict[str, Callable] = {
     "anyflow": _later(pipeline_cases.anyflow_case),
     "joyimage_plus": _later(pipeline_cases.joyimage_plus_case),
     "ideogram4": _later(pipeline_cases.ideogram4_case),
+    "prx": _later(pipeline_cases.prx_case),
+    "dit": _later(pipeline_cases.dit_case),
 }
 
 

@@ -317,6 +317,8 @@ def lumina2_case(build, device: torch.device, height: int = 1024, width: int = 1
     )
     tokens = (height // 16) * (width // 16)
     return model, inputs, f"{height}x{width} ({tokens} + 256 caption tokens, 96 valid)"
+
+
 def lumina_next_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
     """Lumina-Next-SFT: latents (1, 4, h/8, w/8), 2x2 patches; 128 Gemma caption tokens (the pipeline
     pads to a multiple of 8), 96 valid, attended by cross-attention; the pipeline's proportional
@@ -394,6 +396,8 @@ def hunyuan_image_case(build, device: torch.device, height: int = 2048, width: i
     kwargs = _on(device, inputs.kwargs())
     kwargs["return_dict"] = False
     return model, kwargs, f"{height}x{width} ({rows * cols} tokens + 1000/128 text)"
+
+
 def sana_case(build, device: torch.device, height: int = 1024, width: int = 1024):
     """Sana 1600M (diffusers' defaults are its released config): latents (1, 32, h/32, w/32), patch 1
     (DC-AE 32x); 300 prompt tokens (Gemma-2), 120 valid. Linear self-attention (an all-reduce of
@@ -410,6 +414,8 @@ def sana_case(build, device: torch.device, height: int = 1024, width: int = 1024
     )
     tokens = (height // 32) * (width // 32)
     return model, inputs, f"{height}x{width} ({tokens} tokens + 300 text, 120 valid)"
+
+
 def sana_video_case(build, device: torch.device, frames: int = 81, height: int = 480, width: int = 832):
     """SANA-Video 2B 480p (diffusers' defaults are its released config: 20 layers, 20 heads x 112):
     latents (1, 16, (f-1)/4+1, h/8, w/8) (Wan 2.1's VAE), 1x2x2 patches; 300 prompt tokens
@@ -590,6 +596,8 @@ def auraflow_case(build, device: torch.device, height: int = 1024, width: int = 
     )
     tokens = (height // 16) * (width // 16)
     return model, inputs, f"{height}x{width} ({tokens} + 8 register + 256 text tokens, 96 real)"
+
+
 def bria_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
     """Bria 3.x: packed latents (1, (h/16)*(w/16), 64); 128 text tokens (T5, ``BriaPipeline``'s
     default ``max_sequence_length``, zero-padded, no mask); ids as the pipeline makes them: text
@@ -1154,3 +1162,48 @@ def ideogram4_case(build, device: torch.device, height: int = 1024, width: int =
         position_ids=position_ids, segment_ids=segment_ids, indicator=indicator, return_dict=False,
     )
     return model, inputs, f"{height}x{width} ({grid_h * grid_w} image + {max_text} text rows, {valid} real)"
+
+
+def prx_case(build, device: torch.device, height: int = 1024, width: int = 1024, config: dict | None = None):
+    """PRX-1.2B (the Flux VAE variant): latents (1, 16, h/8, w/8), 2x2 patches; 256 T5Gemma tokens,
+    100 real (the pipeline pads to the tokenizer's length and masks the rest). The config is
+    Diffusers' ``PRXTransformer2DModel`` defaults (16 blocks, 28 heads x 64, T5Gemma-2B's 2304-wide
+    text). ``config``: overrides (a tiny model to check the case builds on CPU)."""
+    from diffusers import PRXTransformer2DModel
+
+    model = build(PRXTransformer2DModel, dict(config or {}), device)
+    cfg = model.config
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, cfg.in_channels, height // 8, width // 8, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 0.5, **_bf(device)),
+        encoder_hidden_states=torch.randn(1, 256, cfg.context_in_dim, generator=g, **_bf(device)),
+        attention_mask=_prompt_mask(device, 256, 100), return_dict=False,
+    )
+    tokens = (height // (8 * cfg.patch_size)) * (width // (8 * cfg.patch_size))
+    return model, inputs, f"{height}x{width} ({tokens} image tokens, 256 text keys, 100 real)"
+
+
+# DiT-XL/2 512 (facebook/DiT-XL-2-512, transformer/config.json): diffusers' defaults but for the
+# latent size and the learned-sigma output.
+DIT_XL_2_512 = dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8, num_layers=28,
+                    sample_size=64, patch_size=2)
+
+
+def dit_case(build, device: torch.device, height: int = 512, width: int = 512, config: dict | None = None):
+    """DiT-XL/2 512: latents (1, 4, h/8, w/8), square, 2x2 patches; a class label and a timestep
+    (no text). 512 x 512 is the release's largest size (1024 tokens); the sin-cos table is rebuilt
+    for another one. ``config``: overrides (a tiny model to check the case builds on CPU)."""
+    from diffusers import DiTTransformer2DModel
+
+    if height != width:
+        raise ValueError(f"DiT folds its output as a square: height={height} and width={width} must be equal")
+    model = build(DiTTransformer2DModel, {**DIT_XL_2_512, **(config or {})}, device)
+    g = torch.Generator(device).manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, model.config.in_channels, height // 8, width // 8, generator=g, **_bf(device)),
+        timestep=torch.full((1,), 500, device=device, dtype=torch.long),
+        class_labels=torch.full((1,), 207, device=device, dtype=torch.long), return_dict=False,
+    )
+    tokens = (height // 16) * (width // 16)
+    return model, inputs, f"{height}x{width} ({tokens} tokens, class-conditional)"

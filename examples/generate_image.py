@@ -74,6 +74,12 @@ tokenizer as ``text_encoder_4`` / ``tokenizer_4``, which HiDream's own repositor
     joyimage_plus 80 x 112 -> 5 x 7 = 35            1024 x 1024     [negative, positive] (batched CFG)
     ideogram4   20 x 28 -> 5 x 7 = 35               2048 x 2048     nothing: its two calls a step go to two
                                                                     transformers (asymmetric CFG), each whole
+    prx         20 x 28 -> 5 x 7 = 35               1024 x 1024     [uncond, cond] (batched CFG)
+    dit         20 x 20 -> 5 x 5 = 25               512 x 512       [cond, null class] (batched CFG)
+
+(DiT is class-conditional: ``--prompt`` names an ImageNet class (default: goldfish), and its size is
+square and fixed by the checkpoint's latent size (256 or 512 for DiT-XL/2; the tiny one's follows
+``--height``).)
 
 (LongCat-Image's tiny VAE has 7 levels, 128 pixels per token: its edit pipeline works at about
 1024 x 1024 pixels; the tiny example runs the text-to-image pipeline without its prompt rewrite.)
@@ -205,6 +211,10 @@ FAMILIES = {
     # pipeline's 48-step schedule (generate passes guidance_schedule=None).
     "ideogram4": ImageFamily("Ideogram4Pipeline", "Ideogram 4", (20, 28), 4, "guidance_scale", guidance=4.0,
                              real_size=(2048, 2048)),
+    # PRX-1.2B: the Flux VAE (8x; the tiny one 2x), patch 2; image queries over [text; image] keys.
+    "prx": ImageFamily("PRXPipeline", "PRX", (20, 28), 4, "guidance_scale", batched_cfg=True, negative_prompt=True),
+    # DiT-XL/2: class-conditional (no text), square, the SD VAE (8x; the tiny one 2x), patch 2.
+    "dit": ImageFamily("DiTPipeline", "DiT", (20, 20), 4, "guidance_scale", batched_cfg=True, real_size=(512, 512)),
 }
 # Text tokens of the tiny pipelines, whose tokenizers spend one per character: the T5 of Flux and
 # Chroma, SD3's CLIPs and T5 (padded to this length). 64 holds the default prompt, so nothing is
@@ -218,6 +228,8 @@ TINY_LUMINA2_TEXT_LEN = 128
 TINY_ZIMAGE_TEXT_LEN = 128
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 DEFAULT_NEGATIVE_PROMPT = "blurry, low quality"
+DEFAULT_PROMPT = "a lighthouse on a cliff at dawn, oil painting"
+DIT_DEFAULT_CLASS = "goldfish"  # DiT is class-conditional: --prompt names an ImageNet class
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -226,7 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--family", choices=sorted(FAMILIES), default="flux", help="model family (default: flux)")
     p.add_argument("--model", default=None, help="checkpoint path or hub id of the family's pipeline "
                    "(default: a tiny random pipeline)")
-    p.add_argument("--prompt", default="a lighthouse on a cliff at dawn, oil painting")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="DiT: an ImageNet class name (default: goldfish)")
     p.add_argument("--negative-prompt", default=None,
                    help=f"Qwen-Image, SD3 and Chroma only (default: {DEFAULT_NEGATIVE_PROMPT!r})")
     p.add_argument("--height", type=int, default=None, help="default: the family's (the table above)")
@@ -279,6 +291,10 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         if args.model is None and family.tiny_max_side and value > family.tiny_max_side:
             raise launch.UsageError(f"{flag} {value}: the tiny {family.name} transformer's position table covers at "
                                     f"most {family.tiny_max_side} pixels a side")
+    if args.family == "dit":
+        if args.height != args.width:
+            raise launch.UsageError(f"--height {args.height} --width {args.width}: DiT's images are square")
+        args.prompt = DIT_DEFAULT_CLASS if args.prompt == DEFAULT_PROMPT else args.prompt
     launch.check_at_least("--steps", args.steps, 1)
     launch.check_model_path("--model", args.model)
     launch.check_backend("--backend", args.backend)
@@ -334,6 +350,8 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
                   "auraflow": dict(max_text_len=TINY_TEXT_LEN),
                   "bria": dict(max_text_len=TINY_TEXT_LEN),
                   "pixart": dict(max_text_len=TINY_TEXT_LEN),
+                  "prx": dict(max_text_len=TINY_TEXT_LEN),
+                  "dit": dict(sample_size=args.height // 2),  # the tiny VAE's 2x: latents of height / 2
                   }.get(args.family, {})
         return build(**kwargs).to(device)
     import diffusers
@@ -372,6 +390,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     elif args.model is None and args.family == "pixart":
         # clean_caption needs bs4 / ftfy; the size bins are the real model's.
         kwargs.update(clean_caption=False, use_resolution_binning=False)
+    elif args.model is None and args.family == "prx":
+        kwargs["use_resolution_binning"] = False  # the size bins are the real model's
     elif args.model is None and args.family == "sana":
         # Sana's default chat instruction is ~1000 characters (tokens here); its size bins are the real model's.
         kwargs.update(complex_human_instruction=None, use_resolution_binning=False)
@@ -384,6 +404,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         kwargs[family.guidance_arg] = args.guidance
     if args.negative_prompt is not None:
         kwargs["negative_prompt"] = args.negative_prompt
+    if args.family == "dit":
+        return _generate_dit(pipe, args)
     if args.family == "joyimage_plus":  # its pipeline takes no num_images_per_prompt
         kwargs["prompt"] = [args.prompt] * args.num_images
     else:
@@ -392,6 +414,22 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         height=args.height, width=args.width, num_inference_steps=args.steps, output_type="np",
         generator=torch.Generator("cpu").manual_seed(args.seed), **kwargs,
     )
+    return np.asarray(out.images, dtype=np.float32)
+
+
+def _generate_dit(pipe, args: argparse.Namespace) -> np.ndarray:
+    """DiT: ``--num-images`` images of the class ``--prompt`` names, at the checkpoint's size.
+
+    Raises:
+        ValueError: ``--height`` is not the pipeline's image side, or the class is not one it knows.
+    """
+    side = pipe.transformer.config.sample_size * 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+    if args.height != side:
+        raise ValueError(f"--height {args.height}: this DiT pipeline makes {side} x {side} images (its latent size)")
+    labels = pipe.get_label_ids([args.prompt]) * args.num_images
+    kwargs = {} if args.guidance is None else {"guidance_scale": args.guidance}
+    out = pipe(class_labels=labels, num_inference_steps=args.steps, output_type="np",
+               generator=torch.Generator("cpu").manual_seed(args.seed), **kwargs)
     return np.asarray(out.images, dtype=np.float32)
 
 

@@ -497,6 +497,10 @@ NEGATIVE = "blurry, low quality"  # the image example's default negative prompt 
     (["--family", "omnigen", "--cfg", "2"], (48, 80, None, None, "omnigen_usp.png", (1, 1, 2), 1)),
     # Ideogram 4: two transformers a step (asymmetric CFG), nothing for the cfg axis to pair: it splits the images.
     (["--family", "ideogram4", "--cfg", "2"], (20, 28, 4.0, None, "ideogram4_usp.png", (1, 1, 2), 2)),
+    # PRX batches CFG: the cfg axis splits [uncond, cond] of a single image.
+    (["--family", "prx", "--cfg", "2"], (20, 28, None, NEGATIVE, "prx_usp.png", (1, 1, 2), 1)),
+    # DiT batches [cond, null class]: the cfg axis splits them; its --prompt is a class name.
+    (["--family", "dit", "--cfg", "2"], (20, 20, None, None, "dit_usp.png", (1, 1, 2), 1)),
 ])
 def test_image_example_fills_each_familys_defaults(argv, expected, two_ranks):
     a = _example("generate_image").parse_args(argv)

@@ -47,6 +47,7 @@ from usp_dit.demo.tiny_chronoedit import tiny_chronoedit
 from usp_dit.demo.tiny_cogview4 import tiny_cogview3plus, tiny_cogview4
 from usp_dit.demo.tiny_consisid import tiny_consisid
 from usp_dit.demo.tiny_cosmos import tiny_cosmos
+from usp_dit.demo.tiny_dit import tiny_dit
 from usp_dit.demo.tiny_dreamlite import tiny_dreamlite
 from usp_dit.demo.tiny_easyanimate import tiny_easyanimate
 from usp_dit.demo.tiny_ernie_image import tiny_ernie_image
@@ -69,6 +70,7 @@ from usp_dit.demo.tiny_nucleus_moe import tiny_nucleus_moe
 from usp_dit.demo.tiny_omnigen import tiny_omnigen
 from usp_dit.demo.tiny_ovis_image import tiny_ovis_image
 from usp_dit.demo.tiny_pixart import tiny_pixart
+from usp_dit.demo.tiny_prx import tiny_prx
 from usp_dit.demo.tiny_qwen_image21 import tiny_qwen_image21
 from usp_dit.demo.tiny_sana_video import tiny_sana_video
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
@@ -127,6 +129,8 @@ BUILDERS = {
     "ConsisID": tiny_consisid,  # the perceiver cross-attention (not an Attention: no processor) stays
     "AuraFlow": tiny_auraflow,  # joint and single-stream blocks, one processor class
     "PixArt": lambda: tiny_pixart("alpha"),  # routed AttnProcessor2_0 (self), local masked cross-attention
+    "DiT": tiny_dit,  # PixArt's routed AttnProcessor2_0 (self-attention only), ada_norm_zero blocks
+    "PRX": tiny_prx,  # image queries over [text; image] keys (zero text queries)
     "HunyuanDiT": tiny_hunyuan_dit,  # the RoPE table cut at every block, local cross-attention, long skips
     "Latte": tiny_latte,  # routed spatial self-attention; local cross- and temporal attention
     "Allegro": tiny_allegro,  # routed 3D self-attention with RoPE positions cut per block; local cross-attention

@@ -101,7 +101,9 @@ def _output_case(model, args, grid, shard: bool = False, again: bool = False) ->
     mesh = init_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c, tensor_degree=t, ring_schedule=schedule)
     enable_usp(model, mesh=mesh)
     try:
-        local_heads = model.transformer_blocks[0].attn.heads if hasattr(model, "transformer_blocks") else None
+        block = model.transformer_blocks[0] if hasattr(model, "transformer_blocks") else None
+        attn = getattr(block, "attn", None) or getattr(block, "attn1", None)  # attn1: BasicTransformerBlock's (DiT)
+        local_heads = attn.heads if attn is not None else None
         out = forward(model, args)
         bounds = _sharded_bounds(model, mesh) if shard else None
     finally:

@@ -174,6 +174,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                               ("ZImagePipeline", "ZImageImg2ImgPipeline")),
     "ErnieImage": FamilyPipelines("ERNIE-Image (prompt enhancer optional)", ("ErnieImagePipeline",)),
     "NucleusMoE": FamilyPipelines("NucleusMoE-Image (expert-choice MoE)", ("NucleusMoEImagePipeline",)),
+    "PRX": FamilyPipelines("PRX-1.2B (Flux VAE, DC-AE); PRX-7B pixel space (no VAE)", ("PRXPipeline", "PRXPixelPipeline"),
+                           whole_vae="no recipe yet (DC-AE: its own blocks and linear attention)"),
     "OmniGen": FamilyPipelines("OmniGen v1 (text-to-image; editing: cfg_degree 1)", ("OmniGenPipeline",)),
     "AuraFlow": FamilyPipelines("AuraFlow v0.1 - v0.3", ("AuraFlowPipeline",)),
     "Sana": FamilyPipelines("Sana 600M, 1600M; Sana 1.5; Sana-Sprint (linear attention)",
@@ -182,6 +184,7 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                             whole_vae="no recipe yet (DC-AE: its own blocks and linear attention)"),
     "PixArt": FamilyPipelines("PixArt-Alpha 512, 1024; PixArt-Sigma 512, 1024, 2K",
                               ("PixArtAlphaPipeline", "PixArtSigmaPipeline")),
+    "DiT": FamilyPipelines("DiT-XL/2 256, 512 (class-conditional, ImageNet)", ("DiTPipeline",)),
     "HunyuanDiT": FamilyPipelines("HunyuanDiT v1.0 - v1.2, -Distilled", ("HunyuanDiTPipeline",)),
     "HiDream": FamilyPipelines("HiDream-I1 Full, Dev, Fast (MoE feed-forward)", ("HiDreamImagePipeline",),
                                one_call="HiDream-I1 Dev and Fast (guidance-distilled, run at guidance_scale=0)"),
@@ -260,6 +263,8 @@ class FamilyRow:
 
 def _classes(annotation: typing.Any) -> list[type]:
     """The classes an ``__init__`` annotation names (``X``, ``X | None``, ``Optional[X]``, ``Union[...]``)."""
+    if annotation is type(None):  # an optional component (``X | None``): no class of its own
+        return []
     if isinstance(annotation, type) and not isinstance(annotation, types.GenericAlias):
         return [annotation]
     return [c for arg in typing.get_args(annotation) for c in _classes(arg)]
