@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline, DiTTransformer2DModel
+from diffusers import DiffusionPipeline, StableAudioDiTModel
 
 import usp_dit
 from usp_dit import USPConfig, USPMesh, disable_usp, enable_usp
@@ -66,16 +66,18 @@ def test_pipeline_methods_on_every_diffusion_pipeline():
 
 
 def test_unsupported_model_names_class_and_supported_ones():
-    """A Diffusers DiT usp_dit has no plan for (the class-conditional DiT) is refused, naming its
+    """A Diffusers transformer usp_dit has no plan for (Stable Audio's DiT) is refused, naming its
     class, the reason (docs/COVERAGE.md) and the supported families."""
-    dit = DiTTransformer2DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=1, sample_size=8,
+    audio = StableAudioDiTModel(
+        sample_size=8, in_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=2,
+        num_key_value_attention_heads=1, out_channels=4, cross_attention_dim=16, time_proj_dim=16,
+        global_states_input_dim=16, cross_attention_input_dim=16,
     )
-    with pytest.raises(NotImplementedError, match=r"DiTTransformer2DModel.*no adapter yet.*Flux"):
-        enable_usp(dit)
+    with pytest.raises(NotImplementedError, match=r"StableAudioDiTModel.*no adapter yet.*Flux"):
+        enable_usp(audio)
     with pytest.raises(NotImplementedError, match="Linear"):
         enable_usp(torch.nn.Linear(2, 2))
-    assert not is_usp_enabled(dit)
+    assert not is_usp_enabled(audio)
 
 
 @pytest.mark.parametrize(
