@@ -145,9 +145,10 @@ class Plan:
             return [text]
         cut = [p for p in self.candidates[1:] if p.tensor > 1]
         if cut:
-            return [f"tensor parallelism fits too but costs more: {_grid_text(cut[0])}, {cut[0].memory.placement()} "
-                    f"at {cut[0].step_ms:.1f} ms ({cut[0].parts.get('tensor_all_reduce', 0.0):.1f} ms of all-reduces "
-                    f"a step)"]
+            other = cut[0]
+            return [(f"tensor parallelism fits too but costs more: {_grid_text(other)}, {other.memory.placement()} "
+                     f"at {other.step_ms:.1f} ms ({other.parts.get('tensor_all_reduce', 0.0):.1f} ms of all-reduces "
+                     f"a step)")]
         return []
 
     def table(self) -> str:
