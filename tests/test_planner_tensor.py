@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -115,9 +116,9 @@ print("RESULT " + json.dumps(out))
 @pytest.fixture(scope="module")
 def cut_bytes() -> dict:
     """Local parameter bytes of a tiny Flux cut on a (ulysses 1, ring 2, tensor 2) grid, one process."""
-    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", _CUT_JOB], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+                          check=False, timeout=300)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])

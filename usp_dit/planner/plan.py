@@ -24,6 +24,10 @@ or sharded over the ranks: ``enable_usp(..., shard_weights=True)``) and of the t
 counted (``usp_dit.planner.memory`` Note [memory per rank]) and its weight all-gathers priced
 (``cost`` Note [sharded weights cost]); only the placements whose peak fits are kept, and the
 cheapest step wins (ties: replicated weights, then a replicated text encoder: nothing to gather).
+A family that declares tensor-parallel cuts (``models`` Note [tensor cuts]) is then also priced on
+grids with a tensor degree T (cfg x ulysses x ring x tensor = world size, Ulysses at most a tensor
+rank's ceil(H / T) heads), alone and with sharded weights (``cost`` Note [tensor parallel cost]);
+the plan's ``tensor_degree`` is what ``enable_usp(degrees=plan)`` runs.
 
 Every grid whose degrees multiply to ``world_size`` with at most as many Ulysses ranks as heads,
 and cfg 2 only where the guidance has two branches to split (``planner.cost.call_batch``), is
