@@ -331,6 +331,7 @@ def enable_usp(
         chosen = _planned(pipe_or_transformer, degrees, transformers[0])
         ulysses_degree, ring_degree, cfg_degree = chosen.ulysses_degree, chosen.ring_degree, chosen.cfg_degree
         ring_schedule = chosen.ring_schedule
+        tensor_degree = chosen.tensor_degree  # a plan may cut the blocks (planner Note [tensor cuts])
         shard_weights = shard_weights or chosen.shard_weights  # the placement that fits (planner Note [memory per rank])
         if text_encoder is None and pipe is not None:
             text_encoder = chosen.text_encoder  # explicit: a plan may shard weights yet replicate the encoder

@@ -46,18 +46,47 @@ Note [sharded weights cost]
     The text encoders' placement costs nothing a step: "shard" gathers the encoder once per
     prompt encode ((P - 1) / P of its bytes; ``encode_gather_ms``), "rank0" broadcasts the
     embeddings once.
+
+Note [tensor parallel cost]
+    A grid with tensor degree T (``enable_usp(..., tensor_degree=T)``; the innermost axis, so a
+    tensor group is T neighbouring GPUs and a Ulysses group's ranks lie T apart) cuts each block's
+    heads and MLP columns (``models`` Note [tensor cuts]). Per call and rank:
+
+        attention               on a tensor rank's heads, ceil(H / T), split over U as before
+                                (ceil(ceil(H / T) / U) a Ulysses rank); the all-to-alls and ring
+                                transfers carry those heads (exact bytes, ``volumes``)
+        rest of the model       the rank's tokens (S / (U R): the tensor ranks hold the same
+                                ones) x the calibrated rate, its cut share at C_T / C: the time
+                                2 x parameters x tokens / other_rate x (1 - C / N + C_T / N);
+                                C: the cut parameters, C_T a tensor rank's share (padding
+                                included), N the parameters applied per token: all but the cut
+                                blocks' uncut ones, which are their AdaLN modulation (applied
+                                to the (b, d) conditioning once per sample, not per token; the
+                                norms and row-parallel biases beside it are negligible)
+        tensor_all_reduce       per block, ``reduces`` all-reduces of the (b, n, d) bf16 partial
+                                outputs (n: the rank's tokens, the joint text included) over the T
+                                ranks, the ring all-reduce's volume 2 (T - 1) / T x bytes each way
+                                (``usp_dit.distributed.traffic.all_reduce_bytes``), ``collectives``
+                                calls a block at the link's latency each; not overlapped (the next
+                                Linear waits for the sum). DTensor makes these all-reduces inside
+                                ``RowwiseParallel``; ``usp_dit.distributed.traffic`` does not count
+                                them (no kind), so these bytes are predicted only.
+    Sharded on top (Note [sharded tensor-parallel weights] in usp_dit.pipelines.weights): a block's
+    uncut part is gathered over the whole replica ((P T - 1) / (P T) of it received), its cut
+    part's tensor share over the P sequence ranks ((P - 1) / P; nothing where P = 1: it stays
+    resident), with the prefetch of Note [sharded weights cost].
 """
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from usp_dit.planner import kernels
 from usp_dit.planner import memory as memory_model
 from usp_dit.planner.hardware import GPU, Link, group_link
 from usp_dit.planner.models import ModelSpec
-from usp_dit.planner.volumes import CallShape, gather_traffic, max_traffic
+from usp_dit.planner.volumes import CallShape, all_reduce_bytes, gather_traffic, max_traffic
 
 SCHEDULES = ("stream", "gather_merge", "gather_one_call")
 BF16 = 2
@@ -68,6 +97,7 @@ class Grid:
     ulysses: int
     ring: int
     cfg: int = 1
+    tensor: int = 1  # the tensor-parallel degree T, innermost (Note [tensor parallel cost])
 
     @property
     def sequence(self) -> int:
@@ -75,7 +105,7 @@ class Grid:
 
     @property
     def world(self) -> int:
-        return self.sequence * self.cfg
+        return self.sequence * self.cfg * self.tensor
 
 
 @dataclass
@@ -101,6 +131,10 @@ class Prediction:
     def text_encoder(self) -> str:
         return self.memory.text_encoder if self.memory else "replicate"
 
+    @property
+    def tensor(self) -> int:
+        return self.grid.tensor
+
 
 def call_batch(spec: ModelSpec, grid: Grid, batch: int, cfg: bool) -> tuple[int, int]:
     """``(calls per step, batch of each call)`` on one cfg group (Note [the cost model]).
@@ -120,9 +154,10 @@ def call_batch(spec: ModelSpec, grid: Grid, batch: int, cfg: bool) -> tuple[int,
 
 
 def _links(grid: Grid, interconnect: str) -> tuple[Link, Link, Link]:
-    """The links of the Ulysses, ring and sequence groups (the mesh's inner axes first)."""
-    return (group_link(interconnect, grid.ulysses), group_link(interconnect, grid.sequence),
-            group_link(interconnect, grid.sequence))
+    """The links of the Ulysses, ring and sequence groups (the mesh's inner axes first: the tensor
+    axis innermost, so a Ulysses group's ranks lie T apart)."""
+    return (group_link(interconnect, grid.ulysses * grid.tensor), group_link(interconnect, grid.sequence * grid.tensor),
+            group_link(interconnect, grid.sequence * grid.tensor))
 
 
 def _merge_seconds(rows: int, heads: int, head_dim: int, blocks: int, gpu: GPU) -> float:
@@ -134,7 +169,7 @@ def _attention_seconds(spec: ModelSpec, grid: Grid, schedule: str, b: int, gpu: 
     """``(kernel + merge seconds, exposed ring transfer seconds)`` of one attention layer."""
     u, r = grid.ulysses, grid.ring
     seq, joint = spec.sequence, spec.joint
-    h, d = math.ceil(spec.heads / u), spec.head_dim
+    h, d = math.ceil(math.ceil(spec.heads / grid.tensor) / u), spec.head_dim
     block = math.ceil(seq / r)
     rows = block + math.ceil(joint / r)
 
@@ -163,17 +198,35 @@ def _gather_seconds(nbytes: float, replica: int, link: Link) -> float:
     return link.seconds(nbytes * (replica - 1) / replica)
 
 
-def weight_gather_seconds(spec: ModelSpec, replica: int, link: Link, attention_s: float, rest_s: float) -> float:
+def _received_units(spec: ModelSpec, replica: int, tensor: int) -> tuple[float, list[tuple[float, float]]]:
+    """What one rank receives in one call's weight all-gathers: ``(outer, [(block, block params)])``
+    in run order (Note [sharded weights cost]; with tensor parallelism Note [tensor parallel cost])."""
+    outer, blocks = memory_model.gathered_units(spec)
+    whole = (replica - 1) / replica
+    if tensor == 1:
+        return outer * whole, [(b * whole, p) for b, p in blocks]
+    sequence = (replica // tensor - 1) / (replica // tensor)
+    memory = memory_model.model_memory(spec)
+    shares = []  # per block, in the order of gathered_units: (uncut fraction, the cut tensor share's fraction)
+    for g in memory.blocks:
+        cut = g.cut.nbytes / g.nbytes if g.cut is not None else 0.0
+        local = memory_model.cut_bytes(replace(memory, blocks=(g,), experts=1), spec.heads, tensor)[1] / g.nbytes
+        shares.extend([(1 - cut, local)] * g.count)
+    return outer * whole, [(b * (u * whole + c * sequence), p) for (b, p), (u, c) in zip(blocks, shares)]
+
+
+def weight_gather_seconds(spec: ModelSpec, replica: int, link: Link, attention_s: float, rest_s: float,
+                          tensor: int = 1) -> float:
     """Exposed seconds of one call's weight all-gathers (Note [sharded weights cost]);
     ``attention_s`` / ``rest_s``: the call's attention work and the rest of the model."""
-    outer, blocks = memory_model.gathered_units(spec)
+    outer, blocks = _received_units(spec, replica, tensor)
     if replica == 1 or not blocks:
         return 0.0
     total_params = sum(p for _, p in blocks) or 1.0
-    exposed = _gather_seconds(outer, replica, link) + _gather_seconds(blocks[0][0], replica, link)
+    exposed = link.seconds(outer) + link.seconds(blocks[0][0])
     for (_, params), (following, _) in itertools.pairwise(blocks):
         compute = attention_s / len(blocks) + rest_s * params / total_params
-        exposed += max(0.0, _gather_seconds(following, replica, link) - compute)
+        exposed += max(0.0, link.seconds(following) - compute)
     return exposed
 
 
@@ -183,18 +236,20 @@ def placed(spec: ModelSpec, base: Prediction, *, shard_weights: bool, text_encod
     encoders: its memory (Note [memory per rank]) and, sharded, the weight all-gathers' exposed
     time and bytes (Note [sharded weights cost])."""
     grid, calls = base.grid, base.calls_per_step
-    replica = grid.world
+    replica, tensor = grid.world, grid.tensor
     mem = memory_model.breakdown(spec, grid.ulysses, grid.ring, replica, base.schedule, base.call_batch,
-                                 shard_weights=shard_weights, text_encoder=text_encoder)
+                                 shard_weights=shard_weights, text_encoder=text_encoder, tensor=tensor)
     link = group_link(interconnect, replica)
     parts = {k: v for k, v in base.parts.items() if k != "weight_gather"}
-    nbytes = base.comm_bytes_per_rank - (weight_gather_bytes(spec, calls, replica) if base.shard_weights else 0.0)
+    nbytes = base.comm_bytes_per_rank - (weight_gather_bytes(spec, calls, replica, tensor) if base.shard_weights
+                                         else 0.0)
     parts["weight_gather"] = 0.0
     if mem.shard_weights:
-        attention_ms = sum(parts[k] for k in ("attention", "ulysses_all_to_all", "ring_exposed", "joint_gathers"))
+        attention_ms = sum(parts.get(k, 0.0) for k in ("attention", "ulysses_all_to_all", "ring_exposed",
+                                                       "joint_gathers", "tensor_all_reduce"))
         parts["weight_gather"] = 1e3 * calls * weight_gather_seconds(
-            spec, replica, link, attention_ms / calls / 1e3, parts["rest_of_model"] / calls / 1e3)
-        nbytes += weight_gather_bytes(spec, calls, replica)
+            spec, replica, link, attention_ms / calls / 1e3, parts["rest_of_model"] / calls / 1e3, tensor)
+        nbytes += weight_gather_bytes(spec, calls, replica, tensor)
     encode_ms = 0.0
     if mem.text_encoder == "shard":
         encode_ms = 1e3 * _gather_seconds(memory_model.model_memory(spec).encoder_bytes, replica, link)
@@ -202,11 +257,44 @@ def placed(spec: ModelSpec, base: Prediction, *, shard_weights: bool, text_encod
                       mem, encode_ms)
 
 
-def weight_gather_bytes(spec: ModelSpec, calls: int, replica: int) -> float:
+def weight_gather_bytes(spec: ModelSpec, calls: int, replica: int, tensor: int = 1) -> float:
     """Bytes a rank sends and receives a step in the sharded weights' all-gathers: (P - 1) / P of
-    the running transformer each way, every call."""
+    the running transformer each way, every call (tensor parallel: Note [tensor parallel cost])."""
+    if tensor > 1:
+        outer, blocks = _received_units(spec, replica, tensor)
+        return 2 * calls * (outer + sum(b for b, _ in blocks))
     outer, blocks = memory_model.gathered_units(spec)
     return 2 * calls * (outer + sum(b for b, _ in blocks)) * (replica - 1) / replica
+
+
+def cut_params(spec: ModelSpec, tensor: int) -> tuple[float, float, float]:
+    """``(whole, a tensor rank's, per-token)`` parameters of one transformer: those tensor parallelism
+    cuts, a tensor rank's share of them, and every parameter applied per token (the cut blocks'
+    uncut parameters left out: Note [tensor parallel cost])."""
+    memory = memory_model.model_memory(spec)
+    whole = local = per_sample = 0.0
+    for g in memory.blocks:
+        if g.cut is not None:
+            whole += g.cut.params
+            local += g.cut.head_params * memory_model.split_share(spec.heads, tensor) \
+                + g.cut.width_params * memory_model.split_share(g.mlp, tensor)
+            per_sample += g.params - g.cut.params
+    return whole, local, memory.transformer_params - per_sample
+
+
+def tensor_all_reduce_bytes(spec: ModelSpec, grid: Grid, call_batch: int) -> tuple[int, int]:
+    """``(bytes each way, collectives)`` of one call's tensor-parallel all-reduces on one rank (Note
+    [tensor parallel cost]): per block, ``reduces`` partial outputs of (b, n, d) in bf16 over the T
+    ranks, n the rank's tokens; the ring all-reduce's volume (``all_reduce_bytes``)."""
+    if grid.tensor == 1:
+        return 0, 0
+    tokens = memory_model.rank_tokens(spec, grid.ulysses, grid.ring)
+    nbytes = calls = 0
+    for g in memory_model.model_memory(spec).blocks:
+        if g.cut is not None:
+            nbytes += g.count * g.cut.reduces * all_reduce_bytes(call_batch * tokens * g.hidden * BF16, grid.tensor)
+            calls += g.count * g.cut.collectives
+    return nbytes, calls
 
 
 def predict(spec: ModelSpec, grid: Grid, schedule: str, *, batch: int = 1, cfg: bool = False,
@@ -221,31 +309,39 @@ def predict(spec: ModelSpec, grid: Grid, schedule: str, *, batch: int = 1, cfg: 
             guidance cannot use), an unknown schedule or text encoder placement.
     """
     memory_model.check_text_encoder(text_encoder)
-    if grid.ulysses > spec.heads:
-        raise ValueError(f"ulysses_degree={grid.ulysses} exceeds {spec.name}'s {spec.heads} heads")
+    t = memory_model.check_tensor(spec, grid.tensor)
+    heads, kv_heads = math.ceil(spec.heads / t), math.ceil(spec.kv_heads / t)  # a tensor rank's
+    if grid.ulysses > heads:
+        raise ValueError(f"ulysses_degree={grid.ulysses} exceeds {spec.name}'s {heads} heads"
+                         + (f" of a tensor rank (tensor_degree={t})" if t > 1 else ""))
     calls, b = call_batch(spec, grid, batch, cfg)
     schedule = schedule if grid.ring > 1 else "none"
     u_link, r_link, s_link = _links(grid, interconnect)
     seq, joint = spec.sequence, spec.joint
-    shape = CallShape(b, seq, spec.heads, spec.kv_heads, spec.head_dim, joint, BF16, comm_dtype)
+    shape = CallShape(b, seq, heads, kv_heads, spec.head_dim, joint, BF16, comm_dtype)
     traffic = max_traffic(shape, grid.ulysses, grid.ring, schedule if grid.ring > 1 else "stream") if grid.sequence > 1 else {}
     attn, ring_exposed = _attention_seconds(spec, grid, schedule, b, gpu, backend, traffic, r_link)
     a2a = u_link.seconds(max(traffic.get("ulysses_a2a", (0, 0))), calls=4) if grid.ulysses > 1 else 0.0
     joint_comm = s_link.seconds(max(traffic.get("joint_gather", (0, 0))), calls=2) if joint and grid.sequence > 1 else 0.0
     cross = 0.0
     if spec.text_mode == "cross":
-        cross = kernels.call_seconds(kernels.attention_flops(b, math.ceil(seq / grid.sequence), spec.text, spec.heads,
+        cross = kernels.call_seconds(kernels.attention_flops(b, math.ceil(seq / grid.sequence), spec.text, heads,
                                                              spec.head_dim), spec.head_dim, backend=backend)
     tokens_here = math.ceil(seq / grid.sequence) + joint
     other = 2 * spec.params * b * tokens_here / spec.other_rate
+    if t > 1:  # the cut Linears' share of the per-token work runs on a tensor rank's share of them
+        whole, local, per_token = cut_params(spec, t)
+        other *= 1 - whole / per_token + local / per_token
+    reduce_bytes, reduce_calls = tensor_all_reduce_bytes(spec, grid, b)
+    reduce = group_link(interconnect, t).seconds(reduce_bytes, calls=reduce_calls) if t > 1 else 0.0
     out = gather_traffic(seq, b * spec.out_channels * BF16, grid.ulysses, grid.ring).get("seq_gather", (0, 0))
     gather = s_link.seconds(max(out)) if grid.sequence > 1 else 0.0
     per_call = {
         "attention": spec.layers * (attn + cross), "ulysses_all_to_all": spec.layers * a2a,
         "ring_exposed": spec.layers * ring_exposed, "joint_gathers": spec.layers * joint_comm,
-        "rest_of_model": other, "output_gather": gather,
+        "rest_of_model": other, "output_gather": gather, "tensor_all_reduce": reduce,
     }
     parts = {k: 1e3 * calls * v for k, v in per_call.items()}
-    nbytes = calls * (spec.layers * sum(s + r for s, r in traffic.values()) + sum(out))
+    nbytes = calls * (spec.layers * sum(s + r for s, r in traffic.values()) + sum(out) + 2 * reduce_bytes)
     base = Prediction(grid, schedule, sum(parts.values()), nbytes, 0.0, parts, calls, b)
     return placed(spec, base, shard_weights=shard_weights, text_encoder=text_encoder, interconnect=interconnect)

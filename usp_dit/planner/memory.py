@@ -1,9 +1,9 @@
 """Bytes per rank: the weights by placement, the text encoders, one call's activations, the VAE's share.
 
 Layout: no tensors; a model is a ``ModelSpec`` with its ``ModelMemory`` (``usp_dit.planner.models``
-Note [model memory]); a grid is (ulysses U, ring R) sequence ranks inside a model replica of
-P = cfg x U x R ranks (the planner's grids use every GPU: P = world size). Figures are GiB
-(2^30 bytes) of the worst rank.
+Note [model memory]); a grid is (ulysses U, ring R) sequence ranks, each a tensor group of T
+ranks, inside a model replica of P = cfg x U x R x T ranks (the planner's grids use every GPU:
+P = world size). Figures are GiB (2^30 bytes) of the worst rank.
 
 Note [memory per rank]
     One generation on a rank passes three phases; the peak is the largest, plus a reserve:
@@ -24,6 +24,20 @@ Note [memory per rank]
         U_max: the largest unit: the largest block, or an outer child (embedder, modulation, final
         layer; one unit each) where larger. Left out: FSDP2's padding of each shard to a multiple
         of P (under P elements a parameter).
+        tensor parallel (``enable_usp(..., tensor_degree=T)``; the cuts: ``models`` Note [tensor
+                     cuts]): C the bytes the blocks' cut Linears hold, C_T a tensor rank's share
+                     (each cut part x ceil(n / T) / n of its heads or MLP columns: the padding of
+                     an uneven split included), W = T - C the rest (modulation, norms, the
+                     row-parallel biases, everything outside the blocks), whole on every rank:
+                     replicated   T_rest = T_peak = W + C_T
+                     sharded      (Note [sharded tensor-parallel weights] in usp_dit.pipelines.
+                                  weights: the cut weights' tensor share over the P_s = P / T
+                                  sequence ranks, the uncut ones over the whole replica)
+                                  T_rest = C_T / P_s + W / P
+                                  T_peak = T_rest + 2 G_max + R, G_max the largest gathered unit:
+                                  a block's uncut part with its cut tensor share (the share alone
+                                  when P_s = 1: it stays resident, not gathered), or an outer child
+                     A block's cut fraction is its list's (a list's blocks are alike).
     Text encoders E (bf16; ``enable_usp(..., text_encoder=...)``, Note [text encoders on a grid]):
         "replicate"  E_rest = E_encode = E
         "rank0"      the replica's first rank holds every encoder, the others nothing: the worst
@@ -54,6 +68,13 @@ Note [memory per rank]
         float32 residual     at least 10d   (Wan: modulation and residual adds in float32: x, the
                              branch's output and four float32 copies of d)
         + 4D                 RoPE's cos and sin tables, float32
+        tensor parallel (T > 1, a block list with cuts): every per-head width above (q, k, v, the
+        attention output, their Ulysses and ring copies, a parallel block's attention output and
+        concat) is a tensor rank's, d_T = d ceil(H / T) / H, the MLP's m_T = ceil(m / T), the LSE
+        2 ceil(H / T); the residual stream (x, its normed copy, a row-parallel Linear's all-reduced
+        output) stays d: attention 2d + 6 d_T (+ 3 d_T, + 3 d_T), MLP 2d + m_in,T + m_act,T,
+        parallel m_T + max(attention, 3d + 2 d_T + m_T), fused 2d + 3 d_T + m_in,T + m_act,T (each
+        the figure above at T = 1); the ring and cross K/V of ceil(H_kv / T) heads.
     A = slack x 2 b n (values per token) + ring K/V + cross K/V, with
         ring K/V (R > 1)     2 b B ceil(S / R) ceil(H_kv / U) D x 2 bytes; B = 2 blocks
                              streaming ("stream"), R blocks gathered (the gather schedules)
@@ -76,7 +97,7 @@ Note [memory per rank]
     NCCL's buffers, a call's small inputs and the gathered output of the transformer.
     Not modelled: the caching allocator's fragmentation (``PYTORCH_CUDA_ALLOC_CONF=
     expandable_segments:True`` keeps it small), a step cache's stored hidden states, LoRA weights,
-    tensor parallelism (not built: no placement here divides a block).
+    DTensor's own buffers under tensor parallelism (a row-parallel output's all-reduce is in place).
 """
 from __future__ import annotations
 
@@ -107,6 +128,7 @@ class MemoryBreakdown:
     vae_weights: float
     vae_decode: float  # one rank's share of the decode + the gathered output (V_dec)
     reserve: float = RESERVE_GIB
+    tensor: int = 1  # the tensor degree T (``enable_usp(..., tensor_degree=T)``)
 
     @property
     def phases(self) -> dict[str, float]:
@@ -132,8 +154,9 @@ class MemoryBreakdown:
         return self.vae_weights + self.vae_decode
 
     def placement(self) -> str:
-        """``"weights sharded, text encoder 'shard'"`` and the like."""
-        return f"weights {'sharded' if self.shard_weights else 'replicated'}, text encoder {self.text_encoder!r}"
+        """``"weights sharded, text encoder 'shard'"``, ``"weights replicated, tensor parallel 2, ..."``."""
+        tensor = f", tensor parallel {self.tensor}" if self.tensor > 1 else ""
+        return f"weights {'sharded' if self.shard_weights else 'replicated'}{tensor}, text encoder {self.text_encoder!r}"
 
 
 def check_text_encoder(text_encoder: str) -> str:
@@ -155,9 +178,51 @@ def model_memory(spec: ModelSpec) -> ModelMemory:
     return ModelMemory((group,), rest, BF16 * rest, BF16 * rest, 0)
 
 
-def transformer_bytes(memory: ModelMemory, replica: int, shard_weights: bool) -> tuple[float, float]:
-    """``(T_peak, T_rest)`` bytes (Note [memory per rank])."""
+def split_share(units: int, tensor: int) -> float:
+    """The fraction of ``units`` (heads, MLP columns) one of ``tensor`` ranks holds: ceil(n / T) / n
+    (Note [uneven tensor splits] in usp_dit.pipelines.tensor: padded to a whole number each)."""
+    return math.ceil(units / tensor) / units if units else 1.0
+
+
+def cut_bytes(memory: ModelMemory, heads: int, tensor: int) -> tuple[float, float]:
+    """``(C, C_T)``: the bytes tensor parallelism cuts in every resident transformer, and a tensor
+    rank's share of them (Note [memory per rank], ``models`` Note [tensor cuts])."""
+    whole = local = 0.0
+    for g in memory.blocks:
+        if g.cut is not None:
+            whole += g.cut.nbytes
+            local += g.cut.head_bytes * split_share(heads, tensor) + g.cut.width_bytes * split_share(g.mlp, tensor)
+    return memory.experts * whole, memory.experts * local
+
+
+def _gathered_unit(memory: ModelMemory, heads: int, tensor: int, sequence_ranks: int) -> float:
+    """The largest unit a sharded tensor-parallel rank all-gathers: a block's uncut part (over the
+    replica) with its cut part's tensor share (over the sequence ranks; resident when there are
+    none), or an outer child (Note [memory per rank])."""
+    units = [memory.largest_outer_bytes]
+    for g in memory.blocks:
+        cut = g.cut.nbytes / g.nbytes if g.cut is not None else 0.0
+        local = 0.0
+        if g.cut is not None and sequence_ranks > 1:
+            local = (g.cut.head_bytes * split_share(heads, tensor) + g.cut.width_bytes * split_share(g.mlp, tensor)) \
+                / g.nbytes
+        units.append(g.largest_bytes * (1 - cut + local))
+    return max(units)
+
+
+def transformer_bytes(memory: ModelMemory, replica: int, shard_weights: bool, tensor: int = 1,
+                      heads: int = 1) -> tuple[float, float]:
+    """``(T_peak, T_rest)`` bytes on a replica of ``replica`` ranks, ``tensor`` of them a tensor group
+    cutting ``heads`` heads (Note [memory per rank])."""
     total = memory.transformer_bytes
+    if tensor > 1:
+        whole, local = cut_bytes(memory, heads, tensor)
+        uncut = total - whole
+        if not shard_weights:
+            return uncut + local, uncut + local
+        sequence_ranks = replica // tensor
+        rest = local / sequence_ranks + uncut / replica
+        return rest + 2 * _gathered_unit(memory, heads, tensor, sequence_ranks) + memory.root_bytes, rest
     if not shard_weights or replica == 1:
         return total, total
     rest = total / replica
@@ -175,19 +240,26 @@ def encoder_bytes(memory: ModelMemory, replica: int, text_encoder: str) -> tuple
     return rest, rest + gathered
 
 
-def _block_values_per_token(group: BlockGroup, heads: int, head_dim: int, ulysses: int, ring: int) -> int:
-    """Values (bf16 units) one token of the rank keeps alive at a block's peak (Note [memory per rank])."""
-    d, m = group.hidden, group.mlp
-    m_in = 2 * m if group.gated else m
-    m_act = 2 * m if group.gated else m
-    attention = 8 * d + (3 * d if ulysses > 1 else 0) + (3 * d if ring > 1 else 0) + heads * LSE_BYTES // BF16
+def _block_values_per_token(group: BlockGroup, heads: int, head_dim: int, ulysses: int, ring: int,
+                            tensor: int = 1) -> int:
+    """Values (bf16 units) one token of the rank keeps alive at a block's peak (Note [memory per
+    rank]); on ``tensor`` ranks the per-head widths (dh) and the MLP's (ml) are a tensor rank's."""
+    d = group.hidden
+    cut = tensor > 1 and group.cut is not None
+    local_heads = math.ceil(heads / tensor) if cut else heads
+    dh = d * local_heads // heads  # the attention's width on this rank: d uncut
+    ml = math.ceil(group.mlp / tensor) if cut else group.mlp
+    m_in = 2 * ml if group.gated else ml
+    m_act = 2 * ml if group.gated else ml
+    attention = 2 * d + 6 * dh + (3 * dh if ulysses > 1 else 0) + (3 * dh if ring > 1 else 0) \
+        + local_heads * LSE_BYTES // BF16
     mlp = 2 * d + m_in + m_act
     if group.kind == "sequential":
         values = max(attention, mlp)
     else:
-        values = m + max(attention, 5 * d + m)
+        values = ml + max(attention, 3 * d + 2 * dh + ml)
         if group.kind == "fused":
-            values = max(values, 5 * d + m_in + m_act)
+            values = max(values, 2 * d + 3 * dh + m_in + m_act)
     if group.fp32_residual:
         values = max(values, 10 * d)
     return values + 4 * head_dim
@@ -198,17 +270,19 @@ def rank_tokens(spec: ModelSpec, ulysses: int, ring: int) -> int:
     return math.ceil(spec.sequence / (ulysses * ring)) + spec.joint
 
 
-def activation_bytes(spec: ModelSpec, ulysses: int, ring: int, schedule: str, batch: int) -> float:
+def activation_bytes(spec: ModelSpec, ulysses: int, ring: int, schedule: str, batch: int, tensor: int = 1) -> float:
     """Bytes of one transformer call's activations on one rank (``A``, Note [memory per rank])."""
     memory = model_memory(spec)
-    per_token = max(_block_values_per_token(g, spec.heads, spec.head_dim, ulysses, ring) for g in memory.blocks)
+    per_token = max(_block_values_per_token(g, spec.heads, spec.head_dim, ulysses, ring, tensor)
+                    for g in memory.blocks)
     counted = ACTIVATION_SLACK * BF16 * batch * rank_tokens(spec, ulysses, ring) * per_token
     ring_kv = 0.0
     if ring > 1:
         blocks = ring if schedule in RING_SCHEDULES_GATHERING else 2
-        ring_kv = 2 * batch * blocks * math.ceil(spec.sequence / ring) * math.ceil(spec.kv_heads / ulysses) \
-            * spec.head_dim * BF16
-    cross = 2 * batch * spec.text * spec.hidden * BF16 if spec.text_mode == "cross" else 0
+        kv_heads = math.ceil(math.ceil(spec.kv_heads / tensor) / ulysses)
+        ring_kv = 2 * batch * blocks * math.ceil(spec.sequence / ring) * kv_heads * spec.head_dim * BF16
+    cross = 2 * batch * spec.text * spec.head_dim * math.ceil(spec.heads / tensor) * BF16 \
+        if spec.text_mode == "cross" else 0
     return counted + ring_kv + cross
 
 
@@ -235,20 +309,44 @@ def vae_decode_gib(spec: ModelSpec, replica: int) -> float:
 
 
 def breakdown(spec: ModelSpec, ulysses: int, ring: int, replica: int, schedule: str, batch: int, *,
-              shard_weights: bool = False, text_encoder: str = "replicate") -> MemoryBreakdown:
+              shard_weights: bool = False, text_encoder: str = "replicate", tensor: int = 1) -> MemoryBreakdown:
     """One rank's memory for ``spec`` on a (U, R) sequence grid inside a replica of ``replica``
-    ranks, ``batch`` samples a call, in a placement (Note [memory per rank]). On a replica of one
-    rank there is nothing to shard: every placement is "replicated, replicate"."""
+    ranks (``tensor`` of them a tensor-parallel group: replica = cfg x U x R x T), ``batch``
+    samples a call, in a placement (Note [memory per rank]). On a replica of one rank there is
+    nothing to shard: every placement is "replicated, replicate".
+
+    Raises:
+        ValueError: ``tensor`` > 1 on a model whose family declares no cuts, or over its heads.
+    """
+    check_tensor(spec, tensor)
     if replica == 1:
         shard_weights, text_encoder = False, "replicate"
     memory = model_memory(spec)
-    t_peak, t_rest = transformer_bytes(memory, replica, shard_weights)
+    t_peak, t_rest = transformer_bytes(memory, replica, shard_weights, tensor, spec.heads)
     e_rest, e_encode = encoder_bytes(memory, replica, text_encoder)
     vae_weights = memory.vae.nbytes if memory.vae is not None else 0
     return MemoryBreakdown(
         shard_weights, text_encoder, t_peak / GIB, t_rest / GIB, e_rest / GIB, e_encode / GIB,
-        activation_bytes(spec, ulysses, ring, schedule, batch) / GIB, vae_weights / GIB, vae_decode_gib(spec, replica),
+        activation_bytes(spec, ulysses, ring, schedule, batch, tensor) / GIB, vae_weights / GIB,
+        vae_decode_gib(spec, replica), tensor=tensor,
     )
+
+
+def check_tensor(spec: ModelSpec, tensor: int) -> int:
+    """``tensor`` if ``spec`` can run on that tensor degree.
+
+    Raises:
+        ValueError: not an int >= 1, above the model's heads, or > 1 on a family that declares no
+            tensor-parallel cuts (``models`` Note [tensor cuts]).
+    """
+    if not isinstance(tensor, int) or isinstance(tensor, bool) or tensor < 1:
+        raise ValueError(f"tensor_degree={tensor!r} must be an int >= 1")
+    if tensor > 1 and not spec.tensor_parallel:
+        raise ValueError(f"tensor_degree={tensor}: {spec.label or spec.name} declares no tensor-parallel cuts "
+                         f"(its family plan has no TensorPlan); use tensor_degree=1")
+    if tensor > spec.heads:
+        raise ValueError(f"tensor_degree={tensor} exceeds {spec.label or spec.name}'s {spec.heads} attention heads")
+    return tensor
 
 
 def gathered_units(spec: ModelSpec) -> tuple[float, list[tuple[float, float]]]:

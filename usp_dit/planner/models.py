@@ -38,6 +38,29 @@ Note [model memory]
     (Diffusers 0.42.1 / transformers 5; tests/test_planner_memory.py counts them again and checks
     every figure here to 0.5 %). A spec built from an object (``spec_of_transformer``, a pipeline
     passed to ``usp_dit.plan``) counts that object's own parameters instead (``memory_of``).
+
+Note [tensor cuts]
+    Where ``enable_usp(..., tensor_degree=T)`` cuts a block is the family plan's ``TensorPlan``
+    (``usp_dit.pipelines.tensor`` Note [tensor plans]); the planner sits below the pipelines and
+    imports none of them, so a block list's ``BlockCut`` holds what that plan cuts, counted by
+    ``tensor_cuts_of`` (which reads the plan by attribute) on the released config on the meta
+    device; tests/test_planner_tensor.py counts it again from every family plan the planner
+    knows (to 0.5 %) and checks that a spec is ``tensor_parallel`` exactly where its family
+    declares cuts (Flux.1, Qwen-Image here; Flux.2, Wan, HunyuanVideo and the rest declare none).
+      * cut: the column-parallel Linears' weights and biases (rows: 1/T each), the row-parallel
+        ones' weights (columns; their bias is whole on every tensor rank), a Concat's weight by
+        each split's share of its columns; each by the dimension it is cut along (heads: padded
+        to ceil(H / T) a rank; an MLP's width: ceil(m / T)). Whole on every tensor rank: the
+        modulation, norms (the per-head Q/K norms too), the row-parallel biases, and everything
+        outside the block lists;
+      * reduces: the (b, n, d) partial outputs a block all-reduces per token: one for the
+        attention's outputs where the heads split has row-parallel readers, one for the MLPs'
+        (a joint block's two streams are one stage: each token passes one attention output and
+        one MLP), one per Concat (a single-stream block's ``proj_out(cat[attention, MLP])``);
+        collectives: the all-reduce calls a block makes (its row-parallel Linears).
+    A spec counted from an object (``memory_of``) takes each list's cut as the release's fraction
+    of the list's parameters and bytes (exact at the released widths, where every cut and uncut
+    part scales alike; an estimate elsewhere: biases and norms scale with d, weights with d^2).
 """
 from __future__ import annotations
 
@@ -58,6 +81,32 @@ BLOCK_KINDS = ("sequential", "parallel", "fused")
 
 
 @dataclass(frozen=True)
+class BlockCut:
+    """What tensor parallelism cuts in one block list (Note [tensor cuts]); parameters and bytes of
+    the whole list, each cut part by the kind of dimension it is cut along."""
+
+    head_params: int  # on an attention's heads: column-parallel weights and biases, row-parallel weights
+    head_bytes: int
+    width_params: int  # on an MLP's hidden width
+    width_bytes: int
+    reduces: int  # all-reduced outputs per token and block: each (b, n, d) partial sum a block makes
+    collectives: int  # all-reduce calls per block: its row-parallel Linears
+
+    @property
+    def params(self) -> int:
+        return self.head_params + self.width_params
+
+    @property
+    def nbytes(self) -> int:
+        return self.head_bytes + self.width_bytes
+
+    def scaled(self, params: float, nbytes: float) -> BlockCut:
+        """This cut with its parameters and bytes multiplied by ``params`` and ``nbytes``."""
+        return replace(self, head_params=round(self.head_params * params), width_params=round(self.width_params * params),
+                       head_bytes=round(self.head_bytes * nbytes), width_bytes=round(self.width_bytes * nbytes))
+
+
+@dataclass(frozen=True)
 class BlockGroup:
     """One list of like transformer blocks (Note [model memory]). ``params`` / ``nbytes``: the
     whole list's; ``largest_*``: its largest block's (one FSDP2 unit)."""
@@ -74,6 +123,12 @@ class BlockGroup:
     # "parallel": single-stream (attention and MLP side by side); "fused": one q/k/v + MLP-in projection
     kind: str = "sequential"
     fp32_residual: bool = False  # modulation and residual adds computed in float32 (Wan)
+    cut: BlockCut | None = None  # what tensor parallelism cuts (None: the family declares no cuts here)
+
+
+def _cut(head: int, width: int, *, reduces: int, collectives: int) -> BlockCut:
+    """A released block list's cut (Note [tensor cuts]): the cut Linears are all bf16."""
+    return BlockCut(head, BF16 * head, width, BF16 * width, reduces, collectives)
 
 
 def _group(name: str, count: int, params: int, largest: int, hidden: int, mlp: int, *, fp32: int = 0,
@@ -147,6 +202,11 @@ class ModelMemory:
     def encoder_bytes(self) -> int:
         return sum(e.nbytes for e in self.encoders)
 
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the family declares tensor-parallel cuts (Note [tensor cuts])."""
+        return any(g.cut is not None for g in self.blocks)
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -177,6 +237,16 @@ class ModelSpec:
     def sequence(self) -> int:
         """Tokens the grid splits: the image / video tokens, with the text where it is split too."""
         return self.tokens + (self.text if self.text_mode == "split" else 0)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether ``enable_usp(..., tensor_degree=T > 1)`` can cut this model (Note [tensor cuts])."""
+        return self.memory is not None and self.memory.tensor_parallel
+
+    @property
+    def mlp(self) -> int:
+        """The widest MLP intermediate of the blocks (what a tensor degree splits besides heads)."""
+        return max((g.mlp for g in self.memory.blocks), default=4 * self.hidden) if self.memory else 4 * self.hidden
 
     @property
     def joint(self) -> int:
@@ -247,8 +317,10 @@ VAES = {
 # Released transformers' blocks (Note [model memory]; counted on the meta device)
 
 def _flux_memory() -> ModelMemory:
-    blocks = (_group("transformer_blocks", 19, 6456794624, 339831296, 3072, 12288),
-              _group("single_transformer_blocks", 38, 5380488704, 141591808, 3072, 12288, kind="parallel"))
+    blocks = (_group("transformer_blocks", 19, 6456794624, 339831296, 3072, 12288,
+                     cut=_cut(1434802176, 2869370880, reduces=2, collectives=4)),
+              _group("single_transformer_blocks", 38, 5380488704, 141591808, 3072, 12288, kind="parallel",
+                     cut=_cut(1434802176, 2869370880, reduces=1, collectives=1)))
     return ModelMemory(blocks, 64124992, loaded_bytes(64124992), loaded_bytes(32262144), 0,
                        encoders=(ENCODERS["clip_l"], ENCODERS["t5_xxl"]), vae=VAES["flux"])
 
@@ -322,7 +394,7 @@ def sd35(height=1024, width=1024, num_frames=None) -> ModelSpec:
 
 def qwen_image(height=1328, width=1328, num_frames=None) -> ModelSpec:
     memory = _one_list("transformer_blocks", 60, 20389877760, 339831296, 3072, 12288, 40523328, 18880512,
-                       ("qwen25_vl_7b",), "qwen_image")
+                       ("qwen25_vl_7b",), "qwen_image", cut=_cut(4530954240, 9061171200, reduces=2, collectives=4))
     return ModelSpec("qwen_image", _patches(height, width, 16), 256, "joint", 24, 24, 128, 60, 20.4e9, "two_call",
                      out_channels=64, memory=memory, output_size=(1, height, width), label="Qwen-Image")
 
@@ -512,9 +584,13 @@ def _blocks_of(transformer: Any, base: ModelMemory | None, hidden: int) -> tuple
         like = known.get(name)
         ratio = like.mlp / like.hidden if like else 4.0
         big = max(counted, key=lambda c: c[1])
-        groups.append(BlockGroup(name, len(blocks), sum(c[0] for c in counted), sum(c[1] for c in counted),
-                                 big[0], big[1], hidden, round(ratio * hidden), like.gated if like else False,
-                                 like.kind if like else "sequential", like.fp32_residual if like else False))
+        params, nbytes = sum(c[0] for c in counted), sum(c[1] for c in counted)
+        cut = None
+        if like is not None and like.cut is not None:  # Note [tensor cuts]: the release's fraction
+            cut = like.cut.scaled(params / like.params, nbytes / like.nbytes)
+        groups.append(BlockGroup(name, len(blocks), params, nbytes, big[0], big[1], hidden, round(ratio * hidden),
+                                 like.gated if like else False, like.kind if like else "sequential",
+                                 like.fp32_residual if like else False, cut))
     return tuple(groups)
 
 
@@ -539,6 +615,42 @@ def memory_of(transformer: Any, base: ModelMemory | None, hidden: int, pipe: Any
             vae = replace(base.vae, params=vae_params, nbytes=vae_bytes)
     return ModelMemory(blocks, params - sum(g.params for g in blocks), nbytes - sum(g.nbytes for g in blocks),
                        max((b for _, b in outer), default=0), root, experts, encoders, vae)
+
+
+def _add(acc: list[int], t: Any, numel: int | None = None) -> None:
+    """Add ``numel`` elements of ``t`` (all of it by default) to ``acc`` = [parameters, bytes]."""
+    n = t.numel() if numel is None else numel
+    acc[0] += n
+    acc[1] += n * t.element_size()
+
+
+def tensor_cuts_of(transformer: Any, tensor_plan: Any) -> dict[str, BlockCut]:
+    """Per block list, what ``tensor_plan`` (a family's ``usp_dit.pipelines.tensor.TensorPlan``, read
+    by attribute: the planner imports nothing above it) cuts in ``transformer`` (Note [tensor cuts])."""
+    out = {}
+    for cuts in tensor_plan.blocks:
+        head, width = [0, 0], [0, 0]
+        for block in getattr(transformer, cuts.block_list):
+            sizes = []
+            for split in cuts.splits:
+                acc = head if split.heads is not None else width
+                for path in split.columns:  # column-parallel: the weight's rows and the bias
+                    linear = block.get_submodule(path)
+                    _add(acc, linear.weight)
+                    if linear.bias is not None:
+                        _add(acc, linear.bias)
+                for path in split.rows:  # row-parallel: the weight's columns (the bias stays whole)
+                    _add(acc, block.get_submodule(path).weight)
+                sizes.append(block.get_submodule(split.columns[0]).out_features // split.packs)
+            for concat in cuts.concats:  # a row-parallel weight's columns, each split's share its own kind
+                weight = block.get_submodule(concat.row).weight
+                for i in concat.splits:
+                    _add(head if cuts.splits[i].heads is not None else width, weight, weight.shape[0] * sizes[i])
+        stages = (any(s.rows for s in cuts.splits if s.heads is not None)
+                  + any(s.rows for s in cuts.splits if s.heads is None))
+        out[cuts.block_list] = BlockCut(head[0], head[1], width[0], width[1], len(cuts.concats) + stages,
+                                        sum(len(s.rows) for s in cuts.splits) + len(cuts.concats))
+    return out
 
 
 def _pipe_encoders(pipe: Any) -> list:

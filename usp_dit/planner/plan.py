@@ -24,6 +24,10 @@ or sharded over the ranks: ``enable_usp(..., shard_weights=True)``) and of the t
 counted (``usp_dit.planner.memory`` Note [memory per rank]) and its weight all-gathers priced
 (``cost`` Note [sharded weights cost]); only the placements whose peak fits are kept, and the
 cheapest step wins (ties: replicated weights, then a replicated text encoder: nothing to gather).
+A family that declares tensor-parallel cuts (``models`` Note [tensor cuts]) is then also priced on
+grids with a tensor degree T (cfg x ulysses x ring x tensor = world size, Ulysses at most a tensor
+rank's ceil(H / T) heads), alone and with sharded weights (``cost`` Note [tensor parallel cost]);
+the plan's ``tensor_degree`` is what ``enable_usp(degrees=plan)`` runs.
 
 Every grid whose degrees multiply to ``world_size`` with at most as many Ulysses ranks as heads,
 and cfg 2 only where the guidance has two branches to split (``planner.cost.call_batch``), is
@@ -68,6 +72,7 @@ class Plan:
     memory: MemoryBreakdown | None = None  # the chosen placement's, GiB per rank
     gpu_memory_gib: float | None = None  # the limit the candidates were filtered by (None: none)
     unfit: list[Prediction] = field(default_factory=list, repr=False)  # priced but over gpu_memory_gib
+    tensor_degree: int = 1  # enable_usp(..., tensor_degree=...)
 
     @property
     def degrees(self) -> tuple[int, int, int]:
@@ -78,7 +83,9 @@ class Plan:
         best = self.candidates[0]
         lines = [
             f"{self.model} on {self.world_size} GPU(s) over {self.interconnect}: ulysses {self.ulysses_degree} x "
-            f"ring {self.ring_degree} x cfg {self.cfg_degree}" + (f", ring schedule {self.ring_schedule!r}" if self.ring_degree > 1 else "")
+            f"ring {self.ring_degree} x cfg {self.cfg_degree}"
+            + (f" x tensor {self.tensor_degree}" if self.tensor_degree > 1 else "")
+            + (f", ring schedule {self.ring_schedule!r}" if self.ring_degree > 1 else "")
             + f": {self.predicted_step_ms:.1f} ms per step predicted ({_parts(best)}).",
         ]
         if len(self.candidates) > 1:
@@ -106,12 +113,13 @@ class Plan:
         priced = self.candidates + self.unfit
         why = []
         if self.shard_weights:
-            need = min(p.memory_per_rank_gib for p in priced if not p.shard_weights)
+            need = min(p.memory_per_rank_gib for p in priced if not p.shard_weights and p.tensor == 1)
             gather = self.candidates[0].parts.get("weight_gather", 0.0)
             why.append(f"replicated weights need at least {need:.1f} GiB a rank (> {self.gpu_memory_gib:g}); "
                        f"sharding costs {gather:.1f} ms a step of weight all-gathers the prefetch does not hide")
         elif self.world_size > 1:
             why.append("replicated weights fit: no all-gathers a step")
+        why.extend(self._tensor_why(priced))
         if self.text_encoder == "shard":
             need = min(p.memory_per_rank_gib for p in priced
                        if p.shard_weights == self.shard_weights and p.text_encoder != "shard")
@@ -121,18 +129,45 @@ class Plan:
             lines.append("Why: " + "; ".join(why) + ".")
         return lines
 
+    def _tensor_why(self, priced: list[Prediction]) -> list[str]:
+        """Why this tensor degree: what TP saves in weights and what its all-reduces cost, against
+        the fastest placement of the other kind (Note [tensor parallel cost] in ``planner.cost``)."""
+        best = self.candidates[0]
+        if self.tensor_degree > 1:
+            plain = [p for p in priced if p.tensor == 1]
+            fitting = [p for p in self.candidates if p.tensor == 1]
+            weights = self.memory.weights
+            text = (f"TP {self.tensor_degree} cuts the blocks' heads and MLP columns (weights {weights:.1f} GiB a "
+                    f"rank); its all-reduces cost {best.parts.get('tensor_all_reduce', 0.0):.1f} ms a step")
+            if fitting:
+                text += (f", and it is still {fitting[0].step_ms - best.step_ms:.1f} ms a step faster than the "
+                         f"fastest placement without it ({_grid_text(fitting[0])}, {fitting[0].memory.placement()}: "
+                         f"{fitting[0].step_ms:.1f} ms)")
+            elif plain:
+                need = min(p.memory_per_rank_gib for p in plain)
+                text += f"; without it no placement fits (the smallest needs {need:.1f} GiB a rank)"
+            return [text]
+        cut = [p for p in self.candidates[1:] if p.tensor > 1]
+        if cut:
+            other = cut[0]
+            return [(f"tensor parallelism fits too but costs more: {_grid_text(other)}, {other.memory.placement()} "
+                     f"at {other.step_ms:.1f} ms ({other.parts.get('tensor_all_reduce', 0.0):.1f} ms of all-reduces "
+                     f"a step)")]
+        return []
+
     def table(self) -> str:
         """Every candidate, best first, as a markdown table."""
-        rows = [("| ulysses | ring | cfg | schedule | weights | text enc. | step ms | attention | a2a | ring exposed | "
-                 "rest | weight gather | GB/rank | GiB/rank |"),
-                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        rows = [("| ulysses | ring | cfg | tensor | schedule | weights | text enc. | step ms | attention | a2a | "
+                 "ring exposed | rest | tensor all-reduce | weight gather | GB/rank | GiB/rank |"),
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for p in self.candidates:
             g, x = p.grid, p.parts
             rows.append(
-                f"| {g.ulysses} | {g.ring} | {g.cfg} | {p.schedule} | "
+                f"| {g.ulysses} | {g.ring} | {g.cfg} | {g.tensor} | {p.schedule} | "
                 f"{'sharded' if p.shard_weights else 'replicated'} | {p.text_encoder} | {p.step_ms:.1f} | "
                 f"{x['attention']:.1f} | "
                 f"{x['ulysses_all_to_all']:.1f} | {x['ring_exposed']:.1f} | {x['rest_of_model']:.1f} | "
+                f"{x.get('tensor_all_reduce', 0.0):.1f} | "
                 f"{x.get('weight_gather', 0.0):.1f} | {p.comm_bytes_per_rank / 1e9:.2f} | {p.memory_per_rank_gib:.1f} |"
             )
         return "\n".join(rows)
@@ -144,7 +179,8 @@ _PHASE_WORDS = {"encode": "encoding the prompt", "denoise": "denoising", "decode
 def _grid_text(p: Prediction) -> str:
     g = p.grid
     sched = f" {p.schedule}" if g.ring > 1 else ""
-    return f"ulysses {g.ulysses} x ring {g.ring} x cfg {g.cfg}{sched}"
+    tensor = f" x tensor {g.tensor}" if g.tensor > 1 else ""
+    return f"ulysses {g.ulysses} x ring {g.ring} x cfg {g.cfg}{tensor}{sched}"
 
 
 def _parts(p: Prediction) -> str:
@@ -162,21 +198,32 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_grids(spec: ModelSpec, world_size: int, batch: int, cfg: bool) -> list[Grid]:
-    """Every (U, R, cfg) with U * R * cfg == world_size that ``spec`` can run."""
+def tensor_degrees(spec: ModelSpec, world_size: int) -> list[int]:
+    """The tensor degrees a grid of ``spec`` may take on ``world_size`` GPUs: 1, and where its family
+    declares cuts (``models`` Note [tensor cuts]) every other divisor up to its heads."""
+    if not spec.tensor_parallel:
+        return [1]
+    return [t for t in _divisors(world_size) if t <= spec.heads]
+
+
+def candidate_grids(spec: ModelSpec, world_size: int, batch: int, cfg: bool, tensor: bool = False) -> list[Grid]:
+    """Every (U, R, cfg, T) with U * R * cfg * T == world_size that ``spec`` can run (T > 1 only
+    with ``tensor`` and a family that declares tensor cuts; U at most a tensor rank's heads)."""
     grids = []
-    for c in (1, 2):
-        if world_size % c:
-            continue
-        for u in _divisors(world_size // c):
-            grid = Grid(u, world_size // c // u, c)
-            if u > spec.heads:
+    for t in (tensor_degrees(spec, world_size) if tensor else [1]):
+        heads = math.ceil(spec.heads / t)
+        for c in (1, 2):
+            if (world_size // t) % c:
                 continue
-            if c == 2 and not (cfg or batch % 2 == 0):
-                continue
-            if c == 2 and spec.guidance == "distilled" and batch % 2:
-                continue
-            grids.append(grid)
+            for u in _divisors(world_size // t // c):
+                grid = Grid(u, world_size // t // c // u, c, t)
+                if u > heads:
+                    continue
+                if c == 2 and not (cfg or batch % 2 == 0):
+                    continue
+                if c == 2 and spec.guidance == "distilled" and batch % 2:
+                    continue
+                grids.append(grid)
     return grids
 
 
@@ -225,20 +272,23 @@ def _placements(world_size: int, limited: bool) -> list[tuple[bool, str]]:
 
 
 def _sort_key(p: Prediction) -> tuple:
-    """Cheapest first; on a tie fewer ring ranks, the streaming schedule (least memory), replicated
-    weights, then the text encoder placement that gathers least ("replicate", "shard", "rank0")."""
+    """Cheapest first; on a tie fewer ring ranks, the streaming schedule (least memory), fewer tensor
+    ranks, replicated weights, then the text encoder placement that gathers least ("replicate",
+    "shard", "rank0")."""
     schedule = SCHEDULES.index(p.schedule) if p.schedule in SCHEDULES else -1
-    return (round(p.step_ms, 3), p.grid.ring, schedule, p.shard_weights, ENCODER_PLACEMENTS.index(p.text_encoder))
+    return (round(p.step_ms, 3), p.grid.ring, schedule, p.grid.tensor, p.shard_weights,
+            ENCODER_PLACEMENTS.index(p.text_encoder))
 
 
 def priced(spec: ModelSpec, world_size: int, *, batch: int = 1, cfg: bool, interconnect: str = "nvlink",
            gpu: GPU, backend: str = kernels.DEFAULT_BACKEND, placements: list[tuple[bool, str]] | None = None,
-           ) -> list[Prediction]:
-    """Every grid, schedule and placement of ``spec`` on ``world_size`` GPUs, priced and sorted
-    (``_sort_key``); no memory filter and no check that enable_usp can run the model."""
+           tensor: bool = False) -> list[Prediction]:
+    """Every grid (with ``tensor``, tensor-parallel ones too), schedule and placement of ``spec`` on
+    ``world_size`` GPUs, priced and sorted (``_sort_key``); no memory filter and no check that
+    enable_usp can run the model."""
     placements = placements or [(False, "replicate")]
     predictions = []
-    for grid in candidate_grids(spec, world_size, batch, cfg):
+    for grid in candidate_grids(spec, world_size, batch, cfg, tensor):
         for schedule in (SCHEDULES if grid.ring > 1 else ("none",)):
             base = predict(spec, grid, schedule, batch=batch, cfg=cfg, interconnect=interconnect, gpu=gpu,
                            backend=backend)
@@ -329,8 +379,9 @@ def choose(spec: ModelSpec, world_size: int, *, batch: int = 1, cfg: bool, inter
     Raises:
         ValueError: no grid and placement fits ``gpu_memory_gib``.
     """
+    limited = gpu_memory_gib is not None
     every = priced(spec, world_size, batch=batch, cfg=cfg, interconnect=interconnect, gpu=gpu, backend=backend,
-                   placements=_placements(world_size, gpu_memory_gib is not None))
+                   placements=_placements(world_size, limited), tensor=limited)
     fitting, unfit = _fits(every, gpu_memory_gib)
     if not fitting:
         raise _too_small(spec, world_size, gpu_memory_gib, unfit)
@@ -338,7 +389,7 @@ def choose(spec: ModelSpec, world_size: int, *, batch: int = 1, cfg: bool, inter
     g = best.grid
     return Plan(spec.name, world_size, g.ulysses, g.ring, g.cfg, best.schedule if g.ring > 1 else "auto", backend,
                 best.step_ms, best.comm_bytes_per_rank, best.memory_per_rank_gib, interconnect, fitting,
-                best.shard_weights, best.text_encoder, best.memory, gpu_memory_gib, unfit)
+                best.shard_weights, best.text_encoder, best.memory, gpu_memory_gib, unfit, g.tensor)
 
 
 PROJECTION_WORLDS = (1, 2, 4, 8, 16, 32, 64)
@@ -379,26 +430,45 @@ def _limited_plan_text(spec: ModelSpec, world: int, gpu: GPU, interconnect: str,
                         gpu_memory_gib=limit)
     except ValueError:
         every = priced(spec, world, cfg=spec.guidance != "distilled", interconnect=interconnect, gpu=gpu,
-                       placements=_placements(world, True))
+                       placements=_placements(world, True), tensor=True)
         return f"none (needs {min(p.memory_per_rank_gib for p in every):.1f})"
     best = chosen.candidates[0]
-    weights = "sharded" if best.shard_weights else "replicated"
+    weights = ("sharded" if best.shard_weights else "replicated") + (f" + TP {best.tensor}" if best.tensor > 1 else "")
     return (("would be " if spec.unsupported else "") + f"{_grid_text(best)}, {weights}, {best.text_encoder!r}: "
             f"{best.memory_per_rank_gib:.1f} GiB, {best.step_ms:.0f} ms")
+
+
+def _tensor_text(spec: ModelSpec, world: int, gpu: GPU, interconnect: str) -> str:
+    """The fastest tensor-parallel grid (T > 1) of ``spec`` on ``world`` GPUs in a few words: T, the
+    transformer's GiB a rank replicated / sharded, and the peak with a sharded text encoder."""
+    if world == 1:
+        return "-"
+    if not spec.tensor_parallel:
+        return "no cuts"
+    cut = [p for p in priced(spec, world, cfg=spec.guidance != "distilled", interconnect=interconnect, gpu=gpu,
+                             tensor=True) if p.tensor > 1]
+    if not cut:
+        return "-"
+    base = cut[0]
+    repl, shard = (placed(spec, base, shard_weights=w, text_encoder="shard", interconnect=interconnect).memory
+                   for w in (False, True))
+    return f"T {base.tensor}: {repl.weights:.1f} / {shard.weights:.1f}; peak {repl.total:.1f} / {shard.total:.1f}"
 
 
 def memory_table(models: tuple[str, ...] = MEMORY_TABLE_MODELS, worlds: tuple[int, ...] = MEMORY_TABLE_WORLDS, *,
                  gpu_memory_gib: float = 24.0, interconnect: str = "nvlink", gpu: str | None = None) -> str:
     """Markdown: per model and GPU count, one rank's GiB of each part (``usp_dit.planner.memory``
-    Note [memory per rank]) at the fastest grid, the peak in each placement, and the plan at
-    ``gpu_memory_gib`` a GPU (``plan(..., gpu_memory_gib=)``'s choice: grid, weights, text
-    encoder, peak, step ms). A projection from the planner's counts; models enable_usp cannot run
-    yet are marked and priced the same way."""
+    Note [memory per rank]) at the fastest grid, the peak in each placement, the fastest
+    tensor-parallel grid's (where the family declares cuts), and the plan at ``gpu_memory_gib`` a
+    GPU (``plan(..., gpu_memory_gib=)``'s choice: grid, weights, text encoder, peak, step ms). A
+    projection from the planner's counts; models enable_usp cannot run yet are marked and priced
+    the same way."""
     device, limit = check_gpu(gpu), check_gpu_memory(gpu_memory_gib)
     rows = [
         ("| model | GPUs | grid (fastest) | transformer repl. / sharded | text enc. whole / shard | activations | "
-         f"VAE | peak repl. + whole | repl. + shard | sharded + whole | sharded + shard | plan at {limit:g} GiB |"),
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+         "VAE | peak repl. + whole | repl. + shard | sharded + whole | sharded + shard | "
+         f"tensor parallel (transformer repl. / sharded; peak, text enc. shard) | plan at {limit:g} GiB |"),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name in models:
         spec = spec_for(name)
@@ -413,6 +483,7 @@ def memory_table(models: tuple[str, ...] = MEMORY_TABLE_MODELS, worlds: tuple[in
                 f"{' ' + base.schedule if base.grid.ring > 1 else ''} | "
                 f"{repl.weights:.1f} / {shard.weights:.1f} | {repl.text_encoders:.1f} / {shard.text_encoders:.1f} | "
                 f"{repl.activations:.1f} | {repl.vae:.1f} | " + " | ".join(f"{m.total:.1f}" for m in peaks)
+                + f" | {_tensor_text(spec, world, device, interconnect)}"
                 + f" | {_limited_plan_text(spec, world, device, interconnect, limit)} |"
             )
     return "\n".join(rows)
