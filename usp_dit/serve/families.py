@@ -88,8 +88,20 @@ FAMILIES: dict[str, ServedFamily] = {
     # The tiny AuraFlow's learned position table covers 16 x 16 tokens.
     "auraflow": ServedFamily("AuraFlowPipeline", False, 4, (20, 12), negative_prompt=True, tiny_max_side=64,
                              tiny_kwargs=_TEXT),
+    # Bria: the tiny VAE is 2x, but the pipeline resizes sides that are not multiples of 8 pixels.
+    "bria": ServedFamily("BriaPipeline", False, 8, (24, 16), negative_prompt=True, tiny_kwargs=_TEXT),
+    "krea2": ServedFamily("Krea2Pipeline", False, 16, (80, 48), negative_prompt=True),
+    # Ovis-Image: its system prompt is ~150 characters; 256 is the pipeline's most.
+    "ovis_image": ServedFamily("OvisImagePipeline", False, 4, (20, 12), negative_prompt=True,
+                               tiny_call={"max_sequence_length": 256}),
     "wan": ServedFamily("WanPipeline", True, 16, (80, 48), negative_prompt=True, frames_step=4, tiny_kwargs=_TEXT,
                         real_size=(832, 480), count_arg="num_videos_per_prompt"),
+    # Kandinsky 5 T2V: HunyuanVideo's VAE class; two calls a step (the prompt's, the negative prompt's).
+    "kandinsky5": ServedFamily("Kandinsky5T2VPipeline", True, 16, (80, 48), negative_prompt=True, frames_step=4,
+                               real_size=(768, 512), count_arg="num_videos_per_prompt"),
+    # AnyFlow: CFG fused into the released weights (its default guidance 1); a guidance above 1 batches CFG.
+    "anyflow": ServedFamily("AnyFlowPipeline", True, 16, (80, 48), negative_prompt=True, frames_step=4,
+                            tiny_kwargs=_TEXT, real_size=(832, 480), count_arg="num_videos_per_prompt"),
     # HunyuanVideo T2V: guidance-distilled (the embedded scale); true CFG is not served.
     "hunyuan_video": ServedFamily("HunyuanVideoPipeline", True, 16, (80, 48), frames_step=4, tiny_kwargs=_TEXT,
                                   real_size=(1280, 720), count_arg="num_videos_per_prompt",
