@@ -48,7 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, checked; a bad value raises ``launch.UsageError`` (one line, exit 2)."""
     p = launch.ArgumentParser(prog="python -m usp_dit.serve", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=sorted(FAMILIES), default="flux")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="flux", metavar="FAMILY",
+                   help="the model family: " + ", ".join(f"{name} ({FAMILIES[name].pipeline}, "
+                   f"{'videos' if FAMILIES[name].videos else 'images'})" for name in sorted(FAMILIES))
+                   + " (default: flux)")
     p.add_argument("--model", default=None, help="checkpoint folder or hub id (default: a tiny random pipeline)")
     p.add_argument("--model-id", default=None, help="the name /v1/models lists (default: --model or usp-dit-<family>-tiny)")
     p.add_argument("--ulysses", type=int, default=None)
