@@ -110,6 +110,13 @@ class _RoutedFunctional:
         self.route = route
         self.n_rep = 1  # query heads per kv head of the call in progress (set by the processor)
 
+    def use_heads_of(self, attn: Attention) -> None:
+        """Take ``attn``'s query heads per kv head (GQA) for the calls that follow."""
+        head_dim = attn.to_q.out_features // attn.heads
+        n_rep = attn.heads // (attn.to_k.out_features // head_dim)
+        if self.n_rep != n_rep:  # every layer of a model has the same: set once
+            self.n_rep = n_rep
+
     def scaled_dot_product_attention(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
@@ -161,10 +168,7 @@ class USPLumina2AttnProcessor:
             raise NotImplementedError(
                 "usp_dit's Lumina2 processor: base_sequence_length scales by the local sequence length; the model "
                 "never passes it")
-        head_dim = attn.to_q.out_features // attn.heads
-        n_rep = attn.heads // (attn.to_k.out_features // head_dim)
-        if self._functional.n_rep != n_rep:  # every layer of a model has the same: set once
-            self._functional.n_rep = n_rep
+        self._functional.use_heads_of(attn)
         return self._call(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
 

@@ -130,10 +130,7 @@ class USPLuminaNextSelfAttnProcessor:
             raise NotImplementedError(
                 "usp_dit's LuminaNext attn1 processor runs self-attention over the image tokens (encoder_hidden_states "
                 "is hidden_states, as LuminaNextDiTBlock calls it); it got other keys")
-        head_dim = attn.to_q.out_features // attn.heads
-        n_rep = attn.heads // (attn.to_k.out_features // head_dim)
-        if self._functional.n_rep != n_rep:  # every layer of a model has the same: set once
-            self._functional.n_rep = n_rep
+        self._functional.use_heads_of(attn)
         self._functional.scale = self._scale(attn, key_rotary_emb, base_sequence_length)
         return self._call(self, attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
                           key_rotary_emb, None)
