@@ -60,6 +60,7 @@ GRIDS = [
 SHARDED = [("flux", 3, (2, 1, 1, 2, "auto")), ("flux", 5, (1, 2, 1, 2, "gather_merge")),
            ("qwen", 5, (2, 1, 1, 2, "auto")), ("qwen", 5, (1, 1, 2, 2, "auto")), ("flux", 5, (1, 1, 1, 4, "auto"))]
 RESHARDED = {SHARDED[0], SHARDED[3]}  # sharded again after the undo (one case a family: CI's time)
+TRAFFIC_GRIDS = [(1, 1, 1, 4, "auto"), (2, 1, 1, 2, "auto")]  # the counted all-reduces against the planner
 FLUX_SHAPES = [(2, 3, 3, 6), (2, 8, 8, 7)]  # (batch, height, width, text): 15 and 71 joint tokens
 
 
@@ -117,6 +118,31 @@ def _output_case(model, args, grid, shard: bool = False, again: bool = False) ->
     if shard:
         case["sharded"] = _sharded_case(model, args, mesh, ref, out, before, bounds, again)
     return case
+
+
+def _traffic_case(model, args, grid: tuple, text_len: int, batch: int) -> dict[str, float]:
+    """Bytes of the tensor group's all-reduces counted on this rank in one forward (traffic kind
+    "tensor_all_reduce"), beside the planner's prediction for the worst rank (Note [tensor parallel
+    cost]; it prices bf16, the tiny model is float32: x 2) at these shapes: 5 x 7 image tokens, the
+    batch's padded text of ``text_len`` tokens replicated on every rank."""
+    from dataclasses import replace
+
+    from usp_dit.distributed.traffic import count_traffic
+    from usp_dit.planner.cost import Grid, tensor_all_reduce_bytes
+    from usp_dit.planner.models import spec_of_transformer
+
+    u, r, c, t, schedule = grid
+    enable_usp(model, mesh=init_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c, tensor_degree=t,
+                                     ring_schedule=schedule))
+    try:
+        with count_traffic() as counter:
+            forward(model, args)
+    finally:
+        disable_usp(model)
+    sent, received = counter.by_kind().get("tensor_all_reduce", (0, 0))
+    spec = replace(spec_of_transformer(model, height=80, width=112), text=text_len)
+    predicted, _ = tensor_all_reduce_bytes(spec, Grid(u, r, c, t), batch)
+    return {"sent": float(sent), "received": float(received), "predicted": float(predicted * 4 // 2)}
 
 
 def _nbytes(tensors) -> int:
@@ -276,6 +302,8 @@ def _run_all() -> dict[str, dict]:
         results[f"qwen-h5-{grid}"] = _output_case(qwen, qwen_args, grid, ("qwen", 5, grid) in SHARDED,
                                                   ("qwen", 5, grid) in RESHARDED)
     results["grad-qwen-h5-(1,2,1,2)"] = _grad_case(qwen, qwen_args, (1, 2, 1, 2, "gather_merge"))
+    for grid in TRAFFIC_GRIDS:
+        results[f"traffic-qwen-{grid}"] = _traffic_case(qwen, qwen_args, grid, text_len=9, batch=2)
     results["grad-flux-h5-(2,1,1,2)"] = _grad_case(_flux(5), _flux_args(FLUX_SHAPES[0]), (2, 1, 1, 2, "auto"))
     results["grad-flux-h5-(1,2,1,2)"] = _grad_case(_flux(5), _flux_args(FLUX_SHAPES[0]), (1, 2, 1, 2, "stream"))
     results["refusals"] = _refusal_cases()
@@ -337,6 +365,17 @@ def test_sharded_weights_over_tensor_parallelism(results, key):
                                   "not_enabled_after_refusals"])
 def test_refusals_on_every_rank(results, name):
     assert all(res["refusals"][name] == 0.0 for res in results), [res["refusals"] for res in results]
+
+
+@pytest.mark.parametrize("grid", TRAFFIC_GRIDS)
+def test_counted_all_reduce_bytes_equal_the_planners(results, grid):
+    """Predicted == counted for the tensor axis' all-reduces: on every rank where tokens are not
+    split (T = 4), on the rank holding the larger half of the image (U = 2: the planner prices the
+    worst rank, ceil(35 / 2) = 18 image tokens) and never above it on the other."""
+    cases = [res[f"traffic-qwen-{grid}"] for res in results]
+    assert all(c["sent"] == c["received"] > 0 for c in cases), cases
+    assert max(c["sent"] for c in cases) == cases[0]["predicted"], cases
+    assert all(c["sent"] <= c["predicted"] for c in cases), cases
 
 
 def test_lora_is_refused(results):

@@ -40,6 +40,9 @@ Note [counting traffic]
         joint_gather  joint outputs and joint LSEs gathered over ring and Ulysses ranks
         joint_grad    the all-reduce of the joint output's gradient (usp._GatherBack.backward)
         seq_gather    gather_sequence / all_gather_uneven, and the all-reduce of its backward
+        tensor_all_reduce  tensor parallelism's sums of a row-parallel Linear's partial outputs
+                      (``usp_dit.pipelines.tensor``: DTensor's ``RowwiseParallel`` makes the
+                      all-reduce; the output's bytes are counted after it, forward only)
         broadcast     usp_dit.distributed.replica's broadcasts of a replica's inputs
         handshake     usp_dit.distributed.handshake's agreement gathers (Note [call handshake]): 3 int64 per
                       rank; on the slow path (ranks disagree) the pickled payloads of
@@ -70,7 +73,7 @@ import torch
 
 KINDS = (
     "ulysses_a2a", "ring_kv", "ring_grad", "ring_gather", "joint_gather", "joint_grad", "seq_gather", "broadcast",
-    "handshake",
+    "handshake", "tensor_all_reduce",
 )
 
 

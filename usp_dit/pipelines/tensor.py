@@ -53,6 +53,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+import usp_dit.distributed.traffic as traffic
 from usp_dit.distributed.mesh import USPMesh
 
 
@@ -301,6 +302,18 @@ def _cut_block(record: TensorRecord, block: torch.nn.Module, cuts: BlockCuts, me
         record.hooks.append((module, set(module._forward_pre_hooks), set(module._forward_hooks)))
         module.forward = _EmptySafe(module, isinstance(style, ColwiseParallel))
     parallelize_module(block, mesh, styles)
+    for path, style in styles.items():
+        if isinstance(style, RowwiseParallel):  # after DTensor's own hooks: the output is the summed local tensor
+            block.get_submodule(path).register_forward_hook(functools.partial(_count_reduce, group_size=degree))
+
+
+def _count_reduce(module: torch.nn.Module, args: tuple, output: torch.Tensor, group_size: int) -> None:
+    """Count a row-parallel Linear's all-reduce (traffic kind "tensor_all_reduce", Note [counting
+    traffic]): its output's bytes over the tensor group, the ring algorithm's volume. Removed with
+    the cut (``remove`` drops every hook added after ``record.hooks``' snapshot)."""
+    if traffic.counting():
+        local = output.to_local() if isinstance(output, DTensor) else output
+        traffic.record_all_reduce("tensor_all_reduce", traffic.nbytes(local), group_size)
 
 
 def check_tensor_plan(transformer: torch.nn.Module, plan: TensorPlan | None, family: str, degree: int) -> None:

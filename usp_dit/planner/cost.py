@@ -69,8 +69,9 @@ Note [tensor parallel cost]
                                 (``usp_dit.distributed.traffic.all_reduce_bytes``), ``collectives``
                                 calls a block at the link's latency each; not overlapped (the next
                                 Linear waits for the sum). DTensor makes these all-reduces inside
-                                ``RowwiseParallel``; ``usp_dit.distributed.traffic`` does not count
-                                them (no kind), so these bytes are predicted only.
+                                ``RowwiseParallel``; ``usp_dit.distributed.traffic`` counts them
+                                (kind "tensor_all_reduce", forward), equal to this prediction on
+                                the worst rank (tests/test_tensor_parallel.py).
     Sharded on top (Note [sharded tensor-parallel weights] in usp_dit.pipelines.weights): a block's
     uncut part is gathered over the whole replica ((P T - 1) / (P T) of it received), its cut
     part's tensor share over the P sequence ranks ((P - 1) / P; nothing where P = 1: it stays
