@@ -183,3 +183,61 @@ def test_sage_adapter_leaves_inputs_alone_and_keeps_v_in_fp16_range(monkeypatch)
     scale = sage.fp16_safe_scale(vb)  # (B, 1, Hk, 1): 1 for ordinary heads, the least power of two else
     big = vb[0, :, 1].abs().max().float() / scale[0, 0, 1]
     assert scale[1].eq(1).all() and scale[0, 0, 0].item() == 1 and 2.0 ** 8 < big <= 2.0 ** 9
+
+
+class _PaddedOnlyReference:
+    """Stands in for an aten SDPA op (Note [padded head_dim] in usp_dit.kernels.sdpa_cuda): the
+    float64 reference kernel, refusing any head_dim that is not a multiple of 8 as those ops do."""
+
+    def __init__(self):
+        self.reference = get_backend("reference")
+        self.seen: list[int] = []
+
+    def check(self, *tensors):
+        self.seen += [t.shape[-1] for t in tensors]
+        assert all(t.shape[-1] % 8 == 0 for t in tensors), [t.shape for t in tensors]
+
+
+def test_cuda_sdpa_backends_pad_any_head_dim_exactly():
+    """A head_dim of 20 (DreamLite) runs through an op that takes multiples of 8 only: out, LSE and
+    every gradient equal the unpadded reference's to float64 rounding (zero columns add 0 to each
+    score; the padded columns are cut away)."""
+    from usp_dit.kernels.sdpa_cuda import _CudaSDPA
+
+    inner = _PaddedOnlyReference()
+
+    class Fake(_CudaSDPA):
+        def forward(self, q, k, v, scale, causal=False, key_mask=None):
+            inner.check(q, k, v)
+            return inner.reference.forward(q, k, v, scale, causal=causal, key_mask=key_mask)
+
+        def forward_out(self, q, k, v, scale):
+            inner.check(q, k, v)
+            return inner.reference.forward(q, k, v, scale)[0]
+
+        def backward(self, dout, q, k, v, out, lse, scale, causal=False, key_mask=None):
+            inner.check(dout, q, k, v, out)
+            return inner.reference.backward(dout, q, k, v, out, lse, scale, causal=causal, key_mask=key_mask)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 13, 4, 20, generator=g, dtype=torch.float64) for _ in range(4))
+    mask = torch.tensor([[True] * 13, [True] * 9 + [False] * 4])
+    scale = 20 ** -0.5
+    fake, ref = Fake(), inner.reference
+    for kwargs in ({}, {"causal": True}, {"key_mask": mask}):
+        out, lse = fake.forward(q, k, v, scale, **kwargs)
+        ref_out, ref_lse = ref.forward(q, k, v, scale, **kwargs)
+        assert out.shape == q.shape and rel_err(out, ref_out) <= 1e-12 and rel_err(lse, ref_lse) <= 1e-12
+        grads = fake.backward(dout, q, k, v, ref_out, ref_lse, scale, **kwargs)
+        for got, want in zip(grads, ref.backward(dout, q, k, v, ref_out, ref_lse, scale, **kwargs)):
+            assert got.shape == want.shape and rel_err(got, want) <= 1e-12
+    assert rel_err(fake.forward_out(q, k, v, scale), ref.forward(q, k, v, scale)[0]) <= 1e-12
+    assert set(inner.seen) == {24}  # every op call saw the padded head_dim
+    assert fake.forward(q[..., :16], k[..., :16], v[..., :16], scale)[0].shape[-1] == 16  # 16: no padding
+    assert set(inner.seen) == {16, 24}
+
+
+@pytest.mark.parametrize("name", ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient"])
+def test_cuda_sdpa_backends_take_any_head_dim(name):
+    """The caps no longer refuse head_dim 20, so "auto" takes a fused kernel for DreamLite, not the reference."""
+    assert get_backend(name).caps.why_not("cuda", torch.bfloat16, 20, True) is None

@@ -333,3 +333,28 @@ def test_forward_out_and_head_dim_256(name, shape):
     assert err < 2e-2 and err_plain <= 2 * err + 1e-5 and lse_err < 2e-2, (err, err_plain, lse_err)
     with torch.no_grad():
         assert rel_err(usp_attention(qc, kc, vc, backend=name).out, ref_out) <= 2 * err + 1e-5
+
+
+@pytest.mark.parametrize("name", ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient"])
+@pytest.mark.parametrize("head_dim", [20, 36])
+def test_a_head_dim_off_the_multiple_of_8_is_padded_exactly(name, head_dim):
+    """Note [padded head_dim] (usp_dit.kernels.sdpa_cuda): DreamLite's head_dim 20 through the aten
+    ops that take multiples of 8, zero-padded: the same rules as the kernel tests above (whole
+    sequence within 2e-2 of float64, blockwise within 2x of whole), and ``forward_out`` equal to
+    ``forward``'s out."""
+    backend = _backend(name)
+    q, k, v, dout = _inputs(2, 333, 4, 2, head_dim)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_ref(*leaves, head_dim ** -0.5)
+    ref = (out.detach(), lse.detach(), *torch.autograd.grad(out, leaves, dout))
+    whole = _errors(backend, q, k, v, dout, torch.bfloat16, 1, ref)
+    assert max(whole.values()) < 2e-2, whole
+    for n in (2, 4):
+        blocks = _errors(backend, q, k, v, dout, torch.bfloat16, n, ref)
+        bad = {key: (blocks[key], whole[key]) for key in whole if blocks[key] > 2 * whole[key] + 1e-5}
+        assert not bad, f"N={n}: (blockwise, whole) errors {bad}"
+    forward_out = getattr(backend, "forward_out", None)
+    if forward_out is not None:
+        qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+        got = forward_out(qb, kb, vb, head_dim ** -0.5)
+        assert got.shape == qb.shape and rel_err(got, backend.forward(qb, kb, vb, head_dim ** -0.5)[0]) < 1e-2

@@ -10,11 +10,25 @@ external out/LSE (ring attention). Quirks kept here:
   tensor is kept across calls: CUDA graph captures forbid it);
 - cuDNN's backward wants ``out`` and ``dout`` with the same strides;
 - key masks (``key_mask``, mem-efficient only) go in as an additive bias (``_sdpa_layout``) of
-  stride-0 views over heads and queries.
+  stride-0 views over heads and queries;
+- the ops want head_dim a multiple of 8: any other is zero-padded (Note [padded head_dim]).
+
+Note [padded head_dim]
+    PyTorch's public SDPA runs a head_dim that is not a multiple of 8 (DreamLite's 20) on its
+    flash kernel by zero-padding the last dim; the aten ops we call refuse it, and "auto" fell
+    back to the float32 reference kernel (1.3x stock's time and 4.5x its memory on DreamLite).
+    So every method of these backends pads q, k, v (and dout, out in the backward) with zeros to
+    the next multiple of 8 and cuts the results back, with the caller's scale (the unpadded
+    head_dim's): exact, because a zero column adds 0 to every q.k score (so the softmax and LSE
+    are unchanged), the padded output columns are sums of zero values, and the padded gradient
+    columns are cut away. The price is the copy of q, k, v, as in PyTorch's own SDPA.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 from usp_dit.kernels._sdpa_layout import additive_key_mask, grads_to_bshd, keyless_rows, lse_to_bhs, lse_to_bsh, to_bhsd
 from usp_dit.kernels.protocol import BackendCaps, folded_forward_stack
@@ -24,9 +38,61 @@ _aten = torch.ops.aten
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
 
+_MULTIPLE = 8  # the head_dim granularity of the aten ops (Note [padded head_dim])
+
+
+def _padded(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(..., head_dim) -> (..., head_dim rounded up to a multiple of 8), zero columns appended."""
+    return F.pad(x, (0, -head_dim % _MULTIPLE))
+
+
+def _pad_forward(method):
+    """``forward(q, k, v, scale, ...) -> (out, lse)`` for any head_dim (Note [padded head_dim])."""
+    @functools.wraps(method)
+    def forward(self, q, k, v, scale, *args, **kwargs):
+        d = q.shape[-1]
+        if d % _MULTIPLE == 0:
+            return method(self, q, k, v, scale, *args, **kwargs)
+        out, lse = method(self, _padded(q, d), _padded(k, d), _padded(v, d), scale, *args, **kwargs)
+        return out[..., :d], lse
+    return forward
+
+
+def _pad_forward_out(method):
+    """``forward_out(q, k, v, scale) -> out`` for any head_dim (Note [padded head_dim])."""
+    @functools.wraps(method)
+    def forward_out(self, q, k, v, scale):
+        d = q.shape[-1]
+        if d % _MULTIPLE == 0:
+            return method(self, q, k, v, scale)
+        return method(self, _padded(q, d), _padded(k, d), _padded(v, d), scale)[..., :d]
+    return forward_out
+
+
+def _pad_backward(method):
+    """``backward(dout, q, k, v, out, lse, scale, ...) -> (dq, dk, dv)`` for any head_dim."""
+    @functools.wraps(method)
+    def backward(self, dout, q, k, v, out, lse, scale, *args, **kwargs):
+        d = q.shape[-1]
+        if d % _MULTIPLE == 0:
+            return method(self, dout, q, k, v, out, lse, scale, *args, **kwargs)
+        grads = method(self, *(_padded(t, d) for t in (dout, q, k, v, out)), lse, scale, *args, **kwargs)
+        return tuple(g[..., :d] for g in grads)
+    return backward
+
+
 class _CudaSDPA:
+    """The shared plumbing of the aten SDPA backends; every subclass's ``forward``, ``forward_out``
+    and ``backward`` take any head_dim (wrapped at class creation: Note [padded head_dim])."""
+
     name = "sdpa"
     op_name = ""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for attr, wrap in (("forward", _pad_forward), ("forward_out", _pad_forward_out), ("backward", _pad_backward)):
+            if attr in vars(cls):
+                setattr(cls, attr, wrap(vars(cls)[attr]))
 
     def __init__(self) -> None:
         self._aux: dict[str, tuple] = {}
@@ -64,7 +130,7 @@ class SDPACuDNNBackend(_CudaSDPA):
     # 1.9x faster than flash on the H100 (docs/PERFORMANCE.md); its backward is kept to <= 128, where
     # it was measured.
     caps = BackendCaps(
-        frozenset({"cuda"}), _HALF, max_head_dim=256, supports_backward=True, head_dim_multiple=8, causal=True,
+        frozenset({"cuda"}), _HALF, max_head_dim=256, supports_backward=True, causal=True,
         max_head_dim_backward=128,
     )
 
@@ -100,7 +166,7 @@ class SDPAFlashBackend(_CudaSDPA):
     name = "sdpa_flash"
     op_name = "_scaled_dot_product_flash_attention"
     caps = BackendCaps(
-        frozenset({"cuda"}), _HALF, max_head_dim=256, supports_backward=True, head_dim_multiple=8, causal=True
+        frozenset({"cuda"}), _HALF, max_head_dim=256, supports_backward=True, causal=True
     )
 
     def forward(self, q, k, v, scale, causal=False):
@@ -132,7 +198,7 @@ class SDPAEfficientBackend(_CudaSDPA):
     name = "sdpa_efficient"
     op_name = "_scaled_dot_product_efficient_attention"
     caps = BackendCaps(
-        frozenset({"cuda"}), _HALF | {torch.float32}, max_head_dim=512, supports_backward=True, head_dim_multiple=8,
+        frozenset({"cuda"}), _HALF | {torch.float32}, max_head_dim=512, supports_backward=True,
         causal=True, key_mask=True,
     )
 
