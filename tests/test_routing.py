@@ -25,8 +25,8 @@ def _qkv(seed: int = 0) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(B, S + T, H, D, generator=g, dtype=torch.float64) for _ in range(3))
 
 
-def _route(text: str) -> Route:
-    return Route(ShardState(single_rank_mesh(), "reference", seq_len=S), text)
+def _route(text: str, backend: str = "reference") -> Route:
+    return Route(ShardState(single_rank_mesh(), backend, seq_len=S), text)
 
 
 def _reference(q, k, v, key_mask):
@@ -61,9 +61,14 @@ def test_joint_call_equals_masked_attention_on_every_row_read_downstream(text, m
         attn_mask = keys[:, None, None, :]
     out = route_attention(q, k, v, attn_mask=attn_mask, parallel_config=_route(text))
     ref = _reference(q, k, v, keys)
-    # Note [masked text tokens]: padded text queries' rows are zeros; every other row is stock's.
     assert torch.allclose(out[keys], ref[keys], atol=1e-12, rtol=0)
-    assert torch.count_nonzero(out[~keys]) == 0
+    if mask_kind in ("bool", "bool-4d"):
+        # One rank hands a bool key mask to the kernel whole (Note [one rank under a key mask] in
+        # usp_dit.attention.usp): padded text queries attend the valid keys, as stock's do.
+        assert torch.allclose(out, ref, atol=1e-12, rtol=0)
+    else:
+        # Note [masked text tokens]: padded text queries' rows are zeros; every other row is stock's.
+        assert torch.count_nonzero(out[~keys]) == 0
 
 
 @pytest.mark.parametrize("text", ["first", "last"])
@@ -98,12 +103,31 @@ def test_self_attention_route():
     assert torch.allclose(out, _reference(q, k, v, torch.ones(B, S, dtype=torch.bool)), atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["auto", "sdpa_cpu", "reference"])
+@pytest.mark.parametrize("kv_heads", [H, 1])
+def test_one_rank_bool_key_mask_equals_stock_on_every_row(backend, kv_heads):
+    """Note [one rank under a key mask]: "auto" is stock's own SDPA call, a named kernel takes the
+    mask itself; both equal PyTorch's masked attention on every row (padded text queries too),
+    with GQA (one K/V head), in float32 (sdpa_cpu has no float64: tolerance 1e-5, float32 sums)."""
+    q, k, v = (t.float() for t in _qkv(5))
+    k, v = k[:, :, :kv_heads], v[:, :, :kv_heads]
+    keys = torch.cat([_text_mask(), torch.ones(B, S, dtype=torch.bool)], dim=1)
+    out = route_attention(q, k, v, attn_mask=keys[:, None, None, :], parallel_config=_route("first", backend))
+    ref = _reference(q, k.repeat_interleave(H // kv_heads, 2), v.repeat_interleave(H // kv_heads, 2), keys)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 def test_refusals():
     q, k, v = _qkv()
     video_masked = torch.ones(B, S + T, dtype=torch.bool)
     video_masked[0, T + 2] = False  # text first: a video key
+    additive = torch.zeros(video_masked.shape, dtype=torch.float64).masked_fill(~video_masked, float("-inf"))
     with pytest.raises(NotImplementedError, match="masks video tokens"):
-        route_attention(q, k, v, attn_mask=video_masked, parallel_config=_route("first"))
+        route_attention(q, k, v, attn_mask=additive, parallel_config=_route("first"))
+    # A bool key mask goes to one rank's kernel whole (Note [one rank under a key mask]): exact
+    # even where it hides a video key (a grid refuses that: test_routing_grid's cases).
+    out = route_attention(q, k, v, attn_mask=video_masked, parallel_config=_route("first"))
+    assert torch.allclose(out, _reference(q, k, v, video_masked), atol=1e-12, rtol=0)
     with pytest.raises(NotImplementedError, match="key-padding masks only"):
         route_attention(q, k, v, attn_mask=torch.ones(B, 2, 1, S + T, dtype=torch.bool), parallel_config=_route("first"))
     causal = torch.ones(S + T, S + T, dtype=torch.bool).tril().expand(B, 1, -1, -1)  # varies over queries

@@ -42,7 +42,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from usp_dit.attention.masked import masked_attend
-from usp_dit.attention.masked_joint import JointMaskedAttention
+from usp_dit.attention.masked_joint import JointMaskedAttention, joint_backend
 from usp_dit.attention.masks import check_frame, ring_plans
 from usp_dit.attention.ring import RingAttention, RingSpec, choose_schedule, masked_schedule
 from usp_dit.attention.ulysses import gather_heads, scatter_heads, ulysses_layout
@@ -53,7 +53,7 @@ from usp_dit.distributed.fp8_wire import check_comm_dtype
 from usp_dit.distributed.handshake import agree, calls_verified
 from usp_dit.distributed.mesh import USPMesh, resolve_mesh
 from usp_dit.kernels import attend, attend_out, select_backend
-from usp_dit.kernels.autograd import needs_grad
+from usp_dit.kernels.autograd import kernel_forward, needs_grad
 from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 from usp_dit.kernels.registry import backends_with_lse
 from usp_dit.sharding.layouts import check_layout
@@ -481,6 +481,33 @@ def one_rank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sca
     flops = 4.0 * q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2] * head_dim if backend == "auto" else None
     kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad(q, k, v), flops)
     return attend_out(q, k, v, kernel, head_dim ** -0.5 if scale is None else float(scale))
+
+
+def one_rank_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, *,
+                              scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """Attention under a key padding mask on one rank of the sequence, in one kernel call that
+    takes the mask (Note [one rank under a key mask]).
+
+    q (B, S, H, D), k/v (B, S_k, H_k, D), key_mask (B, S_k) bool (True = attend) -> out (B, S, H, D).
+    Inference only: the caller checks that no gradient is needed and that it is not tracing.
+
+    Note [one rank under a key mask]
+        A routed call on one rank with a bool key-padding mask (padded prompts) needs none of the
+        sharded path's work: no per-element split (a ``nonzero`` and a host sync per element) and
+        no check of which keys the mask hides (another sync), because the whole mask goes to the
+        kernel as stock's does. With ``backend="auto"`` the call is stock's own: PyTorch's SDPA
+        with the bool mask (on an H100 it picks cuDNN's masked kernel; our mem-efficient kernel
+        with the mask as a bias ran PRX at 1.57x stock); a named backend runs the mask on its
+        kernel, or PyTorch's mem-efficient / CPU one where it has no mask (``joint_backend``).
+    """
+    scale = q.shape[3] ** -0.5 if scale is None else float(scale)
+    if backend == "auto":
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask[:, None, None, :],
+            scale=scale, enable_gqa=k.shape[2] != q.shape[2])
+        return out.transpose(1, 2)
+    kernel = joint_backend(select_backend(backend, q.device.type, q.dtype, q.shape[3], False), q)
+    return kernel_forward(kernel, q, k, v, scale, key_mask=key_mask)[0]
 
 
 def usp_attention(

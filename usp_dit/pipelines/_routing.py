@@ -45,7 +45,8 @@ from typing import Any, Literal
 
 import torch
 
-from usp_dit.attention.usp import one_rank_attention, usp_attention
+from usp_dit.attention.usp import one_rank_attention, one_rank_masked_attention, usp_attention
+from usp_dit.kernels.autograd import needs_grad
 from usp_dit.pipelines._checks import require
 from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.sharding.shard import layout_sizes
@@ -158,6 +159,47 @@ def _valid_text_keys(attn_mask: torch.Tensor | None, batch: int, text: slice, vi
     return None if bool(valid.all()) else valid
 
 
+def _one_rank_key_mask(attn_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor) -> torch.Tensor | None:
+    """The (batch, keys) bool key mask of a routed call that one rank can hand its kernel whole, or
+    ``None`` (no mask; another form: the general path checks it; a gradient or a trace: ditto).
+
+    Only a bool key-padding mask of the call's own keys qualifies, (batch | 1, keys) or
+    (batch | 1, 1, 1, keys): its meaning needs no check of values (an additive mask's could be
+    other than 0 and -inf), and the kernel applies it to every key, text or video, as stock does.
+    """
+    if (attn_mask is None or attn_mask.dtype != torch.bool or torch.compiler.is_compiling()
+            or needs_grad(query, key, value)):
+        return None
+    keys = key.shape[1]
+    if attn_mask.dim() == 4 and attn_mask.shape[1:3] == (1, 1):
+        attn_mask = attn_mask[:, 0, 0]
+    if attn_mask.dim() != 2 or attn_mask.shape[1] != keys or attn_mask.shape[0] not in (1, query.shape[0]):
+        return None
+    return attn_mask.expand(query.shape[0], keys)
+
+
+def one_rank_masked_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                         route: Any, scale: float | None, dropout_p: float = 0.0, is_causal: bool = False,
+                         attention_kwargs: dict[str, Any] | None = None) -> torch.Tensor | None:
+    """A routed call's result on one rank of the sequence under a bool key-padding mask, in one
+    kernel call (Note [one rank under a key mask] in usp_dit.attention.usp), or ``None`` where that
+    does not apply (a grid, block-causal attention, no mask or another form, a gradient, a trace;
+    no ``Route``, dropout, causal or attention kwargs: ``route_attention`` refuses those).
+
+    query (B, S_q, H, D) (any rows: the caller's queries), key/value (B, S_k, H_k, D), attn_mask
+    over the S_k keys -> (B, S_q, H, D).
+    """
+    if not isinstance(route, Route) or dropout_p or is_causal or attention_kwargs:
+        return None
+    if route.state.mesh.sequence_degree != 1 or route.block_causal is not None:
+        return None
+    key_mask = _one_rank_key_mask(attn_mask, query, key, value)
+    if key_mask is None:
+        return None
+    return one_rank_masked_attention(query, key, value, key_mask, scale=scale, backend=route.state.backend)
+
+
 def joint_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     text_q: torch.Tensor | None, text_k: torch.Tensor | None, text_v: torch.Tensor | None,
@@ -254,6 +296,9 @@ def route_attention(
         full = attn_mask.shape[-1]
         text = slice(0, text_len) if route.text == "first" else slice(full - text_len, full)
         video = slice(text_len, None) if route.text == "first" else slice(0, full - text_len)
+    masked = one_rank_masked_call(query, key, value, attn_mask, route, scale)  # checked above
+    if masked is not None:
+        return masked
     valid = _valid_text_keys(attn_mask, query.shape[0], text, video)
     if route.state.mesh.sequence_degree == 1 and valid is None:
         # One rank: attention over [text; shard] is plain attention over the sequence the stock

@@ -47,7 +47,7 @@ import torch
 from diffusers import PRXTransformer2DModel
 from diffusers.models.transformers.transformer_prx import PRXAttention, PRXAttnProcessor2_0
 
-from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, route_attention, with_global
+from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, one_rank_masked_call, route_attention, with_global
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter, Table
 
@@ -71,6 +71,10 @@ def _route_image_queries(
     text_len = key.shape[1] - query.shape[1]
     if text_len < 0:
         raise ValueError(f"a routed PRX attention call got {query.shape[1]} queries but only {key.shape[1]} keys")
+    one_rank = one_rank_masked_call(query, key, value, attn_mask, parallel_config, scale, dropout_p, is_causal,
+                                    attention_kwargs)
+    if one_rank is not None:  # one rank: the image queries alone over the masked keys, as stock
+        return one_rank
     text_queries = query.new_zeros(query.shape[0], text_len, *query.shape[2:])  # their outputs are dropped below
     out = route_attention(torch.cat([text_queries, query], dim=1), key, value, attn_mask, dropout_p, is_causal,
                           scale, enable_gqa, attention_kwargs, backend=backend, parallel_config=parallel_config)
