@@ -34,6 +34,7 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_anyflow
 
+from tests import family_checks
 from tests.adapter_parity import (
     assert_within,
     forward,
@@ -223,11 +224,8 @@ def test_temporal_patch_above_one_is_refused():
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
-def test_replaced_processor_is_refused():
-    model = tiny_anyflow("t2v")
-    model.blocks[1].attn2.set_processor(transformer_anyflow.AnyFlowAttnProcessor())
-    with pytest.raises(NotImplementedError, match=r"blocks.1.attn2.processor is AnyFlowAttnProcessor"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_replaced_processor_is_refused = family_checks.foreign_processor_refused(
+    lambda: tiny_anyflow("t2v"), ADAPTER, "blocks.1.attn2", transformer_anyflow.AnyFlowAttnProcessor)
 
 
 def test_far_model_is_refused_with_its_reason():

@@ -50,8 +50,8 @@ import pytest
 import torch
 
 import usp_dit
+from tests import family_checks
 from tests.adapter_parity import (
-    assert_disable_restores,
     assert_within,
     forward,
     grad_keys,
@@ -75,8 +75,7 @@ from usp_dit.demo.tiny_bria import (
     tiny_bria_fibo_pipeline,
     tiny_bria_pipeline,
 )
-from usp_dit.pipelines.base import find_adapter
-from usp_dit.pipelines.families.bria import ADAPTER, USPBriaAttnProcessor
+from usp_dit.pipelines.families.bria import ADAPTER, USPBriaAttnProcessor, USPBriaFiboAttnProcessor
 from usp_dit.pipelines.families.bria import FIBO_ADAPTER as FIBO
 from usp_dit.testing import rel_err
 
@@ -233,20 +232,11 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results, name: str)
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_bria():
-    assert find_adapter(tiny_bria()) is ADAPTER
-
-
-def test_disable_restores_processors_forward_and_hooks():
-    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPBriaAttnProcessor)
-
-
-def test_foreign_processor_is_refused():
-    model = tiny_bria()
-    model.transformer_blocks[1].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert "forward" not in model.__dict__
+test_find_adapter_finds_bria = family_checks.adapter_found(tiny_bria, ADAPTER)
+test_disable_restores_processors_forward_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPBriaAttnProcessor)
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_bria, ADAPTER, "transformer_blocks.1.attn")
 
 
 def test_processor_swapped_after_enable_is_refused_at_the_call():
@@ -290,19 +280,11 @@ def test_single_block_controlnet_residuals_are_refused():
 # ---- FIBO, single process ---------------------------------------------------------------------------
 
 
-def test_find_adapter_finds_bria_fibo():
-    assert find_adapter(tiny_bria_fibo()) is FIBO
+test_find_adapter_finds_bria_fibo = family_checks.adapter_found(tiny_bria_fibo, FIBO)
 
 
-def test_fibo_disable_restores_processors_forward_and_hooks():
-    model, inputs = _build(SHAPES[2])
-    before = [m.processor for m in model.modules() if hasattr(m, "processor")]
-    FIBO.enable(model, single_rank_mesh(), "auto")
-    forward(model, inputs)
-    FIBO.disable(model)
-    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
-    assert "forward" not in model.__dict__
-    assert not [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+test_fibo_disable_restores_processors_forward_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[2]), FIBO, USPBriaFiboAttnProcessor)
 
 
 @pytest.mark.parametrize("mask, message", [
@@ -322,9 +304,5 @@ def test_fibo_masks_other_than_the_pipelines_are_refused(mask, message):
         FIBO.disable(model)
 
 
-def test_fibo_tensor_parallelism_is_refused_by_name():
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    assert FIBO.plan.tensor is None
-    with pytest.raises(NotImplementedError, match="usp_dit's BriaFibo plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_bria_fibo(), FIBO.plan.tensor, FIBO.name, 2)
+test_fibo_tensor_parallelism_is_refused_by_name = family_checks.tensor_parallelism_refused(
+    tiny_bria_fibo, FIBO, "BriaFibo")

@@ -42,6 +42,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests import family_checks
 from tests.adapter_parity import (
     assert_within,
     cfg_split_case,
@@ -60,7 +61,6 @@ from tests.adapter_parity import (
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_bria_fibo2 import bria_fibo2_inputs, tiny_bria_fibo2, tiny_bria_fibo2_pipeline
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.bria_fibo2 import ADAPTER, USPBriaFibo2AttnProcessor
 
 TOL = 1e-5
@@ -185,8 +185,7 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results, key: str):
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_bria_fibo2():
-    assert find_adapter(tiny_bria_fibo2()) is ADAPTER
+test_find_adapter_finds_bria_fibo2 = family_checks.adapter_found(tiny_bria_fibo2, ADAPTER)
 
 
 def test_disable_restores_processors_forward_and_hooks():
@@ -202,16 +201,8 @@ def test_disable_restores_processors_forward_and_hooks():
     assert not [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
 
 
-def test_foreign_processor_is_refused():
-    model = tiny_bria_fibo2()
-    model.layers[1].attention.processor = object()
-    with pytest.raises(NotImplementedError, match="layers.1.attention.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_tensor_parallelism_is_refused_by_name():
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    with pytest.raises(NotImplementedError, match="usp_dit's BriaFibo2 plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_bria_fibo2(), ADAPTER.plan.tensor, ADAPTER.name, 2)
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_bria_fibo2, ADAPTER, "layers.1.attention")
+test_tensor_parallelism_is_refused_by_name = family_checks.tensor_parallelism_refused(
+    tiny_bria_fibo2, ADAPTER, "BriaFibo2")
 

@@ -46,8 +46,8 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_flux
 
+from tests import family_checks
 from tests.adapter_parity import (
-    assert_disable_restores,
     assert_within,
     cfg_split_case,
     forward,
@@ -66,7 +66,6 @@ from tests.adapter_parity import (
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_chroma import chroma_inputs, tiny_chroma, tiny_chroma_pipeline
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import chroma  # noqa: F401  (registers the adapter)
 from usp_dit.pipelines.families.chroma import ADAPTER, USPChromaAttnProcessor
 from usp_dit.sharding.shard import shard_sequence
@@ -228,8 +227,7 @@ def test_ulysses_above_heads_raises_at_enable(grid_results):
 # ---- single process: registration, the mask's effect, restore exactly, loud failures ---------------
 
 
-def test_find_adapter_finds_chroma():
-    assert find_adapter(tiny_chroma()) is ADAPTER
+test_find_adapter_finds_chroma = family_checks.adapter_found(tiny_chroma, ADAPTER)
 
 
 def test_the_float_mask_changes_the_output_and_is_kept():
@@ -247,8 +245,8 @@ def test_the_float_mask_changes_the_output_and_is_kept():
     assert rel_err(out, ref) <= TOL
 
 
-def test_disable_restores_processors_forward_and_hooks():
-    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPChromaAttnProcessor)
+test_disable_restores_processors_forward_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPChromaAttnProcessor)
 
 
 def test_enable_twice_and_disable_unpatched_raise():
@@ -261,19 +259,10 @@ def test_enable_twice_and_disable_unpatched_raise():
     ADAPTER.disable(model)
 
 
-def test_foreign_processor_is_refused():
-    model = tiny_chroma()
-    model.single_transformer_blocks[1].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="single_transformer_blocks.1.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert "forward" not in model.__dict__
-
-
-def test_diffusers_context_parallelism_is_refused():
-    model = tiny_chroma()
-    model.transformer_blocks[0].attn.processor._parallel_config = object()
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_chroma, ADAPTER, "single_transformer_blocks.1.attn")
+test_diffusers_context_parallelism_is_refused = family_checks.context_parallelism_refused(
+    tiny_chroma, ADAPTER, "transformer_blocks.0.attn")
 
 
 def test_unsupported_diffusers_cache_is_refused():
@@ -285,10 +274,8 @@ def test_unsupported_diffusers_cache_is_refused():
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
-def test_no_layers_is_refused():
-    model = tiny_chroma(num_layers=0, num_single_layers=0)
-    with pytest.raises(NotImplementedError, match=r"no transformer blocks \(num_layers=0\)"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_no_layers_is_refused = family_checks.no_blocks_refused(
+    lambda: tiny_chroma(num_layers=0, num_single_layers=0), ADAPTER)
 
 
 def _refused_call(change: dict, error: type, match: str) -> None:
@@ -340,9 +327,5 @@ def test_processor_swapped_after_enable_is_refused_at_the_call():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    """Should a future diffusers' processor stop calling dispatch_attention_fn, enable refuses
-    instead of running local attention on a shard."""
-    monkeypatch.setattr(chroma, "_ROUTED_CALL", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_chroma(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_chroma, ADAPTER, chroma, "_ROUTED_CALL")

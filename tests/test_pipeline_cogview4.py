@@ -33,6 +33,7 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_cogview4 import CogView4TrainingAttnProcessor
 
+from tests import family_checks
 from tests.adapter_parity import (
     forward,
     grad_keys,
@@ -202,11 +203,8 @@ def test_a_mask_that_is_not_an_outer_product_is_refused():
         _key_weights(torch.ones(1, 4, 4))
 
 
-def test_the_training_processor_is_refused():
-    model = tiny_cogview4()
-    model.transformer_blocks[0].attn1.processor = CogView4TrainingAttnProcessor()
-    with pytest.raises(NotImplementedError, match="CogView4TrainingAttnProcessor"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_the_training_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_cogview4, ADAPTER, "transformer_blocks.0.attn1", CogView4TrainingAttnProcessor)
 
 
 def test_the_mask_bias_is_exact_on_one_rank():

@@ -33,8 +33,10 @@ from unittest import mock
 
 import pytest
 import torch
+from diffusers.models.attention_processor import AttnProcessor2_0
 from diffusers.models.transformers import transformer_cosmos
 
+from tests import family_checks
 from tests.adapter_parity import (
     assert_one_rank_bit_identical,
     assert_within,
@@ -220,10 +222,5 @@ def test_controlnet_residuals_are_refused_at_the_call():
         ADAPTER.disable(model)
 
 
-def test_a_processor_other_than_the_stock_one_is_refused():
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
-    model, _ = _build(SHAPES[0])
-    model.transformer_blocks[0].attn2.set_processor(AttnProcessor2_0())
-    with pytest.raises(NotImplementedError, match="transformer_blocks.0.attn2.processor is AttnProcessor2_0"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_processor_other_than_the_stock_one_is_refused = family_checks.foreign_processor_refused(
+    lambda: _build(SHAPES[0])[0], ADAPTER, "transformer_blocks.0.attn2", AttnProcessor2_0)

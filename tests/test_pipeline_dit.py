@@ -37,9 +37,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from diffusers.models.attention_processor import AttnProcessor
 
+from tests import family_checks
 from tests.adapter_parity import (
-    assert_disable_restores,
     assert_within,
     cfg_split_case,
     decoded_latents_and,
@@ -58,7 +59,6 @@ from tests.adapter_parity import (
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_dit import NUM_CLASSES, dit_inputs, tiny_dit, tiny_dit_pipeline
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.dit import ADAPTER
 from usp_dit.pipelines.families.pixart import USPPixArtSelfAttnProcessor
 
@@ -192,21 +192,11 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
 # ---- single process: registration, restore exactly, loud failures ----------------------------------
 
 
-def test_find_adapter_finds_dit():
-    assert find_adapter(tiny_dit()) is ADAPTER
-
-
-def test_disable_restores_processors_and_hooks():
-    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPPixArtSelfAttnProcessor)
-
-
-def test_foreign_processor_is_refused():
-    from diffusers.models.attention_processor import AttnProcessor
-
-    model = tiny_dit()
-    model.transformer_blocks[1].attn1.set_processor(AttnProcessor())
-    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn1.processor is AttnProcessor"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_find_adapter_finds_dit = family_checks.adapter_found(tiny_dit, ADAPTER)
+test_disable_restores_processors_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPPixArtSelfAttnProcessor)
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_dit, ADAPTER, "transformer_blocks.1.attn1", AttnProcessor)
 
 
 def test_a_block_of_another_kind_is_refused():
@@ -216,9 +206,7 @@ def test_a_block_of_another_kind_is_refused():
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
-def test_no_blocks_is_refused():
-    with pytest.raises(NotImplementedError, match=r"no transformer blocks \(num_layers=0\)"):
-        ADAPTER.enable(tiny_dit(num_layers=0), single_rank_mesh(), "auto")
+test_no_blocks_is_refused = family_checks.no_blocks_refused(lambda: tiny_dit(num_layers=0), ADAPTER)
 
 
 def test_label_dropout_in_training_is_refused_at_the_call():

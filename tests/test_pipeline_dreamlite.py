@@ -35,6 +35,7 @@ import pytest
 import torch
 from diffusers.models.attention_processor import AttnProcessor2_0
 
+from tests import family_checks
 from tests.adapter_parity import (
     assert_one_rank_bit_identical,
     assert_within,
@@ -181,13 +182,10 @@ def test_a_self_attention_mask_is_refused_at_the_call():
         ADAPTER.disable(model)
 
 
-def test_the_class_default_processor_on_attn1_is_refused():
-    """``DreamLiteTransformer2DModel`` alone installs ``AttnProcessor2_0`` (which mishandles GQA);
-    the U-Net replaces it with ``DreamLiteAttnProcessor2_0``, the one the plan routes."""
-    model, _ = _build(SHAPES[0])
-    model.transformer_blocks[1].attn1.set_processor(AttnProcessor2_0())
-    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn1.processor is AttnProcessor2_0"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+# ``DreamLiteTransformer2DModel`` alone installs ``AttnProcessor2_0`` (which mishandles GQA);
+# the U-Net replaces it with ``DreamLiteAttnProcessor2_0``, the one the plan routes.
+test_the_class_default_processor_on_attn1_is_refused = family_checks.foreign_processor_refused(
+    lambda: _build(SHAPES[0])[0], ADAPTER, "transformer_blocks.1.attn1", AttnProcessor2_0)
 
 
 def test_only_cross_attention_is_refused():

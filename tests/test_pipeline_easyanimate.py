@@ -36,7 +36,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from diffusers.models.attention_processor import AttnProcessor2_0
 
+from tests import family_checks
 from tests.adapter_parity import (
     assert_disable_restores,
     assert_one_rank_bit_identical,
@@ -248,13 +250,8 @@ def test_disable_restores_and_one_rank_is_bit_identical():
     assert_one_rank_bit_identical(model, inputs, ADAPTER)
 
 
-def test_a_processor_other_than_the_stock_one_is_refused():
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
-    model, _ = _build(SHAPES[0])
-    model.transformer_blocks[1].attn1.set_processor(AttnProcessor2_0())
-    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn1.processor is AttnProcessor2_0"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_processor_other_than_the_stock_one_is_refused = family_checks.foreign_processor_refused(
+    lambda: _build(SHAPES[0])[0], ADAPTER, "transformer_blocks.1.attn1", AttnProcessor2_0)
 
 
 def test_dropout_with_blocks_past_mmdit_layers_is_refused():

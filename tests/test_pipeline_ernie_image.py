@@ -36,6 +36,7 @@ import pytest
 import torch
 
 import usp_dit
+from tests import family_checks
 from tests.adapter_parity import (
     assert_within,
     forward,
@@ -51,7 +52,6 @@ from tests.adapter_parity import (
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ernie_image import ernie_image_inputs, tiny_ernie_image, tiny_ernie_image_pipeline
 from usp_dit.pipelines import is_usp_enabled
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.ernie_image import ADAPTER, USPErnieImageAttnProcessor
 from usp_dit.testing import rel_err
 
@@ -198,26 +198,15 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_ernie_image():
-    assert find_adapter(tiny_ernie_image()) is ADAPTER
+test_find_adapter_finds_ernie_image = family_checks.adapter_found(tiny_ernie_image, ADAPTER)
 
 
-def test_disable_restores_processors_and_hooks():
-    model, inputs = _build(SHAPES[0])
-    before = [m.processor for m in model.modules() if hasattr(m, "processor")]
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert all(isinstance(m.processor, USPErnieImageAttnProcessor) for m in model.modules() if hasattr(m, "processor"))
-    forward(model, inputs)
-    ADAPTER.disable(model)
-    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
-    assert not [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+test_disable_restores_processors_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPErnieImageAttnProcessor)
 
 
-def test_foreign_processor_is_refused():
-    model = tiny_ernie_image()
-    model.layers[1].self_attention.processor = object()
-    with pytest.raises(NotImplementedError, match="layers.1.self_attention.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_ernie_image, ADAPTER, "layers.1.self_attention")
 
 
 def test_processor_swapped_after_enable_is_refused_at_the_call():
@@ -233,9 +222,5 @@ def test_processor_swapped_after_enable_is_refused_at_the_call():
         ADAPTER.disable(model)
 
 
-def test_tensor_parallelism_is_refused_by_name():
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    assert ADAPTER.plan.tensor is None
-    with pytest.raises(NotImplementedError, match="usp_dit's ErnieImage plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_ernie_image(), ADAPTER.plan.tensor, ADAPTER.name, 2)
+test_tensor_parallelism_is_refused_by_name = family_checks.tensor_parallelism_refused(
+    tiny_ernie_image, ADAPTER, "ErnieImage")

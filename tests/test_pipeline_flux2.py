@@ -48,6 +48,7 @@ import torch
 from diffusers.models.transformers import transformer_flux2
 from diffusers.models.transformers.transformer_flux2 import Flux2KVAttnProcessor, Flux2KVParallelSelfAttnProcessor
 
+from tests import family_checks
 from tests.adapter_parity import (
     assert_within,
     cfg_split_case,
@@ -288,19 +289,10 @@ def test_enable_twice_and_disable_unpatched_raise():
     ADAPTER.disable(model)
 
 
-def test_foreign_processor_is_refused():
-    model = tiny_flux2()
-    model.single_transformer_blocks[1].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="single_transformer_blocks.1.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert "forward" not in model.__dict__
-
-
-def test_diffusers_context_parallelism_is_refused():
-    model = tiny_flux2()
-    model.transformer_blocks[0].attn.processor._parallel_config = object()
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_flux2, ADAPTER, "single_transformer_blocks.1.attn")
+test_diffusers_context_parallelism_is_refused = family_checks.context_parallelism_refused(
+    tiny_flux2, ADAPTER, "transformer_blocks.0.attn")
 
 
 def test_unsupported_diffusers_cache_is_refused():
@@ -312,10 +304,8 @@ def test_unsupported_diffusers_cache_is_refused():
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
-def test_no_layers_is_refused():
-    model = tiny_flux2(num_layers=0, num_single_layers=0)
-    with pytest.raises(NotImplementedError, match=r"no transformer blocks \(num_layers=0\)"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_no_layers_is_refused = family_checks.no_blocks_refused(
+    lambda: tiny_flux2(num_layers=0, num_single_layers=0), ADAPTER)
 
 
 @pytest.mark.parametrize("layers", [(0, 2), (2, 0)])
@@ -368,9 +358,5 @@ def test_ids_unlike_the_tokens_are_refused():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    """Should a future diffusers' processor stop calling dispatch_attention_fn, enable refuses
-    instead of running local attention on a shard."""
-    monkeypatch.setattr(flux2, "_RoutedFlux2SelfAttn", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_flux2(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_flux2, ADAPTER, flux2, "_RoutedFlux2SelfAttn")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests import family_checks
 from tests.adapter_parity import (
     assert_within,
     cfg_split_case,
@@ -135,10 +136,8 @@ def test_ulysses_above_heads_raises_at_enable(grid_results):
 # ---- single process: registration, refusals ---------------------------------------------------
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(flux3, "_ROUTED_CALL", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_flux3(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_flux3, ADAPTER, flux3, "_ROUTED_CALL")
 
 
 def test_ids_unlike_the_tokens_are_refused():

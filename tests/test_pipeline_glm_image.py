@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests import family_checks
 from tests.adapter_parity import (
     assert_within,
-    forward,
     grad_keys,
     gradient_errors,
     grid_tests,
@@ -52,7 +52,6 @@ from tests.adapter_parity import (
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_glm_image import CODEBOOK, TEXT_DIM, glm_image_inputs, tiny_glm_image, tiny_glm_image_pipeline
 from usp_dit.pipelines import is_usp_enabled
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.glm_image import ADAPTER, USPGlmImageAttnProcessor
 from usp_dit.testing import rel_err
 
@@ -181,26 +180,15 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_glm_image():
-    assert find_adapter(tiny_glm_image()) is ADAPTER
+test_find_adapter_finds_glm_image = family_checks.adapter_found(tiny_glm_image, ADAPTER)
 
 
-def test_disable_restores_processors_and_hooks():
-    model, inputs = _build(SHAPES[0])
-    before = [m.processor for m in model.modules() if hasattr(m, "processor")]
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert all(isinstance(m.processor, USPGlmImageAttnProcessor) for m in model.modules() if hasattr(m, "processor"))
-    forward(model, inputs)
-    ADAPTER.disable(model)
-    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
-    assert not [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+test_disable_restores_processors_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPGlmImageAttnProcessor)
 
 
-def test_foreign_processor_is_refused():
-    model = tiny_glm_image()
-    model.transformer_blocks[1].attn1.processor = object()
-    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn1.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_glm_image, ADAPTER, "transformer_blocks.1.attn1")
 
 
 @pytest.mark.parametrize("mode", ["write", "read"])
@@ -229,9 +217,5 @@ def test_a_callers_rope_table_is_refused():
         ADAPTER.disable(model)
 
 
-def test_tensor_parallelism_is_refused_by_name():
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    assert ADAPTER.plan.tensor is None
-    with pytest.raises(NotImplementedError, match="usp_dit's GlmImage plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_glm_image(), ADAPTER.plan.tensor, ADAPTER.name, 2)
+test_tensor_parallelism_is_refused_by_name = family_checks.tensor_parallelism_refused(
+    tiny_glm_image, ADAPTER, "GlmImage")
