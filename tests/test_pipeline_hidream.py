@@ -40,6 +40,7 @@ import torch
 from diffusers.models.transformers import transformer_hidream_image
 
 import usp_dit
+from tests import family_checks
 from tests.adapter_parity import (
     assert_within,
     forward,
@@ -248,12 +249,9 @@ def test_an_moe_that_uses_its_auxiliary_loss_is_refused(monkeypatch):
         ADAPTER.enable(tiny_hidream(), single_rank_mesh(), "auto")
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    """Should a future diffusers' HiDreamAttnProcessor stop calling F.scaled_dot_product_attention,
-    enable refuses instead of running local attention on a shard."""
-    monkeypatch.setattr(hidream, "_routed_call", lambda route: None)
-    with pytest.raises(NotImplementedError, match="does not call F.scaled_dot_product_attention"):
-        ADAPTER.enable(tiny_hidream(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_hidream, ADAPTER, hidream, "_routed_call", lambda route: None,
+    match="does not call F.scaled_dot_product_attention")
 
 
 def test_one_rank_enabled_equals_stock_on_a_padded_latent():

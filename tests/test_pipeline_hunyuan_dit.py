@@ -41,10 +41,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests import family_checks
 from tests.adapter_parity import (
     _param_grads,
     allowance_gradient_errors,
-    assert_one_rank_bit_identical,
     assert_within,
     cfg_split_case,
     forward,
@@ -228,8 +228,7 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
 # ---- single process: restore exactly, loud failures ----------------------------------------------
 
 
-def test_one_rank_is_bit_identical_to_stock():
-    assert_one_rank_bit_identical(*_build(SHAPES[1]), ADAPTER)
+test_one_rank_is_bit_identical_to_stock = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[1]), ADAPTER)
 
 
 def test_prompt_masks_and_skips_change_the_output():

@@ -47,6 +47,7 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_hunyuanimage
 
+from tests import family_checks
 from tests.adapter_parity import (
     assert_within,
     cfg_pair_computations,
@@ -245,11 +246,8 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results, name: str)
 # ---- single process: registration, loud failures ------------------------------------------------
 
 
-def test_a_foreign_token_refiner_processor_is_refused():
-    model = tiny_hunyuan_image()
-    model.context_embedder.token_refiner.refiner_blocks[0].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="refiner_blocks.0.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_foreign_token_refiner_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_hunyuan_image, ADAPTER, "context_embedder.token_refiner.refiner_blocks.0.attn")
 
 
 def test_a_mask_over_image_tokens_is_refused():
@@ -267,10 +265,8 @@ def test_a_mask_over_image_tokens_is_refused():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(hunyuan_image, "_RoutedProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_hunyuan_image(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_hunyuan_image, ADAPTER, hunyuan_image, "_RoutedProcessor")
 
 
 def test_a_model_without_dual_stream_blocks_is_refused():

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from diffusers.models.transformers import transformer_hunyuan_video
 
+from tests import family_checks
 from tests.adapter_parity import (
     _param_grads,
     assert_within,
@@ -271,11 +272,8 @@ def test_single_stream_blocks_alone_are_refused():
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
-def test_a_foreign_token_refiner_processor_is_refused():
-    model = tiny_hunyuan_video()
-    model.context_embedder.token_refiner.refiner_blocks[0].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="refiner_blocks.0.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_foreign_token_refiner_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_hunyuan_video, ADAPTER, "context_embedder.token_refiner.refiner_blocks.0.attn")
 
 
 def test_a_mask_over_video_tokens_is_refused():
@@ -293,9 +291,5 @@ def test_a_mask_over_video_tokens_is_refused():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    """Should a future diffusers' processor stop calling dispatch_attention_fn, enable refuses
-    instead of running local attention on a shard."""
-    monkeypatch.setattr(hunyuan_video, "_RoutedHunyuanProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_hunyuan_video(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_hunyuan_video, ADAPTER, hunyuan_video, "_RoutedHunyuanProcessor")

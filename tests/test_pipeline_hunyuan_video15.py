@@ -53,6 +53,7 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_hunyuan_video15
 
+from tests import family_checks
 from tests.adapter_parity import (
     assert_within,
     cfg_pair_computations,
@@ -332,11 +333,8 @@ def test_the_vae_is_split_not_decoded_whole():
         assert reason is None and sites.convs and sites.rebound and sites.attributes, reason
 
 
-def test_a_foreign_token_refiner_processor_is_refused():
-    model = tiny_hunyuan_video15()
-    model.context_embedder.token_refiner.refiner_blocks[0].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="refiner_blocks.0.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_foreign_token_refiner_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_hunyuan_video15, ADAPTER, "context_embedder.token_refiner.refiner_blocks.0.attn")
 
 
 def test_a_mask_over_video_tokens_is_refused():
@@ -354,10 +352,8 @@ def test_a_mask_over_video_tokens_is_refused():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(hunyuan_video15, "_RoutedProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_hunyuan_video15(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_hunyuan_video15, ADAPTER, hunyuan_video15, "_RoutedProcessor")
 
 
 def test_a_batch_split_into_text_and_image_halves_is_refused_at_cfg_2():

@@ -47,8 +47,8 @@ import torch
 from diffusers.models.attention_processor import AttnProcessor2_0
 from diffusers.models.transformers import transformer_hunyuan_video
 
+from tests import family_checks
 from tests.adapter_parity import (
-    assert_disable_restores,
     assert_within,
     cfg_pair_computations,
     forward,
@@ -233,9 +233,9 @@ def test_shapes_have_the_token_counts_the_docstring_states():
     assert [_tokens(model, s) for s in SHAPES] == [(83, 45), (41, 27)]
 
 
-def test_disable_restores_processors_and_hooks():
-    # the refiner's local attention keeps its stock processor
-    assert_disable_restores(*_build(SHAPES[1]), ADAPTER, (USPHunyuanVideoAttnProcessor, AttnProcessor2_0))
+# the refiner's local attention keeps its stock processor
+test_disable_restores_processors_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[1]), ADAPTER, (USPHunyuanVideoAttnProcessor, AttnProcessor2_0))
 
 
 @pytest.mark.parametrize("blocks, reason", [
@@ -249,11 +249,8 @@ def test_a_missing_block_list_is_refused(blocks: str, reason: str):
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
-def test_a_foreign_token_refiner_processor_is_refused():
-    model = tiny_framepack()
-    model.context_embedder.token_refiner.refiner_blocks[0].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="refiner_blocks.0.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_foreign_token_refiner_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_framepack, ADAPTER, "context_embedder.token_refiner.refiner_blocks.0.attn")
 
 
 def test_a_rope_table_of_another_length_is_refused():

@@ -43,9 +43,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests import family_checks
 from tests.adapter_parity import (
-    assert_disable_restores,
-    assert_one_rank_bit_identical,
     assert_within,
     cfg_split_case,
     forward,
@@ -63,7 +62,6 @@ from tests.adapter_parity import (
 )
 from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ideogram4 import ideogram4_inputs, tiny_ideogram4, tiny_ideogram4_pipeline
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.ideogram4 import ADAPTER, USPIdeogram4AttnProcessor
 from usp_dit.testing import rel_err
 
@@ -257,23 +255,12 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_ideogram4():
-    assert find_adapter(tiny_ideogram4()) is ADAPTER
-
-
-def test_disable_restores_processors_and_forward():
-    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPIdeogram4AttnProcessor)
-
-
-def test_one_rank_is_bit_identical():
-    assert_one_rank_bit_identical(*_build(SHAPES[0]), ADAPTER)
-
-
-def test_foreign_processor_is_refused():
-    model = tiny_ideogram4()
-    model.layers[1].attention.processor = object()
-    with pytest.raises(NotImplementedError, match="layers.1.attention.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_find_adapter_finds_ideogram4 = family_checks.adapter_found(tiny_ideogram4, ADAPTER)
+test_disable_restores_processors_and_forward = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPIdeogram4AttnProcessor)
+test_one_rank_is_bit_identical = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[0]), ADAPTER)
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_ideogram4, ADAPTER, "layers.1.attention")
 
 
 def test_processor_swapped_after_enable_is_refused_at_the_call():

@@ -49,9 +49,8 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_joyimage_edit_plus
 
+from tests import family_checks
 from tests.adapter_parity import (
-    assert_disable_restores,
-    assert_one_rank_bit_identical,
     assert_within,
     cfg_split_case,
     forward,
@@ -77,7 +76,6 @@ from usp_dit.demo.tiny_joyimage_plus import (
 )
 from usp_dit.demo.tiny_video import gradient_image
 from usp_dit.pipelines import _routing
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import joyimage_plus
 from usp_dit.pipelines.families.joyimage_plus import ADAPTER, USPJoyImagePlusAttnProcessor
 from usp_dit.sharding.shard import shard_sequence
@@ -247,29 +245,14 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
 # ---- single process: registration, what disable gives back, refusals ---------------------------
 
 
-def test_the_adapter_is_found_for_the_class():
-    assert find_adapter(tiny_joyimage_plus()) is ADAPTER
-
-
-def test_disable_restores_processors_and_hooks():
-    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPJoyImagePlusAttnProcessor)
-
-
-def test_one_rank_is_bit_identical():
-    assert_one_rank_bit_identical(*_build(SHAPES[0]), ADAPTER)
-
-
-def test_a_foreign_processor_is_refused():
-    model = tiny_joyimage_plus()
-    model.double_blocks[1].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="double_blocks.1.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(joyimage_plus, "_RoutedPlusProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_joyimage_plus(), single_rank_mesh(), "auto")
+test_the_adapter_is_found_for_the_class = family_checks.adapter_found(tiny_joyimage_plus, ADAPTER)
+test_disable_restores_processors_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPJoyImagePlusAttnProcessor)
+test_one_rank_is_bit_identical = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[0]), ADAPTER)
+test_a_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_joyimage_plus, ADAPTER, "double_blocks.1.attn")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_joyimage_plus, ADAPTER, joyimage_plus, "_RoutedPlusProcessor")
 
 
 def test_a_mask_over_padded_items_is_refused():

@@ -39,6 +39,7 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_krea2
 
+from tests import family_checks
 from tests.adapter_parity import (
     assert_within,
     cfg_pair_computations,
@@ -255,17 +256,10 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
 # ---- single process: registration, loud failures ------------------------------------------------
 
 
-def test_a_foreign_text_fusion_processor_is_refused():
-    model = tiny_krea2()
-    model.text_fusion.refiner_blocks[0].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="refiner_blocks.0.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(krea2, "_RoutedProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_krea2(), single_rank_mesh(), "auto")
+test_a_foreign_text_fusion_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_krea2, ADAPTER, "text_fusion.refiner_blocks.0.attn")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_krea2, ADAPTER, krea2, "_RoutedProcessor")
 
 
 def test_position_ids_shorter_than_the_image_raise():

@@ -43,11 +43,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
+from tests import family_checks
 from tests.adapter_parity import (
     _param_grads,
     allowance_gradient_errors,
-    assert_one_rank_bit_identical,
     assert_within,
     cfg_split_case,
     forward,
@@ -63,7 +64,7 @@ from tests.adapter_parity import (
 )
 from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
 from usp_dit.demo.tiny_latte import latte_inputs, tiny_latte, tiny_latte_pipeline
-from usp_dit.pipelines.families.latte import ADAPTER
+from usp_dit.pipelines.families.latte import ADAPTER, USPLatteSpatialAttnProcessor
 from usp_dit.testing import rel_err
 
 TOL = 1e-5
@@ -238,18 +239,12 @@ def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
 # ---- single process: restore exactly, loud failures ----------------------------------------------
 
 
-def test_one_rank_is_bit_identical_to_stock():
-    assert_one_rank_bit_identical(*_build(SHAPES[1]), ADAPTER)
+test_one_rank_is_bit_identical_to_stock = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[1]), ADAPTER)
 
 
-def test_disable_leaves_no_hook_and_the_stock_processors():
-    model, inputs = _build(SHAPES[1])
-    before = [m.processor for m in model.modules() if hasattr(m, "processor")]
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    forward(model, inputs)
-    ADAPTER.disable(model)
-    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
-    assert not [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+# the temporal and cross-attention are local: their stock processors stay
+test_disable_leaves_no_hook_and_the_stock_processors = family_checks.disable_restores(
+    lambda: _build(SHAPES[1]), ADAPTER, (USPLatteSpatialAttnProcessor, AttnProcessor2_0))
 
 
 def test_text_mask_and_temporal_position_table_change_the_output():
@@ -275,13 +270,8 @@ def test_a_mask_per_video_query_is_refused():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused():
-    from diffusers.models.attention_processor import AttnProcessor
-
-    model = tiny_latte()
-    model.transformer_blocks[1].attn1.processor = AttnProcessor()
-    with pytest.raises(NotImplementedError, match=r"transformer_blocks.1.attn1.processor is AttnProcessor\b"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.foreign_processor_refused(
+    tiny_latte, ADAPTER, "transformer_blocks.1.attn1", AttnProcessor)
 
 
 def test_fused_qkv_is_refused():

@@ -44,8 +44,8 @@ import torch
 from PIL import Image
 
 import usp_dit
+from tests import family_checks
 from tests.adapter_parity import (
-    assert_disable_restores,
     assert_within,
     forward,
     grad_keys,
@@ -61,7 +61,6 @@ from tests.adapter_parity import (
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_longcat_image import longcat_image_inputs, tiny_longcat_image, tiny_longcat_image_pipeline
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.longcat_image import ADAPTER, USPLongCatImageAttnProcessor
 from usp_dit.testing import rel_err
 
@@ -217,20 +216,11 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_longcat_image():
-    assert find_adapter(tiny_longcat_image()) is ADAPTER
-
-
-def test_disable_restores_processors_forward_and_hooks():
-    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPLongCatImageAttnProcessor)
-
-
-def test_foreign_processor_is_refused():
-    model = tiny_longcat_image()
-    model.single_transformer_blocks[1].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="single_transformer_blocks.1.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert "forward" not in model.__dict__
+test_find_adapter_finds_longcat_image = family_checks.adapter_found(tiny_longcat_image, ADAPTER)
+test_disable_restores_processors_forward_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPLongCatImageAttnProcessor)
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_longcat_image, ADAPTER, "single_transformer_blocks.1.attn")
 
 
 def test_processor_swapped_after_enable_is_refused_at_the_call():

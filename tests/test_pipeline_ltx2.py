@@ -43,6 +43,7 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_ltx2
 
+from tests import family_checks
 from tests.adapter_parity import (
     assert_within,
     grad_keys,
@@ -56,6 +57,7 @@ from tests.adapter_parity import (
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ltx2 import ltx2_inputs, tiny_ltx2, tiny_ltx2_pipeline
 from usp_dit.pipelines import _routing
+from usp_dit.pipelines.families import ltx2
 from usp_dit.pipelines.families.ltx2 import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
 from usp_dit.testing import rel_err
@@ -303,16 +305,8 @@ def test_timestep_of_wrong_length_is_refused():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    from usp_dit.pipelines.families import ltx2
-
-    monkeypatch.setattr(ltx2.USPLTX2VideoToAudioProcessor, "_plain", None)
-    with pytest.raises(NotImplementedError, match="do not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_ltx2(), single_rank_mesh(), "auto")
-
-
-def test_a_custom_processor_is_refused():
-    model = tiny_ltx2()
-    model.transformer_blocks[1].video_to_audio_attn.set_processor(torch.nn.Identity())
-    with pytest.raises(NotImplementedError, match="video_to_audio_attn.processor is Identity"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_ltx2, ADAPTER, ltx2.USPLTX2VideoToAudioProcessor, "_plain",
+    match="do not call dispatch_attention_fn, the call usp_dit routes")
+test_a_custom_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_ltx2, ADAPTER, "transformer_blocks.1.video_to_audio_attn", torch.nn.Identity)
