@@ -39,6 +39,7 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_ltx
 
+from tests import family_checks
 from tests.adapter_parity import (
     assert_within,
     forward,
@@ -234,9 +235,5 @@ def test_timestep_of_wrong_length_is_refused():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    """Should a future diffusers' processor stop calling dispatch_attention_fn, enable refuses
-    instead of running local attention on a shard."""
-    monkeypatch.setattr(ltx_video, "_RoutedLTXProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_ltx_video(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_ltx_video, ADAPTER, ltx_video, "_RoutedLTXProcessor")

@@ -36,7 +36,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from diffusers.models.attention_processor import AttnProcessor2_0
 
+from tests import family_checks
 from tests.adapter_parity import (
     _param_grads,
     allowance_gradient_errors,
@@ -174,13 +176,8 @@ def test_self_attention_called_with_other_keys_is_refused():
         ADAPTER.disable(model)
 
 
-def test_a_replaced_cross_attention_processor_is_refused():
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
-    model, _ = _build(SHAPES[0])
-    model.layers[1].attn2.set_processor(AttnProcessor2_0())
-    with pytest.raises(NotImplementedError, match="layers.1.attn2.processor is AttnProcessor2_0"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_replaced_cross_attention_processor_is_refused = family_checks.foreign_processor_refused(
+    lambda: _build(SHAPES[0])[0], ADAPTER, "layers.1.attn2", AttnProcessor2_0)
 
 
 def test_the_image_example_builds_and_runs_the_tiny_lumina_next():

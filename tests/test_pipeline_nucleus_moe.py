@@ -45,6 +45,7 @@ import torch
 from diffusers.models.transformers import transformer_nucleusmoe_image
 
 import usp_dit
+from tests import family_checks
 from tests.adapter_parity import (
     assert_disable_restores,
     assert_within,
@@ -67,7 +68,6 @@ from tests.adapter_parity import (
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_nucleus_moe import nucleus_moe_inputs, tiny_nucleus_moe, tiny_nucleus_moe_pipeline
 from usp_dit.pipelines import _routing
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import nucleus_moe
 from usp_dit.pipelines.families.nucleus_moe import ADAPTER, USPNucleusMoEAttnProcessor
 from usp_dit.sharding.shard import shard_sequence
@@ -242,8 +242,7 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_nucleus_moe():
-    assert find_adapter(tiny_nucleus_moe()) is ADAPTER
+test_find_adapter_finds_nucleus_moe = family_checks.adapter_found(tiny_nucleus_moe, ADAPTER)
 
 
 def test_disable_restores_processors_moe_forwards_and_hooks():
@@ -252,11 +251,8 @@ def test_disable_restores_processors_moe_forwards_and_hooks():
     assert not [m for m in model.modules() if "forward" in m.__dict__]
 
 
-def test_foreign_processor_is_refused():
-    model = tiny_nucleus_moe()
-    model.transformer_blocks[1].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_nucleus_moe, ADAPTER, "transformer_blocks.1.attn")
 
 
 def test_a_changed_moe_forward_is_refused(monkeypatch):
@@ -268,10 +264,8 @@ def test_a_changed_moe_forward_is_refused(monkeypatch):
     ADAPTER.disable(dense)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(nucleus_moe, "_ROUTED_CALL", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_nucleus_moe(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_nucleus_moe, ADAPTER, nucleus_moe, "_ROUTED_CALL")
 
 
 def test_the_text_kv_cache_is_refused():
@@ -283,8 +277,5 @@ def test_the_text_kv_cache_is_refused():
         usp_dit.enable_usp(model, mesh=single_rank_mesh())
 
 
-def test_tensor_parallelism_is_refused_by_name():
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    with pytest.raises(NotImplementedError, match="usp_dit's NucleusMoE plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_nucleus_moe(), ADAPTER.plan.tensor, ADAPTER.name, 2)
+test_tensor_parallelism_is_refused_by_name = family_checks.tensor_parallelism_refused(
+    tiny_nucleus_moe, ADAPTER, "NucleusMoE")

@@ -39,8 +39,8 @@ import torch
 from diffusers.models.transformers import transformer_omnigen
 
 import usp_dit
+from tests import family_checks
 from tests.adapter_parity import (
-    assert_disable_restores,
     assert_within,
     cfg_split_case,
     forward,
@@ -60,7 +60,6 @@ from tests.adapter_parity import (
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_omnigen import omnigen_inputs, tiny_omnigen, tiny_omnigen_pipeline
 from usp_dit.pipelines import _routing
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import omnigen
 from usp_dit.pipelines.families.omnigen import ADAPTER, USPOmniGenAttnProcessor
 from usp_dit.sharding.shard import shard_sequence
@@ -233,13 +232,11 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_omnigen():
-    assert find_adapter(tiny_omnigen()) is ADAPTER
+test_find_adapter_finds_omnigen = family_checks.adapter_found(tiny_omnigen, ADAPTER)
 
 
-def test_disable_restores_processors_and_hooks():
-    model, inputs = _build(SHAPES[1])
-    assert_disable_restores(model, inputs, ADAPTER, USPOmniGenAttnProcessor)
+test_disable_restores_processors_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[1]), ADAPTER, USPOmniGenAttnProcessor)
 
 
 def _enabled_call(inputs, **changes):
@@ -273,21 +270,8 @@ def test_no_mask_is_refused():
         _enabled_call(inputs, attention_mask=None)
 
 
-def test_foreign_processor_is_refused():
-    model = tiny_omnigen()
-    model.layers[1].self_attn.processor = object()
-    with pytest.raises(NotImplementedError, match="layers.1.self_attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(omnigen, "_routed_call", lambda state: None)
-    with pytest.raises(NotImplementedError, match="does not call F.scaled_dot_product_attention"):
-        ADAPTER.enable(tiny_omnigen(), single_rank_mesh(), "auto")
-
-
-def test_tensor_parallelism_is_refused_by_name():
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    with pytest.raises(NotImplementedError, match="usp_dit's OmniGen plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_omnigen(), ADAPTER.plan.tensor, ADAPTER.name, 2)
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(tiny_omnigen, ADAPTER, "layers.1.self_attn")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_omnigen, ADAPTER, omnigen, "_routed_call", lambda state: None,
+    match="does not call F.scaled_dot_product_attention")
+test_tensor_parallelism_is_refused_by_name = family_checks.tensor_parallelism_refused(tiny_omnigen, ADAPTER, "OmniGen")

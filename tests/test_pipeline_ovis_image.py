@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests import family_checks
 from tests.adapter_parity import (
-    assert_disable_restores,
     assert_within,
     cfg_split_case,
     forward,
@@ -56,7 +56,6 @@ from tests.adapter_parity import (
 )
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ovis_image import ovis_image_inputs, tiny_ovis_image, tiny_ovis_image_pipeline
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.ovis_image import ADAPTER, USPOvisImageAttnProcessor
 
 TOL = 1e-5
@@ -166,20 +165,11 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_ovis_image():
-    assert find_adapter(tiny_ovis_image()) is ADAPTER
-
-
-def test_disable_restores_processors_forward_and_hooks():
-    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPOvisImageAttnProcessor)
-
-
-def test_foreign_processor_is_refused():
-    model = tiny_ovis_image()
-    model.transformer_blocks[1].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert "forward" not in model.__dict__
+test_find_adapter_finds_ovis_image = family_checks.adapter_found(tiny_ovis_image, ADAPTER)
+test_disable_restores_processors_forward_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPOvisImageAttnProcessor)
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_ovis_image, ADAPTER, "transformer_blocks.1.attn")
 
 
 def test_processor_swapped_after_enable_is_refused_at_the_call():
@@ -206,11 +196,7 @@ def test_an_attention_mask_is_refused():
         ADAPTER.disable(model)
 
 
-def test_tensor_parallelism_is_refused_by_name():
-    """No TensorPlan (the single blocks split their fused projection by the whole mlp_hidden_dim):
-    the check enable_usp makes before anything changes refuses tensor_degree > 1, naming the family."""
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    assert ADAPTER.plan.tensor is None
-    with pytest.raises(NotImplementedError, match="usp_dit's OvisImage plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_ovis_image(), ADAPTER.plan.tensor, ADAPTER.name, 2)
+# No TensorPlan (the single blocks split their fused projection by the whole mlp_hidden_dim):
+# the check enable_usp makes before anything changes refuses tensor_degree > 1, naming the family.
+test_tensor_parallelism_is_refused_by_name = family_checks.tensor_parallelism_refused(
+    tiny_ovis_image, ADAPTER, "OvisImage")

@@ -36,11 +36,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from diffusers.models.attention_processor import AttnProcessor
 
+from tests import family_checks
 from tests.adapter_parity import (
     _param_grads,
     allowance_gradient_errors,
-    assert_one_rank_bit_identical,
     assert_within,
     cfg_split_case,
     forward,
@@ -193,8 +194,7 @@ def test_disable_usp_gives_back_the_bit_identical_image(grid_results, variant: s
 # ---- single process: restore exactly, loud failures ----------------------------------------------
 
 
-def test_one_rank_is_bit_identical_to_stock():
-    assert_one_rank_bit_identical(*_build(SHAPES[1]), ADAPTER)
+test_one_rank_is_bit_identical_to_stock = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[1]), ADAPTER)
 
 
 def test_prompt_mask_changes_the_output():
@@ -215,13 +215,8 @@ def test_a_mask_over_the_image_tokens_is_refused():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused():
-    from diffusers.models.attention_processor import AttnProcessor
-
-    model = tiny_pixart()
-    model.transformer_blocks[1].attn1.processor = AttnProcessor()
-    with pytest.raises(NotImplementedError, match=r"transformer_blocks.1.attn1.processor is AttnProcessor\b"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.foreign_processor_refused(
+    tiny_pixart, ADAPTER, "transformer_blocks.1.attn1", AttnProcessor)
 
 
 def test_fused_qkv_is_refused():

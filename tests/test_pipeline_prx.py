@@ -40,8 +40,8 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_prx
 
+from tests import family_checks
 from tests.adapter_parity import (
-    assert_disable_restores,
     assert_within,
     cfg_split_case,
     forward,
@@ -61,7 +61,6 @@ from tests.adapter_parity import (
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_prx import TEXT_DIM, prx_inputs, tiny_prx, tiny_prx_pipeline, tiny_prx_pixel_pipeline
 from usp_dit.pipelines import _routing
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import prx
 from usp_dit.pipelines.families.prx import ADAPTER, USPPRXAttnProcessor
 from usp_dit.sharding.shard import shard_sequence
@@ -234,8 +233,7 @@ def test_pixel_pipeline_matches_one_process(grid_results, key: str):
 # ---- single process: registration, the mask's effect, restore exactly, loud failures ---------------
 
 
-def test_find_adapter_finds_prx():
-    assert find_adapter(tiny_prx()) is ADAPTER
+test_find_adapter_finds_prx = family_checks.adapter_found(tiny_prx, ADAPTER)
 
 
 def test_the_mask_changes_the_output_and_is_kept():
@@ -253,37 +251,12 @@ def test_the_mask_changes_the_output_and_is_kept():
     assert rel_err(out, ref) <= TOL
 
 
-def test_disable_restores_processors_and_hooks():
-    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPPRXAttnProcessor)
-
-
-def test_foreign_processor_is_refused():
-    model = tiny_prx()
-    model.blocks[1].attention.processor = object()
-    with pytest.raises(NotImplementedError, match="blocks.1.attention.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_diffusers_context_parallelism_is_refused():
-    model = tiny_prx()
-    model.blocks[0].attention.processor._parallel_config = object()
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_no_blocks_is_refused():
-    with pytest.raises(NotImplementedError, match=r"no transformer blocks \(num_layers=0\)"):
-        ADAPTER.enable(tiny_prx(depth=0), single_rank_mesh(), "auto")
-
-
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(prx, "_ROUTED_CALL", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_prx(), single_rank_mesh(), "auto")
-
-
-def test_tensor_parallelism_is_refused_by_name():
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    with pytest.raises(NotImplementedError, match="usp_dit's PRX plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_prx(), ADAPTER.plan.tensor, ADAPTER.name, 2)
+test_disable_restores_processors_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPPRXAttnProcessor)
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(tiny_prx, ADAPTER, "blocks.1.attention")
+test_diffusers_context_parallelism_is_refused = family_checks.context_parallelism_refused(
+    tiny_prx, ADAPTER, "blocks.0.attention")
+test_no_blocks_is_refused = family_checks.no_blocks_refused(lambda: tiny_prx(depth=0), ADAPTER)
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_prx, ADAPTER, prx, "_ROUTED_CALL")
+test_tensor_parallelism_is_refused_by_name = family_checks.tensor_parallelism_refused(tiny_prx, ADAPTER, "PRX")

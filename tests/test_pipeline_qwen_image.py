@@ -46,6 +46,7 @@ import torch
 from diffusers.models.transformers import transformer_qwenimage
 
 import usp_dit
+from tests import family_checks
 from tests.adapter_parity import (
     assert_within,
     cfg_split_case,
@@ -314,11 +315,8 @@ def test_qwen_image_21_is_not_matched():
     assert not ADAPTER.matches(model)
 
 
-def test_diffusers_context_parallelism_is_refused():
-    model = tiny_qwen_image()
-    model.transformer_blocks[0].attn.processor._parallel_config = object()
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_diffusers_context_parallelism_is_refused = family_checks.context_parallelism_refused(
+    tiny_qwen_image, ADAPTER, "transformer_blocks.0.attn")
 
 
 def test_controlnet_residuals_are_refused():
@@ -343,11 +341,7 @@ def test_img_shapes_unlike_the_tokens_are_refused():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    """Should a future diffusers' processor stop calling dispatch_attention_fn, enable refuses
-    instead of running local attention on a shard."""
-    monkeypatch.setattr(qwen_image, "_RoutedQwenProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_qwen_image(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_qwen_image, ADAPTER, qwen_image, "_RoutedQwenProcessor")
 
 

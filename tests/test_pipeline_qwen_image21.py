@@ -36,6 +36,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import (
 )
 
 import usp_dit
+from tests import family_checks
 from tests.adapter_parity import (
     assert_within,
     forward,
@@ -203,17 +204,10 @@ def test_matched_by_exact_class():
     assert ADAPTER.matches(model)
 
 
-def test_flex_processor_is_refused():
-    model = tiny_qwen_image21(num_layers=1)
-    model.transformer_blocks[0].attn.set_processor(QwenImage21FlexAttnProcessor())
-    with pytest.raises(NotImplementedError, match="QwenImage21FlexAttnProcessor"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(qwen_image21, "_ROUTED_CALL", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_qwen_image21(num_layers=1), single_rank_mesh(), "auto")
+test_flex_processor_is_refused = family_checks.foreign_processor_refused(
+    lambda: tiny_qwen_image21(num_layers=1), ADAPTER, "transformer_blocks.0.attn", QwenImage21FlexAttnProcessor)
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    lambda: tiny_qwen_image21(num_layers=1), ADAPTER, qwen_image21, "_ROUTED_CALL")
 
 
 def test_img_shapes_with_more_target_tokens_than_the_sequence_are_refused():

@@ -41,11 +41,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from diffusers.models.attention_processor import PAGCFGSanaLinearAttnProcessor2_0
 
+from tests import family_checks
 from tests.adapter_parity import (
     _param_grads,
     allowance_gradient_errors,
-    assert_one_rank_bit_identical,
     assert_within,
     cfg_split_case,
     forward,
@@ -271,8 +272,7 @@ def test_grid_windows_cover_whole_rows_and_pieces_tile_them():
             assert sorted(got) == list(range(lo, hi)), (grid, dst)
 
 
-def test_one_rank_is_bit_identical_to_stock():
-    assert_one_rank_bit_identical(*_build(SHAPES[1]), ADAPTER)
+test_one_rank_is_bit_identical_to_stock = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[1]), ADAPTER)
 
 
 def test_controlnet_residuals_are_refused():
@@ -294,10 +294,5 @@ def test_a_conv_the_halo_is_not_sized_for_is_refused():
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
-def test_pag_processor_is_refused():
-    from diffusers.models.attention_processor import PAGCFGSanaLinearAttnProcessor2_0
-
-    model = tiny_sana()
-    model.transformer_blocks[0].attn1.processor = PAGCFGSanaLinearAttnProcessor2_0()
-    with pytest.raises(NotImplementedError, match="PAGCFGSanaLinearAttnProcessor2_0"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_pag_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_sana, ADAPTER, "transformer_blocks.0.attn1", PAGCFGSanaLinearAttnProcessor2_0)

@@ -44,10 +44,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests import family_checks
 from tests.adapter_parity import (
     _param_grads,
     allowance_gradient_errors,
-    assert_one_rank_bit_identical,
     assert_within,
     cfg_split_case,
     forward,
@@ -364,8 +364,7 @@ def test_frame_rows_must_divide_the_height():
         GridShards(5, 3, 2, 1, frame_rows=2)
 
 
-def test_one_rank_is_bit_identical_to_stock():
-    assert_one_rank_bit_identical(*_build(SHAPES[0]), ADAPTER)
+test_one_rank_is_bit_identical_to_stock = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[0]), ADAPTER)
 
 
 def test_controlnet_residuals_are_refused():

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests import family_checks
 from tests.adapter_parity import (
     assert_within,
     cfg_split_case,
@@ -316,11 +317,7 @@ def test_controlnet_residuals_are_refused():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    """Should a future diffusers' JointAttnProcessor2_0 stop calling F.scaled_dot_product_attention,
-    enable refuses instead of running local attention on a shard."""
-    monkeypatch.setattr(sd3, "_routed_call", lambda route: None)
-    with pytest.raises(NotImplementedError, match="does not call F.scaled_dot_product_attention"):
-        ADAPTER.enable(tiny_sd3(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_sd3, ADAPTER, sd3, "_routed_call", lambda route: None, match="does not call F.scaled_dot_product_attention")
 
 

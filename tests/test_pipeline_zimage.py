@@ -46,6 +46,7 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_z_image
 
+from tests import family_checks
 from tests.adapter_parity import (
     assert_within,
     cfg_split_case,
@@ -307,14 +308,7 @@ def test_models_the_plan_cannot_split_are_refused():
         ADAPTER.enable(two_patches, single_rank_mesh(), "auto")
 
 
-def test_diffusers_context_parallelism_is_refused():
-    model = tiny_zimage()
-    model.layers[0].attention.processor._parallel_config = object()
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(zimage, "_RoutedZImageProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_zimage(), single_rank_mesh(), "auto")
+test_diffusers_context_parallelism_is_refused = family_checks.context_parallelism_refused(
+    tiny_zimage, ADAPTER, "layers.0.attention")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_zimage, ADAPTER, zimage, "_RoutedZImageProcessor")
