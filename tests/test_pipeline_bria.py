@@ -50,22 +50,8 @@ import pytest
 import torch
 
 import usp_dit
+from tests import adapter_parity as parity
 from tests import family_checks
-from tests.adapter_parity import (
-    assert_within,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    joint_output_case,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    spawn_grid,
-)
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_bria import (
     bria_fibo_inputs,
@@ -130,28 +116,29 @@ def _adapter(shape: Shape):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return joint_output_case(model, inputs, _adapter(shape), mesh, model.transformer_blocks[0].attn, shape.tokens)
+    return parity.joint_output_case(model, inputs, _adapter(shape), mesh, model.transformer_blocks[0].attn,
+                                    shape.tokens)
 
 
 def _gradient_case(shape: Shape, mesh) -> dict[str, float]:
-    return gradient_errors(*_build(shape), _adapter(shape), mesh)
+    return parity.gradient_errors(*_build(shape), _adapter(shape), mesh)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _enabled_case(mesh, shape: Shape = SHAPES[1]) -> dict[str, float]:
     """The transformer enabled through ``usp_dit.enable_usp`` (the cfg axis splits its batch of 2;
     the tensor axis cuts its blocks): equal to stock, its weights left as found."""
     model, inputs = _build(shape)
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     usp_dit.enable_usp(model, mesh=mesh)
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         usp_dit.disable_usp(model)
     after = model.state_dict()
@@ -171,7 +158,7 @@ def _generate(pipe, call: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps, batched CFG (one transformer call a step on
     [uncond; cond]), seed 0."""
     prompt, negative_prompt = PROMPTS
-    return latents_and(
+    return parity.latents_and(
         pipe,
         prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.0, num_inference_steps=2,
         generator=torch.Generator().manual_seed(0), output_type="pt", **call,
@@ -182,8 +169,8 @@ PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
 
 
 def _pipeline_cases(name: str, pipe, call: dict) -> dict[str, dict[str, float]]:
-    return pipeline_cases(pipe, lambda p: _generate(p, call), pipeline_grids(PIPELINE_GRIDS, name),
-                          after_disable=f"{name}-after-disable")
+    return parity.pipeline_cases(pipe, lambda p: _generate(p, call), parity.pipeline_grids(PIPELINE_GRIDS, name),
+                                 after_disable=f"{name}-after-disable")
 
 
 def _run_all() -> dict[str, dict | str]:
@@ -192,41 +179,42 @@ def _run_all() -> dict[str, dict | str]:
 
     diffusers_logging.set_verbosity_error()  # the tiny pipeline's size and truncation warnings, per call
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case, grad_shapes=GRAD_SHAPES)
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: _enabled_case(init_usp(1, 2, 2)))
-    record(results, "fibo-cfg-split", lambda: _enabled_case(init_usp(1, 2, 2), SHAPES[2]))
-    record(results, "tensor-t2", lambda: _enabled_case(init_usp(tensor_degree=2), SHAPES[0]))
-    record(results, "pipeline", lambda: _pipeline_cases("pipeline", tiny_bria_pipeline(), BRIA_CALL), many=True)
-    record(results, "fibo-pipeline", lambda: _pipeline_cases("fibo-pipeline", tiny_bria_fibo_pipeline(), FIBO_CALL),
-           many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case, grad_shapes=GRAD_SHAPES)
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: _enabled_case(init_usp(1, 2, 2)))
+    parity.record(results, "fibo-cfg-split", lambda: _enabled_case(init_usp(1, 2, 2), SHAPES[2]))
+    parity.record(results, "tensor-t2", lambda: _enabled_case(init_usp(tensor_degree=2), SHAPES[0]))
+    parity.record(results, "pipeline", lambda: _pipeline_cases("pipeline", tiny_bria_pipeline(), BRIA_CALL), many=True)
+    parity.record(results, "fibo-pipeline",
+                  lambda: _pipeline_cases("fibo-pipeline", tiny_bria_fibo_pipeline(), FIBO_CALL),
+                  many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 @pytest.mark.parametrize("key", ["cfg-split", "fibo-cfg-split", "tensor-t2"])
 def test_cfg_split_and_tensor_parallel_match_stock(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+    parity.assert_within(grid_results, key, TOL)
 
 
 @pytest.mark.parametrize("key", [f"{name}-u{u}r{r}cfg{c}" for name in ("pipeline", "fibo-pipeline")
                                  for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback=key.rsplit("-", 1)[0])
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback=key.rsplit("-", 1)[0])
 
 
 @pytest.mark.parametrize("name", ["pipeline", "fibo-pipeline"])
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results, name: str):
-    assert_within(grid_results, f"{name}-after-disable", 0.0)
+    parity.assert_within(grid_results, f"{name}-after-disable", 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
@@ -247,7 +235,7 @@ def test_processor_swapped_after_enable_is_refused_at_the_call():
     try:
         model.single_transformer_blocks[0].attn.set_processor(BriaAttnProcessor())
         with pytest.raises(NotImplementedError, match="became BriaAttnProcessor after enable_usp"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
