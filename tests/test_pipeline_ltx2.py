@@ -43,17 +43,8 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_ltx2
 
+from tests import adapter_parity as parity
 from tests import family_checks
-from tests.adapter_parity import (
-    assert_within,
-    grad_keys,
-    grid_tests,
-    output_keys,
-    record,
-    run_grid_cases,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ltx2 import ltx2_inputs, tiny_ltx2, tiny_ltx2_pipeline
 from usp_dit.pipelines import _routing
@@ -237,46 +228,46 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case, GRAD_SHAPES)
-    record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[1], init_usp(2, 2), checkpointing=True))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(SHAPES[1], init_usp(2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case, GRAD_SHAPES)
+    parity.record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[1], init_usp(2, 2), checkpointing=True))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(SHAPES[1], init_usp(2, 2)))
     two_heads = tiny_ltx2(num_heads=2, head_dim=32, audio_head_dim=16)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
     """Sequence parallel on (2,1) and (2,2); cfg parallel on (2,1,2): LTX2Pipeline batches its guidance."""
-    assert_within(grid_results, key, TOL_DECODED, {"latents": TOL}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL_DECODED, {"latents": TOL}, fallback="pipeline")
 
 
 def test_cfg_parallel_refuses_the_guidance_calls_of_batch_one(grid_results):
-    assert_within(grid_results, "pipeline-cfg2-batch1-refused", 0.0)
+    parity.assert_within(grid_results, "pipeline-cfg2-batch1-refused", 0.0)
 
 
 def test_disable_usp_gives_back_the_bit_identical_video_and_audio(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process: loud failures --------------------------------------------------------------
