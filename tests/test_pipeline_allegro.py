@@ -39,28 +39,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from diffusers.models.attention_processor import AllegroAttnProcessor2_0, AttnProcessor2_0
 
-from tests.adapter_parity import (
-    _param_grads,
-    allowance_gradient_errors,
-    assert_one_rank_bit_identical,
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_allegro import allegro_inputs, tiny_allegro, tiny_allegro_pipeline
-from usp_dit.pipelines.families.allegro import ADAPTER
+from usp_dit.pipelines.families.allegro import ADAPTER, USPAllegroSelfAttnProcessor
 from usp_dit.testing import rel_err
 
 TOL = 1e-5
@@ -93,7 +78,7 @@ def _build(shape: Shape, seed: int = 0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
     tokens = shape.frames * shape.height * shape.width
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, tokens)
 
 
 def _float64(value):
@@ -108,11 +93,11 @@ def _float64(value):
 def _reference_grads(shape: Shape) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(exact gradients: the model and inputs in float64, the stock float32 model's gradients) of one process."""
     model, inputs = _build(shape)
-    stock = _param_grads(model, inputs, 1)
+    stock = parity._param_grads(model, inputs, 1)
     model.double()
     for name, value in inputs.__dict__.items():
         setattr(inputs, name, _float64(value))
-    return _param_grads(model, inputs, 1), stock
+    return parity._param_grads(model, inputs, 1), stock
 
 
 def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str, float]:
@@ -122,7 +107,7 @@ def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str,
     model, inputs = _build(shape)
     if checkpointing:
         model.enable_gradient_checkpointing()
-    return allowance_gradient_errors(model, inputs, ADAPTER, mesh, exact, stock, TOL)
+    return parity.allowance_gradient_errors(model, inputs, ADAPTER, mesh, exact, stock, TOL)
 
 
 def _one_token_shard_case(mesh) -> dict[str, float]:
@@ -131,7 +116,7 @@ def _one_token_shard_case(mesh) -> dict[str, float]:
     inputs = allegro_inputs(model, 1, 1, 5, [2, 5])
     ADAPTER.enable(model, mesh, "auto")
     try:
-        forward(model, inputs)
+        parity.forward(model, inputs)
     except NotImplementedError as exc:
         return {"wrong_error": float("one token" not in str(exc))}
     finally:
@@ -146,7 +131,7 @@ PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits [uncond, c
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames) of 2 steps, 9 frames at 48 x 80 (3 x 3 x 5 = 45 tokens), batched CFG, seed 0."""
     prompt, negative_prompt = PROMPTS
-    return latents_and(
+    return parity.latents_and(
         pipe, "frames", prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.5, height=48, width=80,
         num_frames=9, num_inference_steps=2, max_sequence_length=16, clean_caption=False,
         generator=torch.Generator().manual_seed(0), output_type="pt",
@@ -155,73 +140,67 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
     # Checkpointing: block 0's recompute in backward re-shards the tokens, every block's positions again.
-    record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
-    record(results, "one-token-shard", lambda: _one_token_shard_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
-    grids = pipeline_grids(PIPELINE_GRIDS)
-    record(results, "pipeline", lambda: pipeline_cases(tiny_allegro_pipeline(), _generate, grids,
+    parity.record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
+    parity.record(results, "one-token-shard", lambda: _one_token_shard_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: parity.cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
+    grids = parity.pipeline_grids(PIPELINE_GRIDS)
+    parity.record(results, "pipeline", lambda: parity.pipeline_cases(tiny_allegro_pipeline(), _generate, grids,
                                                         names=("latents", "frames")), many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
     grad_tol=1.0,  # each parameter's error over its allowance (module docstring)
 )
 
 
 def test_a_split_leaving_a_rank_one_token_is_refused_on_every_rank(grid_results):
-    assert_within(grid_results, "one-token-shard", 0.0)
+    parity.assert_within(grid_results, "one-token-shard", 0.0)
 
 
 def test_cfg_split_of_a_masked_batch_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
-@pytest.mark.parametrize("key", list(pipeline_grids(PIPELINE_GRIDS)))
+@pytest.mark.parametrize("key", list(parity.pipeline_grids(PIPELINE_GRIDS)))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0, fallback="pipeline")
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0, fallback="pipeline")
 
 
 # ---- single process: restore exactly, loud failures ----------------------------------------------
 
 
-def test_one_rank_is_bit_identical_to_stock():
-    assert_one_rank_bit_identical(*_build(SHAPES[1]), ADAPTER)
+test_one_rank_is_bit_identical_to_stock = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[1]), ADAPTER)
 
 
-def test_disable_leaves_no_hook_and_the_stock_processors():
-    model, inputs = _build(SHAPES[1])
-    before = [m.processor for m in model.modules() if hasattr(m, "processor")]
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    forward(model, inputs)
-    ADAPTER.disable(model)
-    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
-    assert not [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+# the cross-attention is local: its stock processor stays
+test_disable_leaves_no_hook_and_the_stock_processors = family_checks.disable_restores(
+    lambda: _build(SHAPES[1]), ADAPTER, (USPAllegroSelfAttnProcessor, AllegroAttnProcessor2_0))
 
 
 def test_prompt_mask_and_rope_positions_change_the_output():
     """The masks and positions the grid cases use matter (a misplaced row would show)."""
     model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     mask = inputs.encoder_attention_mask
     inputs.encoder_attention_mask = torch.ones_like(mask)
-    assert rel_err(forward(model, inputs), ref) > 1e-2
+    assert rel_err(parity.forward(model, inputs), ref) > 1e-2
     inputs.encoder_attention_mask = mask
     tables, positions = inputs.image_rotary_emb
     inputs.image_rotary_emb = (tables, tuple(p.flip(-1) for p in positions))
-    assert rel_err(forward(model, inputs), ref) > 1e-2
+    assert rel_err(parity.forward(model, inputs), ref) > 1e-2
 
 
 def test_a_mask_over_the_video_tokens_is_refused():
@@ -241,15 +220,10 @@ def test_rope_positions_of_another_length_are_refused():
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         with pytest.raises(ValueError, match="positions have 104 entries but the transformer has 105"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused():
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
-    model = tiny_allegro()
-    model.transformer_blocks[1].attn1.processor = AttnProcessor2_0()
-    with pytest.raises(NotImplementedError, match=r"transformer_blocks.1.attn1.processor is AttnProcessor2_0\b"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.foreign_processor_refused(
+    tiny_allegro, ADAPTER, "transformer_blocks.1.attn1", AttnProcessor2_0)

@@ -34,22 +34,8 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_anyflow
 
-from tests.adapter_parity import (
-    assert_within,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_anyflow import anyflow_inputs, anyflow_tokens, tiny_anyflow, tiny_anyflow_pipeline
 from usp_dit.pipelines import _routing
@@ -92,7 +78,7 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's attention length vs ceil(S / P), bit-identity after disable."""
     model, inputs = _build(shape)
     tokens = anyflow_tokens(model, shape.frames, shape.height, shape.width)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attn1, tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attn1, tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
@@ -100,7 +86,7 @@ def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     full input; the blocks get the already-cut RoPE table and modulation."""
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +100,7 @@ def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tenso
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -136,57 +122,58 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     continuing a 5-frame video: the pipeline VAE-encodes it to 2 context latent frames, writes them into
     the latents and gives them t = 0 each step (timestep rows [0, 0, t]: per-frame modulation)."""
     video = torch.rand(1, 5, 3, 48, 80, generator=torch.Generator().manual_seed(1))
-    return latents_and(
+    return parity.latents_and(
         pipe, "frames", prompt="a red fox jumps over a log", negative_prompt="blurry", video=video, height=48,
         width=80, num_frames=9, num_inference_steps=2, guidance_scale=2.0, max_sequence_length=16,
         generator=torch.Generator().manual_seed(0), output_type="pt",
     )
 
 
-PIPELINE_GRIDS = pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
+PIPELINE_GRIDS = parity.pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
 
 
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, f"u2r2-{T_MINUS_R}", lambda: _output_case(T_MINUS_R, init_usp(2, 2)))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, f"u2r2-{T_MINUS_R}", lambda: _output_case(T_MINUS_R, init_usp(2, 2)))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
     two_heads = tiny_anyflow("t2v", num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", lambda: pipeline_cases(
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", lambda: parity.pipeline_cases(
         tiny_anyflow_pipeline(), _generate, PIPELINE_GRIDS, names=("latents", "frames")), many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES) + [f"u2r2-{T_MINUS_R}"], grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES) + [f"u2r2-{T_MINUS_R}"], parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 @pytest.mark.parametrize("key", list(PIPELINE_GRIDS))
 def test_pipeline_matches_one_process(grid_results, key: str):
     """(2,1) and (2,2) sequence-parallel; (1,2,2): the batched [negative; positive] split over cfg."""
-    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES})
+    parity.assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES})
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: restore exactly, loud failures ------------------------------------------------
@@ -194,12 +181,12 @@ def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
 
 def test_one_rank_is_bit_identical_and_disable_restores_processors():
     model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     before = [m.processor for m in model.modules() if hasattr(m, "processor")]
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         assert all(isinstance(b.attn1.processor, USPAnyFlowAttnProcessor) for b in model.blocks)
-        assert torch.equal(forward(model, inputs), ref)
+        assert torch.equal(parity.forward(model, inputs), ref)
     finally:
         ADAPTER.disable(model)
     assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
@@ -223,11 +210,8 @@ def test_temporal_patch_above_one_is_refused():
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
-def test_replaced_processor_is_refused():
-    model = tiny_anyflow("t2v")
-    model.blocks[1].attn2.set_processor(transformer_anyflow.AnyFlowAttnProcessor())
-    with pytest.raises(NotImplementedError, match=r"blocks.1.attn2.processor is AnyFlowAttnProcessor"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_replaced_processor_is_refused = family_checks.foreign_processor_refused(
+    lambda: tiny_anyflow("t2v"), ADAPTER, "blocks.1.attn2", transformer_anyflow.AnyFlowAttnProcessor)
 
 
 def test_far_model_is_refused_with_its_reason():

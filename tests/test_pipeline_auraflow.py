@@ -33,20 +33,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.adapter_parity import (
-    assert_within,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_auraflow import auraflow_inputs, tiny_auraflow, tiny_auraflow_pipeline
 from usp_dit.pipelines.families.auraflow import ADAPTER
@@ -79,7 +66,8 @@ def _build(shape: Shape):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.joint_transformer_blocks[0].attn, shape.tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.joint_transformer_blocks[0].attn,
+                                      shape.tokens)
 
 
 # ---- the stock pipeline ----------------------------------------------------------------------------
@@ -90,7 +78,7 @@ PIPELINE_GRIDS = {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipel
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of two prompts of different lengths at 20 x 28 pixels (35 tokens),
     2 steps, guidance 3.5 (batched [uncond, cond])."""
-    return latents_and(
+    return parity.latents_and(
         pipe,
         prompt=["a red cat on a mat", "a dog"], negative_prompt=["blurry", ""], height=20, width=28,
         num_inference_steps=2, max_sequence_length=16, generator=torch.Generator().manual_seed(0),
@@ -99,8 +87,8 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_auraflow_pipeline(), _generate, PIPELINE_GRIDS, names=("latents", "images"),
-                          check_enabled=False)
+    return parity.pipeline_cases(tiny_auraflow_pipeline(), _generate, PIPELINE_GRIDS, names=("latents", "images"),
+                                 check_enabled=False)
 
 
 # Tensor parallelism (issue 28), 5 heads (uneven over 2 tensor ranks): (U, R, cfg, T, schedule).
@@ -119,23 +107,24 @@ def _tensor_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    record(results, "tensor", _tensor_cases, many=True)
-    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh),
-                   {2: [SHAPES[0]], 4: [SHAPES[0]]})
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(tiny_auraflow(num_heads=2, head_dim=16), ADAPTER,
-                                            init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "tensor", _tensor_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh),
+                          {2: [SHAPES[0]], 4: [SHAPES[0]]})
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(tiny_auraflow(num_heads=2, head_dim=16), ADAPTER,
+                                                          init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES[:1]), TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES[:1]), TOL,
 )
 
 
@@ -149,16 +138,16 @@ def test_tensor_parallel_matches_one_process(grid_results, key: str):
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 @pytest.mark.parametrize("key", list(PIPELINE_GRIDS))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_images(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process ------------------------------------------------------------------------------

@@ -50,22 +50,8 @@ import pytest
 import torch
 
 import usp_dit
-from tests.adapter_parity import (
-    assert_disable_restores,
-    assert_within,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    joint_output_case,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_bria import (
     bria_fibo_inputs,
@@ -75,8 +61,7 @@ from usp_dit.demo.tiny_bria import (
     tiny_bria_fibo_pipeline,
     tiny_bria_pipeline,
 )
-from usp_dit.pipelines.base import find_adapter
-from usp_dit.pipelines.families.bria import ADAPTER, USPBriaAttnProcessor
+from usp_dit.pipelines.families.bria import ADAPTER, USPBriaAttnProcessor, USPBriaFiboAttnProcessor
 from usp_dit.pipelines.families.bria import FIBO_ADAPTER as FIBO
 from usp_dit.testing import rel_err
 
@@ -131,28 +116,29 @@ def _adapter(shape: Shape):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return joint_output_case(model, inputs, _adapter(shape), mesh, model.transformer_blocks[0].attn, shape.tokens)
+    return parity.joint_output_case(model, inputs, _adapter(shape), mesh, model.transformer_blocks[0].attn,
+                                    shape.tokens)
 
 
 def _gradient_case(shape: Shape, mesh) -> dict[str, float]:
-    return gradient_errors(*_build(shape), _adapter(shape), mesh)
+    return parity.gradient_errors(*_build(shape), _adapter(shape), mesh)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _enabled_case(mesh, shape: Shape = SHAPES[1]) -> dict[str, float]:
     """The transformer enabled through ``usp_dit.enable_usp`` (the cfg axis splits its batch of 2;
     the tensor axis cuts its blocks): equal to stock, its weights left as found."""
     model, inputs = _build(shape)
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     usp_dit.enable_usp(model, mesh=mesh)
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         usp_dit.disable_usp(model)
     after = model.state_dict()
@@ -172,7 +158,7 @@ def _generate(pipe, call: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps, batched CFG (one transformer call a step on
     [uncond; cond]), seed 0."""
     prompt, negative_prompt = PROMPTS
-    return latents_and(
+    return parity.latents_and(
         pipe,
         prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.0, num_inference_steps=2,
         generator=torch.Generator().manual_seed(0), output_type="pt", **call,
@@ -183,8 +169,8 @@ PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
 
 
 def _pipeline_cases(name: str, pipe, call: dict) -> dict[str, dict[str, float]]:
-    return pipeline_cases(pipe, lambda p: _generate(p, call), pipeline_grids(PIPELINE_GRIDS, name),
-                          after_disable=f"{name}-after-disable")
+    return parity.pipeline_cases(pipe, lambda p: _generate(p, call), parity.pipeline_grids(PIPELINE_GRIDS, name),
+                                 after_disable=f"{name}-after-disable")
 
 
 def _run_all() -> dict[str, dict | str]:
@@ -193,60 +179,52 @@ def _run_all() -> dict[str, dict | str]:
 
     diffusers_logging.set_verbosity_error()  # the tiny pipeline's size and truncation warnings, per call
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case, grad_shapes=GRAD_SHAPES)
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: _enabled_case(init_usp(1, 2, 2)))
-    record(results, "fibo-cfg-split", lambda: _enabled_case(init_usp(1, 2, 2), SHAPES[2]))
-    record(results, "tensor-t2", lambda: _enabled_case(init_usp(tensor_degree=2), SHAPES[0]))
-    record(results, "pipeline", lambda: _pipeline_cases("pipeline", tiny_bria_pipeline(), BRIA_CALL), many=True)
-    record(results, "fibo-pipeline", lambda: _pipeline_cases("fibo-pipeline", tiny_bria_fibo_pipeline(), FIBO_CALL),
-           many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case, grad_shapes=GRAD_SHAPES)
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: _enabled_case(init_usp(1, 2, 2)))
+    parity.record(results, "fibo-cfg-split", lambda: _enabled_case(init_usp(1, 2, 2), SHAPES[2]))
+    parity.record(results, "tensor-t2", lambda: _enabled_case(init_usp(tensor_degree=2), SHAPES[0]))
+    parity.record(results, "pipeline", lambda: _pipeline_cases("pipeline", tiny_bria_pipeline(), BRIA_CALL), many=True)
+    parity.record(results, "fibo-pipeline",
+                  lambda: _pipeline_cases("fibo-pipeline", tiny_bria_fibo_pipeline(), FIBO_CALL),
+                  many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 @pytest.mark.parametrize("key", ["cfg-split", "fibo-cfg-split", "tensor-t2"])
 def test_cfg_split_and_tensor_parallel_match_stock(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+    parity.assert_within(grid_results, key, TOL)
 
 
 @pytest.mark.parametrize("key", [f"{name}-u{u}r{r}cfg{c}" for name in ("pipeline", "fibo-pipeline")
                                  for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback=key.rsplit("-", 1)[0])
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback=key.rsplit("-", 1)[0])
 
 
 @pytest.mark.parametrize("name", ["pipeline", "fibo-pipeline"])
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results, name: str):
-    assert_within(grid_results, f"{name}-after-disable", 0.0)
+    parity.assert_within(grid_results, f"{name}-after-disable", 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_bria():
-    assert find_adapter(tiny_bria()) is ADAPTER
-
-
-def test_disable_restores_processors_forward_and_hooks():
-    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPBriaAttnProcessor)
-
-
-def test_foreign_processor_is_refused():
-    model = tiny_bria()
-    model.transformer_blocks[1].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert "forward" not in model.__dict__
+test_find_adapter_finds_bria = family_checks.adapter_found(tiny_bria, ADAPTER)
+test_disable_restores_processors_forward_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPBriaAttnProcessor)
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_bria, ADAPTER, "transformer_blocks.1.attn")
 
 
 def test_processor_swapped_after_enable_is_refused_at_the_call():
@@ -257,7 +235,7 @@ def test_processor_swapped_after_enable_is_refused_at_the_call():
     try:
         model.single_transformer_blocks[0].attn.set_processor(BriaAttnProcessor())
         with pytest.raises(NotImplementedError, match="became BriaAttnProcessor after enable_usp"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
@@ -290,19 +268,11 @@ def test_single_block_controlnet_residuals_are_refused():
 # ---- FIBO, single process ---------------------------------------------------------------------------
 
 
-def test_find_adapter_finds_bria_fibo():
-    assert find_adapter(tiny_bria_fibo()) is FIBO
+test_find_adapter_finds_bria_fibo = family_checks.adapter_found(tiny_bria_fibo, FIBO)
 
 
-def test_fibo_disable_restores_processors_forward_and_hooks():
-    model, inputs = _build(SHAPES[2])
-    before = [m.processor for m in model.modules() if hasattr(m, "processor")]
-    FIBO.enable(model, single_rank_mesh(), "auto")
-    forward(model, inputs)
-    FIBO.disable(model)
-    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
-    assert "forward" not in model.__dict__
-    assert not [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+test_fibo_disable_restores_processors_forward_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[2]), FIBO, USPBriaFiboAttnProcessor)
 
 
 @pytest.mark.parametrize("mask, message", [
@@ -322,9 +292,5 @@ def test_fibo_masks_other_than_the_pipelines_are_refused(mask, message):
         FIBO.disable(model)
 
 
-def test_fibo_tensor_parallelism_is_refused_by_name():
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    assert FIBO.plan.tensor is None
-    with pytest.raises(NotImplementedError, match="usp_dit's BriaFibo plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_bria_fibo(), FIBO.plan.tensor, FIBO.name, 2)
+test_fibo_tensor_parallelism_is_refused_by_name = family_checks.tensor_parallelism_refused(
+    tiny_bria_fibo, FIBO, "BriaFibo")

@@ -42,25 +42,10 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.adapter_parity import (
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_bria_fibo2 import bria_fibo2_inputs, tiny_bria_fibo2, tiny_bria_fibo2_pipeline
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.bria_fibo2 import ADAPTER, USPBriaFibo2AttnProcessor
 
 TOL = 1e-5
@@ -102,17 +87,17 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.noise_refiner[0].attention, shape.tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.noise_refiner[0].attention, shape.tokens)
 
 
 def _gradient_case(shape: Shape, mesh) -> dict[str, float]:
-    return gradient_errors(*_build(shape), ADAPTER, mesh)
+    return parity.gradient_errors(*_build(shape), ADAPTER, mesh)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[2])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _embeds(text_len: int, lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
@@ -129,7 +114,7 @@ def _generate(pipe, edit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     if edit:
         pixels = np.random.default_rng(0).integers(0, 256, (24, 16, 3), dtype=np.uint8)
         image = [Image.fromarray(pixels)]
-    return latents_and(
+    return parity.latents_and(
         pipe, image=image, prompt_embeds=prompt["embeds"], prompt_embeds_mask=prompt["mask"],
         negative_prompt_embeds=negative["embeds"], negative_prompt_embeds_mask=negative["mask"],
         height=20, width=28, num_inference_steps=2, guidance_scale=4.0, output_type="pt",
@@ -147,46 +132,47 @@ def _run_all() -> dict[str, dict | str]:
 
     diffusers_logging.set_verbosity_error()
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case, grad_shapes=GRAD_SHAPES)
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[1]), init_usp(1, 2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case, grad_shapes=GRAD_SHAPES)
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: parity.cfg_split_case(*_build(SHAPES[1]), init_usp(1, 2, 2)))
     pipe = tiny_bria_fibo2_pipeline()
-    record(results, "pipeline", lambda: pipeline_cases(pipe, _generate, pipeline_grids(PIPELINE_GRIDS)), many=True)
-    record(results, "edit", lambda: pipeline_cases(pipe, lambda p: _generate(p, edit=True),
-                                                   pipeline_grids(EDIT_GRIDS, "edit"), after_disable="edit-after-disable"),
-           many=True)
+    parity.record(results, "pipeline",
+                  lambda: parity.pipeline_cases(pipe, _generate, parity.pipeline_grids(PIPELINE_GRIDS)), many=True)
+    parity.record(results, "edit", lambda: parity.pipeline_cases(pipe, lambda p: _generate(p, edit=True),
+                                                                 parity.pipeline_grids(EDIT_GRIDS, "edit"),
+                                                                 after_disable="edit-after-disable"),
+                  many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_cfg_split_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
-@pytest.mark.parametrize("key", [*pipeline_grids(PIPELINE_GRIDS), *pipeline_grids(EDIT_GRIDS, "edit")])
+@pytest.mark.parametrize("key", [*parity.pipeline_grids(PIPELINE_GRIDS), *parity.pipeline_grids(EDIT_GRIDS, "edit")])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback=key.split("-")[0])
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback=key.split("-")[0])
 
 
 @pytest.mark.parametrize("key", ["pipeline-after-disable", "edit-after-disable"])
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results, key: str):
-    assert_within(grid_results, key, 0.0)
+    parity.assert_within(grid_results, key, 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_bria_fibo2():
-    assert find_adapter(tiny_bria_fibo2()) is ADAPTER
+test_find_adapter_finds_bria_fibo2 = family_checks.adapter_found(tiny_bria_fibo2, ADAPTER)
 
 
 def test_disable_restores_processors_forward_and_hooks():
@@ -195,23 +181,15 @@ def test_disable_restores_processors_forward_and_hooks():
     before = [m.processor for m in parallel]
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     assert all(isinstance(m.processor, USPBriaFibo2AttnProcessor) for m in parallel)
-    forward(model, inputs)
+    parity.forward(model, inputs)
     ADAPTER.disable(model)
     assert [m.processor for m in parallel] == before
     assert "forward" not in model.__dict__
     assert not [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
 
 
-def test_foreign_processor_is_refused():
-    model = tiny_bria_fibo2()
-    model.layers[1].attention.processor = object()
-    with pytest.raises(NotImplementedError, match="layers.1.attention.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_tensor_parallelism_is_refused_by_name():
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    with pytest.raises(NotImplementedError, match="usp_dit's BriaFibo2 plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_bria_fibo2(), ADAPTER.plan.tensor, ADAPTER.name, 2)
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_bria_fibo2, ADAPTER, "layers.1.attention")
+test_tensor_parallelism_is_refused_by_name = family_checks.tensor_parallelism_refused(
+    tiny_bria_fibo2, ADAPTER, "BriaFibo2")
 

@@ -46,27 +46,10 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_flux
 
-from tests.adapter_parity import (
-    assert_disable_restores,
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    joint_output_case,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_chroma import chroma_inputs, tiny_chroma, tiny_chroma_pipeline
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import chroma  # noqa: F401  (registers the adapter)
 from usp_dit.pipelines.families.chroma import ADAPTER, USPChromaAttnProcessor
 from usp_dit.sharding.shard import shard_sequence
@@ -111,14 +94,14 @@ def _build(shape: Shape, seed: int = 0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's attention length (text + image) vs ceil((T + N) / P), bit-identity after disable."""
     model, inputs = _build(shape)
-    return joint_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, shape.tokens)
+    return parity.joint_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, shape.tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     """Gradients with gradient checkpointing (the blocks recomputed on this rank's pieces)."""
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _first_attention_call(model, inputs, module, name: str) -> dict:
@@ -131,7 +114,7 @@ def _first_attention_call(model, inputs, module, name: str) -> dict:
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -155,7 +138,7 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2 (usp_dit.enable_usp on the model): its masked
     batch of 2 split over the cfg groups, equal to stock."""
-    return cfg_split_case(*_build(SHAPES[0]), mesh)
+    return parity.cfg_split_case(*_build(SHAPES[0]), mesh)
 
 
 PROMPTS = (["a red fox", "cat"], ["blurry", "dark dim"])  # of different lengths: padded, masked
@@ -165,7 +148,7 @@ def _generate(pipe, prompts: tuple = PROMPTS) -> tuple[torch.Tensor, torch.Tenso
     """(final latents, images) of 2 steps at 12 x 20 (3 x 5 = 15 image tokens), 12 text tokens,
     true CFG (two transformer calls per step), seed 0."""
     prompt, negative_prompt = prompts
-    return latents_and(
+    return parity.latents_and(
         pipe,
         prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.0, max_sequence_length=12, height=12,
         width=20, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt",
@@ -176,79 +159,78 @@ PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last: cfg split (step 
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_chroma_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS))
+    return parity.pipeline_cases(tiny_chroma_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS))
 
 
 def _run_all() -> dict[str, dict | str]:
     warnings.filterwarnings("ignore", category=FutureWarning)  # FluxPosEmbed's deprecation, once per forward
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
     two_heads = tiny_chroma(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_cfg_split_of_a_masked_batch_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process: registration, the mask's effect, restore exactly, loud failures ---------------
 
 
-def test_find_adapter_finds_chroma():
-    assert find_adapter(tiny_chroma()) is ADAPTER
+test_find_adapter_finds_chroma = family_checks.adapter_found(tiny_chroma, ADAPTER)
 
 
 def test_the_float_mask_changes_the_output_and_is_kept():
     """Stock's float mask is additive (Note [Chroma's mask]): the output differs from the unmasked
     one, and the enabled model (one rank, the extended Q/K path) gives stock's masked output."""
     model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
-    unmasked = forward(model, chroma_inputs(3, 5, None, 6))
+    ref = parity.forward(model, inputs)
+    unmasked = parity.forward(model, chroma_inputs(3, 5, None, 6))
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
     assert rel_err(unmasked, ref) > 1e-2
     assert rel_err(out, ref) <= TOL
 
 
-def test_disable_restores_processors_forward_and_hooks():
-    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPChromaAttnProcessor)
+test_disable_restores_processors_forward_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPChromaAttnProcessor)
 
 
 def test_enable_twice_and_disable_unpatched_raise():
@@ -261,19 +243,10 @@ def test_enable_twice_and_disable_unpatched_raise():
     ADAPTER.disable(model)
 
 
-def test_foreign_processor_is_refused():
-    model = tiny_chroma()
-    model.single_transformer_blocks[1].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="single_transformer_blocks.1.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert "forward" not in model.__dict__
-
-
-def test_diffusers_context_parallelism_is_refused():
-    model = tiny_chroma()
-    model.transformer_blocks[0].attn.processor._parallel_config = object()
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_chroma, ADAPTER, "single_transformer_blocks.1.attn")
+test_diffusers_context_parallelism_is_refused = family_checks.context_parallelism_refused(
+    tiny_chroma, ADAPTER, "transformer_blocks.0.attn")
 
 
 def test_unsupported_diffusers_cache_is_refused():
@@ -285,10 +258,8 @@ def test_unsupported_diffusers_cache_is_refused():
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
-def test_no_layers_is_refused():
-    model = tiny_chroma(num_layers=0, num_single_layers=0)
-    with pytest.raises(NotImplementedError, match=r"no transformer blocks \(num_layers=0\)"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_no_layers_is_refused = family_checks.no_blocks_refused(
+    lambda: tiny_chroma(num_layers=0, num_single_layers=0), ADAPTER)
 
 
 def _refused_call(change: dict, error: type, match: str) -> None:
@@ -335,14 +306,10 @@ def test_processor_swapped_after_enable_is_refused_at_the_call():
     try:
         model.transformer_blocks[1].attn.set_processor(FluxAttnProcessor())
         with pytest.raises(NotImplementedError, match="became FluxAttnProcessor after enable_usp"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    """Should a future diffusers' processor stop calling dispatch_attention_fn, enable refuses
-    instead of running local attention on a shard."""
-    monkeypatch.setattr(chroma, "_ROUTED_CALL", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_chroma(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_chroma, ADAPTER, chroma, "_ROUTED_CALL")

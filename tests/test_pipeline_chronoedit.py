@@ -35,20 +35,7 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_chronoedit
 
-from tests.adapter_parity import (
-    assert_within,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_chronoedit import chronoedit_inputs, chronoedit_tokens, tiny_chronoedit, tiny_chronoedit_pipeline
 from usp_dit.demo.tiny_video import TEXT_DIM, gradient_image
@@ -94,13 +81,13 @@ def _build(shape: Shape, seed: int = 0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
     tokens = chronoedit_tokens(model, shape.frames, shape.height, shape.width)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attn1, tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attn1, tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +100,7 @@ def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tenso
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -134,7 +121,7 @@ def _generate(pipe, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     seeded prompt embeds (the pipeline's prompt cleaning needs ftfy, which the tests do not)."""
     g = torch.Generator().manual_seed(1)
     prompt, negative = (torch.randn(1, I2V_TEXT_LEN, TEXT_DIM, generator=g) for _ in range(2))
-    return latents_and(
+    return parity.latents_and(
         pipe, "frames",
         image=gradient_image(48, 80), prompt_embeds=prompt, negative_prompt_embeds=negative, height=48, width=80,
         num_inference_steps=kwargs.pop("steps", 2), generator=torch.Generator().manual_seed(0), output_type="pt",
@@ -171,40 +158,42 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(tiny_chronoedit(num_heads=2, head_dim=32), ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(tiny_chronoedit(num_heads=2, head_dim=32), ADAPTER,
+                                                          init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_edit_mode_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 @pytest.mark.parametrize("key", sorted(PIPELINE_CASES))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_edit(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process ------------------------------------------------------------------------------

@@ -33,18 +33,8 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_cogview4 import CogView4TrainingAttnProcessor
 
-from tests.adapter_parity import (
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_cogview4 import cogview_inputs, tiny_cogview3plus, tiny_cogview4, tiny_cogview4_pipeline
 from usp_dit.pipelines import is_usp_enabled
@@ -82,14 +72,14 @@ def _adapter(shape: Shape):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
     tokens = shape.height * shape.width
-    return sharded_output_case(model, inputs, _adapter(shape), mesh, model.transformer_blocks[0].attn1, tokens)
+    return parity.sharded_output_case(model, inputs, _adapter(shape), mesh, model.transformer_blocks[0].attn1, tokens)
 
 
 def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str, float]:
     model, inputs = _build(shape)
     if checkpointing:
         model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, _adapter(shape), mesh)
+    return parity.gradient_errors(model, inputs, _adapter(shape), mesh)
 
 
 PROMPTS = (["a red fox jumps over", "a cat"], ["blurry", "dark, dim, low quality, bad hands"])
@@ -99,7 +89,7 @@ def _generate(pipe, prompts: tuple = PROMPTS, **kwargs) -> tuple[torch.Tensor, t
     """(final latents, images) of 2 steps at 48 x 80 (3 x 5 = 15 image tokens), true CFG, seed 0."""
     prompt, negative_prompt = prompts
     torch.manual_seed(0)  # CogView4ControlPipeline samples the control latents from the global generator
-    return latents_and(
+    return parity.latents_and(
         pipe,
         prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.0, height=48, width=80,
         num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt", **kwargs,
@@ -147,19 +137,19 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
-    record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    parity.record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
@@ -202,20 +192,17 @@ def test_a_mask_that_is_not_an_outer_product_is_refused():
         _key_weights(torch.ones(1, 4, 4))
 
 
-def test_the_training_processor_is_refused():
-    model = tiny_cogview4()
-    model.transformer_blocks[0].attn1.processor = CogView4TrainingAttnProcessor()
-    with pytest.raises(NotImplementedError, match="CogView4TrainingAttnProcessor"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_the_training_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_cogview4, ADAPTER, "transformer_blocks.0.attn1", CogView4TrainingAttnProcessor)
 
 
 def test_the_mask_bias_is_exact_on_one_rank():
     """Note [CogView4's mask is a bias] on one process: the routed masked call equals stock."""
     model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
     assert rel_err(out, ref) <= TOL

@@ -29,21 +29,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.adapter_parity import (
-    assert_within,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
 from usp_dit import disable_usp, enable_usp, init_usp
 from usp_dit.demo.tiny_consisid import consisid_inputs, face_inputs, tiny_consisid, tiny_consisid_pipeline
 from usp_dit.demo.tiny_video import TEXT_DIM, gradient_image
@@ -79,16 +65,16 @@ def _build(shape: Shape):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
 
 
 def _cfg_split_case() -> dict[str, float]:
     """``enable_usp`` on (1,2,2): each cfg group runs one batch row, its own face's identity inputs."""
     model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     enable_usp(model, mesh=init_usp(1, 2, 2))
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         disable_usp(model)
     return {"out": rel_err(out, ref)}
@@ -104,7 +90,7 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     (batched [uncond, cond]); prompt embeddings seeded (no prompt cleaning dependencies)."""
     g = torch.Generator().manual_seed(1)
     id_cond, id_vit_hidden = face_inputs(1)
-    return latents_and(
+    return parity.latents_and(
         pipe, "frames",
         image=gradient_image(48, 48), prompt_embeds=torch.randn(1, 16, TEXT_DIM, generator=g),
         negative_prompt_embeds=torch.randn(1, 16, TEXT_DIM, generator=g), height=48, width=48, num_frames=9,
@@ -114,46 +100,48 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_consisid_pipeline(), _generate, PIPELINE_GRIDS, names=("latents", "frames"),
-                          check_enabled=False)
+    return parity.pipeline_cases(tiny_consisid_pipeline(), _generate, PIPELINE_GRIDS, names=("latents", "frames"),
+                                 check_enabled=False)
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh),
-                   {2: [SHAPES[0]], 4: [SHAPES[0]]})
-    record(results, "cfg-split", _cfg_split_case)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(tiny_consisid(num_heads=2, head_dim=24), ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh),
+                          {2: [SHAPES[0]], 4: [SHAPES[0]]})
+    parity.record(results, "cfg-split", _cfg_split_case)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(tiny_consisid(num_heads=2, head_dim=24), ADAPTER,
+                                                          init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES[:1]), TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES[:1]), TOL,
 )
 
 
 def test_identity_inputs_split_over_cfg_with_the_batch(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 @pytest.mark.parametrize("key", list(PIPELINE_GRIDS))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- the video example's ConsisID option (one process, no grid) ----------------------------------

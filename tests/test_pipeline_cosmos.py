@@ -33,25 +33,11 @@ from unittest import mock
 
 import pytest
 import torch
+from diffusers.models.attention_processor import AttnProcessor2_0
 from diffusers.models.transformers import transformer_cosmos
 
-from tests.adapter_parity import (
-    assert_one_rank_bit_identical,
-    assert_within,
-    cfg_pair_computations,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_cosmos import cosmos_inputs, tiny_cosmos, tiny_cosmos2_text2image_pipeline
 from usp_dit.pipelines import _routing
@@ -98,7 +84,7 @@ def _build(shape: Shape):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
@@ -106,7 +92,7 @@ def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     re-shards its saved full input, and the pre-hooks cut the per-token arguments again."""
     model, inputs = _build(SHAPES[1])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _first_call_qk(model, inputs, module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +105,7 @@ def _first_call_qk(model, inputs, module, name: str) -> tuple[torch.Tensor, torc
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -142,7 +128,7 @@ PIPELINE_GRIDS = {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipel
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, the latent output) of two prompts at 80 x 48 (15 tokens), 2 steps, guidance 7."""
-    return latents_and(
+    return parity.latents_and(
         pipe, prompt=["a red fox jumps over a log", "a cat"], negative_prompt=["blurry", "dark"], height=80,
         width=48, num_inference_steps=STEPS, max_sequence_length=16, generator=torch.Generator().manual_seed(0),
         output_type="latent",
@@ -150,48 +136,51 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    probe = functools.partial(cfg_pair_computations, steps=STEPS)
-    return pipeline_cases(tiny_cosmos2_text2image_pipeline(), _generate, PIPELINE_GRIDS, names=("latents", "images"),
-                          probe=lambda pipe, grid: probe(pipe, grid))
+    probe = functools.partial(parity.cfg_pair_computations, steps=STEPS)
+    return parity.pipeline_cases(tiny_cosmos2_text2image_pipeline(), _generate, PIPELINE_GRIDS,
+                                 names=("latents", "images"),
+                                 probe=lambda pipe, grid: probe(pipe, grid))
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh),
-                   {2: GRAD_SHAPES, 4: GRAD_SHAPES})
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(tiny_cosmos(num_heads=2, head_dim=16), ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh),
+                          {2: GRAD_SHAPES, 4: GRAD_SHAPES})
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(tiny_cosmos(num_heads=2, head_dim=16), ADAPTER,
+                                                          init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 @pytest.mark.parametrize("key", list(PIPELINE_GRIDS))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"computations_not_steps_plus_1": 0.0}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"computations_not_steps_plus_1": 0.0}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_latents(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: restore exactly, refusals ------------------------------------------------------
@@ -207,7 +196,7 @@ def test_disable_restores_and_one_rank_is_bit_identical():
     assert {id(m.processor) for m in model.modules() if hasattr(m, "processor")} == before
     hooked = [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
     assert not hooked, f"hooks left on {hooked}"
-    assert_one_rank_bit_identical(model, inputs, ADAPTER)
+    parity.assert_one_rank_bit_identical(model, inputs, ADAPTER)
 
 
 def test_controlnet_residuals_are_refused_at_the_call():
@@ -220,10 +209,5 @@ def test_controlnet_residuals_are_refused_at_the_call():
         ADAPTER.disable(model)
 
 
-def test_a_processor_other_than_the_stock_one_is_refused():
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
-    model, _ = _build(SHAPES[0])
-    model.transformer_blocks[0].attn2.set_processor(AttnProcessor2_0())
-    with pytest.raises(NotImplementedError, match="transformer_blocks.0.attn2.processor is AttnProcessor2_0"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_processor_other_than_the_stock_one_is_refused = family_checks.foreign_processor_refused(
+    lambda: _build(SHAPES[0])[0], ADAPTER, "transformer_blocks.0.attn2", AttnProcessor2_0)

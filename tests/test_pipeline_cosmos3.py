@@ -39,17 +39,7 @@ import torch
 import torch.distributed as dist
 from diffusers.models.transformers import transformer_cosmos3
 
-from tests.adapter_parity import (
-    GRAD_GRID,
-    assert_within,
-    grad_keys,
-    grid_tests,
-    latents_and,
-    output_keys,
-    record,
-    run_grid_cases,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_cosmos3 import cosmos3_inputs, cosmos3_output, tiny_cosmos3, tiny_cosmos3_pipeline
 from usp_dit.pipelines import is_usp_enabled
@@ -170,9 +160,9 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames) of 2 steps with guidance at 48 x 80 x 9 frames (45 vision tokens), seed 0."""
-    return latents_and(pipe, "video", prompt="a red fox jumps over a log", negative_prompt="blurry", height=48,
-                       width=80, num_frames=9, num_inference_steps=2, guidance_scale=3.0,
-                       generator=torch.Generator().manual_seed(0), output_type="pt")
+    return parity.latents_and(pipe, "video", prompt="a red fox jumps over a log", negative_prompt="blurry", height=48,
+                              width=80, num_frames=9, num_inference_steps=2, guidance_scale=3.0,
+                              generator=torch.Generator().manual_seed(0), output_type="pt")
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (2, 1, 2)]  # (U, R, cfg)
@@ -205,25 +195,26 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
-    record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[1], init_usp(*GRAD_GRID[4]), checkpointing=True))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    parity.record(results, "grad-ckpt-p4",
+                  lambda: _gradient_case(SHAPES[1], init_usp(*parity.GRAD_GRID[4]), checkpointing=True))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
@@ -236,7 +227,7 @@ def test_pipeline_matches_one_process(grid_results, key: str):
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: loud failures -------------------------------------------------------------------

@@ -37,28 +37,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from diffusers.models.attention_processor import AttnProcessor
 
-from tests.adapter_parity import (
-    assert_disable_restores,
-    assert_within,
-    cfg_split_case,
-    decoded_latents_and,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_dit import NUM_CLASSES, dit_inputs, tiny_dit, tiny_dit_pipeline
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.dit import ADAPTER
 from usp_dit.pipelines.families.pixart import USPPixArtSelfAttnProcessor
 
@@ -99,27 +83,27 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     """Gradients with gradient checkpointing (the blocks recomputed on this rank's tokens)."""
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh, KEY_BIASES)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh, KEY_BIASES)
 
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(latents the VAE decodes, images) of 2 steps at 20 x 20 (25 tokens), batched CFG on the label, seed 0."""
-    return decoded_latents_and(pipe, class_labels=[1, 7], guidance_scale=4.0, num_inference_steps=STEPS,
-                               generator=torch.Generator().manual_seed(0), output_type="pt")
+    return parity.decoded_latents_and(pipe, class_labels=[1, 7], guidance_scale=4.0, num_inference_steps=STEPS,
+                                      generator=torch.Generator().manual_seed(0), output_type="pt")
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_dit_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS))
+    return parity.pipeline_cases(tiny_dit_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS))
 
 
 # Tensor parallelism (issue 28), 5 heads (uneven over 2 tensor ranks): (U, R, cfg, T, schedule).
@@ -140,25 +124,25 @@ def _tensor_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    record(results, "tensor", _tensor_cases, many=True)
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh, KEY_BIASES))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
+    parity.record(results, "tensor", _tensor_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh, KEY_BIASES))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: parity.cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
     two_heads = tiny_dit(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL)
 
 
 @pytest.mark.parametrize("key", [f"tensor-{g}" for g in TENSOR_GRIDS] + ["grad-tensor-(1,2,1,2)"])
@@ -172,41 +156,31 @@ def test_tensor_parallel_matches_one_process(grid_results, key: str):
 
 
 def test_cfg_split_of_a_batch_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES, "not_enabled_then_restored": 0.0},
-                  fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES, "not_enabled_then_restored": 0.0},
+                         fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures ----------------------------------
 
 
-def test_find_adapter_finds_dit():
-    assert find_adapter(tiny_dit()) is ADAPTER
-
-
-def test_disable_restores_processors_and_hooks():
-    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPPixArtSelfAttnProcessor)
-
-
-def test_foreign_processor_is_refused():
-    from diffusers.models.attention_processor import AttnProcessor
-
-    model = tiny_dit()
-    model.transformer_blocks[1].attn1.set_processor(AttnProcessor())
-    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn1.processor is AttnProcessor"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_find_adapter_finds_dit = family_checks.adapter_found(tiny_dit, ADAPTER)
+test_disable_restores_processors_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPPixArtSelfAttnProcessor)
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_dit, ADAPTER, "transformer_blocks.1.attn1", AttnProcessor)
 
 
 def test_a_block_of_another_kind_is_refused():
@@ -216,9 +190,7 @@ def test_a_block_of_another_kind_is_refused():
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
-def test_no_blocks_is_refused():
-    with pytest.raises(NotImplementedError, match=r"no transformer blocks \(num_layers=0\)"):
-        ADAPTER.enable(tiny_dit(num_layers=0), single_rank_mesh(), "auto")
+test_no_blocks_is_refused = family_checks.no_blocks_refused(lambda: tiny_dit(num_layers=0), ADAPTER)
 
 
 def test_label_dropout_in_training_is_refused_at_the_call():
@@ -228,10 +200,10 @@ def test_label_dropout_in_training_is_refused_at_the_call():
     try:
         model.train()
         with pytest.raises(NotImplementedError, match="drops class labels at random in training mode"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
         for block in model.transformer_blocks:
             block.norm1.emb.class_embedder.dropout_prob = 0.0
-        forward(model, inputs)
+        parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 

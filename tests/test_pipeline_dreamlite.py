@@ -35,19 +35,8 @@ import pytest
 import torch
 from diffusers.models.attention_processor import AttnProcessor2_0
 
-from tests.adapter_parity import (
-    assert_one_rank_bit_identical,
-    assert_within,
-    cfg_split_case,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    output_keys,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import disable_usp, init_usp, single_rank_mesh
 from usp_dit.demo.tiny_dreamlite import (
     dreamlite_inputs,
@@ -87,14 +76,14 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
     block = model.transformer_blocks[0]
     seen = block.attn1 if shape.self_attention else block.attn2  # attn2's hidden_states: the shard's queries
-    return sharded_output_case(model, inputs, ADAPTER, mesh, seen, shape.height * shape.width)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, seen, shape.height * shape.width)
 
 
 def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str, float]:
     model, inputs = _build(shape)
     if checkpointing:
         model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _kv_heads_case() -> dict[str, float]:
@@ -140,27 +129,27 @@ def _unet_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
-    record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
-    record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
-    record(results, "kv-heads", _kv_heads_case)
-    record(results, "unet", _unet_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    parity.record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
+    parity.record(results, "cfg-split", lambda: parity.cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
+    parity.record(results, "kv-heads", _kv_heads_case)
+    parity.record(results, "unet", _unet_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES) + ["cfg-split", "kv-heads"], grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES) + ["cfg-split", "kv-heads"], parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 @pytest.mark.parametrize("key", ["unet-u{}r{}cfg{}".format(*g) for g in UNET_GRIDS] + ["unet-after-disable"])
 def test_unet_with_every_block_enabled_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"not_bit_identical": 0.0, "blocks_not_7": 0.0}, fallback="unet")
+    parity.assert_within(grid_results, key, TOL, {"not_bit_identical": 0.0, "blocks_not_7": 0.0}, fallback="unet")
 
 
 # ---- single process ---------------------------------------------------------------------------------
@@ -168,7 +157,7 @@ def test_unet_with_every_block_enabled_matches_one_process(grid_results, key: st
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_one_rank_is_bit_identical_to_stock(shape: Shape):
-    assert_one_rank_bit_identical(*_build(shape), ADAPTER)
+    parity.assert_one_rank_bit_identical(*_build(shape), ADAPTER)
 
 
 def test_a_self_attention_mask_is_refused_at_the_call():
@@ -181,13 +170,10 @@ def test_a_self_attention_mask_is_refused_at_the_call():
         ADAPTER.disable(model)
 
 
-def test_the_class_default_processor_on_attn1_is_refused():
-    """``DreamLiteTransformer2DModel`` alone installs ``AttnProcessor2_0`` (which mishandles GQA);
-    the U-Net replaces it with ``DreamLiteAttnProcessor2_0``, the one the plan routes."""
-    model, _ = _build(SHAPES[0])
-    model.transformer_blocks[1].attn1.set_processor(AttnProcessor2_0())
-    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn1.processor is AttnProcessor2_0"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+# ``DreamLiteTransformer2DModel`` alone installs ``AttnProcessor2_0`` (which mishandles GQA);
+# the U-Net replaces it with ``DreamLiteAttnProcessor2_0``, the one the plan routes.
+test_the_class_default_processor_on_attn1_is_refused = family_checks.foreign_processor_refused(
+    lambda: _build(SHAPES[0])[0], ADAPTER, "transformer_blocks.1.attn1", AttnProcessor2_0)
 
 
 def test_only_cross_attention_is_refused():

@@ -36,24 +36,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from diffusers.models.attention_processor import AttnProcessor2_0
 
-from tests.adapter_parity import (
-    assert_disable_restores,
-    assert_one_rank_bit_identical,
-    assert_within,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_easyanimate import (
     easyanimate_inputs,
@@ -107,7 +93,7 @@ def _build(shape: Shape, dropout: float = 0.0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
     assert easyanimate_tokens(model, shape.frames, shape.height, shape.width) == shape.tokens
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
@@ -115,7 +101,7 @@ def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     full input; every block gets the already-cut RoPE table."""
     model, inputs = _build(SHAPES[2])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _rotated_qk_case(mesh) -> dict[str, float]:
@@ -130,7 +116,7 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
         return sdpa(q, k, v, *args, **kwargs)
 
     with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", stock_spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     q_ref, k_ref = seen[0]
     seen.clear()
     usp_attention = _routing.usp_attention
@@ -142,7 +128,7 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
     ADAPTER.enable(model, mesh, "auto")
     try:
         with mock.patch.object(_routing, "usp_attention", usp_spy):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
     q, k = seen[0]
@@ -159,11 +145,11 @@ def _text_spread_under_dropout(mesh) -> dict[str, float]:
              for b in model.transformer_blocks]
     ADAPTER.enable(model, mesh, "auto")
     try:
-        forward(model, inputs)
+        parity.forward(model, inputs)
         eval_streams, streams[:] = list(streams), []
         model.train()
         torch.manual_seed(1000 + dist.get_rank())
-        forward(model, inputs)
+        parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
         for h in hooks:
@@ -183,7 +169,7 @@ PIPELINE_GRIDS = {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipel
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames) of two prompts at 48 x 48 x 9 frames (27 tokens), 2 steps, guidance 5."""
-    return latents_and(
+    return parity.latents_and(
         pipe, "frames", prompt=["a red fox jumps over a log", "a cat"], negative_prompt=["blurry", "dark"],
         height=48, width=48, num_frames=9, num_inference_steps=2, generator=torch.Generator().manual_seed(0),
         output_type="pt",
@@ -191,52 +177,53 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_easyanimate_pipeline(), _generate, PIPELINE_GRIDS, names=("latents", "frames"))
+    return parity.pipeline_cases(tiny_easyanimate_pipeline(), _generate, PIPELINE_GRIDS, names=("latents", "frames"))
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh),
-                   {2: GRAD_SHAPES, 4: GRAD_SHAPES})
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "dropout", lambda: _text_spread_under_dropout(init_usp(2, 2)))
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(tiny_easyanimate(num_heads=2, head_dim=16), ADAPTER,
-                                            init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh),
+                          {2: GRAD_SHAPES, 4: GRAD_SHAPES})
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.record(results, "dropout", lambda: _text_spread_under_dropout(init_usp(2, 2)))
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(tiny_easyanimate(num_heads=2, head_dim=16), ADAPTER,
+                                                          init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_dropout_on_the_replicated_text_draws_one_mask(grid_results):
-    assert_within(grid_results, "dropout", 0.0)
+    parity.assert_within(grid_results, "dropout", 0.0)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 @pytest.mark.parametrize("key", list(PIPELINE_GRIDS))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: restore exactly, refusals, the example ---------------------------------------
@@ -244,17 +231,12 @@ def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
 
 def test_disable_restores_and_one_rank_is_bit_identical():
     model, inputs = _build(SHAPES[2])
-    assert_disable_restores(model, inputs, ADAPTER, USPEasyAnimateAttnProcessor)
-    assert_one_rank_bit_identical(model, inputs, ADAPTER)
+    parity.assert_disable_restores(model, inputs, ADAPTER, USPEasyAnimateAttnProcessor)
+    parity.assert_one_rank_bit_identical(model, inputs, ADAPTER)
 
 
-def test_a_processor_other_than_the_stock_one_is_refused():
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
-    model, _ = _build(SHAPES[0])
-    model.transformer_blocks[1].attn1.set_processor(AttnProcessor2_0())
-    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn1.processor is AttnProcessor2_0"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_processor_other_than_the_stock_one_is_refused = family_checks.foreign_processor_refused(
+    lambda: _build(SHAPES[0])[0], ADAPTER, "transformer_blocks.1.attn1", AttnProcessor2_0)
 
 
 def test_dropout_with_blocks_past_mmdit_layers_is_refused():

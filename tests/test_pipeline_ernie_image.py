@@ -36,22 +36,11 @@ import pytest
 import torch
 
 import usp_dit
-from tests.adapter_parity import (
-    assert_within,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    output_keys,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ernie_image import ernie_image_inputs, tiny_ernie_image, tiny_ernie_image_pipeline
 from usp_dit.pipelines import is_usp_enabled
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.ernie_image import ADAPTER, USPErnieImageAttnProcessor
 from usp_dit.testing import rel_err
 
@@ -89,23 +78,23 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.layers[0].self_attention, shape.tokens,
-                               replicated=max(shape.text_lens))
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.layers[0].self_attention, shape.tokens,
+                                      replicated=max(shape.text_lens))
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2 (usp_dit.enable_usp): its batch of 2 split over the cfg groups."""
     model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     usp_dit.enable_usp(model, mesh=mesh)
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         usp_dit.disable_usp(model)
     return {"out": rel_err(out, ref)}
@@ -160,25 +149,25 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 def _run_all() -> dict[str, dict | str]:
     warnings.filterwarnings("ignore", category=FutureWarning)
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL)
 
 
 def test_cfg_split_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
@@ -192,32 +181,21 @@ def test_pipeline_matches_one_process(grid_results, key: str):
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_ernie_image():
-    assert find_adapter(tiny_ernie_image()) is ADAPTER
+test_find_adapter_finds_ernie_image = family_checks.adapter_found(tiny_ernie_image, ADAPTER)
 
 
-def test_disable_restores_processors_and_hooks():
-    model, inputs = _build(SHAPES[0])
-    before = [m.processor for m in model.modules() if hasattr(m, "processor")]
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert all(isinstance(m.processor, USPErnieImageAttnProcessor) for m in model.modules() if hasattr(m, "processor"))
-    forward(model, inputs)
-    ADAPTER.disable(model)
-    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
-    assert not [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+test_disable_restores_processors_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPErnieImageAttnProcessor)
 
 
-def test_foreign_processor_is_refused():
-    model = tiny_ernie_image()
-    model.layers[1].self_attention.processor = object()
-    with pytest.raises(NotImplementedError, match="layers.1.self_attention.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_ernie_image, ADAPTER, "layers.1.self_attention")
 
 
 def test_processor_swapped_after_enable_is_refused_at_the_call():
@@ -228,14 +206,10 @@ def test_processor_swapped_after_enable_is_refused_at_the_call():
     try:
         model.layers[0].self_attention.set_processor(ErnieImageSingleStreamAttnProcessor())
         with pytest.raises(NotImplementedError, match="became ErnieImageSingleStreamAttnProcessor after enable_usp"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
 
-def test_tensor_parallelism_is_refused_by_name():
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    assert ADAPTER.plan.tensor is None
-    with pytest.raises(NotImplementedError, match="usp_dit's ErnieImage plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_ernie_image(), ADAPTER.plan.tensor, ADAPTER.name, 2)
+test_tensor_parallelism_is_refused_by_name = family_checks.tensor_parallelism_refused(
+    tiny_ernie_image, ADAPTER, "ErnieImage")

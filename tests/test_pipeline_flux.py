@@ -41,15 +41,7 @@ import torch
 import torch.distributed as dist
 
 import usp_dit
-from tests.adapter_parity import (
-    assert_within,
-    forward,
-    gradient_errors,
-    output_keys,
-    record,
-    run_grid_cases,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
 from usp_dit import disable_usp, enable_usp, init_usp
 from usp_dit.demo.tiny_flux import flux_inputs, tiny_flux_pipeline, tiny_flux_transformer
 from usp_dit.pipelines.families.flux import ADAPTER
@@ -120,7 +112,7 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """enable_usp on the mesh, one forward, disable: error vs one process, the output's shape,
     block 0's attention length (text + image) vs ceil((T + N) / P), bit-identity after disable."""
     model, args = _build(shape)
-    ref = forward(model, args)
+    ref = parity.forward(model, args)
     lengths = []
 
     def seen(m, a, kwargs):
@@ -129,11 +121,11 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
     enable_usp(model, mesh=mesh)
     hook = model.transformer_blocks[0].attn.register_forward_pre_hook(seen, with_kwargs=True)
     try:
-        out = forward(model, args)
+        out = parity.forward(model, args)
     finally:
         hook.remove()
         disable_usp(model)
-    again = forward(model, args)
+    again = parity.forward(model, args)
     return {
         "out": rel_err(out, ref),
         "shape_differs": float(out.shape != ref.shape),
@@ -147,10 +139,10 @@ def _check_sync(model) -> dict[str, float]:
     shape = Shape(2, 8, 8, 7)
     args0 = _call_args(shape, seed=100)
     mine = _call_args(shape, seed=100 + dist.get_rank())  # rank 0's equal args0
-    ref = forward(model, args0)
+    ref = parity.forward(model, args0)
     enable_usp(model, ulysses_degree=2, ring_degree=2)
     try:
-        out = forward(model, mine)
+        out = parity.forward(model, mine)
     finally:
         disable_usp(model)
     return {"out": rel_err(out, ref)}
@@ -160,11 +152,11 @@ def _check_disable(model) -> dict[str, float]:
     """After enable (2x2) and disable: same processor objects, no forward attribute, equal bits."""
     args = _call_args(Shape(1, 8, 8, 7), seed=300)
     before_procs = model.attn_processors
-    ref = forward(model, args)
+    ref = parity.forward(model, args)
     enable_usp(model, ulysses_degree=2, ring_degree=2)
-    forward(model, args)
+    parity.forward(model, args)
     disable_usp(model)
-    after = forward(model, args)
+    after = parity.forward(model, args)
     same_procs = all(before_procs[k] is v for k, v in model.attn_processors.items())
     return {
         "bit_identical": float(torch.equal(after, ref)),
@@ -216,15 +208,16 @@ def _check_pipelines() -> dict[str, float]:
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh),
-                   GRAD_SHAPES, _fits)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh),
+                          GRAD_SHAPES, _fits)
     model = tiny_flux_transformer()  # the checks below build their meshes from degrees, as users do
-    record(results, "sync", lambda: _check_sync(model))
-    record(results, "disable", lambda: _check_disable(model))
+    parity.record(results, "sync", lambda: _check_sync(model))
+    parity.record(results, "disable", lambda: _check_disable(model))
     two_heads = tiny_flux_transformer(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipelines", _check_pipelines)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipelines", _check_pipelines)
     return results
 
 
@@ -244,9 +237,9 @@ def _per_rank(grid_results, key: str) -> list[dict[str, float]]:
     return out
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES, _fits))
+@pytest.mark.parametrize("key", parity.output_keys(SHAPES, _fits))
 def test_transformer_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+    parity.assert_within(grid_results, key, TOL)
 
 
 GRAD_KEYS = [f"grad-p{p}-{s}" for p in (2, 4) for s in GRAD_SHAPES[p]]
@@ -254,11 +247,11 @@ GRAD_KEYS = [f"grad-p{p}-{s}" for p in (2, 4) for s in GRAD_SHAPES[p]]
 
 @pytest.mark.parametrize("key", GRAD_KEYS)
 def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+    parity.assert_within(grid_results, key, TOL)
 
 
 def test_inputs_differing_per_rank_are_synced(grid_results):
-    assert_within(grid_results, "sync", TOL)
+    parity.assert_within(grid_results, "sync", TOL)
 
 
 def test_disable_restores_bit_identical_model(grid_results):
@@ -267,7 +260,7 @@ def test_disable_restores_bit_identical_model(grid_results):
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 def test_whole_pipeline_matches_one_process(grid_results):

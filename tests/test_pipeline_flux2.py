@@ -48,23 +48,8 @@ import torch
 from diffusers.models.transformers import transformer_flux2
 from diffusers.models.transformers.transformer_flux2 import Flux2KVAttnProcessor, Flux2KVParallelSelfAttnProcessor
 
-from tests.adapter_parity import (
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    joint_output_case,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_flux2 import MISTRAL_LAYERS, flux2_inputs, tiny_flux2, tiny_flux2_pipeline
 from usp_dit.pipelines import _routing
@@ -116,14 +101,14 @@ def _build(shape: Shape, seed: int = 0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's attention length (text + image) vs ceil((T + N) / P), bit-identity after disable."""
     model, inputs = _build(shape)
-    return joint_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, shape.tokens)
+    return parity.joint_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, shape.tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     """Gradients with gradient checkpointing (the blocks recomputed on this rank's pieces)."""
     model, inputs = _build(SHAPES[1])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _first_attention_call(model, inputs, module, name: str) -> dict:
@@ -136,7 +121,7 @@ def _first_attention_call(model, inputs, module, name: str) -> dict:
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -156,7 +141,7 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2 (usp_dit.enable_usp on the model): its batch of 2
     split over the cfg groups (ids whole), equal to stock."""
-    return cfg_split_case(*_build(SHAPES[1]), mesh)
+    return parity.cfg_split_case(*_build(SHAPES[1]), mesh)
 
 
 PROMPTS = ["a red fox jumps", "a cat"]
@@ -165,7 +150,7 @@ PROMPTS = ["a red fox jumps", "a cat"]
 def _generate(pipe, prompts: list[str] = PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps at 12 x 20 (3 x 5 = 15 image tokens), 192 text tokens,
     guidance 3.5, seed 0."""
-    return latents_and(
+    return parity.latents_and(
         pipe,
         prompt=prompts, text_encoder_out_layers=MISTRAL_LAYERS, max_sequence_length=192, guidance_scale=3.5,
         height=12, width=20, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt",
@@ -176,7 +161,7 @@ PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits the batch 
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_flux2_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS))
+    return parity.pipeline_cases(tiny_flux2_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS))
 
 
 def _pipeline_cfg_case() -> dict[str, float]:
@@ -203,44 +188,44 @@ def _pipeline_cfg_case() -> dict[str, float]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
     two_heads = tiny_flux2(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
-    record(results, "pipeline-cfg2", _pipeline_cfg_case)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "pipeline-cfg2", _pipeline_cfg_case)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_cfg_split_of_a_batch_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 def test_cfg_parallel_with_one_prompt_runs_whole_on_both_cfg_groups(grid_results):
@@ -253,7 +238,7 @@ def test_cfg_parallel_with_one_prompt_runs_whole_on_both_cfg_groups(grid_results
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures --------------------------------
@@ -270,7 +255,7 @@ def test_disable_restores_processors_forward_and_hooks():
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     assert all(isinstance(b.attn.processor, USPFlux2AttnProcessor) for b in model.transformer_blocks)
     assert all(isinstance(b.attn.processor, USPFlux2SelfAttnProcessor) for b in model.single_transformer_blocks)
-    forward(model, inputs)
+    parity.forward(model, inputs)
     ADAPTER.disable(model)
     assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
     assert "forward" not in model.__dict__
@@ -288,19 +273,10 @@ def test_enable_twice_and_disable_unpatched_raise():
     ADAPTER.disable(model)
 
 
-def test_foreign_processor_is_refused():
-    model = tiny_flux2()
-    model.single_transformer_blocks[1].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="single_transformer_blocks.1.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert "forward" not in model.__dict__
-
-
-def test_diffusers_context_parallelism_is_refused():
-    model = tiny_flux2()
-    model.transformer_blocks[0].attn.processor._parallel_config = object()
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_flux2, ADAPTER, "single_transformer_blocks.1.attn")
+test_diffusers_context_parallelism_is_refused = family_checks.context_parallelism_refused(
+    tiny_flux2, ADAPTER, "transformer_blocks.0.attn")
 
 
 def test_unsupported_diffusers_cache_is_refused():
@@ -312,10 +288,8 @@ def test_unsupported_diffusers_cache_is_refused():
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
-def test_no_layers_is_refused():
-    model = tiny_flux2(num_layers=0, num_single_layers=0)
-    with pytest.raises(NotImplementedError, match=r"no transformer blocks \(num_layers=0\)"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_no_layers_is_refused = family_checks.no_blocks_refused(
+    lambda: tiny_flux2(num_layers=0, num_single_layers=0), ADAPTER)
 
 
 @pytest.mark.parametrize("layers", [(0, 2), (2, 0)])
@@ -323,10 +297,10 @@ def test_one_kind_of_block_alone_matches_stock(layers):
     """num_layers=0 or num_single_layers=0: the split is at the forward's arguments, not at a block."""
     model = tiny_flux2(num_layers=layers[0], num_single_layers=layers[1])
     inputs = flux2_inputs(model, [(3, 5)], TEXT_LEN)
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
     assert torch.equal(out, ref)
@@ -352,7 +326,7 @@ def test_processor_swapped_after_enable_is_refused_at_the_call():
     try:
         model.transformer_blocks[1].attn.set_processor(Flux2KVAttnProcessor())
         with pytest.raises(NotImplementedError, match="became Flux2KVAttnProcessor after enable_usp"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
@@ -363,14 +337,10 @@ def test_ids_unlike_the_tokens_are_refused():
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         with pytest.raises(ValueError, match="img_ids has 12 rows but hidden_states has 15 tokens"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    """Should a future diffusers' processor stop calling dispatch_attention_fn, enable refuses
-    instead of running local attention on a shard."""
-    monkeypatch.setattr(flux2, "_RoutedFlux2SelfAttn", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_flux2(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_flux2, ADAPTER, flux2, "_RoutedFlux2SelfAttn")

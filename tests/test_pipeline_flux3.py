@@ -26,19 +26,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.adapter_parity import (
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    output_keys,
-    record,
-    run_grid_cases,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_flux3 import flux3_inputs, tiny_flux3
 from usp_dit.pipelines.families import flux3
@@ -71,7 +60,7 @@ def _build(shape: Shape, seed: int = 0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, single block 0's attention length vs the per-mode ceilings, bit-identity after disable."""
     model, inputs = _build(shape)
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     p = mesh.sequence_degree
     counts = [shape.text, H * W] + ([math.prod(shape.reference)] if shape.reference else [])
     bound = sum(math.ceil(n / p) for n in counts)
@@ -81,64 +70,62 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
         with_kwargs=True)
     ADAPTER.enable(model, mesh, "auto")
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         hook.remove()
         ADAPTER.disable(model)
     return {
         "out": rel_err(out, ref),
         "single0_tokens_above": float(not lengths or max(lengths) > bound),
-        "disable_not_bit_identical": float(not torch.equal(forward(model, inputs), ref)),
+        "disable_not_bit_identical": float(not torch.equal(parity.forward(model, inputs), ref)),
     }
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[1])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _cfg_split_case(mesh) -> dict[str, float]:
-    return cfg_split_case(*_build(SHAPES[1]), mesh)
+    return parity.cfg_split_case(*_build(SHAPES[1]), mesh)
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
     two_heads = tiny_flux3(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_cfg_split_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process: registration, refusals ---------------------------------------------------
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(flux3, "_ROUTED_CALL", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_flux3(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_flux3, ADAPTER, flux3, "_ROUTED_CALL")
 
 
 def test_ids_unlike_the_tokens_are_refused():
@@ -147,7 +134,7 @@ def test_ids_unlike_the_tokens_are_refused():
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         with pytest.raises(ValueError, match="img_ids has 34 rows but hidden_states has 35 tokens"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 

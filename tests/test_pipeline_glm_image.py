@@ -37,22 +37,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.adapter_parity import (
-    assert_within,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    output_keys,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_glm_image import CODEBOOK, TEXT_DIM, glm_image_inputs, tiny_glm_image, tiny_glm_image_pipeline
 from usp_dit.pipelines import is_usp_enabled
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.glm_image import ADAPTER, USPGlmImageAttnProcessor
 from usp_dit.testing import rel_err
 
@@ -91,13 +80,13 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,20 +137,20 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 def _run_all() -> dict[str, dict | str]:
     warnings.filterwarnings("ignore", category=FutureWarning)
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
@@ -175,32 +164,21 @@ def test_pipeline_matches_one_process(grid_results, key: str):
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_glm_image():
-    assert find_adapter(tiny_glm_image()) is ADAPTER
+test_find_adapter_finds_glm_image = family_checks.adapter_found(tiny_glm_image, ADAPTER)
 
 
-def test_disable_restores_processors_and_hooks():
-    model, inputs = _build(SHAPES[0])
-    before = [m.processor for m in model.modules() if hasattr(m, "processor")]
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert all(isinstance(m.processor, USPGlmImageAttnProcessor) for m in model.modules() if hasattr(m, "processor"))
-    forward(model, inputs)
-    ADAPTER.disable(model)
-    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
-    assert not [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+test_disable_restores_processors_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPGlmImageAttnProcessor)
 
 
-def test_foreign_processor_is_refused():
-    model = tiny_glm_image()
-    model.transformer_blocks[1].attn1.processor = object()
-    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn1.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_glm_image, ADAPTER, "transformer_blocks.1.attn1")
 
 
 @pytest.mark.parametrize("mode", ["write", "read"])
@@ -229,9 +207,5 @@ def test_a_callers_rope_table_is_refused():
         ADAPTER.disable(model)
 
 
-def test_tensor_parallelism_is_refused_by_name():
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    assert ADAPTER.plan.tensor is None
-    with pytest.raises(NotImplementedError, match="usp_dit's GlmImage plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_glm_image(), ADAPTER.plan.tensor, ADAPTER.name, 2)
+test_tensor_parallelism_is_refused_by_name = family_checks.tensor_parallelism_refused(
+    tiny_glm_image, ADAPTER, "GlmImage")

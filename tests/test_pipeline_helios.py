@@ -46,20 +46,7 @@ import torch
 import torch.distributed as dist
 from diffusers.models.transformers import transformer_helios
 
-from tests.adapter_parity import (
-    _param_grads,
-    assert_within,
-    forward,
-    grad_keys,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_helios import helios_inputs, helios_tokens, tiny_helios, tiny_helios_pipeline
 from usp_dit.demo.tiny_video import TEXT_DIM
@@ -103,7 +90,7 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attn1, shape.tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attn1, shape.tokens)
 
 
 KEY_SCALE = "history_key_scale"  # the parameter judged against float64 (module docstring)
@@ -137,10 +124,10 @@ def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str,
 def _summed_errors(model, inputs, mesh, judged) -> float:
     """The worst error, over the parameters ``judged(name)`` selects, of the sharded gradient summed
     over the sequence group against one process's."""
-    ref = _param_grads(model, inputs, 1)
+    ref = parity._param_grads(model, inputs, 1)
     ADAPTER.enable(model, mesh, "auto")
     try:
-        grads = _param_grads(model, inputs, mesh.sequence_degree)
+        grads = parity._param_grads(model, inputs, mesh.sequence_degree)
     finally:
         ADAPTER.disable(model)
     worst = 0.0
@@ -163,7 +150,7 @@ def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tenso
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -191,7 +178,7 @@ def _generate(pipe, pyramid: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     a step at half resolution, then one at full (the history stays at full: 74, then 128 tokens)."""
     size = dict(height=64, width=96, num_frames=9, pyramid_num_inference_steps_list=[1, 1]) if pyramid else dict(
         height=32, width=48, num_frames=18, num_inference_steps=2)
-    return latents_and(
+    return parity.latents_and(
         pipe, "frames",
         **_embeds(), **size, history_sizes=[4, 2, 1], num_latent_frames_per_chunk=3,
         generator=torch.Generator().manual_seed(0), output_type="pt",
@@ -204,9 +191,9 @@ PIPELINE_GRIDS = {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipel
 def _pipeline_cases() -> dict[str, dict[str, float]]:
     """The tiny HeliosPipeline through ``pipe.enable_usp`` on each of ``PIPELINE_GRIDS``, bit-identical
     after ``pipe.disable_usp``; the pyramid pipeline on (2, 2)."""
-    results = pipeline_cases(tiny_helios_pipeline(), _generate, PIPELINE_GRIDS, names=("latents", "frames"),
-                             check_enabled=False)
-    results.update(pipeline_cases(
+    results = parity.pipeline_cases(tiny_helios_pipeline(), _generate, PIPELINE_GRIDS, names=("latents", "frames"),
+                                    check_enabled=False)
+    results.update(parity.pipeline_cases(
         tiny_helios_pipeline(pyramid=True), lambda p: _generate(p, pyramid=True), {"pipeline-pyramid-u2r2": (2, 2, 1)},
         names=("latents", "frames"), check_enabled=False, after_disable=None,
     ))
@@ -215,46 +202,47 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
-    record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[1], init_usp(2, 2), checkpointing=True))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(tiny_helios(num_heads=2, head_dim=32), ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    parity.record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[1], init_usp(2, 2), checkpointing=True))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(tiny_helios(num_heads=2, head_dim=32), ADAPTER,
+                                                          init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES))
+@pytest.mark.parametrize("key", parity.output_keys(SHAPES))
 def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+    parity.assert_within(grid_results, key, TOL)
 
 
-@pytest.mark.parametrize("key", grad_keys(SHAPES) + ["grad-ckpt-p4"])
+@pytest.mark.parametrize("key", parity.grad_keys(SHAPES) + ["grad-ckpt-p4"])
 def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+    parity.assert_within(grid_results, key, TOL)
     assert all(res[key]["key_scale_float64"] <= KEY_SCALE_TOL for res in grid_results), [res[key] for res in grid_results]
 
 
 def test_rope_and_history_key_scale_match_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 @pytest.mark.parametrize("key", [*PIPELINE_GRIDS, "pipeline-pyramid-u2r2"])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process ------------------------------------------------------------------------------

@@ -40,20 +40,8 @@ import torch
 from diffusers.models.transformers import transformer_hidream_image
 
 import usp_dit
-from tests.adapter_parity import (
-    assert_within,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_hidream import hidream_inputs, hidream_tokens, tiny_hidream, tiny_hidream_pipeline
 from usp_dit.pipelines import is_usp_enabled
@@ -89,17 +77,18 @@ def _build(shape: Shape, train: bool = False):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
     attention = model.double_stream_blocks[0].block.attn1
-    return sharded_output_case(model, inputs, ADAPTER, mesh, attention, hidream_tokens(model, shape.height, shape.width))
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, attention,
+                                      hidream_tokens(model, shape.height, shape.width))
 
 
 def _gradient_case(shape: Shape, mesh) -> dict[str, float]:
-    return gradient_errors(*_build(shape, train=True), ADAPTER, mesh)
+    return parity.gradient_errors(*_build(shape, train=True), ADAPTER, mesh)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[1], train=True)
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _cfg_split_case(mesh) -> dict[str, float]:
@@ -108,10 +97,10 @@ def _cfg_split_case(mesh) -> dict[str, float]:
     errors = {}
     for shape in SHAPES:
         model, inputs = _build(shape)
-        ref = forward(model, inputs)
+        ref = parity.forward(model, inputs)
         usp_dit.enable_usp(model, mesh=mesh)
         try:
-            errors[str(shape)] = rel_err(forward(model, inputs), ref)
+            errors[str(shape)] = rel_err(parity.forward(model, inputs), ref)
         finally:
             usp_dit.disable_usp(model)
     return errors
@@ -120,7 +109,7 @@ def _cfg_split_case(mesh) -> dict[str, float]:
 def _generate(pipe, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps, CFG batched, seed 0; 20 x ``width`` pixels (20: 25 image
     tokens; 28: rescaled by the pipeline to 16 x 20, padded to 39 tokens); 7 T5 + 2 x 7 Llama tokens."""
-    return latents_and(
+    return parity.latents_and(
         pipe,
         prompt="fox", negative_prompt="dim", height=20, width=width, num_inference_steps=2, guidance_scale=4.0,
         max_sequence_length=7, generator=torch.Generator().manual_seed(0), output_type="pt",
@@ -161,43 +150,43 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
     two_heads = tiny_hidream(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_cfg_split_of_the_transformer_batch_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}-w{w}" for (u, r, c), w in PIPELINE_RUNS])
 def test_pipeline_matches_one_process(grid_results, key: str):
     """(2,1) and (2,2) sequence grids, cfg_degree=2 (the pipeline batches [uncond, cond] in one
     call), and a non-square image (padded tokens, the token mask)."""
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process: restore exactly, copies, loud failures ---------------------------------------
@@ -206,7 +195,7 @@ def test_ulysses_above_heads_raises_at_enable(grid_results):
 def test_deep_copy_of_an_enabled_transformer_runs_its_own_state():
     """An EMA-style deep copy: the copy's processors route with the copy's state, and equal stock."""
     model, inputs = _build(SHAPES[1])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         clone = copy.deepcopy(model)
@@ -217,7 +206,7 @@ def test_deep_copy_of_an_enabled_transformer_runs_its_own_state():
     assert state is not original_state
     blocks = [*clone.double_stream_blocks, *clone.single_stream_blocks]
     assert all(b.block.attn1.processor.route.state is state for b in blocks)
-    assert rel_err(forward(clone, inputs), ref) <= TOL
+    assert rel_err(parity.forward(clone, inputs), ref) <= TOL
     ADAPTER.disable(clone)
 
 
@@ -248,21 +237,18 @@ def test_an_moe_that_uses_its_auxiliary_loss_is_refused(monkeypatch):
         ADAPTER.enable(tiny_hidream(), single_rank_mesh(), "auto")
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    """Should a future diffusers' HiDreamAttnProcessor stop calling F.scaled_dot_product_attention,
-    enable refuses instead of running local attention on a shard."""
-    monkeypatch.setattr(hidream, "_routed_call", lambda route: None)
-    with pytest.raises(NotImplementedError, match="does not call F.scaled_dot_product_attention"):
-        ADAPTER.enable(tiny_hidream(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_hidream, ADAPTER, hidream, "_routed_call", lambda route: None,
+    match="does not call F.scaled_dot_product_attention")
 
 
 def test_one_rank_enabled_equals_stock_on_a_padded_latent():
     """P = 1: the hooks and the routed processor leave the maths stock's (non-square: the mask path)."""
     model, inputs = _build(SHAPES[1])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
     assert rel_err(out, ref) <= TOL

@@ -41,24 +41,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.adapter_parity import (
-    _param_grads,
-    allowance_gradient_errors,
-    assert_one_rank_bit_identical,
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_hunyuan_dit import hunyuan_dit_inputs, tiny_hunyuan_dit, tiny_hunyuan_dit_pipeline
 from usp_dit.pipelines.families.hunyuan_dit import ADAPTER
@@ -94,7 +78,7 @@ def _build(shape: Shape, seed: int = 0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
     tokens = shape.height * shape.width
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attn1, tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attn1, tokens)
 
 
 def _float64(value):
@@ -109,11 +93,11 @@ def _float64(value):
 def _reference_grads(shape: Shape) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(exact gradients: the model and inputs in float64, the stock float32 model's gradients) of one process."""
     model, inputs = _build(shape)
-    stock = _param_grads(model, inputs, 1)
+    stock = parity._param_grads(model, inputs, 1)
     model.double()
     for name, value in inputs.__dict__.items():
         setattr(inputs, name, _float64(value))
-    return _param_grads(model, inputs, 1), stock
+    return parity._param_grads(model, inputs, 1), stock
 
 
 def _gradient_case(shape: Shape, mesh) -> dict[str, float]:
@@ -121,7 +105,7 @@ def _gradient_case(shape: Shape, mesh) -> dict[str, float]:
     the exact one: its error over max(TOL, GRAD_FACTOR x the stock float32 model's error there) (at most 1)."""
     exact, stock = _reference_grads(shape)
     model, inputs = _build(shape)
-    return allowance_gradient_errors(model, inputs, ADAPTER, mesh, exact, stock, TOL, GRAD_FACTOR)
+    return parity.allowance_gradient_errors(model, inputs, ADAPTER, mesh, exact, stock, TOL, GRAD_FACTOR)
 
 
 class _KeepQueries:
@@ -146,7 +130,7 @@ def _cross_attention_queries(model, inputs) -> torch.Tensor:
     keep = _KeepQueries(attn.processor)
     attn.processor = keep
     try:
-        forward(model, inputs)
+        parity.forward(model, inputs)
     finally:
         attn.processor = keep.stock
     return keep.seen[0]
@@ -166,7 +150,7 @@ def _rope_rows_case(mesh) -> dict[str, float]:
 
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2: its batch of 2 split, the RoPE table whole."""
-    return cfg_split_case(*_build(SHAPES[1]), mesh)
+    return parity.cfg_split_case(*_build(SHAPES[1]), mesh)
 
 
 PROMPTS = (["a red fox jumps", "a cat"], ["blurry", "dark and dim"])  # of different lengths: padded, masked
@@ -176,7 +160,7 @@ PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits [uncond, c
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps at 80 x 112 (5 x 7 = 35 tokens), batched CFG, seed 0."""
     prompt, negative_prompt = PROMPTS
-    return latents_and(
+    return parity.latents_and(
         pipe,
         prompt=prompt, negative_prompt=negative_prompt, guidance_scale=5.0, height=80, width=112,
         num_inference_steps=2, use_resolution_binning=False, generator=torch.Generator().manual_seed(0),
@@ -185,66 +169,65 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_hunyuan_dit_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS))
+    return parity.pipeline_cases(tiny_hunyuan_dit_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS))
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
-    record(results, "rope-rows", lambda: _rope_rows_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    parity.record(results, "rope-rows", lambda: _rope_rows_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES), TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES), TOL,
     grad_tol=1.0,  # each parameter's error over its allowance (module docstring)
 )
 
 
 def test_rope_rows_of_each_rank_match_one_process(grid_results):
-    assert_within(grid_results, "rope-rows", TOL)
+    parity.assert_within(grid_results, "rope-rows", TOL)
 
 
 def test_cfg_split_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: restore exactly, loud failures ----------------------------------------------
 
 
-def test_one_rank_is_bit_identical_to_stock():
-    assert_one_rank_bit_identical(*_build(SHAPES[1]), ADAPTER)
+test_one_rank_is_bit_identical_to_stock = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[1]), ADAPTER)
 
 
 def test_prompt_masks_and_skips_change_the_output():
     """What the grid cases cover matters: unmasked padding, or a skip block's other input, gives another output."""
     model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     inputs.text_embedding_mask = torch.ones_like(inputs.text_embedding_mask)
-    assert rel_err(forward(model, inputs), ref) > 1e-3
+    assert rel_err(parity.forward(model, inputs), ref) > 1e-3
     model, inputs = _build(SHAPES[0])
     with torch.no_grad():
         # Block 5's skip half (block 0's output) of skip_linear's input: random, not a constant that
         # norm_out's LayerNorm would remove.
         weight = model.blocks[5].skip_linear.weight[:, model.inner_dim:]
         weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)))
-    assert rel_err(forward(model, inputs), ref) > 1e-3
+    assert rel_err(parity.forward(model, inputs), ref) > 1e-3
 
 
 def test_controlnet_residuals_are_refused():
@@ -263,7 +246,7 @@ def test_a_rope_table_of_the_wrong_length_is_refused():
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         with pytest.raises(ValueError, match="image_rotary_emb has 34 rows but the transformer has 35"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 

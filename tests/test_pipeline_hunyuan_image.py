@@ -47,22 +47,8 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_hunyuanimage
 
-from tests.adapter_parity import (
-    assert_within,
-    cfg_pair_computations,
-    decoded_latents_and,
-    forward,
-    grad_keys,
-    grid_tests,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from tests.test_pipeline_hunyuan_video import gradient_errors
 from usp_dit import enable_usp, init_usp, single_rank_mesh
 from usp_dit.demo.tiny_hunyuan_image import (
@@ -107,7 +93,7 @@ def _build(shape_id: str, seed: int = 0):
 def _output_case(shape_id: str, mesh) -> dict[str, float]:
     """Output vs stock, block 0's image token count vs ceil(S / P), bit-identity after disable."""
     model, inputs, tokens = _build(shape_id)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, tokens)
 
 
 def _gradient_case(shape_id: str, mesh) -> dict[str, float]:
@@ -125,7 +111,7 @@ def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tenso
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -151,11 +137,11 @@ def _compiled_blocks_case(mesh) -> dict[str, float]:
     vs the enabled eager model (the routed attention, the RoPE table's rows and the key mask traced)."""
     model, inputs, _ = _build(SHAPE_IDS[1])
     enable_usp(model, mesh=mesh)
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     torch._dynamo.reset()
     for block in model.transformer_blocks:
         block.compile(backend="aot_eager", fullgraph=True)
-    got = forward(model, inputs)
+    got = parity.forward(model, inputs)
     return {"err": rel_err(got, ref)}
 
 
@@ -172,7 +158,7 @@ def _generate(pipe, refiner: bool) -> tuple[torch.Tensor, torch.Tensor]:
         args.update(image=PIL.Image.fromarray(pixels), height=48, width=80)
     else:
         args.update(height=40, width=56)
-    return decoded_latents_and(pipe, **args)
+    return parity.decoded_latents_and(pipe, **args)
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
@@ -183,24 +169,25 @@ def _pipeline_cases(refiner: bool) -> dict[str, dict[str, float]]:
     """A tiny pipeline on each of ``PIPELINE_GRIDS`` through ``pipe.enable_usp``: latents and images
     vs one process; at cfg 2, ``steps + 1`` computations per rank; after disable, bit-identical."""
     name = "refiner" if refiner else "base"
-    return pipeline_cases(
+    return parity.pipeline_cases(
         tiny_hunyuan_image_pipeline(refiner=refiner), lambda p: _generate(p, refiner),
-        pipeline_grids(PIPELINE_GRIDS, f"pipeline-{name}"), check_enabled=False,
-        after_disable=f"pipeline-{name}-after-disable", probe=functools.partial(cfg_pair_computations, steps=STEPS),
+        parity.pipeline_grids(PIPELINE_GRIDS, f"pipeline-{name}"), check_enabled=False,
+        after_disable=f"pipeline-{name}-after-disable",
+        probe=functools.partial(parity.cfg_pair_computations, steps=STEPS),
     )
 
 
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
-    run_grid_cases(results, SHAPE_IDS, _output_case, _gradient_case, GRAD_SHAPES, _fits)
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.run_grid_cases(results, SHAPE_IDS, _output_case, _gradient_case, GRAD_SHAPES, _fits)
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
     two_heads = tiny_hunyuan_image(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "compiled-blocks", lambda: _compiled_blocks_case(init_usp(2, 2)))
-    record(results, "pipeline-base", lambda: _pipeline_cases(False), many=True)
-    record(results, "pipeline-refiner", lambda: _pipeline_cases(True), many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "compiled-blocks", lambda: _compiled_blocks_case(init_usp(2, 2)))
+    parity.record(results, "pipeline-base", lambda: _pipeline_cases(False), many=True)
+    parity.record(results, "pipeline-refiner", lambda: _pipeline_cases(True), many=True)
     return results
 
 
@@ -208,24 +195,24 @@ def _run_all() -> dict[str, dict | str]:
 def grid_results() -> list[dict]:
     # check_groups=False: the compiled case's torch compile caches (functional collectives' graphs)
     # keep references to the process groups past the job, as in tests/test_compile_grid.py.
-    return spawn_grid(_run_all, WORLD, check_groups=False)
+    return parity.spawn_grid(_run_all, WORLD, check_groups=False)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPE_IDS, _fits), grad_keys(by_world=GRAD_SHAPES), TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPE_IDS, _fits), parity.grad_keys(by_world=GRAD_SHAPES), TOL,
 )
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 def test_compiled_blocks_fullgraph_equal_eager(grid_results):
-    assert_within(grid_results, "compiled-blocks", TOL)
+    parity.assert_within(grid_results, "compiled-blocks", TOL)
 
 
 PIPELINE_KEYS = [f"pipeline-{n}-u{u}r{r}cfg{c}" for n in ("base", "refiner") for u, r, c in PIPELINE_GRIDS]
@@ -233,23 +220,20 @@ PIPELINE_KEYS = [f"pipeline-{n}-u{u}r{r}cfg{c}" for n in ("base", "refiner") for
 
 @pytest.mark.parametrize("key", PIPELINE_KEYS)
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, 0.0, {"latents": TOL, "images": TOL_IMAGES},
-                  fallback=f"pipeline-{key.split('-')[1]}")
+    parity.assert_within(grid_results, key, 0.0, {"latents": TOL, "images": TOL_IMAGES},
+                         fallback=f"pipeline-{key.split('-')[1]}")
 
 
 @pytest.mark.parametrize("name", ["base", "refiner"])
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results, name: str):
-    assert_within(grid_results, f"pipeline-{name}-after-disable", 0.0)
+    parity.assert_within(grid_results, f"pipeline-{name}-after-disable", 0.0)
 
 
 # ---- single process: registration, loud failures ------------------------------------------------
 
 
-def test_a_foreign_token_refiner_processor_is_refused():
-    model = tiny_hunyuan_image()
-    model.context_embedder.token_refiner.refiner_blocks[0].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="refiner_blocks.0.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_foreign_token_refiner_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_hunyuan_image, ADAPTER, "context_embedder.token_refiner.refiner_blocks.0.attn")
 
 
 def test_a_mask_over_image_tokens_is_refused():
@@ -267,10 +251,8 @@ def test_a_mask_over_image_tokens_is_refused():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(hunyuan_image, "_RoutedProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_hunyuan_image(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_hunyuan_image, ADAPTER, hunyuan_image, "_RoutedProcessor")
 
 
 def test_a_model_without_dual_stream_blocks_is_refused():

@@ -44,21 +44,8 @@ import torch
 import torch.distributed as dist
 from diffusers.models.transformers import transformer_hunyuan_video
 
-from tests.adapter_parity import (
-    _param_grads,
-    assert_within,
-    forward,
-    grad_keys,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_hunyuan_video import (
     TINY_PROMPT_TEMPLATE,
@@ -114,7 +101,7 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's video token count vs ceil(S / P), bit-identity after disable."""
     model, inputs = _build(shape)
     tokens = hunyuan_video_tokens(model, shape.frames, shape.height, shape.width)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, tokens)
 
 
 # Key biases whose gradient is zero by maths: the token refiner's attention has no norm after
@@ -127,10 +114,10 @@ _ZERO_BY_MATHS = re.compile(r"^context_embedder\.token_refiner\.refiner_blocks\.
 def gradient_errors(model, inputs, adapter, mesh) -> dict[str, float]:
     """tests/adapter_parity.gradient_errors (loss / P on each rank, gradients summed over the
     sequence group vs one process's), with ``_ZERO_BY_MATHS`` measured against their weight's scale."""
-    ref = _param_grads(model, inputs, 1)
+    ref = parity._param_grads(model, inputs, 1)
     adapter.enable(model, mesh, "auto")
     try:
-        grads = _param_grads(model, inputs, mesh.sequence_degree)
+        grads = parity._param_grads(model, inputs, mesh.sequence_degree)
     finally:
         adapter.disable(model)
     worst = 0.0
@@ -163,7 +150,7 @@ def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tenso
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -192,7 +179,7 @@ def _generate(pipe, true_cfg: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames) of 2 steps at 48 x 80 x 9 frames (3 x 3 x 5 = 45 tokens), seed 0; with
     ``true_cfg`` a negative prompt of another padded length (two transformer calls per step)."""
     extra = dict(negative_prompt="blurry", true_cfg_scale=3.0) if true_cfg else {}
-    return latents_and(
+    return parity.latents_and(
         pipe, "frames",
         prompt="a red fox", height=48, width=80, num_frames=9, num_inference_steps=2, max_sequence_length=16,
         prompt_template=TINY_PROMPT_TEMPLATE, generator=torch.Generator().manual_seed(0), output_type="pt", **extra,
@@ -205,49 +192,49 @@ PIPELINE_GRIDS = [(2, 1), (2, 2)]  # (U, R): a 2-rank sequence group (dp 2) and 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
     """The tiny HunyuanVideoPipeline on each of ``PIPELINE_GRIDS`` through ``pipe.enable_usp``."""
     grids = {f"pipeline-u{u}r{r}": (u, r, 1) for u, r in PIPELINE_GRIDS}
-    return pipeline_cases(tiny_hunyuan_video_pipeline(), _generate, grids, names=("latents", "frames"),
-                          check_enabled=False)
+    return parity.pipeline_cases(tiny_hunyuan_video_pipeline(), _generate, grids, names=("latents", "frames"),
+                                 check_enabled=False)
 
 
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh), GRAD_SHAPES)
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh), GRAD_SHAPES)
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
     two_heads = tiny_hunyuan_video("t2v", num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}" for u, r in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures --------------------------------
@@ -271,11 +258,8 @@ def test_single_stream_blocks_alone_are_refused():
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
-def test_a_foreign_token_refiner_processor_is_refused():
-    model = tiny_hunyuan_video()
-    model.context_embedder.token_refiner.refiner_blocks[0].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="refiner_blocks.0.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_foreign_token_refiner_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_hunyuan_video, ADAPTER, "context_embedder.token_refiner.refiner_blocks.0.attn")
 
 
 def test_a_mask_over_video_tokens_is_refused():
@@ -293,9 +277,5 @@ def test_a_mask_over_video_tokens_is_refused():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    """Should a future diffusers' processor stop calling dispatch_attention_fn, enable refuses
-    instead of running local attention on a shard."""
-    monkeypatch.setattr(hunyuan_video, "_RoutedHunyuanProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_hunyuan_video(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_hunyuan_video, ADAPTER, hunyuan_video, "_RoutedHunyuanProcessor")

@@ -53,22 +53,8 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_hunyuan_video15
 
-from tests.adapter_parity import (
-    assert_within,
-    cfg_pair_computations,
-    decoded_latents_and,
-    forward,
-    grad_keys,
-    grid_tests,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from tests.test_pipeline_hunyuan_video import gradient_errors
 from usp_dit import enable_usp, init_usp, single_rank_mesh
 from usp_dit.demo.tiny_hunyuan_video15 import (
@@ -123,7 +109,7 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's video token count vs ceil(S / P), bit-identity after disable."""
     model, inputs = _build(shape)
     tokens = hunyuan_video15_tokens(model, shape.frames, shape.height, shape.width)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
@@ -143,7 +129,7 @@ def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tenso
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -171,11 +157,11 @@ def _compiled_blocks_case(mesh) -> dict[str, float]:
     table's rows and the key mask check all traced)."""
     model, inputs = _build(SHAPES[1])
     enable_usp(model, mesh=mesh)
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     torch._dynamo.reset()
     for block in model.transformer_blocks:
         block.compile(backend="aot_eager", fullgraph=True)
-    got = forward(model, inputs)
+    got = parity.forward(model, inputs)
     return {"err": rel_err(got, ref)}
 
 
@@ -193,7 +179,7 @@ def _generate(pipe, image_to_video: bool) -> tuple[torch.Tensor, torch.Tensor]:
     args = dict(prompt='a red fox and the sign "open"', negative_prompt="blurry", num_frames=9, num_inference_steps=2,
                 generator=torch.Generator().manual_seed(0), output_type="pt")
     args.update(image=_image()) if image_to_video else args.update(height=48, width=80)
-    return decoded_latents_and(pipe, "frames", **args)
+    return parity.decoded_latents_and(pipe, "frames", **args)
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
@@ -205,7 +191,7 @@ def _vae_split_and_computations(pipe, grid: tuple[int, int, int]) -> Iterator[Ca
     """The ``pipeline_cases`` probe: 1.0 unless the VAE is split, and ``cfg_pair_computations``."""
     from usp_dit.pipelines.vae import is_parallel_vae_enabled
 
-    with cfg_pair_computations(pipe, grid, STEPS) as computations:
+    with parity.cfg_pair_computations(pipe, grid, STEPS) as computations:
         yield lambda: {"vae_not_split": float(not is_parallel_vae_enabled(pipe.vae)), **computations()}
 
 
@@ -213,9 +199,9 @@ def _pipeline_cases(image_to_video: bool) -> dict[str, dict[str, float]]:
     """A tiny pipeline on each of ``PIPELINE_GRIDS`` through ``pipe.enable_usp``: latents and frames
     vs one process; at cfg 2, ``steps + 1`` computations per rank; after disable, bit-identical."""
     name = "i2v" if image_to_video else "t2v"
-    return pipeline_cases(
+    return parity.pipeline_cases(
         tiny_hunyuan_video15_pipeline(image_to_video=image_to_video), lambda p: _generate(p, image_to_video),
-        pipeline_grids(PIPELINE_GRIDS, f"pipeline-{name}"), names=("latents", "frames"), check_enabled=False,
+        parity.pipeline_grids(PIPELINE_GRIDS, f"pipeline-{name}"), names=("latents", "frames"), check_enabled=False,
         after_disable=f"pipeline-{name}-after-disable", probe=_vae_split_and_computations,
     )
 
@@ -257,18 +243,19 @@ def _vae_case(grid) -> dict[str, float]:
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh),
-                   GRAD_SHAPES)
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh),
+                          GRAD_SHAPES)
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
     two_heads = tiny_hunyuan_video15(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "compiled-blocks", lambda: _compiled_blocks_case(init_usp(2, 2)))
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "compiled-blocks", lambda: _compiled_blocks_case(init_usp(2, 2)))
     for grid in VAE_GRIDS:
-        record(results, f"vae-u{grid[0]}r{grid[1]}", lambda grid=grid: _vae_case(grid))
-    record(results, "pipeline-t2v", lambda: _pipeline_cases(False), many=True)
-    record(results, "pipeline-i2v", lambda: _pipeline_cases(True), many=True)
+        parity.record(results, f"vae-u{grid[0]}r{grid[1]}", lambda grid=grid: _vae_case(grid))
+    parity.record(results, "pipeline-t2v", lambda: _pipeline_cases(False), many=True)
+    parity.record(results, "pipeline-i2v", lambda: _pipeline_cases(True), many=True)
     return results
 
 
@@ -276,24 +263,24 @@ def _run_all() -> dict[str, dict | str]:
 def grid_results() -> list[dict]:
     # check_groups=False: the compiled case's torch compile caches (functional collectives' graphs)
     # keep references to the process groups past the job, as in tests/test_compile_grid.py.
-    return spawn_grid(_run_all, WORLD, check_groups=False)
+    return parity.spawn_grid(_run_all, WORLD, check_groups=False)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 def test_compiled_blocks_fullgraph_equal_eager(grid_results):
-    assert_within(grid_results, "compiled-blocks", TOL)
+    parity.assert_within(grid_results, "compiled-blocks", TOL)
 
 
 @pytest.mark.parametrize("grid", VAE_GRIDS, ids=lambda g: f"u{g[0]}r{g[1]}")
@@ -311,13 +298,13 @@ PIPELINE_KEYS = [f"pipeline-{n}-u{u}r{r}cfg{c}" for n in ("t2v", "i2v") for u, r
 
 @pytest.mark.parametrize("key", PIPELINE_KEYS)
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, 0.0, {"latents": TOL, "frames": TOL_FRAMES},
-                  fallback=f"pipeline-{key.split('-')[1]}")
+    parity.assert_within(grid_results, key, 0.0, {"latents": TOL, "frames": TOL_FRAMES},
+                         fallback=f"pipeline-{key.split('-')[1]}")
 
 
 @pytest.mark.parametrize("name", ["t2v", "i2v"])
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results, name: str):
-    assert_within(grid_results, f"pipeline-{name}-after-disable", 0.0)
+    parity.assert_within(grid_results, f"pipeline-{name}-after-disable", 0.0)
 
 
 # ---- single process: registration, loud failures ------------------------------------------------
@@ -332,11 +319,8 @@ def test_the_vae_is_split_not_decoded_whole():
         assert reason is None and sites.convs and sites.rebound and sites.attributes, reason
 
 
-def test_a_foreign_token_refiner_processor_is_refused():
-    model = tiny_hunyuan_video15()
-    model.context_embedder.token_refiner.refiner_blocks[0].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="refiner_blocks.0.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_foreign_token_refiner_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_hunyuan_video15, ADAPTER, "context_embedder.token_refiner.refiner_blocks.0.attn")
 
 
 def test_a_mask_over_video_tokens_is_refused():
@@ -354,10 +338,8 @@ def test_a_mask_over_video_tokens_is_refused():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(hunyuan_video15, "_RoutedProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_hunyuan_video15(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_hunyuan_video15, ADAPTER, hunyuan_video15, "_RoutedProcessor")
 
 
 def test_a_batch_split_into_text_and_image_halves_is_refused_at_cfg_2():

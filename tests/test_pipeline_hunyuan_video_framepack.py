@@ -47,23 +47,8 @@ import torch
 from diffusers.models.attention_processor import AttnProcessor2_0
 from diffusers.models.transformers import transformer_hunyuan_video
 
-from tests.adapter_parity import (
-    assert_disable_restores,
-    assert_within,
-    cfg_pair_computations,
-    forward,
-    grad_keys,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from tests.test_pipeline_hunyuan_video import gradient_errors  # the refiner's zero-by-maths key bias
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_hunyuan_video_framepack import (
@@ -120,7 +105,7 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's packed token count vs ceil(S / P), bit-identity after disable."""
     model, inputs = _build(shape)
     packed, _ = _tokens(model, shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, packed)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, packed)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
@@ -139,7 +124,7 @@ def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tenso
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -167,7 +152,7 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     pixels = torch.randint(0, 256, (48, 80, 3), generator=g, dtype=torch.uint8).numpy()
     from PIL import Image
 
-    return latents_and(
+    return parity.latents_and(
         pipe, "frames", image=Image.fromarray(pixels), prompt="a red fox", negative_prompt="blurry",
         true_cfg_scale=3.0, height=48, width=80, num_frames=9, latent_window_size=3, num_inference_steps=STEPS,
         max_sequence_length=16, prompt_template=TINY_PROMPT_TEMPLATE, generator=torch.Generator().manual_seed(0),
@@ -175,54 +160,54 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-PIPELINE_GRIDS = pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
+PIPELINE_GRIDS = parity.pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(
+    return parity.pipeline_cases(
         tiny_framepack_pipeline(), _generate, PIPELINE_GRIDS, names=("latents", "frames"),
-        probe=lambda pipe, grid: cfg_pair_computations(pipe, grid, STEPS),
+        probe=lambda pipe, grid: parity.cfg_pair_computations(pipe, grid, STEPS),
     )
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh), GRAD_SHAPES)
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(tiny_framepack(num_heads=2, head_dim=32), ADAPTER,
-                                            init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh), GRAD_SHAPES)
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(tiny_framepack(num_heads=2, head_dim=32), ADAPTER,
+                                                          init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 @pytest.mark.parametrize("key", list(PIPELINE_GRIDS))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures --------------------------------
@@ -233,9 +218,9 @@ def test_shapes_have_the_token_counts_the_docstring_states():
     assert [_tokens(model, s) for s in SHAPES] == [(83, 45), (41, 27)]
 
 
-def test_disable_restores_processors_and_hooks():
-    # the refiner's local attention keeps its stock processor
-    assert_disable_restores(*_build(SHAPES[1]), ADAPTER, (USPHunyuanVideoAttnProcessor, AttnProcessor2_0))
+# the refiner's local attention keeps its stock processor
+test_disable_restores_processors_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[1]), ADAPTER, (USPHunyuanVideoAttnProcessor, AttnProcessor2_0))
 
 
 @pytest.mark.parametrize("blocks, reason", [
@@ -249,11 +234,8 @@ def test_a_missing_block_list_is_refused(blocks: str, reason: str):
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
-def test_a_foreign_token_refiner_processor_is_refused():
-    model = tiny_framepack()
-    model.context_embedder.token_refiner.refiner_blocks[0].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="refiner_blocks.0.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_foreign_token_refiner_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_framepack, ADAPTER, "context_embedder.token_refiner.refiner_blocks.0.attn")
 
 
 def test_a_rope_table_of_another_length_is_refused():
@@ -265,7 +247,7 @@ def test_a_rope_table_of_another_length_is_refused():
     short = block.register_forward_pre_hook(lambda m, args: (*args[:4], tuple(t[1:] for t in args[4])), prepend=True)
     try:
         with pytest.raises(ValueError, match="freqs_cis has \\[40, 40\\] rows but the packed sequence has 41"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         short.remove()
         ADAPTER.disable(model)

@@ -43,27 +43,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.adapter_parity import (
-    assert_disable_restores,
-    assert_one_rank_bit_identical,
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ideogram4 import ideogram4_inputs, tiny_ideogram4, tiny_ideogram4_pipeline
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.ideogram4 import ADAPTER, USPIdeogram4AttnProcessor
 from usp_dit.testing import rel_err
 
@@ -112,14 +95,14 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.layers[0].attention, shape.tokens,
-                               replicated=shape.max_text)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.layers[0].attention, shape.tokens,
+                                      replicated=shape.max_text)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _compiled_blocks_case(mesh) -> dict[str, float]:
@@ -130,11 +113,11 @@ def _compiled_blocks_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[0])
     ADAPTER.enable(model, mesh, "auto")
     try:
-        ref = forward(model, inputs)
+        ref = parity.forward(model, inputs)
         torch._dynamo.reset()
         counter = CompileCounterWithBackend("aot_eager")
         model.compile_repeated_blocks(backend=counter, fullgraph=True)
-        got = forward(model, inputs)
+        got = parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
     return {"err": rel_err(got, ref), "graphs_not_1": float(counter.frame_count != 1)}
@@ -144,11 +127,11 @@ def _tensor_case(mesh) -> dict[str, float]:
     """The transformer enabled with a tensor degree (heads and SwiGLU width cut): equal to stock, its
     weights left as found."""
     model, inputs = _build(SHAPES[1])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     enable_usp(model, mesh=mesh)
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         disable_usp(model)
     after = model.state_dict()
@@ -182,12 +165,12 @@ PROMPTS = ["a red fox in snow", "cat"]  # of different lengths: left-padded, pad
 
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
-    return latents_and(pipe, prompt=PROMPTS, height=20, width=28, num_inference_steps=2, guidance_scale=4.0,
-                       guidance_schedule=None, max_sequence_length=40, generator=torch.Generator().manual_seed(0),
-                       output_type="pt")
+    return parity.latents_and(pipe, prompt=PROMPTS, height=20, width=28, num_inference_steps=2, guidance_scale=4.0,
+                              guidance_schedule=None, max_sequence_length=40,
+                              generator=torch.Generator().manual_seed(0), output_type="pt")
 
 
-PIPELINE_GRIDS = pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
+PIPELINE_GRIDS = parity.pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
 
 
 @contextlib.contextmanager
@@ -206,74 +189,65 @@ def _unconditional_split(pipe, grid: tuple[int, int, int]):
 def _run_all() -> dict[str, dict | str]:
     warnings.filterwarnings("ignore", category=FutureWarning)
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh), grad_shapes=GRAD_SHAPES)
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
-    record(results, "compiled-blocks", lambda: _compiled_blocks_case(init_usp(2, 2)))
-    record(results, "tensor-t2", lambda: _tensor_case(init_usp(tensor_degree=2)))
-    record(results, "tensor-t2-u2", lambda: _tensor_case(init_usp(ulysses_degree=2, tensor_degree=2)))
-    record(results, "refusals", lambda: _refusal_case(init_usp(2, 1)))
-    record(results, "pipeline", lambda: pipeline_cases(tiny_ideogram4_pipeline(), _generate, PIPELINE_GRIDS,
-                                                       probe=_unconditional_split), many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh),
+                          grad_shapes=GRAD_SHAPES)
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: parity.cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
+    parity.record(results, "compiled-blocks", lambda: _compiled_blocks_case(init_usp(2, 2)))
+    parity.record(results, "tensor-t2", lambda: _tensor_case(init_usp(tensor_degree=2)))
+    parity.record(results, "tensor-t2-u2", lambda: _tensor_case(init_usp(ulysses_degree=2, tensor_degree=2)))
+    parity.record(results, "refusals", lambda: _refusal_case(init_usp(2, 1)))
+    parity.record(results, "pipeline",
+                  lambda: parity.pipeline_cases(tiny_ideogram4_pipeline(), _generate, PIPELINE_GRIDS,
+                                                probe=_unconditional_split), many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL)
 
 
 def test_cfg_degree_2_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 def test_compiled_blocks_are_one_graph_equal_to_eager(grid_results):
-    assert_within(grid_results, "compiled-blocks", TOL, {"graphs_not_1": 0.0})
+    parity.assert_within(grid_results, "compiled-blocks", TOL, {"graphs_not_1": 0.0})
 
 
 @pytest.mark.parametrize("key", ["tensor-t2", "tensor-t2-u2"])
 def test_tensor_parallel_matches_stock_and_restores_weights(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+    parity.assert_within(grid_results, key, TOL)
 
 
 def test_inexact_layouts_are_refused(grid_results):
-    assert_within(grid_results, "refusals", 0.0)
+    parity.assert_within(grid_results, "refusals", 0.0)
 
 
 @pytest.mark.parametrize("key", list(PIPELINE_GRIDS))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0, fallback="pipeline")
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0, fallback="pipeline")
 
 
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_ideogram4():
-    assert find_adapter(tiny_ideogram4()) is ADAPTER
-
-
-def test_disable_restores_processors_and_forward():
-    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPIdeogram4AttnProcessor)
-
-
-def test_one_rank_is_bit_identical():
-    assert_one_rank_bit_identical(*_build(SHAPES[0]), ADAPTER)
-
-
-def test_foreign_processor_is_refused():
-    model = tiny_ideogram4()
-    model.layers[1].attention.processor = object()
-    with pytest.raises(NotImplementedError, match="layers.1.attention.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_find_adapter_finds_ideogram4 = family_checks.adapter_found(tiny_ideogram4, ADAPTER)
+test_disable_restores_processors_and_forward = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPIdeogram4AttnProcessor)
+test_one_rank_is_bit_identical = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[0]), ADAPTER)
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_ideogram4, ADAPTER, "layers.1.attention")
 
 
 def test_processor_swapped_after_enable_is_refused_at_the_call():
@@ -284,7 +258,7 @@ def test_processor_swapped_after_enable_is_refused_at_the_call():
     try:
         model.layers[0].attention.set_processor(Ideogram4AttnProcessor())
         with pytest.raises(NotImplementedError, match="became Ideogram4AttnProcessor after enable_usp"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 

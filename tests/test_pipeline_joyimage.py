@@ -43,31 +43,12 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_joyimage
 
-from tests.adapter_parity import (
-    assert_disable_restores,
-    assert_one_rank_bit_identical,
-    assert_within,
-    cfg_pair_computations,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
 from usp_dit.demo.tiny_joyimage import TEXT_DIM, joyimage_inputs, joyimage_tokens, tiny_joyimage, tiny_joyimage_pipeline
 from usp_dit.demo.tiny_video import gradient_image
 from usp_dit.pipelines import _routing
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import joyimage
 from usp_dit.pipelines.families.joyimage import ADAPTER, USPJoyImageAttnProcessor
 from usp_dit.sharding.shard import shard_sequence
@@ -99,14 +80,14 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.double_blocks[0].attn,
-                               joyimage_tokens(shape.items, 1, H, W))
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.double_blocks[0].attn,
+                                      joyimage_tokens(shape.items, 1, H, W))
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[1])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +100,7 @@ def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tenso
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -146,11 +127,11 @@ def _tensor_case(mesh) -> dict[str, float]:
     """The transformer enabled with ``tensor_degree=2`` (heads, fused QKV and MLP widths cut): equal
     to stock, its weights left as found."""
     model, inputs = _build(SHAPES[1])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     enable_usp(model, mesh=mesh)
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         disable_usp(model)
     after = model.state_dict()
@@ -172,7 +153,7 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     prompt, negative = torch.randn(2, 7, TEXT_DIM, generator=g), torch.randn(2, 5, TEXT_DIM, generator=g)
-    return latents_and(
+    return parity.latents_and(
         pipe, image=gradient_image(80, 112), prompt_embeds=prompt,
         prompt_embeds_mask=torch.ones(2, 7, dtype=torch.long), negative_prompt_embeds=negative,
         negative_prompt_embeds_mask=torch.ones(2, 5, dtype=torch.long), height=80, width=112,
@@ -181,87 +162,73 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(
-        tiny_joyimage_pipeline(text_encoder=False), _generate, pipeline_grids(PIPELINE_GRIDS),
-        probe=functools.partial(cfg_pair_computations, steps=STEPS, blocks="double_blocks"),
+    return parity.pipeline_cases(
+        tiny_joyimage_pipeline(text_encoder=False), _generate, parity.pipeline_grids(PIPELINE_GRIDS),
+        probe=functools.partial(parity.cfg_pair_computations, steps=STEPS, blocks="double_blocks"),
     )
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[1]), init_usp(1, 2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: parity.cfg_split_case(*_build(SHAPES[1]), init_usp(1, 2, 2)))
     two_heads = tiny_joyimage(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "tensor-t2", lambda: _tensor_case(init_usp(tensor_degree=2)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.record(results, "tensor-t2", lambda: _tensor_case(init_usp(tensor_degree=2)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_cfg_split_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_tensor_parallel_matches_stock_and_restores_weights(grid_results):
-    assert_within(grid_results, "tensor-t2", TOL)
+    parity.assert_within(grid_results, "tensor-t2", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
-@pytest.mark.parametrize("key", list(pipeline_grids(PIPELINE_GRIDS)))
+@pytest.mark.parametrize("key", list(parity.pipeline_grids(PIPELINE_GRIDS)))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, 0.0, {"latents": TOL, "images": TOL_IMAGES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, 0.0, {"latents": TOL, "images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: registration, what disable gives back, refusals ---------------------------
 
 
-def test_the_adapter_is_found_for_the_class():
-    assert find_adapter(tiny_joyimage()) is ADAPTER
-
-
-def test_disable_restores_processors_and_hooks():
-    assert_disable_restores(*_build(SHAPES[1]), ADAPTER, USPJoyImageAttnProcessor)
-
-
-def test_one_rank_is_bit_identical():
-    assert_one_rank_bit_identical(*_build(SHAPES[1]), ADAPTER)
-
-
-def test_a_foreign_processor_is_refused():
-    model = tiny_joyimage()
-    model.double_blocks[1].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="double_blocks.1.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(joyimage, "_RoutedJoyImageProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_joyimage(), single_rank_mesh(), "auto")
+test_the_adapter_is_found_for_the_class = family_checks.adapter_found(tiny_joyimage, ADAPTER)
+test_disable_restores_processors_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[1]), ADAPTER, USPJoyImageAttnProcessor)
+test_one_rank_is_bit_identical = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[1]), ADAPTER)
+test_a_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_joyimage, ADAPTER, "double_blocks.1.attn")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_joyimage, ADAPTER, joyimage, "_RoutedJoyImageProcessor")
 
 
 def test_an_image_table_unlike_the_tokens_is_refused():
@@ -277,7 +244,7 @@ def test_an_image_table_unlike_the_tokens_is_refused():
     try:
         with pytest.raises(ValueError, match=f"has \\[{math.prod((H, W)) - 1}, {H * W - 1}\\] rows but the image "
                                              f"sequence has {H * W} tokens"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
         shorten.remove()

@@ -49,25 +49,8 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_joyimage_edit_plus
 
-from tests.adapter_parity import (
-    assert_disable_restores,
-    assert_one_rank_bit_identical,
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
 from usp_dit.demo.tiny_joyimage_plus import (
     joyimage_plus_inputs,
@@ -77,7 +60,6 @@ from usp_dit.demo.tiny_joyimage_plus import (
 )
 from usp_dit.demo.tiny_video import gradient_image
 from usp_dit.pipelines import _routing
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import joyimage_plus
 from usp_dit.pipelines.families.joyimage_plus import ADAPTER, USPJoyImagePlusAttnProcessor
 from usp_dit.sharding.shard import shard_sequence
@@ -117,13 +99,13 @@ def _tokens(shape: Shape) -> int:
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.double_blocks[0].attn, _tokens(shape))
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.double_blocks[0].attn, _tokens(shape))
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +118,7 @@ def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tenso
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -163,11 +145,11 @@ def _tensor_case(mesh) -> dict[str, float]:
     """The transformer enabled with ``tensor_degree=2`` (heads, fused QKV and MLP widths cut): equal
     to stock, its weights left as found."""
     model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     enable_usp(model, mesh=mesh)
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         disable_usp(model)
     after = model.state_dict()
@@ -185,91 +167,77 @@ PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents (B, 65, C, 1, 2, 2), images) of a two-reference edit to 80 x 112 under CFG, seed 1."""
     refs = [gradient_image(48, 80), gradient_image(80, 48)]
-    return latents_and(
+    return parity.latents_and(
         pipe, images=[refs, refs[::-1]], prompt=["a red fox", "make the sky a deep blue"], height=80, width=112,
         num_inference_steps=STEPS, guidance_scale=4.0, output_type="pt", generator=torch.Generator().manual_seed(1),
     )
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_joyimage_plus_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS))
+    return parity.pipeline_cases(tiny_joyimage_plus_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS))
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[1]), init_usp(1, 2, 2)))
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(tiny_joyimage_plus(num_heads=2, head_dim=32), ADAPTER,
-                                            init_usp(ulysses_degree=4)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "tensor-t2", lambda: _tensor_case(init_usp(tensor_degree=2)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: parity.cfg_split_case(*_build(SHAPES[1]), init_usp(1, 2, 2)))
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(tiny_joyimage_plus(num_heads=2, head_dim=32), ADAPTER,
+                                                          init_usp(ulysses_degree=4)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.record(results, "tensor-t2", lambda: _tensor_case(init_usp(tensor_degree=2)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_cfg_split_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_tensor_parallel_matches_stock_and_restores_weights(grid_results):
-    assert_within(grid_results, "tensor-t2", TOL)
+    parity.assert_within(grid_results, "tensor-t2", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
-@pytest.mark.parametrize("key", list(pipeline_grids(PIPELINE_GRIDS)))
+@pytest.mark.parametrize("key", list(parity.pipeline_grids(PIPELINE_GRIDS)))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, 0.0, {"latents": TOL, "images": TOL_IMAGES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, 0.0, {"latents": TOL, "images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: registration, what disable gives back, refusals ---------------------------
 
 
-def test_the_adapter_is_found_for_the_class():
-    assert find_adapter(tiny_joyimage_plus()) is ADAPTER
-
-
-def test_disable_restores_processors_and_hooks():
-    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPJoyImagePlusAttnProcessor)
-
-
-def test_one_rank_is_bit_identical():
-    assert_one_rank_bit_identical(*_build(SHAPES[0]), ADAPTER)
-
-
-def test_a_foreign_processor_is_refused():
-    model = tiny_joyimage_plus()
-    model.double_blocks[1].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="double_blocks.1.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(joyimage_plus, "_RoutedPlusProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_joyimage_plus(), single_rank_mesh(), "auto")
+test_the_adapter_is_found_for_the_class = family_checks.adapter_found(tiny_joyimage_plus, ADAPTER)
+test_disable_restores_processors_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPJoyImagePlusAttnProcessor)
+test_one_rank_is_bit_identical = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[0]), ADAPTER)
+test_a_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_joyimage_plus, ADAPTER, "double_blocks.1.attn")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_joyimage_plus, ADAPTER, joyimage_plus, "_RoutedPlusProcessor")
 
 
 def test_a_mask_over_padded_items_is_refused():
@@ -279,7 +247,7 @@ def test_a_mask_over_padded_items_is_refused():
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         with pytest.raises(NotImplementedError, match="attention_mask masks image tokens"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
@@ -296,7 +264,7 @@ def test_an_image_table_unlike_the_tokens_is_refused():
     try:
         with pytest.raises(ValueError, match=f"has \\[{tokens - 1}, {tokens - 1}\\] rows but the image sequence "
                                              f"has {tokens} tokens"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
         shorten.remove()

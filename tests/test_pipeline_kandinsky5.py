@@ -47,18 +47,7 @@ import torch
 import torch.distributed as dist
 from diffusers.models.transformers import transformer_kandinsky
 
-from tests.adapter_parity import (
-    _param_grads,
-    assert_within,
-    forward,
-    grad_keys,
-    output_keys,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_kandinsky5 import (
     kandinsky5_inputs,
@@ -113,7 +102,8 @@ def _build(shape: Shape, seed: int = 0, dtype: torch.dtype = torch.float64):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
     tokens = kandinsky5_tokens(model, shape.frames, shape.height, shape.width)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.visual_transformer_blocks[0].self_attention, tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.visual_transformer_blocks[0].self_attention,
+                                      tokens)
 
 
 # Parameters whose gradient comes through the text stream (the module docstring's "gradients"):
@@ -125,10 +115,10 @@ def _gradient_case(model, inputs, mesh) -> dict[str, float]:
     """tests/adapter_parity.gradient_errors (loss / P a rank, gradients summed over the sequence
     group), the worst error of the text stream's parameters (``text``) apart from every other
     parameter's (``grad``)."""
-    ref = _param_grads(model, inputs, 1)
+    ref = parity._param_grads(model, inputs, 1)
     ADAPTER.enable(model, mesh, "auto")
     try:
-        grads = _param_grads(model, inputs, mesh.sequence_degree)
+        grads = parity._param_grads(model, inputs, mesh.sequence_degree)
     finally:
         ADAPTER.disable(model)
     worst = {"grad": 0.0, "text": 0.0}
@@ -156,7 +146,7 @@ def _attention_calls(model, inputs, module, name: str) -> list[tuple[torch.Tenso
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen
 
 
@@ -223,28 +213,28 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: _gradient_case(*_build(shape), mesh), fits=_fits)
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: _gradient_case(*_build(shape), mesh), fits=_fits)
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
     two_heads = tiny_kandinsky5(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES, _fits))
+@pytest.mark.parametrize("key", parity.output_keys(SHAPES, _fits))
 def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+    parity.assert_within(grid_results, key, TOL)
 
 
-GRAD_KEYS = grad_keys(SHAPES)
+GRAD_KEYS = parity.grad_keys(SHAPES)
 
 
 @pytest.mark.parametrize("key", GRAD_KEYS + ["grad-ckpt-p4"])
@@ -256,22 +246,22 @@ def test_parameter_gradients_match_one_process(grid_results, key: str):
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 @pytest.mark.parametrize("case", PIPELINE_CASES, ids=lambda c: f"{c[0]}-u{c[1]}r{c[2]}cfg{c[3]}")
 def test_pipeline_matches_one_process(grid_results, case):
     key = "pipeline-{}-u{}r{}cfg{}".format(*case)
-    assert_within(grid_results, key, TOL_F32, {"frames": TOL_FRAMES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL_F32, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 @pytest.mark.parametrize("kind", ["t2v", "t2i"])
 def test_disable_usp_gives_back_the_bit_identical_output(grid_results, kind):
-    assert_within(grid_results, f"pipeline-{kind}-after-disable", 0.0)
+    parity.assert_within(grid_results, f"pipeline-{kind}-after-disable", 0.0)
 
 
 # ---- single process: refusals ---------------------------------------------------------------------

@@ -39,16 +39,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.adapter_parity import (
-    assert_within,
-    grad_keys,
-    grid_tests,
-    output_keys,
-    record,
-    run_grid_cases,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_kandinsky6 import kandinsky6_inputs, kandinsky6_tokens, tiny_kandinsky6, tiny_kandinsky6_pipeline
 from usp_dit.pipelines import is_usp_enabled
@@ -188,26 +179,26 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case, fits=_fits)
-    record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case, fits=_fits)
+    parity.record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
     two_heads = tiny_kandinsky6(num_heads=2, head_dim=32, audio_heads=1)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES, _fits), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES, _fits), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 @pytest.mark.parametrize("grid", PIPELINE_GRIDS, ids=lambda g: "u{}r{}cfg{}".format(*g))
@@ -221,7 +212,7 @@ def test_pipeline_matches_one_process(grid_results, grid):
 
 
 def test_disable_usp_gives_back_the_bit_identical_pipeline_output(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: refusals ---------------------------------------------------------------------

@@ -39,23 +39,8 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_krea2
 
-from tests.adapter_parity import (
-    assert_within,
-    cfg_pair_computations,
-    compiled_case,
-    decoded_latents_and,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_krea2 import krea2_inputs, tiny_krea2, tiny_krea2_pipeline
 from usp_dit.pipelines import _routing
@@ -92,17 +77,17 @@ def _build(shape: str, seed: int = 0):
 def _output_case(shape: str, mesh) -> dict[str, float]:
     """Output vs stock, block 0's token count vs T + ceil(N / P), bit-identity after disable."""
     model, inputs, num_image = _build(shape)
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     lengths = []
     ADAPTER.enable(model, mesh, "auto")
     hook = model.transformer_blocks[0].attn.register_forward_pre_hook(
         lambda m, args, kwargs: lengths.append(args[0].shape[1]), with_kwargs=True)
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         hook.remove()
         ADAPTER.disable(model)
-    again = forward(model, inputs)
+    again = parity.forward(model, inputs)
     most = TEXT_LEN + math.ceil(num_image / mesh.sequence_degree)
     return {"out": rel_err(out, ref), "block0_tokens_above_ceil": float(not lengths or max(lengths) > most),
             "disable_not_bit_identical": float(not torch.equal(again, ref))}
@@ -110,14 +95,14 @@ def _output_case(shape: str, mesh) -> dict[str, float]:
 
 def _gradient_case(shape: str, mesh) -> dict[str, float]:
     model, inputs, _ = _build(shape)
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     """Gradients with ``enable_gradient_checkpointing()``: the blocks recomputed in backward."""
     model, inputs, _ = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +115,7 @@ def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tenso
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -176,7 +161,7 @@ def _block0_stock_qk(model, inputs, block0) -> tuple[torch.Tensor, torch.Tensor]
              block0.register_forward_hook(post, with_kwargs=True)]
     try:
         with mock.patch.object(transformer_krea2, "dispatch_attention_fn", spy):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         for h in hooks:
             h.remove()
@@ -189,9 +174,9 @@ def _block0_stock_qk(model, inputs, block0) -> tuple[torch.Tensor, torch.Tensor]
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(the latents the VAE decodes, images) of 2 steps at 80 x 112 (5 x 7 = 35 image tokens), 12
     text tokens, seed 0."""
-    return decoded_latents_and(pipe, prompt="a red fox", negative_prompt="blurry", height=80, width=112,
-                               num_inference_steps=2, max_sequence_length=12,
-                               generator=torch.Generator().manual_seed(0), output_type="pt")
+    return parity.decoded_latents_and(pipe, prompt="a red fox", negative_prompt="blurry", height=80, width=112,
+                                      num_inference_steps=2, max_sequence_length=12,
+                                      generator=torch.Generator().manual_seed(0), output_type="pt")
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
@@ -201,21 +186,22 @@ STEPS = 2
 def _pipeline_cases() -> dict[str, dict[str, float]]:
     """The tiny pipeline on each of ``PIPELINE_GRIDS`` through ``pipe.enable_usp``: latents and images
     vs one process; at cfg 2, ``steps + 1`` computations per rank; after disable, bit-identical."""
-    return pipeline_cases(tiny_krea2_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS), check_enabled=False,
-                          probe=functools.partial(cfg_pair_computations, steps=STEPS))
+    return parity.pipeline_cases(tiny_krea2_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS),
+                                 check_enabled=False,
+                                 probe=functools.partial(parity.cfg_pair_computations, steps=STEPS))
 
 
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case, GRAD_SHAPES, _fits)
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case, GRAD_SHAPES, _fits)
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
     two_heads = tiny_krea2(num_heads=2, num_kv_heads=1, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "compiled", lambda: compiled_case(*_build(SHAPES[0])[:2], init_usp(2, 2)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "compiled", lambda: parity.compiled_case(*_build(SHAPES[0])[:2], init_usp(2, 2)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
@@ -223,49 +209,42 @@ def _run_all() -> dict[str, dict | str]:
 def grid_results() -> list[dict]:
     # check_groups=False: the compiled case's torch compile caches (functional collectives' graphs)
     # keep references to the process groups past the job, as in tests/test_compile_grid.py.
-    return spawn_grid(_run_all, WORLD, check_groups=False)
+    return parity.spawn_grid(_run_all, WORLD, check_groups=False)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES, _fits), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES, _fits), parity.grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 def test_whole_model_compiles_fullgraph_in_one_graph(grid_results):
-    assert_within(grid_results, "compiled", TOL)
+    parity.assert_within(grid_results, "compiled", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, 0.0, {"latents": TOL, "images": TOL_IMAGES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, 0.0, {"latents": TOL, "images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: registration, loud failures ------------------------------------------------
 
 
-def test_a_foreign_text_fusion_processor_is_refused():
-    model = tiny_krea2()
-    model.text_fusion.refiner_blocks[0].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="refiner_blocks.0.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(krea2, "_RoutedProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_krea2(), single_rank_mesh(), "auto")
+test_a_foreign_text_fusion_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_krea2, ADAPTER, "text_fusion.refiner_blocks.0.attn")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_krea2, ADAPTER, krea2, "_RoutedProcessor")
 
 
 def test_position_ids_shorter_than_the_image_raise():
@@ -274,6 +253,6 @@ def test_position_ids_shorter_than_the_image_raise():
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         with pytest.raises(ValueError, match="position_ids has 10 rows but the transformer has 15 image tokens"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)

@@ -43,27 +43,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
-from tests.adapter_parity import (
-    _param_grads,
-    allowance_gradient_errors,
-    assert_one_rank_bit_identical,
-    assert_within,
-    cfg_split_case,
-    forward,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
 from usp_dit.demo.tiny_latte import latte_inputs, tiny_latte, tiny_latte_pipeline
-from usp_dit.pipelines.families.latte import ADAPTER
+from usp_dit.pipelines.families.latte import ADAPTER, USPLatteSpatialAttnProcessor
 from usp_dit.testing import rel_err
 
 TOL = 1e-5
@@ -105,7 +91,7 @@ def _output_case(shape: Shape, mesh, inputs_override: dict | None = None) -> dic
         lambda m, args, kwargs: rows.append((kwargs.get("hidden_states", args[0] if args else None)).shape[0]),
         with_kwargs=True)
     try:
-        res = sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, positions)
+        res = parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, positions)
     finally:
         hook.remove()
     if getattr(inputs, "enable_temporal_attentions", True):
@@ -127,8 +113,8 @@ class _NoTemporal:
 
 def _no_temporal_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[0])
-    return sharded_output_case(model, _NoTemporal(inputs), ADAPTER, mesh, model.transformer_blocks[0].attn1,
-                               SHAPES[0].height * SHAPES[0].width)
+    return parity.sharded_output_case(model, _NoTemporal(inputs), ADAPTER, mesh, model.transformer_blocks[0].attn1,
+                                      SHAPES[0].height * SHAPES[0].width)
 
 
 def _float64(value):
@@ -139,11 +125,11 @@ def _float64(value):
 def _reference_grads(shape: Shape) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(exact gradients: the model and inputs in float64, the stock float32 model's gradients) of one process."""
     model, inputs = _build(shape)
-    stock = _param_grads(model, inputs, 1)
+    stock = parity._param_grads(model, inputs, 1)
     model.double()
     for name, value in inputs.__dict__.items():
         setattr(inputs, name, _float64(value))
-    return _param_grads(model, inputs, 1), stock
+    return parity._param_grads(model, inputs, 1), stock
 
 
 def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str, float]:
@@ -153,14 +139,14 @@ def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str,
     model, inputs = _build(shape)
     if checkpointing:
         model.enable_gradient_checkpointing()
-    return allowance_gradient_errors(model, inputs, ADAPTER, mesh, exact, stock, TOL)
+    return parity.allowance_gradient_errors(model, inputs, ADAPTER, mesh, exact, stock, TOL)
 
 
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2: a batch of 2 (no text mask, as LattePipeline) split over cfg."""
     model, inputs = _build(SHAPES[0])
     inputs.encoder_attention_mask = None
-    return cfg_split_case(model, inputs, mesh)
+    return parity.cfg_split_case(model, inputs, mesh)
 
 
 def _cfg_mask_case(mesh) -> dict[str, float]:
@@ -168,7 +154,7 @@ def _cfg_mask_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[0])
     enable_usp(model, mesh=mesh)
     try:
-        forward(model, inputs)
+        parity.forward(model, inputs)
     except ValueError as exc:
         return {"wrong_error": float("encoder_attention_mask" not in str(exc))}
     finally:
@@ -184,7 +170,7 @@ PIPELINE_FRAMES = 3
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames) of 2 steps at 48 x 80 (3 x 5 = 15 positions x 3 frames), batched CFG, seed 0."""
     prompt, negative_prompt = PROMPTS
-    return latents_and(
+    return parity.latents_and(
         pipe, "frames", prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.5, height=48, width=80,
         video_length=PIPELINE_FRAMES, num_inference_steps=2, clean_caption=False,
         generator=torch.Generator().manual_seed(0), output_type="pt",
@@ -193,75 +179,71 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
     # Checkpointing: block 0's recompute in backward re-shards the tokens, the temporal timestep again.
-    record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
-    record(results, "no-temporal-u2r2", lambda: _no_temporal_case(init_usp(2, 2)))
+    parity.record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
+    parity.record(results, "no-temporal-u2r2", lambda: _no_temporal_case(init_usp(2, 2)))
     cfg_mesh = init_usp(1, 2, 2)
-    record(results, "cfg-split", lambda: _cfg_split_case(cfg_mesh))
-    record(results, "cfg-mask", lambda: _cfg_mask_case(cfg_mesh))
-    grids = pipeline_grids(PIPELINE_GRIDS)
-    record(results, "pipeline", lambda: pipeline_cases(tiny_latte_pipeline(PIPELINE_FRAMES), _generate, grids,
+    parity.record(results, "cfg-split", lambda: _cfg_split_case(cfg_mesh))
+    parity.record(results, "cfg-mask", lambda: _cfg_mask_case(cfg_mesh))
+    grids = parity.pipeline_grids(PIPELINE_GRIDS)
+    parity.record(results, "pipeline",
+                  lambda: parity.pipeline_cases(tiny_latte_pipeline(PIPELINE_FRAMES), _generate, grids,
                                                         names=("latents", "frames")),
-           many=True)
+                  many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES) + ["no-temporal-u2r2"], [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"],
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES) + ["no-temporal-u2r2"],
+    [f"grad-p{p}-{s}" for p in (2, 4) for s in SHAPES] + ["grad-ckpt-p4"],
     TOL, grad_tol=1.0,  # each parameter's error over its allowance (module docstring)
 )
 
 
 def test_cfg_split_of_a_batch_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 def test_cfg_split_of_a_frame_row_mask_raises(grid_results):
-    assert_within(grid_results, "cfg-mask", 0.0)
+    parity.assert_within(grid_results, "cfg-mask", 0.0)
 
 
-@pytest.mark.parametrize("key", list(pipeline_grids(PIPELINE_GRIDS)))
+@pytest.mark.parametrize("key", list(parity.pipeline_grids(PIPELINE_GRIDS)))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0, fallback="pipeline")
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0, fallback="pipeline")
 
 
 # ---- single process: restore exactly, loud failures ----------------------------------------------
 
 
-def test_one_rank_is_bit_identical_to_stock():
-    assert_one_rank_bit_identical(*_build(SHAPES[1]), ADAPTER)
+test_one_rank_is_bit_identical_to_stock = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[1]), ADAPTER)
 
 
-def test_disable_leaves_no_hook_and_the_stock_processors():
-    model, inputs = _build(SHAPES[1])
-    before = [m.processor for m in model.modules() if hasattr(m, "processor")]
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    forward(model, inputs)
-    ADAPTER.disable(model)
-    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
-    assert not [type(m).__name__ for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+# the temporal and cross-attention are local: their stock processors stay
+test_disable_leaves_no_hook_and_the_stock_processors = family_checks.disable_restores(
+    lambda: _build(SHAPES[1]), ADAPTER, (USPLatteSpatialAttnProcessor, AttnProcessor2_0))
 
 
 def test_text_mask_and_temporal_position_table_change_the_output():
     """The masks the grid cases use matter, and so does the temporal table added on the shard."""
     model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     mask = inputs.encoder_attention_mask
     inputs.encoder_attention_mask = torch.zeros_like(mask)
-    assert rel_err(forward(model, inputs), ref) > 1e-2
+    assert rel_err(parity.forward(model, inputs), ref) > 1e-2
     inputs.encoder_attention_mask = mask
     model.temp_pos_embed.zero_()
-    assert rel_err(forward(model, inputs), ref) > 1e-2
+    assert rel_err(parity.forward(model, inputs), ref) > 1e-2
 
 
 def test_a_mask_per_video_query_is_refused():
@@ -270,18 +252,13 @@ def test_a_mask_per_video_query_is_refused():
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         with pytest.raises(NotImplementedError, match="encoder_attention_mask as a key bias"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused():
-    from diffusers.models.attention_processor import AttnProcessor
-
-    model = tiny_latte()
-    model.transformer_blocks[1].attn1.processor = AttnProcessor()
-    with pytest.raises(NotImplementedError, match=r"transformer_blocks.1.attn1.processor is AttnProcessor\b"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.foreign_processor_refused(
+    tiny_latte, ADAPTER, "transformer_blocks.1.attn1", AttnProcessor)
 
 
 def test_fused_qkv_is_refused():

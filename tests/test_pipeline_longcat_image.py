@@ -44,24 +44,10 @@ import torch
 from PIL import Image
 
 import usp_dit
-from tests.adapter_parity import (
-    assert_disable_restores,
-    assert_within,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    joint_output_case,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_longcat_image import longcat_image_inputs, tiny_longcat_image, tiny_longcat_image_pipeline
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.longcat_image import ADAPTER, USPLongCatImageAttnProcessor
 from usp_dit.testing import rel_err
 
@@ -107,24 +93,24 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return joint_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, shape.tokens)
+    return parity.joint_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, shape.tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _enabled_case(mesh, shape: Shape = SHAPES[2]) -> dict[str, float]:
     """The transformer enabled through ``usp_dit.enable_usp`` (the cfg axis splits its batch of 2;
     the tensor axis cuts its blocks): equal to stock, its weights left as found."""
     model, inputs = _build(shape)
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     usp_dit.enable_usp(model, mesh=mesh)
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         usp_dit.disable_usp(model)
     after = model.state_dict()
@@ -165,8 +151,9 @@ def _edit_call() -> dict:
 def _pipeline_cases(edit: bool, grids: list) -> dict[str, dict[str, float]]:
     """The t2i pipeline (bit-identical after disable) or the edit pipeline on ``grids``."""
     call, name = (_edit_call(), "edit") if edit else (T2I, "t2i")
-    return pipeline_cases(tiny_longcat_image_pipeline(edit=edit), lambda p: _generate(p, **call),
-                          pipeline_grids(grids, name), after_disable=None if edit else f"{name}-after-disable")
+    return parity.pipeline_cases(tiny_longcat_image_pipeline(edit=edit), lambda p: _generate(p, **call),
+                                 parity.pipeline_grids(grids, name),
+                                 after_disable=None if edit else f"{name}-after-disable")
 
 
 T2I_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
@@ -176,29 +163,29 @@ EDIT_GRIDS = [(2, 2, 1), (1, 2, 2)]
 def _run_all() -> dict[str, dict | str]:
     warnings.filterwarnings("ignore", category=FutureWarning)
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: _enabled_case(init_usp(1, 2, 2)))
-    record(results, "tensor-t2", lambda: _enabled_case(init_usp(tensor_degree=2), SHAPES[0]))
-    record(results, "pipeline-t2i", lambda: _pipeline_cases(False, T2I_GRIDS), many=True)
-    record(results, "pipeline-edit", lambda: _pipeline_cases(True, EDIT_GRIDS), many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: _enabled_case(init_usp(1, 2, 2)))
+    parity.record(results, "tensor-t2", lambda: _enabled_case(init_usp(tensor_degree=2), SHAPES[0]))
+    parity.record(results, "pipeline-t2i", lambda: _pipeline_cases(False, T2I_GRIDS), many=True)
+    parity.record(results, "pipeline-edit", lambda: _pipeline_cases(True, EDIT_GRIDS), many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 @pytest.mark.parametrize("key", ["cfg-split", "tensor-t2"])
 def test_cfg_split_and_tensor_parallel_match_stock(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+    parity.assert_within(grid_results, key, TOL)
 
 
 PIPELINE_KEYS = [f"t2i-u{u}r{r}cfg{c}" for u, r, c in T2I_GRIDS] + [f"edit-u{u}r{r}cfg{c}" for u, r, c in EDIT_GRIDS]
@@ -207,30 +194,21 @@ PIPELINE_KEYS = [f"t2i-u{u}r{r}cfg{c}" for u, r, c in T2I_GRIDS] + [f"edit-u{u}r
 @pytest.mark.parametrize("key", PIPELINE_KEYS)
 def test_pipeline_matches_one_process(grid_results, key: str):
     by_name = {"images": TOL_IMAGES, **({"latents": TOL_EDIT_LATENTS} if key.startswith("edit") else {})}
-    assert_within(grid_results, key, TOL, by_name, fallback=f"pipeline-{key.split('-')[0]}")
+    parity.assert_within(grid_results, key, TOL, by_name, fallback=f"pipeline-{key.split('-')[0]}")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "t2i-after-disable", 0.0)
+    parity.assert_within(grid_results, "t2i-after-disable", 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_longcat_image():
-    assert find_adapter(tiny_longcat_image()) is ADAPTER
-
-
-def test_disable_restores_processors_forward_and_hooks():
-    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPLongCatImageAttnProcessor)
-
-
-def test_foreign_processor_is_refused():
-    model = tiny_longcat_image()
-    model.single_transformer_blocks[1].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="single_transformer_blocks.1.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert "forward" not in model.__dict__
+test_find_adapter_finds_longcat_image = family_checks.adapter_found(tiny_longcat_image, ADAPTER)
+test_disable_restores_processors_forward_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPLongCatImageAttnProcessor)
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_longcat_image, ADAPTER, "single_transformer_blocks.1.attn")
 
 
 def test_processor_swapped_after_enable_is_refused_at_the_call():
@@ -241,7 +219,7 @@ def test_processor_swapped_after_enable_is_refused_at_the_call():
     try:
         model.transformer_blocks[1].attn.set_processor(LongCatImageAttnProcessor())
         with pytest.raises(NotImplementedError, match="became LongCatImageAttnProcessor after enable_usp"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 

@@ -43,19 +43,12 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_ltx2
 
-from tests.adapter_parity import (
-    assert_within,
-    grad_keys,
-    grid_tests,
-    output_keys,
-    record,
-    run_grid_cases,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ltx2 import ltx2_inputs, tiny_ltx2, tiny_ltx2_pipeline
 from usp_dit.pipelines import _routing
+from usp_dit.pipelines.families import ltx2
 from usp_dit.pipelines.families.ltx2 import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
 from usp_dit.testing import rel_err
@@ -235,46 +228,46 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case, GRAD_SHAPES)
-    record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[1], init_usp(2, 2), checkpointing=True))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(SHAPES[1], init_usp(2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case, GRAD_SHAPES)
+    parity.record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[1], init_usp(2, 2), checkpointing=True))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(SHAPES[1], init_usp(2, 2)))
     two_heads = tiny_ltx2(num_heads=2, head_dim=32, audio_head_dim=16)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
     """Sequence parallel on (2,1) and (2,2); cfg parallel on (2,1,2): LTX2Pipeline batches its guidance."""
-    assert_within(grid_results, key, TOL_DECODED, {"latents": TOL}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL_DECODED, {"latents": TOL}, fallback="pipeline")
 
 
 def test_cfg_parallel_refuses_the_guidance_calls_of_batch_one(grid_results):
-    assert_within(grid_results, "pipeline-cfg2-batch1-refused", 0.0)
+    parity.assert_within(grid_results, "pipeline-cfg2-batch1-refused", 0.0)
 
 
 def test_disable_usp_gives_back_the_bit_identical_video_and_audio(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process: loud failures --------------------------------------------------------------
@@ -303,16 +296,8 @@ def test_timestep_of_wrong_length_is_refused():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    from usp_dit.pipelines.families import ltx2
-
-    monkeypatch.setattr(ltx2.USPLTX2VideoToAudioProcessor, "_plain", None)
-    with pytest.raises(NotImplementedError, match="do not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_ltx2(), single_rank_mesh(), "auto")
-
-
-def test_a_custom_processor_is_refused():
-    model = tiny_ltx2()
-    model.transformer_blocks[1].video_to_audio_attn.set_processor(torch.nn.Identity())
-    with pytest.raises(NotImplementedError, match="video_to_audio_attn.processor is Identity"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_ltx2, ADAPTER, ltx2.USPLTX2VideoToAudioProcessor, "_plain",
+    match="do not call dispatch_attention_fn, the call usp_dit routes")
+test_a_custom_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_ltx2, ADAPTER, "transformer_blocks.1.video_to_audio_attn", torch.nn.Identity)

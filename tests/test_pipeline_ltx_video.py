@@ -39,22 +39,8 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_ltx
 
-from tests.adapter_parity import (
-    assert_within,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ltx_video import ltx_video_inputs, tiny_ltx_video, tiny_ltx_video_pipeline
 from usp_dit.pipelines import _routing
@@ -107,7 +93,7 @@ def _build(shape: Shape, seed: int = 0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's self-attention length vs ceil(S / P), bit-identity after disable."""
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
@@ -115,7 +101,7 @@ def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     in backward re-shards its saved full input; the blocks get the already-cut RoPE and modulation."""
     model, inputs = _build(SHAPES[1])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +115,7 @@ def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tenso
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -149,7 +135,7 @@ def _rotated_qk_case(shape: Shape, mesh) -> dict[str, float]:
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames) of 2 steps at 96 x 160 x 17 frames (3 x 3 x 5 = 45 tokens), seed 0,
     guidance batched: [negative; positive] prompts of different padded lengths in one call."""
-    return latents_and(
+    return parity.latents_and(
         pipe, "frames",
         prompt="a red fox", negative_prompt="blurry", height=96, width=160, num_frames=17, num_inference_steps=2,
         max_sequence_length=16, generator=torch.Generator().manual_seed(0), output_type="pt",
@@ -161,52 +147,52 @@ PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (2, 1, 2)]  # (U, R, cfg)
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
     """The tiny LTXPipeline on each of ``PIPELINE_GRIDS`` through ``pipe.enable_usp``."""
-    return pipeline_cases(tiny_ltx_video_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS),
-                          names=("latents", "frames"), check_enabled=False)
+    return parity.pipeline_cases(tiny_ltx_video_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS),
+                                 names=("latents", "frames"), check_enabled=False)
 
 
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh), GRAD_SHAPES)
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh), GRAD_SHAPES)
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
     for shape in SHAPES[1:]:
-        record(results, f"rotated-qk-{shape.call}", lambda: _rotated_qk_case(shape, init_usp(2, 2)))
+        parity.record(results, f"rotated-qk-{shape.call}", lambda: _rotated_qk_case(shape, init_usp(2, 2)))
     two_heads = tiny_ltx_video(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(by_world=GRAD_SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 @pytest.mark.parametrize("call", ["i2v", "cond"])
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results, call: str):
-    assert_within(grid_results, f"rotated-qk-{call}", TOL)
+    parity.assert_within(grid_results, f"rotated-qk-{call}", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
     """Sequence parallel on (2,1) and (2,2); cfg parallel on (2,1,2): LTXPipeline batches its guidance."""
-    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures --------------------------------
@@ -229,14 +215,10 @@ def test_timestep_of_wrong_length_is_refused():
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         with pytest.raises(ValueError, match="124 entries for a batch of 2 and 63 video tokens"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    """Should a future diffusers' processor stop calling dispatch_attention_fn, enable refuses
-    instead of running local attention on a shard."""
-    monkeypatch.setattr(ltx_video, "_RoutedLTXProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_ltx_video(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_ltx_video, ADAPTER, ltx_video, "_RoutedLTXProcessor")

@@ -33,17 +33,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.adapter_parity import (
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_lumina2 import lumina2_inputs, tiny_lumina2, tiny_lumina2_pipeline
 from usp_dit.pipelines import is_usp_enabled
@@ -74,14 +64,15 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.noise_refiner[0].attn, shape.height * shape.width)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.noise_refiner[0].attn,
+                                      shape.height * shape.width)
 
 
 def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str, float]:
     model, inputs = _build(shape)
     if checkpointing:
         model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 PROMPTS = (["a red fox jumps over", "a cat"], ["blurry", "dark, dim, low quality"])
@@ -90,7 +81,7 @@ PROMPTS = (["a red fox jumps over", "a cat"], ["blurry", "dark, dim, low quality
 def _generate(pipe, prompts: tuple = PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps at 48 x 80 (3 x 5 = 15 image tokens), true CFG, seed 0."""
     prompt, negative_prompt = prompts
-    return latents_and(
+    return parity.latents_and(
         pipe,
         prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.0, height=48, width=80,
         num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt",
@@ -135,19 +126,19 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
-    record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    parity.record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 

@@ -36,24 +36,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from diffusers.models.attention_processor import AttnProcessor2_0
 
-from tests.adapter_parity import (
-    _param_grads,
-    allowance_gradient_errors,
-    assert_one_rank_bit_identical,
-    assert_within,
-    cfg_split_case,
-    grad_keys,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_lumina_next import lumina_next_inputs, tiny_lumina_next, tiny_lumina_next_pipeline
 from usp_dit.pipelines.families.lumina_next import ADAPTER
@@ -88,25 +74,25 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.layers[0].attn1, shape.height * shape.width)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.layers[0].attn1, shape.height * shape.width)
 
 
 @functools.cache
 def _exact_and_stock(shape: Shape) -> tuple[dict, dict]:
     """One process's parameter gradients in float64 (the exact maths) and in float32 (stock)."""
     model, inputs = _build(shape)
-    stock = _param_grads(model, inputs, 1)
+    stock = parity._param_grads(model, inputs, 1)
     double = {k: v.double() if torch.is_tensor(v) and torch.is_floating_point(v) else v
               for k, v in inputs.kwargs().items()}
     double["image_rotary_emb"] = inputs.image_rotary_emb.to(torch.complex128)
-    exact = _param_grads(model.double(), type(inputs)(**double), 1)
+    exact = parity._param_grads(model.double(), type(inputs)(**double), 1)
     return exact, stock
 
 
 def _gradient_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
     exact, stock = _exact_and_stock(shape)
-    return allowance_gradient_errors(model, inputs, ADAPTER, mesh, exact, stock, TOL)
+    return parity.allowance_gradient_errors(model, inputs, ADAPTER, mesh, exact, stock, TOL)
 
 
 PROMPTS = (["a red fox jumps over", "a cat"], ["blurry", "dark, dim, low quality"])
@@ -116,41 +102,41 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps at 48 x 80 (3 x 5 = 15 image tokens), batched CFG, seed 0;
     the pipeline's default proportional attention (base 64 tokens) and RoPE scaling (factor 0.48)."""
     prompt, negative_prompt = PROMPTS
-    return latents_and(
+    return parity.latents_and(
         pipe, prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.0, height=48, width=80,
         num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt", clean_caption=False,
     )
 
 
-PIPELINE_GRIDS = pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])  # the last: [cond, uncond] split over cfg
+PIPELINE_GRIDS = parity.pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])  # the last: [cond, uncond] split over cfg
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_lumina_next_pipeline(), _generate, PIPELINE_GRIDS)
+    return parity.pipeline_cases(tiny_lumina_next_pipeline(), _generate, PIPELINE_GRIDS)
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
-    record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    parity.record(results, "cfg-split", lambda: parity.cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES) + ["cfg-split"], grad_keys(SHAPES), TOL, grad_tol=1.0,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES) + ["cfg-split"], parity.grad_keys(SHAPES), TOL, grad_tol=1.0,
 )
 
 
 @pytest.mark.parametrize("key", [*PIPELINE_GRIDS, "pipeline-after-disable"])
 def test_pipeline_matches_one_process_and_disable_restores_it(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES, "not_bit_identical": 0.0,
-                                           "not_enabled_then_restored": 0.0}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES, "not_bit_identical": 0.0,
+                                                  "not_enabled_then_restored": 0.0}, fallback="pipeline")
 
 
 # ---- single process ---------------------------------------------------------------------------------
@@ -160,7 +146,7 @@ def test_pipeline_matches_one_process_and_disable_restores_it(grid_results, key:
 def test_one_rank_is_bit_identical_to_stock(shape: Shape):
     """Sequence degree 1: the routed self-attention (mask dropped, scale from the global count) gives
     stock's output bit for bit."""
-    assert_one_rank_bit_identical(*_build(shape), ADAPTER)
+    parity.assert_one_rank_bit_identical(*_build(shape), ADAPTER)
 
 
 def test_self_attention_called_with_other_keys_is_refused():
@@ -174,13 +160,8 @@ def test_self_attention_called_with_other_keys_is_refused():
         ADAPTER.disable(model)
 
 
-def test_a_replaced_cross_attention_processor_is_refused():
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
-    model, _ = _build(SHAPES[0])
-    model.layers[1].attn2.set_processor(AttnProcessor2_0())
-    with pytest.raises(NotImplementedError, match="layers.1.attn2.processor is AttnProcessor2_0"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_replaced_cross_attention_processor_is_refused = family_checks.foreign_processor_refused(
+    lambda: _build(SHAPES[0])[0], ADAPTER, "layers.1.attn2", AttnProcessor2_0)
 
 
 def test_the_image_example_builds_and_runs_the_tiny_lumina_next():

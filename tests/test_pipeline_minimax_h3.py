@@ -40,15 +40,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.adapter_parity import (
-    assert_within,
-    grad_keys,
-    output_keys,
-    record,
-    run_grid_cases,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
 from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
 from usp_dit.demo.tiny_minimax_h3 import minimax_h3_inputs, tiny_minimax_h3, tiny_minimax_h3_denoise
 from usp_dit.pipelines.families.minimax_h3 import ADAPTER
@@ -187,12 +179,13 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
-    record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(tiny_minimax_h3(num_heads=2, head_dim=32), ADAPTER, init_usp(4)))
-    record(results, "shard-weights-u2r2", lambda: _shard_weights_case(init_usp(2, 2)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    parity.record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(tiny_minimax_h3(num_heads=2, head_dim=32), ADAPTER,
+                                                          init_usp(4)))
+    parity.record(results, "shard-weights-u2r2", lambda: _shard_weights_case(init_usp(2, 2)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
@@ -200,21 +193,21 @@ def _run_all() -> dict[str, dict | str]:
 def grid_results() -> list[dict]:
     # check_groups=False: FSDP2's and DTensor's caches keep the meshes they have seen for the life
     # of the process (as in tests/test_shard_weights.py).
-    return spawn_grid(_run_all, WORLD, check_groups=False)
+    return parity.spawn_grid(_run_all, WORLD, check_groups=False)
 
 
-@pytest.mark.parametrize("key", output_keys(SHAPES))
+@pytest.mark.parametrize("key", parity.output_keys(SHAPES))
 def test_sharded_outputs_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+    parity.assert_within(grid_results, key, TOL)
 
 
-@pytest.mark.parametrize("key", grad_keys(SHAPES) + ["grad-ckpt-p4"])
+@pytest.mark.parametrize("key", parity.grad_keys(SHAPES) + ["grad-ckpt-p4"])
 def test_parameter_gradients_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+    parity.assert_within(grid_results, key, TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 def test_shard_weights_equals_the_unsharded_grid(grid_results):

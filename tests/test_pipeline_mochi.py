@@ -24,19 +24,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.adapter_parity import (
-    assert_within,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    output_keys,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_video import mochi_inputs, tiny_mochi
 from usp_dit.pipelines.families.mochi import ADAPTER
@@ -83,32 +71,33 @@ def _build(shape: Shape):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's video tokens vs ceil(S / P), bit-identity after disable."""
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
 
 
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh),
-                   {2: [GRAD_SHAPE], 4: [GRAD_SHAPE]})
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh),
+                          {2: [GRAD_SHAPE], 4: [GRAD_SHAPE]})
     two_heads = tiny_mochi(num_heads=2)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys([GRAD_SHAPE]), TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys([GRAD_SHAPE]), TOL,
 )
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process: the mask matters, restore exactly, loud failures ---------------------------
@@ -120,7 +109,7 @@ def test_prompt_mask_changes_the_output():
     _, full = _build(Shape(3, 6, 6, (9, 9)))
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
-        assert not torch.allclose(forward(model, padded), forward(model, full), atol=1e-3)
+        assert not torch.allclose(parity.forward(model, padded), parity.forward(model, full), atol=1e-3)
     finally:
         ADAPTER.disable(model)
 

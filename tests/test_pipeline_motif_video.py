@@ -40,24 +40,7 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_motif_video
 
-from tests.adapter_parity import (
-    assert_disable_restores,
-    assert_within,
-    cfg_pair_computations,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_motif_video import (
     motif_video_inputs,
@@ -107,7 +90,7 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's video token count vs ceil(S / P), bit-identity after disable."""
     model, inputs = _build(shape)
     tokens = motif_video_tokens(model, shape.frames, shape.height, shape.width)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
@@ -115,7 +98,7 @@ def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     included) runs the routed processors again on the shard."""
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _decoder_tokens_case(mesh) -> dict[str, float]:
@@ -132,7 +115,7 @@ def _decoder_tokens_case(mesh) -> dict[str, float]:
     ADAPTER.enable(model, mesh, "auto")
     try:
         with mock.patch.object(motif_video, "usp_attention", spy):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
     shard = shard_sequence(torch.zeros(45), mesh, dim=0).shape[0]
@@ -154,11 +137,11 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
         return mock.patch.object(module, name, spy)
 
     with spy_on(transformer_motif_video, "dispatch_attention_fn", seen_ref):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     ADAPTER.enable(model, mesh, "auto")
     try:
         with spy_on(_routing, "usp_attention", seen):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
     (q_ref, k_ref), (q, k) = seen_ref[0], seen[0]
@@ -174,61 +157,61 @@ STEPS = 2
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames) of 2 steps at 48 x 80 x 9 frames (3 x 3 x 5 = 45 tokens), seed 0."""
-    return latents_and(pipe, "frames", prompt="a red fox jumps over a log", negative_prompt="blurry", height=48,
-                       width=80, num_frames=9, num_inference_steps=STEPS, max_sequence_length=16,
-                       generator=torch.Generator().manual_seed(0), output_type="pt")
+    return parity.latents_and(pipe, "frames", prompt="a red fox jumps over a log", negative_prompt="blurry", height=48,
+                              width=80, num_frames=9, num_inference_steps=STEPS, max_sequence_length=16,
+                              generator=torch.Generator().manual_seed(0), output_type="pt")
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_motif_video_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS),
-                          names=("latents", "frames"),
-                          probe=lambda pipe, grid: cfg_pair_computations(pipe, grid, STEPS))
+    return parity.pipeline_cases(tiny_motif_video_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS),
+                                 names=("latents", "frames"),
+                                 probe=lambda pipe, grid: parity.cfg_pair_computations(pipe, grid, STEPS))
 
 
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
-    run_grid_cases(results, GRID_SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "decoder-tokens", lambda: _decoder_tokens_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.run_grid_cases(results, GRID_SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "decoder-tokens", lambda: _decoder_tokens_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
     two_heads = tiny_motif_video("t2v", num_heads=2)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(GRID_SHAPES), grad_keys(GRID_SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(GRID_SHAPES), parity.grad_keys(GRID_SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_decoder_block_attends_both_streams_of_this_rank(grid_results):
-    assert_within(grid_results, "decoder-tokens", 0.0)
+    parity.assert_within(grid_results, "decoder-tokens", 0.0)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
-@pytest.mark.parametrize("key", list(pipeline_grids(PIPELINE_GRIDS)))
+@pytest.mark.parametrize("key", list(parity.pipeline_grids(PIPELINE_GRIDS)))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, 0.0, {"latents": TOL, "frames": TOL_FRAMES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, 0.0, {"latents": TOL, "frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: what enable changes, loud failures ------------------------------------------
@@ -236,7 +219,7 @@ def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
 
 def test_disable_restores_processors_hooks_and_decoder_marks():
     model, inputs = _build(SHAPES[1])  # no cross-attention: every attention module is routed
-    assert_disable_restores(model, inputs, ADAPTER, USPMotifVideoAttnProcessor)
+    parity.assert_disable_restores(model, inputs, ADAPTER, USPMotifVideoAttnProcessor)
     model, inputs = _build(SHAPES[0])
     decoder = model.single_transformer_blocks[-1].attn
     ADAPTER.enable(model, single_rank_mesh(), "auto")

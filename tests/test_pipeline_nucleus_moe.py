@@ -45,29 +45,11 @@ import torch
 from diffusers.models.transformers import transformer_nucleusmoe_image
 
 import usp_dit
-from tests.adapter_parity import (
-    assert_disable_restores,
-    assert_within,
-    cfg_pair_computations,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_nucleus_moe import nucleus_moe_inputs, tiny_nucleus_moe, tiny_nucleus_moe_pipeline
 from usp_dit.pipelines import _routing
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import nucleus_moe
 from usp_dit.pipelines.families.nucleus_moe import ADAPTER, USPNucleusMoEAttnProcessor
 from usp_dit.sharding.shard import shard_sequence
@@ -115,27 +97,27 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, shape.tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, shape.tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     """Gradients with gradient checkpointing: the MoE's gather and top-k run again in the recompute."""
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _naive_routing_case(mesh) -> dict[str, float]:
     """Note [expert-choice routing on a shard]: with the stock MoE forward on each shard (its own
     top-k and capacity), the output is far from stock: 1.0 unless the error exceeds NAIVE_MIN."""
     model, inputs = _build(SHAPES[1])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     ADAPTER.enable(model, mesh, "auto")
     try:
         moe = [b.img_mlp for b in model.transformer_blocks if b.moe_enabled]
         for layer in moe:
             del layer.forward  # the class's (stock) forward on this rank's tokens
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
     return {"naive_not_off": float(not rel_err(out, ref) > NAIVE_MIN), "no_moe_layer": float(not moe)}
@@ -151,7 +133,7 @@ def _first_call(model, inputs, module, name: str) -> tuple[torch.Tensor, ...]:
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -176,87 +158,83 @@ PROMPTS = (["a red fox jumps", "a cat"], ["blurry", "dark and dim"])  # of diffe
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps at 48 x 80 (3 x 5 = 15 image tokens), two calls a step, seed 0."""
     prompt, negative_prompt = PROMPTS
-    return latents_and(pipe, prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.0, height=48,
-                       width=80, num_inference_steps=STEPS, generator=torch.Generator().manual_seed(0),
-                       output_type="pt")
+    return parity.latents_and(pipe, prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.0, height=48,
+                              width=80, num_inference_steps=STEPS, generator=torch.Generator().manual_seed(0),
+                              output_type="pt")
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_nucleus_moe_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS),
-                          probe=functools.partial(cfg_pair_computations, steps=STEPS))
+    return parity.pipeline_cases(tiny_nucleus_moe_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS),
+                                 probe=functools.partial(parity.cfg_pair_computations, steps=STEPS))
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, GRID_SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "naive-routing", lambda: _naive_routing_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
+    parity.run_grid_cases(results, GRID_SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.record(results, "naive-routing", lambda: _naive_routing_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: parity.cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
     two_heads = tiny_nucleus_moe(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(GRID_SHAPES), grad_keys(GRID_SHAPES) + ["grad-ckpt-p4"], TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(GRID_SHAPES), parity.grad_keys(GRID_SHAPES) + ["grad-ckpt-p4"], TOL)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_per_shard_routing_would_be_wrong(grid_results):
-    assert_within(grid_results, "naive-routing", 0.0)
+    parity.assert_within(grid_results, "naive-routing", 0.0)
 
 
 def test_cfg_split_of_a_masked_batch_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES, "not_enabled_then_restored": 0.0,
-                                           "computations_not_steps_plus_1": 0.0}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES, "not_enabled_then_restored": 0.0,
+                                                  "computations_not_steps_plus_1": 0.0}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_nucleus_moe():
-    assert find_adapter(tiny_nucleus_moe()) is ADAPTER
+test_find_adapter_finds_nucleus_moe = family_checks.adapter_found(tiny_nucleus_moe, ADAPTER)
 
 
 def test_disable_restores_processors_moe_forwards_and_hooks():
     model, inputs = _build(SHAPES[0])
-    assert_disable_restores(model, inputs, ADAPTER, USPNucleusMoEAttnProcessor)
+    parity.assert_disable_restores(model, inputs, ADAPTER, USPNucleusMoEAttnProcessor)
     assert not [m for m in model.modules() if "forward" in m.__dict__]
 
 
-def test_foreign_processor_is_refused():
-    model = tiny_nucleus_moe()
-    model.transformer_blocks[1].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_nucleus_moe, ADAPTER, "transformer_blocks.1.attn")
 
 
 def test_a_changed_moe_forward_is_refused(monkeypatch):
@@ -268,10 +246,8 @@ def test_a_changed_moe_forward_is_refused(monkeypatch):
     ADAPTER.disable(dense)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(nucleus_moe, "_ROUTED_CALL", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_nucleus_moe(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_nucleus_moe, ADAPTER, nucleus_moe, "_ROUTED_CALL")
 
 
 def test_the_text_kv_cache_is_refused():
@@ -283,8 +259,5 @@ def test_the_text_kv_cache_is_refused():
         usp_dit.enable_usp(model, mesh=single_rank_mesh())
 
 
-def test_tensor_parallelism_is_refused_by_name():
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    with pytest.raises(NotImplementedError, match="usp_dit's NucleusMoE plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_nucleus_moe(), ADAPTER.plan.tensor, ADAPTER.name, 2)
+test_tensor_parallelism_is_refused_by_name = family_checks.tensor_parallelism_refused(
+    tiny_nucleus_moe, ADAPTER, "NucleusMoE")

@@ -39,28 +39,11 @@ import torch
 from diffusers.models.transformers import transformer_omnigen
 
 import usp_dit
-from tests.adapter_parity import (
-    assert_disable_restores,
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_omnigen import omnigen_inputs, tiny_omnigen, tiny_omnigen_pipeline
 from usp_dit.pipelines import _routing
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import omnigen
 from usp_dit.pipelines.families.omnigen import ADAPTER, USPOmniGenAttnProcessor
 from usp_dit.sharding.shard import shard_sequence
@@ -107,14 +90,14 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.layers[0].self_attn, shape.tokens,
-                               replicated=shape.prefix)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.layers[0].self_attn, shape.tokens,
+                                      replicated=shape.prefix)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[1])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _cfg_images_refused_case(mesh) -> dict[str, float]:
@@ -122,7 +105,7 @@ def _cfg_images_refused_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[1])
     usp_dit.enable_usp(model, mesh=mesh)
     try:
-        forward(model, inputs)
+        parity.forward(model, inputs)
     except NotImplementedError as exc:
         return {"wrong_error": float("input images with cfg_degree > 1" not in str(exc))}
     finally:
@@ -151,7 +134,7 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
     model, inputs = _build(shape)
     stock = []
     with mock.patch.object(transformer_omnigen, "F", _SpyFunctional(stock)):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     q_ref, k_ref = (t[:1].transpose(1, 2) for t in stock[0])  # (1, L, H, D)
     seen = []
     inner = _routing.usp_attention
@@ -163,7 +146,7 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
     ADAPTER.enable(model, mesh, "auto")
     try:
         with mock.patch.object(_routing, "usp_attention", spy):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
     q, k, prefix_k = seen[0]
@@ -174,8 +157,8 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps at 48 x 80 (3 x 5 = 15 image tokens), two prompts, seed 0."""
-    return latents_and(pipe, prompt=["a red fox jumps", "a cat"], guidance_scale=3.0, height=48, width=80,
-                       num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt")
+    return parity.latents_and(pipe, prompt=["a red fox jumps", "a cat"], guidance_scale=3.0, height=48, width=80,
+                              num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt")
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
@@ -183,70 +166,71 @@ PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
-    record(results, "cfg-images-refused", lambda: _cfg_images_refused_case(init_usp(1, 2, 2)))
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(tiny_omnigen(num_heads=2, head_dim=32), ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline",
-           lambda: pipeline_cases(tiny_omnigen_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS)), many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: parity.cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
+    parity.record(results, "cfg-images-refused", lambda: _cfg_images_refused_case(init_usp(1, 2, 2)))
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(tiny_omnigen(num_heads=2, head_dim=32), ADAPTER,
+                                                          init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline",
+                  lambda: parity.pipeline_cases(tiny_omnigen_pipeline(), _generate,
+                                                parity.pipeline_grids(PIPELINE_GRIDS)), many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_cfg_split_keeps_the_first_rows_positions_and_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 def test_input_images_with_cfg_parallel_are_refused(grid_results):
-    assert_within(grid_results, "cfg-images-refused", 0.0)
+    parity.assert_within(grid_results, "cfg-images-refused", 0.0)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES, "not_enabled_then_restored": 0.0},
-                  fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES, "not_enabled_then_restored": 0.0},
+                         fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_omnigen():
-    assert find_adapter(tiny_omnigen()) is ADAPTER
+test_find_adapter_finds_omnigen = family_checks.adapter_found(tiny_omnigen, ADAPTER)
 
 
-def test_disable_restores_processors_and_hooks():
-    model, inputs = _build(SHAPES[1])
-    assert_disable_restores(model, inputs, ADAPTER, USPOmniGenAttnProcessor)
+test_disable_restores_processors_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[1]), ADAPTER, USPOmniGenAttnProcessor)
 
 
 def _enabled_call(inputs, **changes):
     model = tiny_omnigen()
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
-        return forward(model, type(inputs)(**{**inputs.kwargs(), **changes}))
+        return parity.forward(model, type(inputs)(**{**inputs.kwargs(), **changes}))
     finally:
         ADAPTER.disable(model)
 
@@ -273,21 +257,8 @@ def test_no_mask_is_refused():
         _enabled_call(inputs, attention_mask=None)
 
 
-def test_foreign_processor_is_refused():
-    model = tiny_omnigen()
-    model.layers[1].self_attn.processor = object()
-    with pytest.raises(NotImplementedError, match="layers.1.self_attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(omnigen, "_routed_call", lambda state: None)
-    with pytest.raises(NotImplementedError, match="does not call F.scaled_dot_product_attention"):
-        ADAPTER.enable(tiny_omnigen(), single_rank_mesh(), "auto")
-
-
-def test_tensor_parallelism_is_refused_by_name():
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    with pytest.raises(NotImplementedError, match="usp_dit's OmniGen plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_omnigen(), ADAPTER.plan.tensor, ADAPTER.name, 2)
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(tiny_omnigen, ADAPTER, "layers.1.self_attn")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_omnigen, ADAPTER, omnigen, "_routed_call", lambda state: None,
+    match="does not call F.scaled_dot_product_attention")
+test_tensor_parallelism_is_refused_by_name = family_checks.tensor_parallelism_refused(tiny_omnigen, ADAPTER, "OmniGen")

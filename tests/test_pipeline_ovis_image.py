@@ -37,26 +37,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.adapter_parity import (
-    assert_disable_restores,
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    joint_output_case,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ovis_image import ovis_image_inputs, tiny_ovis_image, tiny_ovis_image_pipeline
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families.ovis_image import ADAPTER, USPOvisImageAttnProcessor
 
 TOL = 1e-5
@@ -94,18 +78,18 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return joint_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, shape.tokens)
+    return parity.joint_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, shape.tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2 (usp_dit.enable_usp): its batch of 2 split over the cfg groups."""
-    return cfg_split_case(*_build(SHAPES[1]), mesh)
+    return parity.cfg_split_case(*_build(SHAPES[1]), mesh)
 
 
 PROMPTS = (["a red fox", "cat"], ["blurry", "dark dim"])  # of different lengths: padded (rows zeroed)
@@ -115,7 +99,7 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps at 12 x 20 (3 x 5 = 15 image tokens), 11 text tokens,
     true CFG (two transformer calls a step), seed 0."""
     prompt, negative_prompt = PROMPTS
-    return latents_and(
+    return parity.latents_and(
         pipe,
         prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.0, max_sequence_length=11, height=12,
         width=20, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt",
@@ -126,60 +110,51 @@ PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_ovis_image_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS))
+    return parity.pipeline_cases(tiny_ovis_image_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS))
 
 
 def _run_all() -> dict[str, dict | str]:
     warnings.filterwarnings("ignore", category=FutureWarning)
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_cfg_split_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures ---------------------------------
 
 
-def test_find_adapter_finds_ovis_image():
-    assert find_adapter(tiny_ovis_image()) is ADAPTER
-
-
-def test_disable_restores_processors_forward_and_hooks():
-    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPOvisImageAttnProcessor)
-
-
-def test_foreign_processor_is_refused():
-    model = tiny_ovis_image()
-    model.transformer_blocks[1].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-    assert "forward" not in model.__dict__
+test_find_adapter_finds_ovis_image = family_checks.adapter_found(tiny_ovis_image, ADAPTER)
+test_disable_restores_processors_forward_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPOvisImageAttnProcessor)
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_ovis_image, ADAPTER, "transformer_blocks.1.attn")
 
 
 def test_processor_swapped_after_enable_is_refused_at_the_call():
@@ -190,7 +165,7 @@ def test_processor_swapped_after_enable_is_refused_at_the_call():
     try:
         model.single_transformer_blocks[0].attn.set_processor(OvisImageAttnProcessor())
         with pytest.raises(NotImplementedError, match="became OvisImageAttnProcessor after enable_usp"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
@@ -206,11 +181,7 @@ def test_an_attention_mask_is_refused():
         ADAPTER.disable(model)
 
 
-def test_tensor_parallelism_is_refused_by_name():
-    """No TensorPlan (the single blocks split their fused projection by the whole mlp_hidden_dim):
-    the check enable_usp makes before anything changes refuses tensor_degree > 1, naming the family."""
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    assert ADAPTER.plan.tensor is None
-    with pytest.raises(NotImplementedError, match="usp_dit's OvisImage plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_ovis_image(), ADAPTER.plan.tensor, ADAPTER.name, 2)
+# No TensorPlan (the single blocks split their fused projection by the whole mlp_hidden_dim):
+# the check enable_usp makes before anything changes refuses tensor_degree > 1, naming the family.
+test_tensor_parallelism_is_refused_by_name = family_checks.tensor_parallelism_refused(
+    tiny_ovis_image, ADAPTER, "OvisImage")

@@ -36,24 +36,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from diffusers.models.attention_processor import AttnProcessor
 
-from tests.adapter_parity import (
-    _param_grads,
-    allowance_gradient_errors,
-    assert_one_rank_bit_identical,
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    grid_tests,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_pixart import pixart_inputs, tiny_pixart, tiny_pixart_pipeline
 from usp_dit.pipelines.families.pixart import ADAPTER
@@ -89,7 +75,7 @@ def _build(shape: Shape, seed: int = 0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
     tokens = shape.height * shape.width
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, tokens)
 
 
 def _float64(value):
@@ -104,11 +90,11 @@ def _float64(value):
 def _reference_grads(shape: Shape) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(exact gradients: the model and inputs in float64, the stock float32 model's gradients) of one process."""
     model, inputs = _build(shape)
-    stock = _param_grads(model, inputs, 1)
+    stock = parity._param_grads(model, inputs, 1)
     model.double()
     for name, value in inputs.__dict__.items():
         setattr(inputs, name, _float64(value))
-    return _param_grads(model, inputs, 1), stock
+    return parity._param_grads(model, inputs, 1), stock
 
 
 def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str, float]:
@@ -118,13 +104,13 @@ def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str,
     model, inputs = _build(shape)
     if checkpointing:
         model.enable_gradient_checkpointing()
-    return allowance_gradient_errors(model, inputs, ADAPTER, mesh, exact, stock, TOL)
+    return parity.allowance_gradient_errors(model, inputs, ADAPTER, mesh, exact, stock, TOL)
 
 
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2: Alpha's batch of 2 (masks of 2 and 5 tokens, its
     per-element resolution and aspect ratio in the added_cond_kwargs dict) split over the cfg axis."""
-    return cfg_split_case(*_build(SHAPES[1]), mesh)
+    return parity.cfg_split_case(*_build(SHAPES[1]), mesh)
 
 
 PROMPTS = (["a red fox jumps", "a cat"], ["blurry", "dark and dim"])  # of different lengths: padded, masked
@@ -148,61 +134,60 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _pipeline_cases(variant: str) -> dict[str, dict[str, float]]:
-    grids = pipeline_grids(PIPELINE_GRIDS, f"pipeline-{variant}")
-    return pipeline_cases(tiny_pixart_pipeline(variant), _generate, grids,
-                          after_disable=f"pipeline-{variant}-after-disable")
+    grids = parity.pipeline_grids(PIPELINE_GRIDS, f"pipeline-{variant}")
+    return parity.pipeline_cases(tiny_pixart_pipeline(variant), _generate, grids,
+                                 after_disable=f"pipeline-{variant}-after-disable")
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
     # Checkpointing: block 0's recompute in backward re-shards the tokens.
-    record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
-    record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    parity.record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[0], init_usp(2, 2), checkpointing=True))
+    parity.record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
     for variant in ("sigma", "alpha"):
-        record(results, f"pipeline-{variant}", lambda v=variant: _pipeline_cases(v), many=True)
+        parity.record(results, f"pipeline-{variant}", lambda v=variant: _pipeline_cases(v), many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
     grad_tol=1.0,  # each parameter's error over its allowance (module docstring)
 )
 
 
 def test_cfg_split_of_a_masked_conditioned_batch_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-{v}-u{u}r{r}cfg{c}" for v in ("sigma", "alpha")
                                  for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback=f"pipeline-{key.split('-')[1]}")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback=f"pipeline-{key.split('-')[1]}")
 
 
 @pytest.mark.parametrize("variant", ["sigma", "alpha"])
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results, variant: str):
-    assert_within(grid_results, f"pipeline-{variant}-after-disable", 0.0)
+    parity.assert_within(grid_results, f"pipeline-{variant}-after-disable", 0.0)
 
 
 # ---- single process: restore exactly, loud failures ----------------------------------------------
 
 
-def test_one_rank_is_bit_identical_to_stock():
-    assert_one_rank_bit_identical(*_build(SHAPES[1]), ADAPTER)
+test_one_rank_is_bit_identical_to_stock = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[1]), ADAPTER)
 
 
 def test_prompt_mask_changes_the_output():
     """The masks the grid cases use matter: padding keys unmasked gives another output."""
     model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     inputs.encoder_attention_mask = torch.ones_like(inputs.encoder_attention_mask)
-    assert rel_err(forward(model, inputs), ref) > 1e-2
+    assert rel_err(parity.forward(model, inputs), ref) > 1e-2
 
 
 def test_a_mask_over_the_image_tokens_is_refused():
@@ -215,13 +200,8 @@ def test_a_mask_over_the_image_tokens_is_refused():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused():
-    from diffusers.models.attention_processor import AttnProcessor
-
-    model = tiny_pixart()
-    model.transformer_blocks[1].attn1.processor = AttnProcessor()
-    with pytest.raises(NotImplementedError, match=r"transformer_blocks.1.attn1.processor is AttnProcessor\b"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.foreign_processor_refused(
+    tiny_pixart, ADAPTER, "transformer_blocks.1.attn1", AttnProcessor)
 
 
 def test_fused_qkv_is_refused():

@@ -40,28 +40,11 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_prx
 
-from tests.adapter_parity import (
-    assert_disable_restores,
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_prx import TEXT_DIM, prx_inputs, tiny_prx, tiny_prx_pipeline, tiny_prx_pixel_pipeline
 from usp_dit.pipelines import _routing
-from usp_dit.pipelines.base import find_adapter
 from usp_dit.pipelines.families import prx
 from usp_dit.pipelines.families.prx import ADAPTER, USPPRXAttnProcessor
 from usp_dit.sharding.shard import shard_sequence
@@ -107,14 +90,14 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attention, shape.tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attention, shape.tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     """Gradients with gradient checkpointing (the blocks recomputed on this rank's tokens)."""
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _first_call(model, inputs, module, name: str) -> tuple[torch.Tensor, ...]:
@@ -127,7 +110,7 @@ def _first_call(model, inputs, module, name: str) -> tuple[torch.Tensor, ...]:
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -147,16 +130,16 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps at 12 x 20 (3 x 5 = 15 image tokens), batched CFG, seed 0."""
-    return latents_and(pipe, prompt="a red fox", negative_prompt="dim", guidance_scale=4.0, height=12, width=20,
-                       num_inference_steps=STEPS, generator=torch.Generator().manual_seed(0), output_type="pt",
-                       use_resolution_binning=False)
+    return parity.latents_and(pipe, prompt="a red fox", negative_prompt="dim", guidance_scale=4.0, height=12, width=20,
+                              num_inference_steps=STEPS, generator=torch.Generator().manual_seed(0), output_type="pt",
+                              use_resolution_binning=False)
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_prx_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS))
+    return parity.pipeline_cases(tiny_prx_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS))
 
 
 def _generate_pixel(pipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,125 +148,101 @@ def _generate_pixel(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     embeds = [torch.randn(1, 16, TEXT_DIM, generator=g) for _ in range(2)]
     masks = [torch.arange(16)[None] < n for n in (5, 11)]
-    return latents_and(pipe, prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1], prompt_attention_mask=masks[0],
-                       negative_prompt_attention_mask=masks[1], guidance_scale=4.0, height=6, width=10,
-                       num_inference_steps=STEPS, generator=torch.Generator().manual_seed(0), output_type="pt",
-                       use_resolution_binning=False)
+    return parity.latents_and(pipe, prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1],
+                              prompt_attention_mask=masks[0],
+                              negative_prompt_attention_mask=masks[1], guidance_scale=4.0, height=6, width=10,
+                              num_inference_steps=STEPS, generator=torch.Generator().manual_seed(0), output_type="pt",
+                              use_resolution_binning=False)
 
 
 PIXEL_GRIDS = [(2, 2, 1), (1, 2, 2)]
 
 
 def _pixel_pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_prx_pixel_pipeline(), _generate_pixel, pipeline_grids(PIXEL_GRIDS, "pixel"),
-                          after_disable="pixel-after-disable")
+    return parity.pipeline_cases(tiny_prx_pixel_pipeline(), _generate_pixel,
+                                 parity.pipeline_grids(PIXEL_GRIDS, "pixel"),
+                                 after_disable="pixel-after-disable")
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: parity.cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
     two_heads = tiny_prx(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
-    record(results, "pixel", _pixel_pipeline_cases, many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "pixel", _pixel_pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL)
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_cfg_split_of_a_masked_batch_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES, "not_enabled_then_restored": 0.0},
-                  fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES, "not_enabled_then_restored": 0.0},
+                         fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 @pytest.mark.parametrize("key", [f"pixel-u{u}r{r}cfg{c}" for u, r, c in PIXEL_GRIDS] + ["pixel-after-disable"])
 def test_pixel_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"not_enabled_then_restored": 0.0, "not_bit_identical": 0.0},
-                  fallback="pixel")
+    parity.assert_within(grid_results, key, TOL, {"not_enabled_then_restored": 0.0, "not_bit_identical": 0.0},
+                         fallback="pixel")
 
 
 # ---- single process: registration, the mask's effect, restore exactly, loud failures ---------------
 
 
-def test_find_adapter_finds_prx():
-    assert find_adapter(tiny_prx()) is ADAPTER
+test_find_adapter_finds_prx = family_checks.adapter_found(tiny_prx, ADAPTER)
 
 
 def test_the_mask_changes_the_output_and_is_kept():
     """The padded prompts' mask matters (so the grid cases exercise it), and the enabled model on
     one rank (the routed call, per-element masked text keys) gives stock's masked output."""
     model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
-    unmasked = forward(model, prx_inputs(5, 7, None, TEXT_LEN, channels=model.config.in_channels))
+    ref = parity.forward(model, inputs)
+    unmasked = parity.forward(model, prx_inputs(5, 7, None, TEXT_LEN, channels=model.config.in_channels))
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
     assert rel_err(unmasked, ref) > MASK_MIN
     assert rel_err(out, ref) <= TOL
 
 
-def test_disable_restores_processors_and_hooks():
-    assert_disable_restores(*_build(SHAPES[0]), ADAPTER, USPPRXAttnProcessor)
-
-
-def test_foreign_processor_is_refused():
-    model = tiny_prx()
-    model.blocks[1].attention.processor = object()
-    with pytest.raises(NotImplementedError, match="blocks.1.attention.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_diffusers_context_parallelism_is_refused():
-    model = tiny_prx()
-    model.blocks[0].attention.processor._parallel_config = object()
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_no_blocks_is_refused():
-    with pytest.raises(NotImplementedError, match=r"no transformer blocks \(num_layers=0\)"):
-        ADAPTER.enable(tiny_prx(depth=0), single_rank_mesh(), "auto")
-
-
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(prx, "_ROUTED_CALL", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_prx(), single_rank_mesh(), "auto")
-
-
-def test_tensor_parallelism_is_refused_by_name():
-    from usp_dit.pipelines.tensor import check_tensor_plan
-
-    with pytest.raises(NotImplementedError, match="usp_dit's PRX plan declares no tensor-parallel cuts"):
-        check_tensor_plan(tiny_prx(), ADAPTER.plan.tensor, ADAPTER.name, 2)
+test_disable_restores_processors_and_hooks = family_checks.disable_restores(
+    lambda: _build(SHAPES[0]), ADAPTER, USPPRXAttnProcessor)
+test_foreign_processor_is_refused = family_checks.foreign_processor_refused(tiny_prx, ADAPTER, "blocks.1.attention")
+test_diffusers_context_parallelism_is_refused = family_checks.context_parallelism_refused(
+    tiny_prx, ADAPTER, "blocks.0.attention")
+test_no_blocks_is_refused = family_checks.no_blocks_refused(lambda: tiny_prx(depth=0), ADAPTER)
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_prx, ADAPTER, prx, "_ROUTED_CALL")
+test_tensor_parallelism_is_refused_by_name = family_checks.tensor_parallelism_refused(tiny_prx, ADAPTER, "PRX")

@@ -46,23 +46,8 @@ import torch
 from diffusers.models.transformers import transformer_qwenimage
 
 import usp_dit
-from tests.adapter_parity import (
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_qwen_image import (
     qwen_image_inputs,
@@ -116,7 +101,7 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's attention length vs ceil(S / P), bit-identity after disable."""
     model, inputs = _build(shape)
     tokens = qwen_image_tokens(list(shape.images))
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, tokens)
 
 
 def _text_streams(model, inputs) -> list[torch.Tensor]:
@@ -124,7 +109,7 @@ def _text_streams(model, inputs) -> list[torch.Tensor]:
     seen = []
     hooks = [b.register_forward_hook(lambda m, a, out: seen.append(out[0])) for b in model.transformer_blocks]
     try:
-        forward(model, inputs)
+        parity.forward(model, inputs)
     finally:
         for h in hooks:
             h.remove()
@@ -149,7 +134,7 @@ def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     input, every block's recompute re-slices the full modulate_index)."""
     model, inputs = _build(SHAPES[1])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _first_attention_call(model, inputs, module, name: str) -> dict:
@@ -162,7 +147,7 @@ def _first_attention_call(model, inputs, module, name: str) -> dict:
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -188,7 +173,7 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2 (usp_dit.enable_usp on the model): its batch of 2
     (and the mask with holes) split over the cfg groups, equal to stock."""
-    return cfg_split_case(*_build(SHAPES[0]), mesh)
+    return parity.cfg_split_case(*_build(SHAPES[0]), mesh)
 
 
 def _cfg_split_zero_cond_case(mesh) -> dict[str, float]:
@@ -197,7 +182,7 @@ def _cfg_split_zero_cond_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[1])
     usp_dit.enable_usp(model, mesh=mesh)
     try:
-        forward(model, inputs)
+        parity.forward(model, inputs)
     except NotImplementedError as exc:
         return {"wrong_error": float("use cfg_degree=1 with zero_cond_t" not in str(exc))}
     finally:
@@ -212,7 +197,7 @@ def _generate(pipe, prompts: tuple = PROMPTS) -> tuple[torch.Tensor, torch.Tenso
     """(final latents, images) of 2 steps at 48 x 80 (3 x 5 = 15 image tokens), true CFG (a negative
     prompt: two transformer calls per step), seed 0."""
     prompt, negative_prompt = prompts
-    return latents_and(
+    return parity.latents_and(
         pipe,
         prompt=prompt, negative_prompt=negative_prompt, true_cfg_scale=4.0, height=48, width=80,
         num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt",
@@ -223,7 +208,7 @@ PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits the batch 
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_qwen_image_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS))
+    return parity.pipeline_cases(tiny_qwen_image_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS))
 
 
 def _pipeline_cfg_case() -> dict[str, float]:
@@ -243,62 +228,62 @@ def _pipeline_cfg_case() -> dict[str, float]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "text-stream", lambda: _text_stream_case(init_usp(1, 2, 1, "gather_merge")))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
-    record(results, "cfg-split-zero-cond", lambda: _cfg_split_zero_cond_case(init_usp(1, 2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "text-stream", lambda: _text_stream_case(init_usp(1, 2, 1, "gather_merge")))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    parity.record(results, "cfg-split-zero-cond", lambda: _cfg_split_zero_cond_case(init_usp(1, 2, 2)))
     two_heads = tiny_qwen_image(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
-    record(results, "pipeline-cfg2", _pipeline_cfg_case)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "pipeline-cfg2", _pipeline_cfg_case)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_valid_text_rows_match_stock_after_every_block(grid_results):
-    assert_within(grid_results, "text-stream", TOL)
+    parity.assert_within(grid_results, "text-stream", TOL)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_cfg_split_of_a_masked_batch_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 def test_cfg_split_with_zero_cond_t_is_refused(grid_results):
-    assert_within(grid_results, "cfg-split-zero-cond", 0.0)
+    parity.assert_within(grid_results, "cfg-split-zero-cond", 0.0)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 def test_cfg_parallel_runs_the_two_guidance_calls_of_the_qwen_image_pipeline(grid_results):
-    assert_within(grid_results, "pipeline-cfg2", TOL)
+    parity.assert_within(grid_results, "pipeline-cfg2", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures --------------------------------
@@ -314,11 +299,8 @@ def test_qwen_image_21_is_not_matched():
     assert not ADAPTER.matches(model)
 
 
-def test_diffusers_context_parallelism_is_refused():
-    model = tiny_qwen_image()
-    model.transformer_blocks[0].attn.processor._parallel_config = object()
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_diffusers_context_parallelism_is_refused = family_checks.context_parallelism_refused(
+    tiny_qwen_image, ADAPTER, "transformer_blocks.0.attn")
 
 
 def test_controlnet_residuals_are_refused():
@@ -338,16 +320,12 @@ def test_img_shapes_unlike_the_tokens_are_refused():
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         with pytest.raises(ValueError, match="table of this call has 12 rows but the transformer has 15 tokens"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    """Should a future diffusers' processor stop calling dispatch_attention_fn, enable refuses
-    instead of running local attention on a shard."""
-    monkeypatch.setattr(qwen_image, "_RoutedQwenProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_qwen_image(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_qwen_image, ADAPTER, qwen_image, "_RoutedQwenProcessor")
 
 

@@ -36,18 +36,8 @@ from diffusers.models.transformers.transformer_qwenimage21 import (
 )
 
 import usp_dit
-from tests.adapter_parity import (
-    assert_within,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    output_keys,
-    record,
-    run_grid_cases,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_qwen_image21 import qwen_image21_inputs, qwen_image21_lengths, tiny_qwen_image21
 from usp_dit.pipelines.families import qwen_image21
@@ -87,21 +77,21 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's attention length vs prefix + ceil(target / P), bit-identity after disable."""
     model, inputs = _build(shape)
     prefix, target = qwen_image21_lengths(list(shape.images), len(shape.masks[0]))
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     lengths = []
     hook = model.transformer_blocks[0].attn.register_forward_pre_hook(
         lambda m, args, kwargs: lengths.append((kwargs.get("hidden_states", args[0] if args else None)).shape[1]),
         with_kwargs=True)
     ADAPTER.enable(model, mesh, "auto")
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         hook.remove()
         ADAPTER.disable(model)
     return {
         "out": rel_err(out, ref),
         "block0_tokens_above": float(not lengths or max(lengths) > prefix + math.ceil(target / mesh.sequence_degree)),
-        "disable_not_bit_identical": float(not torch.equal(forward(model, inputs), ref)),
+        "disable_not_bit_identical": float(not torch.equal(parity.forward(model, inputs), ref)),
     }
 
 
@@ -119,9 +109,9 @@ def _kv_calls(model, inputs) -> list[torch.Tensor]:
     """QwenImage21Pipeline's two cache modes: a prefill that extracts the prefix's K/V, then a
     decode of the target from them (at another timestep)."""
     cache = QwenImage21KVCache(len(model.transformer_blocks))
-    first = forward(model, _Args(**inputs.kwargs(), kv_cache=cache, kv_cache_mode="extract"))
+    first = parity.forward(model, _Args(**inputs.kwargs(), kv_cache=cache, kv_cache_mode="extract"))
     later = dict(inputs.kwargs(), timestep=inputs.timestep * 0.5)
-    return [first, forward(model, _Args(**later, kv_cache=cache, kv_cache_mode="cached"))]
+    return [first, parity.forward(model, _Args(**later, kv_cache=cache, kv_cache_mode="cached"))]
 
 
 def _kv_cache_case(mesh, through_enable_usp: bool) -> dict[str, float]:
@@ -142,57 +132,58 @@ def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     """Gradients with gradient checkpointing (block 0's recompute re-cuts its saved full input)."""
     model, inputs = _build(SHAPES[1])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _tensor_case() -> dict[str, float]:
     """Tensor parallel (Diffusers' own _tp_plan cuts) on (U, R, cfg, T) = (1, 2, 1, 2), 5 heads (uneven)."""
     model = tiny_qwen_image21(num_heads=5)
     inputs = qwen_image21_inputs(model, list(SHAPES[0].images), [list(m) for m in SHAPES[0].masks])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     usp_dit.enable_usp(model, mesh=init_usp(ulysses_degree=1, ring_degree=2, tensor_degree=2))
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         usp_dit.disable_usp(model)
-    return {"out": rel_err(out, ref), "disable_not_bit_identical": float(not torch.equal(forward(model, inputs), ref))}
+    return {"out": rel_err(out, ref),
+            "disable_not_bit_identical": float(not torch.equal(parity.forward(model, inputs), ref))}
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "kv-cache", lambda: _kv_cache_case(init_usp(2, 2), False))
-    record(results, "kv-cache-cfg", lambda: _kv_cache_case(init_usp(1, 2, 2), True))
-    record(results, "tensor-t2", _tensor_case)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "kv-cache", lambda: _kv_cache_case(init_usp(2, 2), False))
+    parity.record(results, "kv-cache-cfg", lambda: _kv_cache_case(init_usp(1, 2, 2), True))
+    parity.record(results, "tensor-t2", _tensor_case)
     two_heads = tiny_qwen_image21(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 @pytest.mark.parametrize("key", ["kv-cache", "kv-cache-cfg"])
 def test_kv_cache_prefill_and_decode_match_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+    parity.assert_within(grid_results, key, TOL)
 
 
 def test_tensor_parallel_matches_one_process(grid_results):
-    assert_within(grid_results, "tensor-t2", TOL)
+    parity.assert_within(grid_results, "tensor-t2", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process: registration, refusals ---------------------------------------------------
@@ -203,17 +194,10 @@ def test_matched_by_exact_class():
     assert ADAPTER.matches(model)
 
 
-def test_flex_processor_is_refused():
-    model = tiny_qwen_image21(num_layers=1)
-    model.transformer_blocks[0].attn.set_processor(QwenImage21FlexAttnProcessor())
-    with pytest.raises(NotImplementedError, match="QwenImage21FlexAttnProcessor"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(qwen_image21, "_ROUTED_CALL", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_qwen_image21(num_layers=1), single_rank_mesh(), "auto")
+test_flex_processor_is_refused = family_checks.foreign_processor_refused(
+    lambda: tiny_qwen_image21(num_layers=1), ADAPTER, "transformer_blocks.0.attn", QwenImage21FlexAttnProcessor)
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    lambda: tiny_qwen_image21(num_layers=1), ADAPTER, qwen_image21, "_ROUTED_CALL")
 
 
 def test_img_shapes_with_more_target_tokens_than_the_sequence_are_refused():
@@ -222,6 +206,6 @@ def test_img_shapes_with_more_target_tokens_than_the_sequence_are_refused():
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         with pytest.raises((ValueError, RuntimeError)):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)

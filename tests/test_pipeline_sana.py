@@ -41,25 +41,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from diffusers.models.attention_processor import PAGCFGSanaLinearAttnProcessor2_0
 
-from tests.adapter_parity import (
-    _param_grads,
-    allowance_gradient_errors,
-    assert_one_rank_bit_identical,
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_sana import sana_inputs, tiny_sana, tiny_sana_pipeline
 from usp_dit.pipelines._grid_conv import GridShards
@@ -96,7 +81,7 @@ def _build(shape: Shape, seed: int = 0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
     tokens = shape.height * shape.width
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, tokens)
 
 
 class _Float64LinearAttention:
@@ -119,7 +104,7 @@ class _Float64LinearAttention:
 def _reference_grads(shape: Shape) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(exact gradients, the stock float32 model's gradients) of one process."""
     model, inputs = _build(shape)
-    return _exact_grads(shape), _param_grads(model, inputs, 1)
+    return _exact_grads(shape), parity._param_grads(model, inputs, 1)
 
 
 def _exact_grads(shape: Shape) -> dict[str, torch.Tensor]:
@@ -130,7 +115,7 @@ def _exact_grads(shape: Shape) -> dict[str, torch.Tensor]:
     for name, value in inputs.__dict__.items():
         if torch.is_tensor(value) and value.is_floating_point():
             setattr(inputs, name, value.double())
-    return _param_grads(model, inputs, 1)
+    return parity._param_grads(model, inputs, 1)
 
 
 def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str, float]:
@@ -140,7 +125,7 @@ def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str,
     model, inputs = _build(shape)
     if checkpointing:
         model.enable_gradient_checkpointing()
-    return allowance_gradient_errors(model, inputs, ADAPTER, mesh, exact, stock, TOL)
+    return parity.allowance_gradient_errors(model, inputs, ADAPTER, mesh, exact, stock, TOL)
 
 
 def _conv_outputs(model, inputs) -> list[torch.Tensor]:
@@ -149,7 +134,7 @@ def _conv_outputs(model, inputs) -> list[torch.Tensor]:
     hooks = [b.ff.conv_depth.register_forward_hook(lambda m, a, out: seen.append(out.flatten(2)))
              for b in model.transformer_blocks]
     try:
-        forward(model, inputs)
+        parity.forward(model, inputs)
     finally:
         for h in hooks:
             h.remove()
@@ -174,7 +159,7 @@ def _conv_case(mesh) -> dict[str, float]:
 
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2: its batch of 2 (masks of 3 and 6 tokens) split."""
-    return cfg_split_case(*_build(SHAPES[0]), mesh)
+    return parity.cfg_split_case(*_build(SHAPES[0]), mesh)
 
 
 def _too_few_tokens_case(mesh) -> dict[str, float]:
@@ -183,7 +168,7 @@ def _too_few_tokens_case(mesh) -> dict[str, float]:
     inputs = sana_inputs(model, 1, 3, [2, 6])
     ADAPTER.enable(model, mesh, "auto")
     try:
-        forward(model, inputs)
+        parity.forward(model, inputs)
     except NotImplementedError as exc:
         return {"wrong_error": float("1 x 3 token grid on 4 sequence ranks" not in str(exc))}
     finally:
@@ -197,7 +182,7 @@ PROMPTS = (["a red fox jumps", "a cat"], ["blurry", "dark and dim"])  # of diffe
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps at 160 x 224 (5 x 7 = 35 tokens), batched CFG, seed 0."""
     prompt, negative_prompt = PROMPTS
-    return latents_and(
+    return parity.latents_and(
         pipe,
         prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.5, height=160, width=224,
         num_inference_steps=2, max_sequence_length=16, complex_human_instruction=None,
@@ -209,51 +194,51 @@ PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits [uncond, c
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_sana_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS))
+    return parity.pipeline_cases(tiny_sana_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS))
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
     # Checkpointing: block 0's recompute re-shards, every block's sets its grid and fetches its halo again.
-    record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[1], init_usp(2, 2), checkpointing=True))
-    record(results, "conv-halo", lambda: _conv_case(init_usp(1, 4)))
-    record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
-    record(results, "too-few-tokens", lambda: _too_few_tokens_case(init_usp(2, 2)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[1], init_usp(2, 2), checkpointing=True))
+    parity.record(results, "conv-halo", lambda: _conv_case(init_usp(1, 4)))
+    parity.record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    parity.record(results, "too-few-tokens", lambda: _too_few_tokens_case(init_usp(2, 2)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
     grad_tol=1.0,  # each parameter's error over its allowance (module docstring)
 )
 
 
 def test_mix_ffn_conv_equals_the_same_tokens_of_one_process(grid_results):
-    assert_within(grid_results, "conv-halo", TOL)
+    parity.assert_within(grid_results, "conv-halo", TOL)
 
 
 def test_cfg_split_of_a_masked_batch_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 def test_a_grid_with_fewer_tokens_than_ranks_is_refused_on_every_rank(grid_results):
-    assert_within(grid_results, "too-few-tokens", 0.0)
+    parity.assert_within(grid_results, "too-few-tokens", 0.0)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: the window arithmetic, restore exactly, loud failures ------------------------
@@ -271,8 +256,7 @@ def test_grid_windows_cover_whole_rows_and_pieces_tile_them():
             assert sorted(got) == list(range(lo, hi)), (grid, dst)
 
 
-def test_one_rank_is_bit_identical_to_stock():
-    assert_one_rank_bit_identical(*_build(SHAPES[1]), ADAPTER)
+test_one_rank_is_bit_identical_to_stock = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[1]), ADAPTER)
 
 
 def test_controlnet_residuals_are_refused():
@@ -294,10 +278,5 @@ def test_a_conv_the_halo_is_not_sized_for_is_refused():
         ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
-def test_pag_processor_is_refused():
-    from diffusers.models.attention_processor import PAGCFGSanaLinearAttnProcessor2_0
-
-    model = tiny_sana()
-    model.transformer_blocks[0].attn1.processor = PAGCFGSanaLinearAttnProcessor2_0()
-    with pytest.raises(NotImplementedError, match="PAGCFGSanaLinearAttnProcessor2_0"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_pag_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_sana, ADAPTER, "transformer_blocks.0.attn1", PAGCFGSanaLinearAttnProcessor2_0)

@@ -44,22 +44,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.adapter_parity import (
-    _param_grads,
-    allowance_gradient_errors,
-    assert_one_rank_bit_identical,
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    grid_tests,
-    latents_and,
-    output_keys,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_sana_video import sana_video_inputs, tiny_sana_video, tiny_sana_video_pipeline
 from usp_dit.pipelines import is_usp_enabled
@@ -101,7 +87,7 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
 
 
 class _Float64LinearAttention:
@@ -130,9 +116,9 @@ def _reference_grads(shape: Shape) -> tuple[dict[str, torch.Tensor], dict[str, t
     for name, value in inputs.__dict__.items():
         if torch.is_tensor(value) and value.is_floating_point():
             setattr(inputs, name, value.double())
-    exact = _param_grads(model, inputs, 1)
+    exact = parity._param_grads(model, inputs, 1)
     model, inputs = _build(shape)
-    return exact, _param_grads(model, inputs, 1)
+    return exact, parity._param_grads(model, inputs, 1)
 
 
 def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str, float]:
@@ -142,7 +128,7 @@ def _gradient_case(shape: Shape, mesh, checkpointing: bool = False) -> dict[str,
     model, inputs = _build(shape)
     if checkpointing:
         model.enable_gradient_checkpointing()
-    return allowance_gradient_errors(model, inputs, ADAPTER, mesh, exact, stock, TOL)
+    return parity.allowance_gradient_errors(model, inputs, ADAPTER, mesh, exact, stock, TOL)
 
 
 def _conv_outputs(model, inputs) -> dict[str, list[torch.Tensor]]:
@@ -162,7 +148,7 @@ def _conv_outputs(model, inputs) -> dict[str, list[torch.Tensor]]:
              for h in (b.ff.conv_depth.register_forward_hook(keep("conv_depth", True)),
                        b.ff.conv_temp.register_forward_hook(keep("conv_temp", False)))]
     try:
-        forward(model, inputs)
+        parity.forward(model, inputs)
     finally:
         for h in hooks:
             h.remove()
@@ -186,7 +172,7 @@ def _conv_case(mesh) -> dict[str, float]:
 
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2: its batch of 2 (masks of 3 and 6 tokens) split."""
-    return cfg_split_case(*_build(SHAPES[0]), mesh)
+    return parity.cfg_split_case(*_build(SHAPES[0]), mesh)
 
 
 def _too_few_tokens_case(mesh) -> dict[str, float]:
@@ -195,7 +181,7 @@ def _too_few_tokens_case(mesh) -> dict[str, float]:
     inputs = sana_video_inputs(model, 1, 1, 3, [2, 6])
     ADAPTER.enable(model, mesh, "auto")
     try:
-        forward(model, inputs)
+        parity.forward(model, inputs)
     except NotImplementedError as exc:
         return {"wrong_error": float("1 x 1 x 3 token grid on 4 sequence ranks" not in str(exc))}
     finally:
@@ -211,7 +197,7 @@ def _per_token_timestep_case(mesh) -> dict[str, float]:
     first = torch.zeros(1, 1, shape.frames, shape.height, shape.width)
     first[:, :, 0] = 1.0
     inputs.timestep = inputs.timestep[:, None, None, None, None] * (1 - first)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.tokens)
 
 
 PROMPTS = (["a red fox jumps", "a cat"], ["blurry", "dark and dim"])  # of different lengths: padded, masked
@@ -220,7 +206,7 @@ PROMPTS = (["a red fox jumps", "a cat"], ["blurry", "dark and dim"])  # of diffe
 def _generate(pipe, output_type: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, video) of 2 steps at 32 x 96 x 9 frames (3 x 2 x 6 = 36 tokens), batched CFG, seed 0."""
     prompt, negative_prompt = PROMPTS
-    return latents_and(
+    return parity.latents_and(
         pipe, "frames",
         prompt=prompt, negative_prompt=negative_prompt, guidance_scale=4.5, height=32, width=96, frames=9,
         num_inference_steps=2, max_sequence_length=16, complex_human_instruction=None,
@@ -288,51 +274,51 @@ def _image_to_video_case(t2v) -> dict[str, float]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
     # Checkpointing: block 0's recompute re-shards, every block's sets its grids and fetches its halos again.
-    record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[1], init_usp(2, 2), checkpointing=True))
-    record(results, "conv-halo", lambda: _conv_case(init_usp(1, 4)))
-    record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
-    record(results, "too-few-tokens", lambda: _too_few_tokens_case(init_usp(2, 2)))
-    record(results, "per-token-timestep", lambda: _per_token_timestep_case(init_usp(1, 4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "grad-ckpt-p4", lambda: _gradient_case(SHAPES[1], init_usp(2, 2), checkpointing=True))
+    parity.record(results, "conv-halo", lambda: _conv_case(init_usp(1, 4)))
+    parity.record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    parity.record(results, "too-few-tokens", lambda: _too_few_tokens_case(init_usp(2, 2)))
+    parity.record(results, "per-token-timestep", lambda: _per_token_timestep_case(init_usp(1, 4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
     grad_tol=1.0,  # each parameter's error over its allowance (module docstring)
 )
 
 
 def test_mix_ffn_convs_equal_the_same_tokens_of_one_process(grid_results):
-    assert_within(grid_results, "conv-halo", TOL)
+    parity.assert_within(grid_results, "conv-halo", TOL)
 
 
 def test_cfg_split_of_a_masked_batch_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 def test_a_grid_with_fewer_tokens_than_ranks_is_refused_on_every_rank(grid_results):
-    assert_within(grid_results, "too-few-tokens", 0.0)
+    parity.assert_within(grid_results, "too-few-tokens", 0.0)
 
 
 def test_per_token_timestep_of_image_to_video_matches_one_process(grid_results):
-    assert_within(grid_results, "per-token-timestep", TOL)
+    parity.assert_within(grid_results, "per-token-timestep", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c, _ in PIPELINE_GRIDS] + ["pipeline-i2v-u2r2cfg1"])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"video": TOL_VIDEO}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"video": TOL_VIDEO}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_latents(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: the window arithmetic, restore exactly, loud failures ------------------------
@@ -364,8 +350,7 @@ def test_frame_rows_must_divide_the_height():
         GridShards(5, 3, 2, 1, frame_rows=2)
 
 
-def test_one_rank_is_bit_identical_to_stock():
-    assert_one_rank_bit_identical(*_build(SHAPES[0]), ADAPTER)
+test_one_rank_is_bit_identical_to_stock = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[0]), ADAPTER)
 
 
 def test_controlnet_residuals_are_refused():

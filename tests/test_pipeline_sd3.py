@@ -39,22 +39,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.adapter_parity import (
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_sd3 import sd3_inputs, sd3_tokens, tiny_sd3, tiny_sd3_pipeline
 from usp_dit.pipelines.families import sd3  # noqa: F401  (registers the adapter)
@@ -94,19 +80,19 @@ def _build(shape: Shape, seed: int = 0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's attention lengths vs ceil(S / P), bit-identity after disable."""
     model, inputs = _build(shape)
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     lengths = []
     ADAPTER.enable(model, mesh, "auto")
     block = model.transformer_blocks[0]
     hooks = [a.register_forward_pre_hook(lambda m, args, kwargs: lengths.append(kwargs["hidden_states"].shape[1]),
                                          with_kwargs=True) for a in (block.attn, block.attn2) if a is not None]
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         for h in hooks:
             h.remove()
         ADAPTER.disable(model)
-    again = forward(model, inputs)
+    again = parity.forward(model, inputs)
     bound = math.ceil(sd3_tokens(shape.height, shape.width) / mesh.sequence_degree)
     return {
         "out": rel_err(out, ref),
@@ -120,7 +106,7 @@ def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     """Gradients with gradient checkpointing (SD3.5 Medium: dual attention under recompute)."""
     model, inputs = _build(SHAPES[2])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _skip_layers_case(mesh) -> dict[str, float]:
@@ -129,10 +115,10 @@ def _skip_layers_case(mesh) -> dict[str, float]:
     errors = {}
     for skip in ([0], [1]):
         inputs.skip_layers = skip
-        ref = forward(model, inputs)
+        ref = parity.forward(model, inputs)
         ADAPTER.enable(model, mesh, "auto")
         try:
-            errors[f"skip{skip[0]}"] = rel_err(forward(model, inputs), ref)
+            errors[f"skip{skip[0]}"] = rel_err(parity.forward(model, inputs), ref)
         finally:
             ADAPTER.disable(model)
     return errors
@@ -141,13 +127,13 @@ def _skip_layers_case(mesh) -> dict[str, float]:
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2 (usp_dit.enable_usp): its batch of 2 split over the
     cfg groups, equal to stock."""
-    return cfg_split_case(*_build(SHAPES[2]), mesh)
+    return parity.cfg_split_case(*_build(SHAPES[2]), mesh)
 
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of 2 steps at 12 x 20 (3 x 5 = 15 image tokens), CFG batched, seed 0;
     8 CLIP + 7 T5 text tokens."""
-    return latents_and(
+    return parity.latents_and(
         pipe,
         prompt="fox", negative_prompt="dim", height=12, width=20, num_inference_steps=2, guidance_scale=4.0,
         max_sequence_length=7, generator=torch.Generator().manual_seed(0), output_type="pt",
@@ -170,7 +156,8 @@ def _block0_tokens(pipe, grid: tuple[int, int, int]) -> Iterator[Callable[[], di
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_sd3_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS), probe=_block0_tokens)
+    return parity.pipeline_cases(tiny_sd3_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS),
+                                 probe=_block0_tokens)
 
 
 def _skip_layer_guidance(pipe) -> torch.Tensor:
@@ -217,41 +204,41 @@ def _skip_layer_guidance_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "skip-layers", lambda: _skip_layers_case(init_usp(1, 4, 1, "gather_merge")))
-    record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "skip-layers", lambda: _skip_layers_case(init_usp(1, 4, 1, "gather_merge")))
+    parity.record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
     two_heads = tiny_sd3(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
-    record(results, "slg", _skip_layer_guidance_cases, many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "slg", _skip_layer_guidance_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_skip_layers_including_block_0_match_stock(grid_results):
-    assert_within(grid_results, "skip-layers", TOL)
+    parity.assert_within(grid_results, "skip-layers", TOL)
 
 
 def test_cfg_split_of_the_transformer_batch_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
     """(2,1) and (2,2) sequence grids, and cfg_degree=2: the pipeline batches [uncond, cond] in one call."""
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_skip_layer_guidance_pipeline_matches_one_process(grid_results):
@@ -269,11 +256,11 @@ def test_skip_layer_guidance_with_cfg_parallel_is_refused(grid_results):
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process: registration, restore exactly, copies, loud failures -----------------------
@@ -282,7 +269,7 @@ def test_ulysses_above_heads_raises_at_enable(grid_results):
 def test_deep_copy_of_an_enabled_transformer_runs_its_own_state():
     """An EMA-style deep copy: the copy's processors route with the copy's state, and equal stock."""
     model, inputs = _build(SHAPES[2])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         clone = copy.deepcopy(model)
@@ -293,7 +280,7 @@ def test_deep_copy_of_an_enabled_transformer_runs_its_own_state():
     assert state is not original_state
     assert all(b.attn.processor.route.state is state for b in clone.transformer_blocks)
     assert clone.transformer_blocks[0].attn2.processor.route.state is state
-    assert rel_err(forward(clone, inputs), ref) <= TOL
+    assert rel_err(parity.forward(clone, inputs), ref) <= TOL
     ADAPTER.disable(clone)
 
 
@@ -316,11 +303,7 @@ def test_controlnet_residuals_are_refused():
         ADAPTER.disable(model)
 
 
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    """Should a future diffusers' JointAttnProcessor2_0 stop calling F.scaled_dot_product_attention,
-    enable refuses instead of running local attention on a shard."""
-    monkeypatch.setattr(sd3, "_routed_call", lambda route: None)
-    with pytest.raises(NotImplementedError, match="does not call F.scaled_dot_product_attention"):
-        ADAPTER.enable(tiny_sd3(), single_rank_mesh(), "auto")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_sd3, ADAPTER, sd3, "_routed_call", lambda route: None, match="does not call F.scaled_dot_product_attention")
 
 

@@ -25,17 +25,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.adapter_parity import (
-    compiled_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    output_keys,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
 from usp_dit import single_rank_mesh
 from usp_dit.demo.tiny_skyreels_v2 import skyreels_inputs, skyreels_tokens, tiny_skyreels_v2
 from usp_dit.pipelines import _routing
@@ -73,8 +63,8 @@ def _output_case(name: str, mesh) -> dict[str, float]:
         return inner(*args, **kwargs)
 
     with mock.patch.object(_routing, "usp_attention", spy):
-        res = sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attn1,
-                                  skyreels_tokens(model, frames, h, w))
+        res = parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attn1,
+                                         skyreels_tokens(model, frames, h, w))
     frame = block * (h // 2) * (w // 2) if block > 1 else None
     res["calls_not_zigzag_with_frame"] = float(not calls or set(calls) != {("zigzag", frame)})
     return res
@@ -86,18 +76,18 @@ def _fits(name: str, grid: tuple) -> bool:
 
 def _run_all() -> dict:
     results: dict = {}
-    run_grid_cases(results, list(SHAPES), _output_case,
-                   lambda name, mesh: gradient_errors(*_build(name), ADAPTER, mesh), fits=_fits)
+    parity.run_grid_cases(results, list(SHAPES), _output_case,
+                          lambda name, mesh: parity.gradient_errors(*_build(name), ADAPTER, mesh), fits=_fits)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(list(SHAPES), _fits), grad_keys(SHAPES), TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(list(SHAPES), _fits), parity.grad_keys(SHAPES), TOL,
 )
 
 
@@ -105,17 +95,17 @@ def compile_case(mesh) -> dict[str, float]:
     """The "df" model (block-causal, batch 2) compiled with ``fullgraph=True`` on ``mesh`` vs the
     eager enabled model (``compiled_case``): the compiled processor takes the frame length from the
     config, not the mask. Called on spawned ranks (tests/test_compile_grid.py)."""
-    return compiled_case(*_build("df"), mesh)
+    return parity.compiled_case(*_build("df"), mesh)
 
 
 # ---- one process ---------------------------------------------------------------------------------
 
 def test_one_rank_block_causal_equals_stock():
     model, inputs = _build("df")
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
     assert (out - ref).abs().max() <= TOL * ref.abs().max()

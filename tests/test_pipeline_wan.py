@@ -43,19 +43,7 @@ import torch
 from diffusers.models.transformers import transformer_wan
 
 import usp_dit
-from tests.adapter_parity import (
-    assert_within,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    output_keys,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_wan import tiny_wan, tiny_wan_pipeline, wan_inputs, wan_tokens
 from usp_dit.pipelines import _routing, is_usp_enabled
@@ -103,7 +91,7 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock, block 0's attention length vs ceil(S / P), bit-identity after disable."""
     model, inputs = _build(shape)
     tokens = wan_tokens(model, shape.frames, shape.height, shape.width)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attn1, tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].attn1, tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
@@ -111,7 +99,7 @@ def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     re-shards its saved full input, and the blocks get the already-sliced RoPE table and modulation."""
     model, inputs = _build(SHAPES[2])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _two_experts_case(mesh) -> dict[str, float]:
@@ -120,15 +108,16 @@ def _two_experts_case(mesh) -> dict[str, float]:
     shape = SHAPES[0]
     experts = [_build(shape, seed=s)[0] for s in (0, 7)]
     _, inputs = _build(shape)
-    refs = [forward(m, inputs) for m in experts]
+    refs = [parity.forward(m, inputs) for m in experts]
     for m in experts:
         usp_dit.enable_usp(m, mesh=mesh)
     try:
-        errors = {f"expert{i}-call{k}": rel_err(forward(experts[i], inputs), refs[i]) for k, i in enumerate((0, 1, 0))}
+        errors = {f"expert{i}-call{k}": rel_err(parity.forward(experts[i], inputs), refs[i]) for k,
+                  i in enumerate((0, 1, 0))}
     finally:
         for m in experts:
             usp_dit.disable_usp(m)
-    same = all(torch.equal(forward(m, inputs), r) for m, r in zip(experts, refs))
+    same = all(torch.equal(parity.forward(m, inputs), r) for m, r in zip(experts, refs))
     errors["disable_not_bit_identical"] = float(not same)
     return errors
 
@@ -144,7 +133,7 @@ def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tenso
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -250,36 +239,36 @@ def _pipeline_cfg_case() -> dict[str, float]:
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "two-experts", lambda: _two_experts_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "two-experts", lambda: _two_experts_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
     two_heads = tiny_wan("t2v", num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
-    record(results, "pipeline-ti2v-u2r2", _ti2v_pipeline_case)
-    record(results, "pipeline-cfg2", _pipeline_cfg_case)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "pipeline-ti2v-u2r2", _ti2v_pipeline_case)
+    parity.record(results, "pipeline-cfg2", _pipeline_cfg_case)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_both_wan22_experts_enabled_directly_match_stock(grid_results):
-    assert_within(grid_results, "two-experts", TOL)
+    parity.assert_within(grid_results, "two-experts", TOL)
 
 
 PIPELINE_KEYS = [f"pipeline-u{u}r{r}" for u, r in PIPELINE_GRIDS] + ["pipeline-ti2v-u2r2"]
@@ -288,19 +277,19 @@ PIPELINE_KEYS = [f"pipeline-u{u}r{r}" for u, r in PIPELINE_GRIDS] + ["pipeline-t
 @pytest.mark.parametrize("key", PIPELINE_KEYS)
 def test_pipeline_matches_one_process(grid_results, key: str):
     """Two experts on each of PIPELINE_GRIDS; TI2V-5B on (2, 2)."""
-    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 def test_cfg_parallel_runs_the_two_guidance_calls_of_wan_pipelines(grid_results):
-    assert_within(grid_results, "pipeline-cfg2", TOL_FRAMES)
+    parity.assert_within(grid_results, "pipeline-cfg2", TOL_FRAMES)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process: registration, restore exactly, loud failures --------------------------------
@@ -323,7 +312,7 @@ def test_per_token_timestep_of_wrong_length_is_refused():
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         with pytest.raises(ValueError, match="62 entries per batch element but the latent has 63 video tokens"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 

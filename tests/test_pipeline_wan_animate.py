@@ -31,18 +31,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.adapter_parity import (
-    assert_within,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    output_keys,
-    record,
-    run_grid_cases,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_wan_animate import tiny_wan_animate, wan_animate_inputs
 from usp_dit.pipelines.families.wan_animate import ADAPTER, frame_runs
@@ -78,18 +67,18 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
     """Output vs stock; the longest sequence block 0's ``attn1`` and face adapter 0 saw vs
     ceil(S / P) while enabled; bit-identity after disable."""
     model, inputs = _build(shape)
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     lengths = {"blocks.0.attn1": [], "face_adapter.0": []}
     hooks = [model.get_submodule(name).register_forward_pre_hook(
         lambda m, args, name=name: lengths[name].append(args[0].shape[1])) for name in lengths]
     ADAPTER.enable(model, mesh, "auto")
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
         for h in hooks:
             h.remove()
-    again = forward(model, inputs)
+    again = parity.forward(model, inputs)
     bound = math.ceil(shape.tokens / mesh.sequence_degree)
     errors = {"out": rel_err(out, ref), "disable_not_bit_identical": float(not torch.equal(again, ref))}
     for name, seen in lengths.items():
@@ -100,30 +89,32 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(tiny_wan_animate(num_heads=2, head_dim=32), ADAPTER, init_usp(4, 1)))
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(tiny_wan_animate(num_heads=2, head_dim=32), ADAPTER,
+                                                          init_usp(4, 1)))
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process -------------------------------------------------------------------------------
@@ -149,7 +140,7 @@ def test_tokens_that_do_not_split_into_the_face_frames_raise():
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         with pytest.raises(ValueError, match="45 video tokens do not split into the 2 frames of the face features"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 

@@ -36,20 +36,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.adapter_parity import (
-    assert_within,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    record,
-    run_grid_cases,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_wan import wan_tokens
 from usp_dit.demo.tiny_wan_vace import tiny_wan_vace, tiny_wan_vace_pipeline, wan_prompt_embeds, wan_vace_inputs
@@ -90,18 +77,18 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
     ceil(S / P) while enabled; bit-identity after disable."""
     model, inputs = _build(shape)
     tokens = wan_tokens(model, shape.frames, shape.height, shape.width)
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     lengths = {"blocks.0": [], "vace_blocks.0": []}
     hooks = [model.get_submodule(f"{name}.attn1").register_forward_pre_hook(
         lambda m, args, name=name: lengths[name].append(args[0].shape[1])) for name in lengths]
     ADAPTER.enable(model, mesh, "auto")
     try:
-        out = forward(model, inputs)
+        out = parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
         for h in hooks:
             h.remove()
-    again = forward(model, inputs)
+    again = parity.forward(model, inputs)
     bound = math.ceil(tokens / mesh.sequence_degree)
     errors = {"out": rel_err(out, ref), "disable_not_bit_identical": float(not torch.equal(again, ref))}
     for name, seen in lengths.items():
@@ -112,7 +99,7 @@ def _output_case(shape: Shape, mesh) -> dict[str, float]:
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[1])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 # ---- the stock pipeline ---------------------------------------------------------------------------
@@ -132,7 +119,7 @@ def _conditions() -> dict:
 
 def _generate(pipe, embeds: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, frames) of 2 guided steps at 48 x 80 x 13 frames + 1 reference (75 tokens)."""
-    return latents_and(
+    return parity.latents_and(
         pipe, "frames",
         prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1], height=48, width=80, num_frames=13,
         num_inference_steps=2, conditioning_scale=[0.7, 1.3], generator=torch.Generator().manual_seed(0),
@@ -146,41 +133,44 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
     embeds = (wan_prompt_embeds(pipe, "a red fox jumps over a log", PROMPT_LEN),
               wan_prompt_embeds(pipe, "blurry", PROMPT_LEN))
     grids = {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipeline-cfg2": (1, 1, 2)}
-    return pipeline_cases(pipe, lambda p: _generate(p, embeds), grids, names=("latents", "frames"), check_enabled=False)
+    return parity.pipeline_cases(pipe, lambda p: _generate(p, embeds), grids, names=("latents", "frames"),
+                                 check_enabled=False)
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh))
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(tiny_wan_vace(num_heads=2, head_dim=32), ADAPTER, init_usp(4, 1)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(tiny_wan_vace(num_heads=2, head_dim=32), ADAPTER,
+                                                          init_usp(4, 1)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 @pytest.mark.parametrize("key", ["pipeline-u2r1", "pipeline-u2r2", "pipeline-cfg2"])
 def test_pipeline_matches_one_process(grid_results, key: str):
     """The stock WanVACEPipeline through ``pipe.enable_usp`` on (2,1), (2,2) and with cfg_degree=2."""
-    assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process -------------------------------------------------------------------------------

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests import adapter_parity as parity
 from tests import test_pipeline_cogvideox as cogvideox
 from tests import test_pipeline_flux as flux
 from tests import test_pipeline_mochi as mochi
-from tests.adapter_parity import assert_within, gradient_errors, grid_id, record, spawn_grid
 from usp_dit import init_usp
 
 TOL = 1e-5
@@ -39,7 +39,7 @@ FAMILIES = {
 
 
 def _key(family: str, grid: tuple[int, int, int]) -> str:
-    return f"{family}-{grid_id((*grid, None))}-{FAMILIES[family][1]}"
+    return f"{family}-{parity.grid_id((*grid, None))}-{FAMILIES[family][1]}"
 
 
 def _run_all() -> dict[str, dict | str]:
@@ -48,15 +48,15 @@ def _run_all() -> dict[str, dict | str]:
     meshes = {grid: init_usp(*grid) for grid in GRIDS + [(2, 2, 2)]}
     for family, (module, shape, grids) in FAMILIES.items():
         for grid in grids:
-            record(results, _key(family, grid), lambda: module._output_case(shape, meshes[grid]))
-        record(results, f"{family}-grad-{grid_id((*GRAD_GRID, None))}",
-               lambda: gradient_errors(*module._build(shape), module.ADAPTER, meshes[GRAD_GRID]))
+            parity.record(results, _key(family, grid), lambda: module._output_case(shape, meshes[grid]))
+        parity.record(results, f"{family}-grad-{parity.grid_id((*GRAD_GRID, None))}",
+                      lambda: parity.gradient_errors(*module._build(shape), module.ADAPTER, meshes[GRAD_GRID]))
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
 OUTPUT_KEYS = [_key(family, grid) for family, (_, _, grids) in FAMILIES.items() for grid in grids]
@@ -64,9 +64,9 @@ OUTPUT_KEYS = [_key(family, grid) for family, (_, _, grids) in FAMILIES.items() 
 
 @pytest.mark.parametrize("key", OUTPUT_KEYS)
 def test_sharded_output_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+    parity.assert_within(grid_results, key, TOL)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_parameter_gradients_match_one_process(grid_results, family: str):
-    assert_within(grid_results, f"{family}-grad-{grid_id((*GRAD_GRID, None))}", TOL)
+    parity.assert_within(grid_results, f"{family}-grad-{parity.grid_id((*GRAD_GRID, None))}", TOL)

@@ -46,21 +46,8 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_z_image
 
-from tests.adapter_parity import (
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_zimage import tiny_zimage, tiny_zimage_pipeline, zimage_inputs, zimage_tokens
 from usp_dit.pipelines import _routing, is_usp_enabled
@@ -97,13 +84,13 @@ def _build(shape: Shape, seed: int = 0):
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
     tokens = zimage_tokens(shape.patches)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.noise_refiner[0].attention, tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.noise_refiner[0].attention, tokens)
 
 
 def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     model, inputs = _build(SHAPES[0])
     model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _attention_calls(model, inputs, module, name: str) -> list[dict]:
@@ -115,7 +102,7 @@ def _attention_calls(model, inputs, module, name: str) -> list[dict]:
         return inner(q, k, v, *args, **kwargs)
 
     with mock.patch.object(module, name, spy):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen
 
 
@@ -144,7 +131,7 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
 
 def _cfg_split_case(mesh) -> dict[str, float]:
     """The transformer enabled with cfg_degree=2: its lists of latents and prompts split over cfg."""
-    return cfg_split_case(*_build(SHAPES[0]), mesh)
+    return parity.cfg_split_case(*_build(SHAPES[0]), mesh)
 
 
 PROMPTS = ["a red fox jumps", "a cat"]  # of different lengths: different embedding lengths
@@ -154,7 +141,7 @@ def _generate(pipe, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) at 20 x 28 (5 x 7 patches), 2 steps unless ``kwargs`` say otherwise, seed 0."""
     # Fresh lists: the Z-Image pipelines write the chat-templated prompts into the lists they are given.
     kwargs = {"num_inference_steps": 2, **{k: list(v) if isinstance(v, list) else v for k, v in kwargs.items()}}
-    return latents_and(
+    return parity.latents_and(
         pipe,
         prompt=list(PROMPTS), height=20, width=28, generator=torch.Generator().manual_seed(0), output_type="pt",
         max_sequence_length=64, **kwargs,
@@ -214,40 +201,41 @@ def _img2img_case() -> dict[str, float]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case,
-                   lambda shape, mesh: gradient_errors(*_build(shape), ADAPTER, mesh), grad_shapes={2: SHAPES[:1]})
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case,
+                          lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh),
+                          grad_shapes={2: SHAPES[:1]})
+    parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
     two_heads = tiny_zimage(num_heads=2, head_dim=16)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "pipeline", _pipeline_cases, many=True)
-    record(results, "img2img", _img2img_case)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "img2img", _img2img_case)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(by_world={2: SHAPES[:1], 4: SHAPES}) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(by_world={2: SHAPES[:1], 4: SHAPES}) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_cfg_split_of_the_lists_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 def _assert_pipeline(grid_results: list[dict], key: str) -> None:
     """Latents within TOL, decoded images within TOL_IMAGES, on every rank."""
-    assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 @pytest.mark.parametrize("key", list(PIPELINE_RUNS))
@@ -256,7 +244,7 @@ def test_pipeline_matches_one_process(grid_results, key: str):
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 def test_img2img_pipeline_matches_one_process(grid_results):
@@ -264,7 +252,7 @@ def test_img2img_pipeline_matches_one_process(grid_results):
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process: refusals -------------------------------------------------------------------
@@ -307,14 +295,7 @@ def test_models_the_plan_cannot_split_are_refused():
         ADAPTER.enable(two_patches, single_rank_mesh(), "auto")
 
 
-def test_diffusers_context_parallelism_is_refused():
-    model = tiny_zimage()
-    model.layers[0].attention.processor._parallel_config = object()
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(zimage, "_RoutedZImageProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_zimage(), single_rank_mesh(), "auto")
+test_diffusers_context_parallelism_is_refused = family_checks.context_parallelism_refused(
+    tiny_zimage, ADAPTER, "layers.0.attention")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_zimage, ADAPTER, zimage, "_RoutedZImageProcessor")
