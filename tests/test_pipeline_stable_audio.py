@@ -40,8 +40,8 @@ from tests.adapter_parity import (
     cfg_split_case,
     decoded_latents_and,
     forward,
-    gradient_errors,
     grad_keys,
+    gradient_errors,
     grid_tests,
     output_keys,
     pipeline_cases,
@@ -98,7 +98,7 @@ def _gradient_case(shape: Shape, mesh) -> dict[str, float]:
 def _rope_rows(model, inputs) -> torch.Tensor:
     """The cos table block 0's self-attention rotated its queries with (S or S_local, rot_dim): the
     stock processor imports ``apply_rotary_emb`` at each call, so a patch of it sees the rows used."""
-    import diffusers.models.embeddings as embeddings
+    from diffusers.models import embeddings
 
     seen = []
     stock = embeddings.apply_rotary_emb

@@ -89,9 +89,9 @@ def _components(seed: int) -> dict:
     from usp_dit.demo.tiny_chroma import tiny_t5
 
     tokenizer, _ = tiny_t5(24, seed + 10)
-    module = dict(vocab_size=len(tokenizer), hidden_size=TEXT_DIM, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
-                  sliding_window=16, max_position_embeddings=64)
+    module = {"vocab_size": len(tokenizer), "hidden_size": TEXT_DIM, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "query_pre_attn_scalar": 8,
+              "sliding_window": 16, "max_position_embeddings": 64}
     torch.manual_seed(seed + 11)
     text_encoder = T5GemmaEncoderModel(T5GemmaConfig(encoder=module, decoder=module, vocab_size=len(tokenizer), is_encoder_decoder=False))
     _perturb(text_encoder, seed + 12, std=0.02)
@@ -104,9 +104,9 @@ def _components(seed: int) -> dict:
     torch.manual_seed(seed + 30)
     duration = StableAudio3DurationEmbedder(output_dim=TEXT_DIM, fourier_dim=16, max_val=32.0)
     _perturb(duration, seed + 31)
-    return dict(vae=vae.eval(), text_encoder=text_encoder.eval(), tokenizer=tokenizer,
-                duration_embedder=duration.eval(), transformer=tiny_stable_audio3(seed=seed + 40),
-                scheduler=FlowMatchEulerDiscreteScheduler())
+    return {"vae": vae.eval(), "text_encoder": text_encoder.eval(), "tokenizer": tokenizer,
+            "duration_embedder": duration.eval(), "transformer": tiny_stable_audio3(seed=seed + 40),
+            "scheduler": FlowMatchEulerDiscreteScheduler()}
 
 
 def tiny_stable_audio3_pipeline(kind: str = "text", seed: int = 0):

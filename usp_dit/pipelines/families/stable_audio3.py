@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from diffusers import StableAudio3DiTModel
