@@ -45,8 +45,8 @@ Note [Stable Audio 3's memory boundary on a shard]
 
 When splitting pays: audio sequences are short. SA3's SAME autoencoder makes about 11 latent
 frames a second at 44.1 kHz (4096 samples a frame), so even the longest generation (384 s) is
-about 4100 frames + 64 memory tokens (1050 a rank on 4, 525 on 8), 24 heads x 64, 24 layers; a
-typical 30-60 s clip is 320-700 tokens. Below a couple of thousand tokens the all-to-alls' latency
+about 4130 frames + 64 memory tokens (1050 a rank on 4, 525 on 8) at the class defaults (24 heads
+x 64, 24 layers); a 30-60 s clip is about 390-710 tokens. Below a couple of thousand tokens the all-to-alls' latency
 is a large part of a rank's attention: the split is for memory (fine-tuning, long clips, batches)
 and latency of the longest clips; ``cfg_degree=2`` (base checkpoint, guidance on) pays first.
 
