@@ -481,6 +481,8 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("joyimage_plus", (1, 2, 1), 0),  # batched per-element RoPE cut per block; a text key mask over the whole sequence
     ("dreamlite", (1, 2, 1), 0),  # DreamLiteAttnProcessor2_0's routed dispatch call (GQA); gathered after the last block
     ("lumina_next", (2, 1, 1), 0),  # LuminaAttnProcessor2_0's routed F.sdpa (GQA, proportional scale); local masked attn2
+    ("stable_audio", (1, 2, 1), 0),  # StableAudioAttnProcessor2_0's routed F.sdpa; the pipeline's RoPE cut in the processor
+    ("stable_audio3", (2, 1, 1), 0),  # two routed dispatch calls (differential); inpainting rows cut at the memory boundary
 ]
 
 

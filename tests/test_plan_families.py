@@ -74,6 +74,8 @@ from usp_dit.demo.tiny_prx import tiny_prx
 from usp_dit.demo.tiny_qwen_image21 import tiny_qwen_image21
 from usp_dit.demo.tiny_sana_video import tiny_sana_video
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
+from usp_dit.demo.tiny_stable_audio import tiny_stable_audio
+from usp_dit.demo.tiny_stable_audio3 import tiny_stable_audio3
 from usp_dit.demo.tiny_zimage import tiny_zimage
 from usp_dit.pipelines.base import find_adapter, registered_adapters
 from usp_dit.pipelines.plan import Parallel, PlanAdapter
@@ -139,6 +141,8 @@ BUILDERS = {
     "MotifVideo": tiny_motif_video,  # joint, decoder (both streams video) and local cross-attention
     "JoyImageEdit": tiny_joyimage,  # routed joint [image; text] attention, the image RoPE cut at every block
     "JoyImageEditPlus": tiny_joyimage_plus,  # the same, its batched RoPE cut on dim 1, a text key mask
+    "StableAudio": tiny_stable_audio,  # routed F.sdpa self-attention, the RoPE argument cut there; local GQA cross-attention
+    "StableAudio3": tiny_stable_audio3,  # two routed dispatch calls, RoPE a Table, inpainting rows cut per block
 }
 
 

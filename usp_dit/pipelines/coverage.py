@@ -246,6 +246,13 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "MiniMax-H3": FamilyPipelines("MiniMax-H3 (33B): text-, first-last-frame-, reference-to-video with audio", (),
                                   whole_vae="no DiffusionPipeline: Diffusers ships MiniMax-H3 as modular blocks, "
                                             "which `pipe.enable_usp()` does not wrap (enable the transformer)"),
+    "StableAudio": FamilyPipelines("Stable Audio Open 1.0 (text-to-audio; audio latents, 1025 tokens)",
+                                   ("StableAudioPipeline",), whole_vae="no recipe yet (a 1-D convolutional decoder)"),
+    "StableAudio3": FamilyPipelines(
+        "Stable Audio 3 Medium, -base; text-to-audio, audio-to-audio, inpainting",
+        ("StableAudio3Pipeline", "StableAudio3AudioToAudioPipeline", "StableAudio3InpaintPipeline"),
+        one_call="the distilled checkpoint (guidance_scale=1, the default) and the audio-to-audio and inpainting pipelines",
+        whole_vae="no recipe yet (SAME: 1-D convolutions and sliding-window attention)"),
 }
 
 

@@ -60,6 +60,8 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     sana_video,
     sd3,
     skyreels_v2,
+    stable_audio,
+    stable_audio3,
     wan,
     wan_animate,
     wan_vace,
