@@ -17,22 +17,28 @@ What is checked:
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 import usp_dit.pipelines  # noqa: F401  (registers every adapter)
 from usp_dit.planner.cost import Grid, predict
 from usp_dit.planner.hardware import check_gpu
-from usp_dit.planner.models import SPECS, spec_for
+from usp_dit.planner.models import CLASSES, SPECS, spec_for
 from usp_dit.planner.plan import main, plan
 
 WORLDS = (1, 2, 4, 8, 16, 32, 64)
 # The specs enable_usp can run (a spec marked ``unsupported`` is refused by plan():
 # tests/test_planner_memory.py).
 RUNNABLE = sorted(name for name in SPECS if not spec_for(name).unsupported)
+# The grids at 1 to 64 GPUs are checked on the first families (the code is the same for all; a test
+# below plans every class at 1, 2, 4, 8 GPUs): ~1 s a family.
+FIRST = ("flux", "flux2", "sd35", "qwen_image", "cogvideox", "mochi", "wan", "wan22", "hunyuan_video",
+         "hunyuan_video15", "kandinsky6", "ltx_video")
 
 
-@pytest.mark.parametrize("model", RUNNABLE)
+@pytest.mark.parametrize("model", FIRST)
 def test_choices_are_valid_grids(model):
     spec = spec_for(model)
     for world in WORLDS:
@@ -137,7 +143,16 @@ def test_the_planners_classes_are_the_adapters_classes():
     family_spec = {"Flux": "flux", "Flux2": "flux2", "SD3": "sd35", "QwenImage": "qwen_image",
                    "CogVideoX": "cogvideox", "Mochi": "mochi", "Wan": "wan", "HunyuanVideo": "hunyuan_video",
                    "HunyuanVideo15": "hunyuan_video15", "LTX-Video": "ltx_video",
-                   "Kandinsky6": "kandinsky6"}
+                   "Kandinsky6": "kandinsky6", "LTX-2": "ltx2", "WanVACE": "wan_vace", "WanAnimate": "wan_animate",
+                   "ChronoEdit": "chronoedit", "Helios": "helios", "Cosmos3": "cosmos3", "MiniMax-H3": "minimax_h3",
+                   "Kandinsky5": "kandinsky5", "QwenImage21": "qwen_image21", "Flux3": "flux3", "ZImage": "zimage",
+                   "HunyuanImage": "hunyuan_image", "HiDream": "hidream", "CogView4": "cogview4",
+                   "Lumina2": "lumina2", "Krea2": "krea2", "LongCatImage": "longcat_image",
+                   "OvisImage": "ovis_image", "Sana": "sana", "SanaVideo": "sana_video",
+                   "SkyReels-V2": "skyreels_v2", "AnyFlow": "anyflow", "ConsisID": "consisid", "PixArt": "pixart",
+                   "HunyuanDiT": "hunyuan_dit", "DiT": "dit", "AuraFlow": "auraflow", "ErnieImage": "ernie_image",
+                   "GlmImage": "glm_image", "Ideogram4": "ideogram4", "BriaFibo2": "bria_fibo2", "PRX": "prx",
+                   "LuminaNext": "lumina_next", "JoyImageEdit": "joyimage", "JoyImageEditPlus": "joyimage_plus"}
     assert {name: family_spec[by_class[name]] for name in CLASSES} == CLASSES
     # wan22 (Wan 2.2 A14B) is two WanTransformer3DModels: the "wan" class, both experts counted.
     assert set(CLASSES.values()) == set(RUNNABLE) - {"wan22"}
@@ -240,3 +255,46 @@ def test_usp_dit_plan_is_callable_and_a_module():
     from usp_dit.planner.plan import Plan
 
     assert isinstance(usp_dit.plan("wan", world_size=4), Plan)
+
+
+# ---- every class the planner knows: its spec's counts and a plan (or refusal) on 80 GiB GPUs ------
+
+
+@pytest.fixture(scope="module")
+def released_params() -> dict[str, int]:
+    """Spec name -> parameters of its released config built once on the meta device (ms each)."""
+    from tests.test_planner_memory import _counted, _meta_transformer
+
+    return {name: _counted(_meta_transformer(name))[0] for name in sorted(set(CLASSES.values()))}
+
+
+def test_every_class_s_spec_is_its_released_config(released_params):
+    """``ModelSpec.params`` (what the time model uses) and the memory's transformer parameters agree
+    with a meta-device build of the released config within 1 % (the figures check themselves)."""
+    for cls, name in CLASSES.items():
+        spec, counted = spec_for(name), released_params[name]
+        assert abs(spec.params - counted) <= 0.01 * counted, (cls, spec.params, counted)
+        assert abs(spec.memory.transformer_params - counted) <= 0.01 * counted, cls
+        assert spec.tokens > 0 and spec.heads % spec.kv_heads == 0 and spec.layers > 0, cls
+
+
+REFUSAL = (r"gpu_memory_gib=80: no grid and placement of .* fits on \d+ GPU\(s\); "
+           r"the smallest that works is gpu_memory_gib=")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_every_class_plans_on_80_gib_gpus_or_says_what_it_needs(world):
+    """Planning each class's release at its usual size on 1, 2, 4, 8 GPUs of 80 GiB returns a plan
+    that fits, or refuses naming the memory it would need (which then plans)."""
+    for name in sorted(set(CLASSES.values())):
+        try:
+            p = plan(name, world_size=world, gpu_memory_gib=80)
+        except ValueError as exc:
+            assert re.search(REFUSAL, str(exc)), (name, str(exc))
+            need = float(re.search(r"smallest that works is gpu_memory_gib=([0-9.]+)", str(exc)).group(1))
+            assert need > 80 and plan(name, world_size=world, gpu_memory_gib=need).memory_per_rank_gib <= need
+            continue
+        assert p.ulysses_degree * p.ring_degree * p.cfg_degree * p.tensor_degree == world, name
+        assert 0 < p.memory_per_rank_gib <= 80 and p.predicted_step_ms > 0, name
+        left_out, caveat = spec_for(name).memory.left_out, spec_for(name).caveat
+        assert (left_out in p.explain()) and (caveat in p.explain()), name

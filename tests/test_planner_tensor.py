@@ -41,7 +41,7 @@ from usp_dit.distributed.traffic import all_reduce_bytes
 from usp_dit.planner import memory as memory_model
 from usp_dit.planner.cost import Grid, predict, tensor_all_reduce_bytes
 from usp_dit.planner.hardware import check_gpu
-from usp_dit.planner.models import CLASSES, spec_for, tensor_cuts_of
+from usp_dit.planner.models import CLASSES, SPECS, spec_for, tensor_cuts_of
 from usp_dit.planner.plan import plan, priced
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def _family_plans() -> dict[str, object]:
     return {a.plan.model_class.__name__: a.plan for a in base._ADAPTERS if getattr(a, "plan", None) is not None}
 
 
-@pytest.mark.parametrize("model", ["flux", "qwen_image"])
+@pytest.mark.parametrize("model", sorted(m for m in SPECS if spec_for(m).tensor_parallel))
 def test_cuts_are_the_family_plans_on_the_released_config(model):
     from tests.test_planner_memory import TRANSFORMERS, _meta_transformer
 

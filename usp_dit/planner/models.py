@@ -182,6 +182,9 @@ class ModelMemory:
     experts: int = 1  # transformers resident at once (Wan 2.2 A14B: 2)
     encoders: tuple[TextEncoder, ...] = ()
     vae: VAEDecode | None = None
+    # What the pipeline holds that is not counted here (a text encoder or VAE whose released config
+    # the planner has not counted yet): its memory is missing from every figure; "" where none.
+    left_out: str = ""
 
     @property
     def transformer_params(self) -> int:
@@ -228,6 +231,7 @@ class ModelSpec:
     output_size: tuple[int, int, int] = (1, 1024, 1024)  # (frames, height, width) generated
     label: str = ""  # the release's name, for tables
     unsupported: str = ""  # why enable_usp cannot run it yet ("" where it can)
+    caveat: str = ""  # where the cost model prices this family only roughly ("" where it fits)
 
     @property
     def hidden(self) -> int:
@@ -279,6 +283,9 @@ ENCODERS = {
                                   233057792, 545000960),
     "mistral_small_31": _encoder("Mistral-Small-3.1-24B-Instruct", "Mistral3ForConditionalGeneration", 24011361280,
                                  64, 555755520, 1378438144),
+    "gemma2_2b": _encoder("Gemma-2-2B (google/gemma-2-2b-it)", "Gemma2Model", 2614341888, 26, 77865984, 589826304),
+    "llama31_8b_lm": _encoder("Llama-3.1-8B-Instruct (meta-llama)", "LlamaForCausalLM", 8030261248, 32, 218112000,
+                              1050677248),
 }
 
 _VAE_RUN = "measured (docs/PERFORMANCE.md 'Parallel VAE decode', one H200, 2026-12-04)"
@@ -419,9 +426,9 @@ def mochi(height=480, width=848, num_frames=163) -> ModelSpec:
 
 def wan(height=720, width=1280, num_frames=81) -> ModelSpec:
     frames = (num_frames - 1) // 4 + 1
-    # Wan 2.1-14B; other_rate: 11899 ms - 40 x 207 ms over 2 x 14.0e9 x 76112.
-    return ModelSpec("wan", frames * _patches(height, width, 16), 512, "cross", 40, 40, 128, 40, 14.0e9,
-                     "two_call", 589e12, 64, _wan_memory(), (num_frames, height, width), "Wan 2.1-14B")
+    # Wan 2.1-14B (14.29e9 parameters counted); other_rate: 11899 ms - 40 x 207 ms over 2 x 14.29e9 x 76112.
+    return ModelSpec("wan", frames * _patches(height, width, 16), 512, "cross", 40, 40, 128, 40, 14.29e9,
+                     "two_call", 601.2e12, 64, _wan_memory(), (num_frames, height, width), "Wan 2.1-14B")
 
 
 def wan22(height=720, width=1280, num_frames=81) -> ModelSpec:
@@ -463,15 +470,410 @@ def ltx_video(height=512, width=768, num_frames=121) -> ModelSpec:
     frames = (num_frames - 1) // 8 + 1
     memory = _one_list("transformer_blocks", 28, 1880367104, 67155968, 2048, 8192, 43018368, 29900800,
                        ("t5_xxl",), "ltx_video", root=4096)
-    return ModelSpec("ltx_video", frames * _patches(height, width, 32), 128, "cross", 32, 32, 64, 28, 1.9e9,
+    return ModelSpec("ltx_video", frames * _patches(height, width, 32), 128, "cross", 32, 32, 64, 28, 1.92e9,
                      "batched", out_channels=128, memory=memory, output_size=(num_frames, height, width),
                      label="LTX-Video 0.9")
+
+
+# ---------------------------------------------------------------------------------------------
+# The families added after the first eleven (Note [model specs]). Each transformer's figures are
+# counted from its released config on the meta device by ``python -m benchmarks.count_planner_specs
+# <name>`` (the configs and their sources: ``RELEASED`` there, from benchmarks/pipeline_cases.py;
+# "assumed" where no released config.json was at hand); tests/test_planner_memory.py counts them
+# again. Heads, head_dim and layers are the config's; ``layers`` counts the attention layers over
+# the split sequence (a refiner over the text alone, a cross-attention: local, not counted). A text
+# encoder or VAE the planner has not counted is named in ``ModelMemory.left_out``.
+
+
+def _counted(blocks: tuple[BlockGroup, ...], outer: int, outer_fp32: int, largest_outer_bytes: int, root: int,
+             root_fp32: int, encoders: tuple[str, ...] = (), vae: str | None = None, left_out: str = "") -> ModelMemory:
+    """A released transformer as ``count_planner_specs`` prints it: its block lists, the rest
+    (parameters, how many of them float32, the largest outer child's bytes, the root's own)."""
+    return ModelMemory(blocks, outer, loaded_bytes(outer, outer_fp32), largest_outer_bytes,
+                       loaded_bytes(root, root_fp32), encoders=tuple(ENCODERS[e] for e in encoders),
+                       vae=VAES[vae] if vae else None, left_out=left_out)
+
+
+_WAN_BLOCKS = _group("blocks", 40, 14055772160, 351394304, 5120, 13824, fp32=1638400, largest_fp32=40960)
+_WAN_I2V_BLOCKS = _group("blocks", 40, 16153538560, 403838464, 5120, 13824, fp32=1638400, largest_fp32=40960)
+_CLIP_IMAGE = "the CLIP ViT-H image encoder (~0.6 B)"
+_LINEAR_ATTENTION = ("linear self-attention: priced as softmax attention and Ulysses / ring traffic (an "
+                     "over-estimate); enable_usp all-reduces per-head summaries instead, not priced here")
+
+
+def _video(num_frames: int, height: int, width: int, temporal: int = 4, spatial: int = 16) -> int:
+    """Video tokens of a causal VAE (``temporal`` x ``spatial`` compression, patch included)."""
+    return ((num_frames - 1) // temporal + 1) * _patches(height, width, spatial)
+
+
+def ltx2(height=512, width=768, num_frames=121) -> ModelSpec:
+    # LTX-2 (the "2.0" config of diffusers' convert_ltx2_to_diffusers.py): 48 blocks, video 32 x 128;
+    # 18.9e9 parameters. The audio stream (round(f / 24 x 25) tokens, 32 x 64) is replicated on
+    # every rank and not counted in the tokens; each stream's 1024 prompt tokens by cross-attention.
+    memory = _counted((_group("transformer_blocks", 48, 18531581952, 386074624, 4096, 16384),), 344592640, 0,
+                      237043712, 12288, 0,
+                      left_out="the Gemma 3 12B text encoder (~12 B) and AutoencoderKLLTX2Video, not counted yet")
+    return ModelSpec("ltx2", _video(num_frames, height, width, 8, 32), 1024, "cross", 32, 32, 128, 48, 18.9e9,
+                     "batched", out_channels=128, memory=memory, output_size=(num_frames, height, width),
+                     label="LTX-2")
+
+
+def wan_vace(height=480, width=832, num_frames=81) -> ModelSpec:
+    # Wan 2.1 VACE 14B: Wan 14B + 8 control blocks over the control tokens (their self-attention is
+    # 8 more layers on the same split sequence); 17.3e9 parameters.
+    memory = _counted((_group("vace_blocks", 8, 3047130112, 403833344, 5120, 13824, fp32=327680, largest_fp32=40960),
+                       _WAN_BLOCKS), 234690624, 27545600, 519168000, 10240, 10240, ("umt5_xxl",), "wan")
+    return ModelSpec("wan_vace", _video(num_frames, height, width), 512, "cross", 40, 40, 128, 48, 17.3e9,
+                     "two_call", out_channels=64, memory=memory, output_size=(num_frames, height, width),
+                     label="Wan 2.1 VACE 14B")
+
+
+def wan_animate(height=720, width=1280, num_frames=77) -> ModelSpec:
+    # Wan 2.2 Animate 14B, one segment (``num_frames``: the pipeline's segment, 77): the reference
+    # frame's latent first, then (f - 1) / 4 + 1; 512 text + 257 CLIP image tokens by cross-attention,
+    # the face adapter's cross-attention local; 17.3e9 parameters.
+    memory = _counted((_WAN_I2V_BLOCKS, _group("face_adapter", 8, 839026688, 104878336, 5120, 5120)), 282251636,
+                      27568640, 535616000, 10240, 10240, ("umt5_xxl",), "wan", left_out=_CLIP_IMAGE)
+    tokens = ((num_frames - 1) // 4 + 2) * _patches(height, width, 16)
+    return ModelSpec("wan_animate", tokens, 512 + 257, "cross", 40, 40, 128, 40, 17.3e9, "two_call", out_channels=64,
+                     memory=memory, output_size=(num_frames, height, width), label="Wan 2.2 Animate 14B")
+
+
+def chronoedit(height=480, width=832, num_frames=5) -> ModelSpec:
+    # ChronoEdit-14B (assumed: Wan 2.1 I2V-14B's config): an edit is 5 frames (2 latent frames),
+    # 8 latent frames with temporal reasoning (num_frames=29); 512 text + 257 image tokens; 16.4e9.
+    memory = _counted((_WAN_I2V_BLOCKS,), 241340224, 27558400, 535616000, 10240, 10240, ("umt5_xxl",), "wan",
+                      left_out=_CLIP_IMAGE)
+    return ModelSpec("chronoedit", _video(num_frames, height, width), 512 + 257, "cross", 40, 40, 128, 40, 16.4e9,
+                     "two_call", out_channels=64, memory=memory, output_size=(num_frames, height, width),
+                     label="ChronoEdit-14B")
+
+
+def helios(height=384, width=640, num_frames=33) -> ModelSpec:
+    # Helios-Base (assumed: diffusers' defaults, Wan 14B's blocks); 14.3e9. One call is a chunk of 9
+    # latent frames with its history (HeliosPipeline's defaults: long / mid / short 16 / 2 / 1 + the
+    # first frame, patched 4x, 2x and 1x coarser): 9 + 2 + 2/8 + 16/64 frames of (h/16)(w/16)
+    # tokens, whatever ``num_frames`` (it sets only the decoded video's size).
+    grid = _patches(height, width, 16)
+    tokens = 11 * grid + _patches(height, width, 32) + 4 * _patches(height, width, 64)
+    memory = _counted((_WAN_BLOCKS,), 256655424, 27545600, 519168000, 0, 0, ("umt5_xxl",), "wan")
+    return ModelSpec("helios", tokens, 512, "cross", 40, 40, 128, 40, 14.3e9, "two_call", out_channels=64,
+                     memory=memory, output_size=(num_frames, height, width), label="Helios-Base")
+
+
+def cosmos3(height=720, width=1280, num_frames=189) -> ModelSpec:
+    # Cosmos 3 Nano: 36 layers of 4096 (32 query / 8 K/V heads x 128), an understanding and a
+    # generation stream each; 15.2e9. The 256 prompt tokens (the und stream) are replicated and
+    # attended jointly; the 48-channel latent at 16x in 2x2 patches (ceil) is split.
+    tokens = ((num_frames - 1) // 4 + 1) * _patches(height, width, 32)
+    memory = _counted((_group("layers", 36, 13892143104, 385892864, 4096, 12288),), 1281526016, 17833984, 1244659712,
+                      8192, 0, left_out="the Wan 2.2 VAE (48 channels), not counted yet")
+    return ModelSpec("cosmos3", tokens, 256, "joint", 32, 8, 128, 36, 15.2e9, "two_call", out_channels=192,
+                     memory=memory, output_size=(num_frames, height, width), label="Cosmos 3 Nano")
+
+
+def minimax_h3(height=768, width=1344, num_frames=124) -> ModelSpec:
+    # MiniMax-H3: 50 blocks of 5376 (56 x 128); 33.1e9. One packed sequence [text | audio | video]
+    # split whole: the frames snap up to 17 n + 5 (5 n + 2 latent frames of (h/16)(w/16) latents in
+    # 2x2 patches), audio round(f / 24 x 40) rows, ~200 prompt tokens (the text, split with them).
+    chunks = max(0, math.ceil((num_frames - 5) / 17))
+    audio = round((17 * chunks + 5) / 24 * 40)
+    tokens = (5 * chunks + 2) * _patches(height, width, 32) + audio
+    memory = _counted((_group("transformer_blocks", 50, 32278592000, 645571840, 5376, 14336, gated=True),),
+                      844400896, 17222144, 1541461504, 0, 0,
+                      left_out="the Qwen3-VL text encoder and the video and audio VAEs, not counted yet")
+    return ModelSpec("minimax_h3", tokens, 200, "split", 56, 56, 128, 50, 33.1e9, "batched", out_channels=96,
+                     memory=memory, output_size=(num_frames, height, width), label="MiniMax-H3")
+
+
+def kandinsky5(height=512, width=768, num_frames=121) -> ModelSpec:
+    # Kandinsky 5.0 T2V Lite: 32 visual blocks of 1792 (28 x 64), cross-attention to ~100 prompt
+    # tokens (2 text blocks over the text alone); 2.0e9. Time embeddings and modulations float32.
+    memory = _counted((_group("text_transformer_blocks", 2, 88116480, 44058240, 1792, 7168, fp32=11031552,
+                              largest_fp32=5515776),
+                       _group("visual_transformer_blocks", 32, 1909391360, 59668480, 1792, 7168, fp32=264757248,
+                              largest_fp32=8273664)),
+                      10195008, 3019264, 12855808, 0, 0, ("qwen25_vl_7b", "clip_l"), "hunyuan_video")
+    return ModelSpec("kandinsky5", _video(num_frames, height, width), 100, "cross", 28, 28, 64, 32, 2.0e9, "two_call",
+                     out_channels=64, memory=memory, output_size=(num_frames, height, width),
+                     label="Kandinsky 5.0 T2V Lite")
+
+
+def qwen_image21(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # Qwen-Image 2.1: 32 blocks of 4096 (32 x 128), MLP x 3; 7.1e9. The prompt (~100 tokens) is a
+    # replicated prefix; true_cfg_scale=1 by default: one call a step.
+    memory = _counted((_group("transformer_blocks", 32, 6979330048, 218104064, 4096, 12288,
+                              cut=_cut(2147483648, 4831838208, reduces=2, collectives=2)),), 135794688, 0, 134217728, 0,
+                      0, left_out="the Qwen3-VL text encoder and AutoencoderKLQwenImage21, not counted yet")
+    return ModelSpec("qwen_image21", _patches(height, width, 16), 100, "joint", 32, 32, 128, 32, 7.1e9, "distilled",
+                     out_channels=64, memory=memory, output_size=(1, height, width), label="Qwen-Image 2.1")
+
+
+def flux3(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # FLUX.3 (assumed: diffusers' defaults): 5 per-mode blocks (text and image each their own) + 28
+    # single blocks, 24 x 128; 5.5e9. The image mode blocks are an outer child (one unit). Text
+    # split with the image; its own 5 mode blocks' attention (160 tokens) is left out of the layers.
+    memory = _counted((_group("txt_mode_blocks", 5, 613418240, 122683648, 3072, 9216, gated=True, fp32=1280,
+                              largest_fp32=256),
+                       _group("single_transformer_blocks", 28, 3435142144, 122683648, 3072, 6144, kind="parallel",
+                              fp32=7168, largest_fp32=256)), 1489897984, 2560, 2453678080, 0, 0,
+                      left_out="the Qwen3-VL text encoder and the VAE, not counted yet")
+    return ModelSpec("flux3", _patches(height, width, 16), 160, "split", 24, 24, 128, 33, 5.5e9, "two_call",
+                     out_channels=128, memory=memory, output_size=(1, height, width), label="FLUX.3")
+
+
+def zimage(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # Z-Image: 30 layers + 2 noise refiners (over the image) + 2 context refiners (over the text) of
+    # 3840 (30 x 128); 6.2e9. The prompt (padded to 128) is replicated and attended jointly.
+    memory = _counted((_group("noise_refiner", 2, 361820672, 180910336, 3840, 10240),
+                       _group("context_refiner", 2, 353925632, 176962816, 3840, 10240),
+                       _group("layers", 30, 5427310080, 180910336, 3840, 10240)), 11852352, 0, 19673600, 7680, 0,
+                      vae="flux", left_out="the Qwen3-4B text encoder (~4 B), not counted yet")
+    return ModelSpec("zimage", _patches(height, width, 16), 128, "joint", 30, 30, 128, 32, 6.2e9, "batched",
+                     out_channels=64, memory=memory, output_size=(1, height, width), label="Z-Image")
+
+
+def hunyuan_image(height=2048, width=2048, num_frames=None) -> ModelSpec:
+    # HunyuanImage 2.1: 20 double + 40 single blocks of 3584 (28 x 128); 17.4e9. 32x VAE, patch 1;
+    # 1000 Qwen2.5-VL + 128 ByT5 glyph tokens, replicated, attended jointly.
+    memory = _counted((_group("transformer_blocks", 20, 9250600960, 462530048, 3584, 14336),
+                       _group("single_transformer_blocks", 40, 7708620800, 192715520, 3584, 14336, kind="parallel")),
+                      466573760, 0, 824169472, 0, 0, ("qwen25_vl_7b", "byt5_small"),
+                      left_out="AutoencoderKLHunyuanImage, not counted yet")
+    return ModelSpec("hunyuan_image", _patches(height, width, 32), 1128, "joint", 28, 28, 128, 60, 17.4e9, "two_call",
+                     out_channels=64, memory=memory, output_size=(1, height, width), label="HunyuanImage 2.1")
+
+
+def hidream(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # HiDream-I1 Full: 16 double + 32 single blocks of 2560 (20 x 128), MoE feed-forwards; 17.1e9.
+    # 128 T5 + 2 x 128 Llama tokens, replicated, attended jointly.
+    memory = _counted((_group("double_stream_blocks", 16, 6785433600, 424089600, 2560, 6912),
+                       _group("single_stream_blocks", 32, 9774039040, 305438720, 2560, 4352, kind="parallel")),
+                      546260544, 0, 1027604480, 0, 0, ("clip_l_proj", "clip_g_proj", "t5_xxl", "llama31_8b_lm"), "flux")
+    return ModelSpec("hidream", _patches(height, width, 16), 384, "joint", 20, 20, 128, 48, 17.1e9, "batched",
+                     out_channels=64, memory=memory, output_size=(1, height, width), label="HiDream-I1 Full")
+
+
+def cogview4(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # CogView4-6B: 28 blocks of 4096 (32 x 128); 6.4e9. A GLM prompt of ~128 tokens, replicated.
+    memory = _counted((_group("transformer_blocks", 28, 6344196096, 226578432, 4096, 16384),), 24922176, 0, 34095104,
+                      0, 0, left_out="the GLM-4-9B text encoder (~9 B) and CogView4's VAE, not counted yet")
+    return ModelSpec("cogview4", _patches(height, width, 16), 128, "joint", 32, 32, 128, 28, 6.4e9, "two_call",
+                     out_channels=64, memory=memory, output_size=(1, height, width), label="CogView4-6B")
+
+
+def lumina2(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # Lumina-Image 2.0: 26 layers + 2 noise refiners (over the image) + 2 context refiners (over the
+    # caption) of 2304 (24 query / 8 K/V heads x 96); 2.6e9. 256 Gemma caption tokens, replicated.
+    memory = _counted((_group("context_refiner", 2, 155732352, 77866176, 2304, 9216),
+                       _group("noise_refiner", 2, 174625152, 87312576, 2304, 9216),
+                       _group("layers", 26, 2270126976, 87312576, 2304, 9216)), 9284672, 0, 13251584, 0, 0,
+                      ("gemma2_2b",), "flux")
+    return ModelSpec("lumina2", _patches(height, width, 16), 256, "joint", 24, 8, 96, 28, 2.6e9, "two_call",
+                     out_channels=64, memory=memory, output_size=(1, height, width), label="Lumina-Image 2.0")
+
+
+def krea2(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # Krea 2: 28 blocks of 6144 (48 query / 12 K/V heads x 128); 12.8e9. 512 prompt tokens
+    # (12 tapped Qwen3-VL layers fused), replicated, attended jointly.
+    memory = _counted((_group("transformer_blocks", 28, 12156476416, 434159872, 6144, 16384, fp32=351232,
+                              largest_fp32=12544),), 663596620, 30208, 686903320, 0, 0, vae="qwen_image",
+                      left_out="the Qwen3-VL text encoder, not counted yet")
+    return ModelSpec("krea2", _patches(height, width, 16), 512, "joint", 48, 12, 128, 28, 12.8e9, "two_call",
+                     out_channels=64, memory=memory, output_size=(1, height, width), label="Krea 2")
+
+
+def longcat_image(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # LongCat-Image: Flux.1's 19 double + 38 single blocks (24 x 128); 11.9e9. 512 Qwen2.5-VL
+    # tokens, split with the image.
+    memory = _counted((_group("transformer_blocks", 19, 6456794624, 339831296, 3072, 12288,
+                              cut=_cut(1434802176, 2869370880, reduces=2, collectives=4)),
+                       _group("single_transformer_blocks", 38, 5380488704, 141591808, 3072, 12288, kind="parallel",
+                              cut=_cut(1434802176, 2869370880, reduces=1, collectives=1))),
+                      40519744, 0, 37761024, 0, 0, ("qwen25_vl_7b",), "flux")
+    return ModelSpec("longcat_image", _patches(height, width, 16), 512, "split", 24, 24, 128, 57, 11.9e9, "two_call",
+                     out_channels=64, memory=memory, output_size=(1, height, width), label="LongCat-Image")
+
+
+def ovis_image(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # Ovis-Image-7B: 6 double + 27 single blocks (24 x 128), SwiGLU; 7.4e9. 256 Qwen3 tokens, split.
+    memory = _counted((_group("transformer_blocks", 6, 2492120064, 415353344, 3072, 12288, gated=True),
+                       _group("single_transformer_blocks", 27, 4842526464, 179352832, 3072, 12288, gated=True,
+                              kind="parallel")), 35803200, 0, 37761024, 0, 0, vae="flux",
+                      left_out="the Ovis 2.5 Qwen3 text encoder (~2 B), not counted yet")
+    return ModelSpec("ovis_image", _patches(height, width, 16), 256, "split", 24, 24, 128, 33, 7.4e9, "two_call",
+                     out_channels=64, memory=memory, output_size=(1, height, width), label="Ovis-Image-7B")
+
+
+def sana(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # Sana 1600M: 20 blocks of 2240 (70 x 32), DC-AE 32x, patch 1; 1.6e9. 300 Gemma-2 tokens by
+    # cross-attention. Its Mix-FFN is convolutions (the MLP width counted here is the attention's).
+    memory = _counted((_group("transformer_blocks", 20, 1558412800, 77920640, 2240, 2240),), 46049952, 0, 71429120,
+                      4480, 0, ("gemma2_2b",), left_out="AutoencoderDC, not counted yet")
+    return ModelSpec("sana", _patches(height, width, 32), 300, "cross", 70, 70, 32, 20, 1.6e9, "batched",
+                     out_channels=32, memory=memory, output_size=(1, height, width), label="Sana 1600M",
+                     caveat=_LINEAR_ATTENTION)
+
+
+def sana_video(height=480, width=832, num_frames=81) -> ModelSpec:
+    # SANA-Video 2B 480p: 20 blocks of 2240 (20 x 112); 1.9e9. Wan 2.1's VAE, 1x2x2 patches; 300
+    # Gemma-2 tokens by cross-attention.
+    memory = _counted((_group("transformer_blocks", 20, 1859648000, 92982400, 2240, 2240),), 46193344, 0, 71429120,
+                      4480, 0, ("gemma2_2b",), "wan")
+    return ModelSpec("sana_video", _video(num_frames, height, width), 300, "cross", 20, 20, 112, 20, 1.9e9, "batched",
+                     out_channels=64, memory=memory, output_size=(num_frames, height, width), label="SANA-Video 2B",
+                     caveat=_LINEAR_ATTENTION)
+
+
+def skyreels_v2(height=544, width=960, num_frames=97) -> ModelSpec:
+    # SkyReels-V2 DF 1.3B 540P: Wan 1.3B's 30 blocks of 1536 (12 x 128); 1.44e9.
+    memory = _counted((_group("blocks", 30, 1393221120, 46440704, 1536, 8960, fp32=368640, largest_fp32=12288),),
+                      42304576, 2758656, 56659968, 3072, 3072, ("umt5_xxl",), "wan")
+    return ModelSpec("skyreels_v2", _video(num_frames, height, width), 512, "cross", 12, 12, 128, 30, 1.44e9,
+                     "two_call", out_channels=64, memory=memory, output_size=(num_frames, height, width),
+                     label="SkyReels-V2 DF 1.3B")
+
+
+def anyflow(height=480, width=832, num_frames=81) -> ModelSpec:
+    # AnyFlow-Wan2.1-T2V-14B: Wan 14B with a dual-timestep embedder; 14.3e9; CFG fused (one call).
+    memory = _counted((_WAN_BLOCKS,), 260254784, 27545600, 574238720, 10240, 10240, ("umt5_xxl",), "wan")
+    return ModelSpec("anyflow", _video(num_frames, height, width), 512, "cross", 40, 40, 128, 40, 14.3e9, "distilled",
+                     out_channels=64, memory=memory, output_size=(num_frames, height, width),
+                     label="AnyFlow-Wan2.1-14B")
+
+
+def consisid(height=480, width=720, num_frames=49) -> ModelSpec:
+    # ConsisID-preview: CogVideoX-5B I2V's 42 blocks (48 x 64) + face perceivers; 6.2e9. 226 T5
+    # tokens, replicated, attended jointly.
+    memory = _counted((_group("transformer_blocks", 42, 5552300544, 132197632, 3072, 12288),), 610194496, 0,
+                      881233920, 0, 0, ("t5_xxl",), "cogvideox", left_out="the face encoders (EVA-CLIP, ~0.3 B)")
+    return ModelSpec("consisid", _video(num_frames, height, width), 226, "joint", 48, 48, 64, 42, 6.2e9, "batched",
+                     out_channels=64, memory=memory, output_size=(num_frames, height, width), label="ConsisID")
+
+
+def pixart(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # PixArt-Sigma XL 1024: 28 blocks of 1152 (16 x 72); 0.6e9; 300 T5 tokens by cross-attention.
+    memory = _counted((_group("transformer_blocks", 28, 595155456, 21255552, 1152, 4608),), 15700640, 0, 19187712,
+                      2304, 0, ("t5_xxl",), left_out="the SDXL VAE (AutoencoderKL, 4 channels), not counted yet")
+    return ModelSpec("pixart", _patches(height, width, 16), 300, "cross", 16, 16, 72, 28, 0.61e9, "batched",
+                     out_channels=32, memory=memory, output_size=(1, height, width), label="PixArt-Sigma")
+
+
+def hunyuan_dit(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # HunyuanDiT v1.2: 40 blocks of 1408 (16 x 88); 1.5e9; 77 Bert + 256 mT5 tokens by cross-attention.
+    memory = _counted((_group("blocks", 40, 1439135872, 38063680, 1408, 6144),), 60816160, 0, 62526720, 340992, 0,
+                      left_out="the Bert and mT5 text encoders and the SDXL VAE, not counted yet")
+    return ModelSpec("hunyuan_dit", _patches(height, width, 16), 333, "cross", 16, 16, 88, 40, 1.5e9, "batched",
+                     out_channels=32, memory=memory, output_size=(1, height, width), label="HunyuanDiT v1.2")
+
+
+def dit(height=512, width=512, num_frames=None) -> ModelSpec:
+    # DiT-XL/2 512: 28 blocks of 1152 (16 x 72); 0.75e9; class-conditional (no text).
+    memory = _counted((_group("transformer_blocks", 28, 747113472, 26682624, 1152, 4608,
+                              cut=_cut(148732416, 297400320, reduces=2, collectives=2)),), 2712992, 0, 5313024, 0, 0,
+                      left_out="the SD VAE (AutoencoderKL, 4 channels), not counted yet")
+    return ModelSpec("dit", _patches(height, width, 16), 0, "joint", 16, 16, 72, 28, 0.75e9, "batched",
+                     out_channels=32, memory=memory, output_size=(1, height, width), label="DiT-XL/2 512")
+
+
+def auraflow(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # AuraFlow v0.3: 4 joint + 32 single blocks of 3072 (12 x 256); 6.9e9; 256 UMT5 + 8 register
+    # tokens, replicated, attended jointly.
+    memory = _counted((_group("joint_transformer_blocks", 4, 1358954496, 339738624, 3072, 8192,
+                              cut=_cut(301989888, 603979776, reduces=2, collectives=4)),
+                       _group("single_transformer_blocks", 32, 5435817984, 169869312, 3072, 5120, kind="parallel",
+                              cut=_cut(1207959552, 2415919104, reduces=2, collectives=2))),
+                      63833088, 0, 56727552, 24576, 0,
+                      left_out="the Pile-T5 text encoder (~1 B) and the SDXL VAE, not counted yet")
+    return ModelSpec("auraflow", _patches(height, width, 16), 264, "joint", 12, 12, 256, 36, 6.9e9, "batched",
+                     out_channels=16, memory=memory, output_size=(1, height, width), label="AuraFlow v0.3")
+
+
+def ernie_image(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # ERNIE-Image (diffusers' defaults): 24 layers of 3072 (24 x 128); 2.8e9; 128 prompt tokens joint.
+    memory = _counted((_group("layers", 24, 2718062592, 113252608, 3072, 8192),), 103056512, 0, 113283072, 0, 0,
+                      vae="flux2", left_out="the Mistral-3 text encoder, not counted yet")
+    return ModelSpec("ernie_image", _patches(height, width, 16), 128, "joint", 24, 24, 128, 24, 2.8e9, "batched",
+                     out_channels=128, memory=memory, output_size=(1, height, width), label="ERNIE-Image")
+
+
+def glm_image(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # GLM-Image's diffusion decoder (diffusers' defaults): 30 blocks of 2560 (64 x 40); 2.9e9; ~32
+    # ByT5 glyph tokens joint.
+    memory = _counted((_group("transformer_blocks", 30, 2832768000, 94425600, 2560, 10240),), 69652032, 0, 83886080, 0,
+                      0, ("byt5_small",), left_out="the autoregressive prior (~9 B) and the VAE, not counted yet")
+    return ModelSpec("glm_image", _patches(height, width, 16), 32, "joint", 64, 64, 40, 30, 2.9e9, "two_call",
+                     out_channels=64, memory=memory, output_size=(1, height, width), label="GLM-Image")
+
+
+def ideogram4(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # Ideogram 4 (diffusers' defaults): 34 layers of 4608 (18 x 256); 9.3e9; the prompt left-padded
+    # to 2048 rows, replicated, attended jointly.
+    memory = _counted((_group("layers", 34, 8985469952, 264278528, 4608, 12288,
+                              cut=_cut(2887778304, 5775556608, reduces=2, collectives=2)),), 293818496, 0, 490742784,
+                      0, 0, vae="flux2", left_out="the Qwen3-VL text encoder, not counted yet")
+    return ModelSpec("ideogram4", _patches(height, width, 16), 2048, "joint", 18, 18, 256, 34, 9.3e9, "batched",
+                     out_channels=128, memory=memory, output_size=(1, height, width), label="Ideogram 4")
+
+
+def bria_fibo2(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # FIBO 2.0 (diffusers' defaults): 44 layers + 2 noise refiners of 3584 (28 x 128); 8.1e9; 512
+    # prompt tokens make 320 gist tokens, replicated, attended jointly.
+    memory = _counted((_group("noise_refiner", 2, 315220480, 157610240, 3584, 9536),
+                       _group("layers", 44, 7338589445, 238358017, 3584, 9536)), 473532288, 0, 942328832, 0, 0,
+                      vae="flux2", left_out="the Qwen3-VL text encoder, not counted yet")
+    return ModelSpec("bria_fibo2", _patches(height, width, 16), 320, "joint", 28, 28, 128, 46, 8.1e9, "two_call",
+                     out_channels=128, memory=memory, output_size=(1, height, width), label="FIBO 2.0")
+
+
+def prx(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # PRX-1.2B (diffusers' defaults): 16 blocks of 1792 (28 x 64); 1.17e9; 256 T5Gemma tokens joint.
+    memory = _counted((_group("blocks", 16, 1156230144, 72264384, 1792, 6272),), 14461504, 0, 13081728, 0, 0,
+                      vae="flux", left_out="the T5Gemma text encoder, not counted yet")
+    return ModelSpec("prx", _patches(height, width, 16), 256, "joint", 28, 28, 64, 16, 1.17e9, "batched",
+                     out_channels=64, memory=memory, output_size=(1, height, width), label="PRX-1.2B")
+
+
+def lumina_next(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # Lumina-Next-SFT: 24 layers of 2304 (32 query / 8 K/V heads x 72); 1.75e9; 128 Gemma tokens by
+    # cross-attention.
+    memory = _counted((_group("layers", 24, 1749007104, 72875296, 2304, 6144),), 5891872, 0, 6830080, 2304, 0,
+                      left_out="the Gemma-2B text encoder and the SDXL VAE, not counted yet")
+    return ModelSpec("lumina_next", _patches(height, width, 16), 128, "cross", 32, 8, 72, 24, 1.75e9, "batched",
+                     out_channels=32, memory=memory, output_size=(1, height, width), label="Lumina-Next-SFT")
+
+
+def _joyimage_memory() -> ModelMemory:
+    return _counted((_group("double_blocks", 20, 4531701760, 226585088, 3072, 12288,
+                            cut=_cut(1510318080, 3020390400, reduces=2, collectives=4)),), 89293888, 10229760,
+                    198254592, 0, 0, vae="wan", left_out="the Qwen3-VL text encoder, not counted yet")
+
+
+def joyimage(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # JoyImage-Edit (diffusers' defaults): 20 double-stream blocks of 3072 (24 x 128); 4.6e9. An edit
+    # splits the reference and the target together (2 x the image's tokens); ~300 prompt tokens joint.
+    return ModelSpec("joyimage", 2 * _patches(height, width, 16), 300, "joint", 24, 24, 128, 20, 4.6e9, "two_call",
+                     out_channels=64, memory=_joyimage_memory(), output_size=(1, height, width),
+                     label="JoyImage-Edit")
+
+
+def joyimage_plus(height=1024, width=1024, num_frames=None) -> ModelSpec:
+    # JoyImage-Edit-Plus: JoyImage-Edit's transformer; the target and one reference; CFG batched.
+    return replace(joyimage(height, width), name="joyimage_plus", guidance="batched", label="JoyImage-Edit-Plus")
 
 
 SPECS: dict[str, Callable[..., ModelSpec]] = {
     "flux": flux, "flux2": flux2, "sd35": sd35, "qwen_image": qwen_image, "cogvideox": cogvideox, "mochi": mochi,
     "wan": wan, "wan22": wan22, "hunyuan_video": hunyuan_video, "hunyuan_video15": hunyuan_video15,
     "kandinsky6": kandinsky6, "ltx_video": ltx_video,
+    "ltx2": ltx2, "wan_vace": wan_vace, "wan_animate": wan_animate, "chronoedit": chronoedit, "helios": helios,
+    "cosmos3": cosmos3, "minimax_h3": minimax_h3, "kandinsky5": kandinsky5, "qwen_image21": qwen_image21,
+    "flux3": flux3, "zimage": zimage, "hunyuan_image": hunyuan_image, "hidream": hidream, "cogview4": cogview4,
+    "lumina2": lumina2, "krea2": krea2, "longcat_image": longcat_image, "ovis_image": ovis_image, "sana": sana,
+    "sana_video": sana_video, "skyreels_v2": skyreels_v2, "anyflow": anyflow, "consisid": consisid,
+    "pixart": pixart, "hunyuan_dit": hunyuan_dit, "dit": dit, "auraflow": auraflow, "ernie_image": ernie_image,
+    "glm_image": glm_image, "ideogram4": ideogram4, "bria_fibo2": bria_fibo2, "prx": prx,
+    "lumina_next": lumina_next, "joyimage": joyimage, "joyimage_plus": joyimage_plus,
 }
 # The Diffusers transformer class -> the spec builder that knows its sizes. By class name, so that
 # the planner needs neither Diffusers nor the adapters above it (tests/test_planner.py checks that
@@ -484,6 +886,23 @@ CLASSES = {
     "MochiTransformer3DModel": "mochi", "WanTransformer3DModel": "wan",
     "HunyuanVideoTransformer3DModel": "hunyuan_video", "LTXVideoTransformer3DModel": "ltx_video",
     "HunyuanVideo15Transformer3DModel": "hunyuan_video15", "Kandinsky6Transformer3DModel": "kandinsky6",
+    "LTX2VideoTransformer3DModel": "ltx2", "WanVACETransformer3DModel": "wan_vace",
+    "WanAnimateTransformer3DModel": "wan_animate", "ChronoEditTransformer3DModel": "chronoedit",
+    "HeliosTransformer3DModel": "helios", "Cosmos3OmniTransformer": "cosmos3",
+    "MiniMaxH3Transformer3DModel": "minimax_h3", "Kandinsky5Transformer3DModel": "kandinsky5",
+    "QwenImage21Transformer2DModel": "qwen_image21", "Flux3Transformer2DModel": "flux3",
+    "ZImageTransformer2DModel": "zimage", "HunyuanImageTransformer2DModel": "hunyuan_image",
+    "HiDreamImageTransformer2DModel": "hidream", "CogView4Transformer2DModel": "cogview4",
+    "Lumina2Transformer2DModel": "lumina2", "Krea2Transformer2DModel": "krea2",
+    "LongCatImageTransformer2DModel": "longcat_image", "OvisImageTransformer2DModel": "ovis_image",
+    "SanaTransformer2DModel": "sana", "SanaVideoTransformer3DModel": "sana_video",
+    "SkyReelsV2Transformer3DModel": "skyreels_v2", "AnyFlowTransformer3DModel": "anyflow",
+    "ConsisIDTransformer3DModel": "consisid", "PixArtTransformer2DModel": "pixart", "HunyuanDiT2DModel": "hunyuan_dit",
+    "DiTTransformer2DModel": "dit", "AuraFlowTransformer2DModel": "auraflow",
+    "ErnieImageTransformer2DModel": "ernie_image", "GlmImageTransformer2DModel": "glm_image",
+    "Ideogram4Transformer2DModel": "ideogram4", "BriaFibo2Transformer2DModel": "bria_fibo2",
+    "PRXTransformer2DModel": "prx", "LuminaNextDiT2DModel": "lumina_next",
+    "JoyImageEditTransformer3DModel": "joyimage", "JoyImageEditPlusTransformer3DModel": "joyimage_plus",
 }
 
 

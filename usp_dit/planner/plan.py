@@ -73,6 +73,8 @@ class Plan:
     gpu_memory_gib: float | None = None  # the limit the candidates were filtered by (None: none)
     unfit: list[Prediction] = field(default_factory=list, repr=False)  # priced but over gpu_memory_gib
     tensor_degree: int = 1  # enable_usp(..., tensor_degree=...)
+    # What the figures leave out (``ModelMemory.left_out``) or price roughly (``ModelSpec.caveat``).
+    notes: tuple[str, ...] = ()
 
     @property
     def degrees(self) -> tuple[int, int, int]:
@@ -95,6 +97,7 @@ class Plan:
         if self.cfg_degree == 2:
             lines.append("cfg 2: each half of the GPUs computes one guidance branch (half the work per rank).")
         lines.extend(self._memory_lines())
+        lines.extend(f"{note}." for note in self.notes)
         lines.append(f"Kernel: {self.backend} rates ({kernels.KERNEL_SOURCE}); links are datasheet estimates "
                      f"until measured (usp_dit.planner.hardware). A projection, not a measurement.")
         return "\n".join(lines)
@@ -389,7 +392,14 @@ def choose(spec: ModelSpec, world_size: int, *, batch: int = 1, cfg: bool, inter
     g = best.grid
     return Plan(spec.name, world_size, g.ulysses, g.ring, g.cfg, best.schedule if g.ring > 1 else "auto", backend,
                 best.step_ms, best.comm_bytes_per_rank, best.memory_per_rank_gib, interconnect, fitting,
-                best.shard_weights, best.text_encoder, best.memory, gpu_memory_gib, unfit, g.tensor)
+                best.shard_weights, best.text_encoder, best.memory, gpu_memory_gib, unfit, g.tensor, _notes(spec))
+
+
+def _notes(spec: ModelSpec) -> tuple[str, ...]:
+    """What ``spec``'s figures leave out and where its time is priced roughly, for explain()."""
+    left_out = spec.memory.left_out if spec.memory is not None else ""
+    return tuple(note for note in (left_out and f"Memory leaves out {left_out}",
+                                   spec.caveat and f"Time is rough: {spec.caveat}") if note)
 
 
 PROJECTION_WORLDS = (1, 2, 4, 8, 16, 32, 64)
