@@ -374,8 +374,10 @@ def check_tensor_plan(transformer: torch.nn.Module, plan: TensorPlan | None, fam
 
     Raises:
         NotImplementedError: the family declares no tensor plan; LoRA (PEFT) layers are injected
-            (their adapter weights would stay whole); a parameter is not a plain tensor (already a
-            DTensor: sharded or parallelised; a quantized tensor subclass).
+            (their adapter weights would stay whole); Q/K/V projections fused by
+            ``fuse_qkv_projections`` (the plan cuts the separate ones, which the processor then skips);
+            a parameter is not a plain tensor (already a DTensor: sharded or parallelised; a
+            quantized tensor subclass).
     """
     if plan is None:
         raise NotImplementedError(
@@ -388,6 +390,11 @@ def check_tensor_plan(transformer: torch.nn.Module, plan: TensorPlan | None, fam
             raise NotImplementedError(
                 f"tensor_degree={degree} with LoRA (PEFT) layers injected ({name}): the adapter weights would stay "
                 f"whole beside cut base weights; fuse or unload the adapter first"
+            )
+        if getattr(module, "fused_projections", False):
+            raise NotImplementedError(
+                f"tensor_degree={degree} with fused Q/K/V projections ({name}: fuse_qkv_projections): the tensor "
+                f"plan cuts the separate to_q / to_k / to_v; call unfuse_qkv_projections() first"
             )
     for name, param in transformer.named_parameters():
         if type(param) is not torch.nn.Parameter or type(param.data) is not torch.Tensor:
