@@ -63,7 +63,10 @@ The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a pl
 single-stream attention parallel (the stock processors' own code with their
 ``dispatch_attention_fn`` call routed, ``_routing`` Note [routing a stock processor's attention
 call]), the tokens split at the forward's arguments and gathered after it (``_joint_split``
-Note [joint token split], shared with Flux.1 and Chroma).
+Note [joint token split], shared with Flux.1 and Chroma). Tensor parallelism (``tensor_degree``):
+the cuts ``_DOUBLE`` / ``_SINGLE`` below (``usp_dit.pipelines.tensor`` Note [tensor plans]; the
+single blocks' fused [q, k, v | gate, value] projection is a ``Fused`` of the heads' and the MLP's
+splits, each padded on its own).
 
 Refused (NotImplementedError): processors other than the stock ``Flux2AttnProcessor`` /
 ``Flux2ParallelSelfAttnProcessor`` and their KV variants (LoRA-replaced, custom, Diffusers'
