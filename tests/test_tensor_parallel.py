@@ -22,7 +22,8 @@ sharded), LoRA layers, fused Q/K/V projections, on every rank without a hang. Th
 counted equal the planner's on Qwen-Image (joint text) and Flux.2 (text split with the image).
 
 ``shard_weights=True`` with T = 2 (Note [sharded tensor-parallel weights] in
-``usp_dit.pipelines.weights``): Flux with 3 heads on (2,1,1,2) (padded to 4 heads, 2 a tensor rank,
+``usp_dit.pipelines.weights``): Flux.2 with 5 heads on (2,1,1,2) (the planner's placement for
+FLUX.2-dev on 8 x 24 GiB, U x T sharded); Flux with 3 heads on (2,1,1,2) (padded to 4 heads, 2 a tensor rank,
 which Ulysses splits) and 5 heads on (1,2,1,2) "gather_merge"; Qwen-Image with 5 heads on (2,1,1,2)
 and (1,1,2,2); Flux with 5 heads on (1,1,1,4) (no sequence ranks: only the uncut weights shard).
 Each: the first call (no prefetch) and the second (each block prefetching the next with its
@@ -64,7 +65,8 @@ GRIDS = [
 ]
 # shard_weights=True on top: (family, heads, grid)
 SHARDED = [("flux", 3, (2, 1, 1, 2, "auto")), ("flux", 5, (1, 2, 1, 2, "gather_merge")),
-           ("qwen", 5, (2, 1, 1, 2, "auto")), ("qwen", 5, (1, 1, 2, 2, "auto")), ("flux", 5, (1, 1, 1, 4, "auto"))]
+           ("qwen", 5, (2, 1, 1, 2, "auto")), ("qwen", 5, (1, 1, 2, 2, "auto")), ("flux", 5, (1, 1, 1, 4, "auto")),
+           ("flux2", 5, (2, 1, 1, 2, "auto"))]  # Flux.2: the planner's 8 x 24 GiB placement (U x T, sharded)
 RESHARDED = {SHARDED[0], SHARDED[3]}  # sharded again after the undo (one case a family: CI's time)
 TRAFFIC_GRIDS = [(1, 1, 1, 4, "auto"), (2, 1, 1, 2, "auto")]  # the counted all-reduces against the planner
 FLUX_SHAPES = [(2, 3, 3, 6), (2, 8, 8, 7)]  # (batch, height, width, text): 15 and 71 joint tokens
@@ -334,7 +336,7 @@ def _run_all() -> dict[str, dict]:
     flux2 = _flux2()
     flux2_args = flux2_inputs(flux2, [(5, 7)], text_len=6, batch=2)  # 35 image + 6 text tokens
     for grid in FLUX2_GRIDS:
-        results[f"flux2-h5-{grid}"] = _output_case(flux2, flux2_args, grid)
+        results[f"flux2-h5-{grid}"] = _output_case(flux2, flux2_args, grid, ("flux2", 5, grid) in SHARDED)
     results["grad-flux2-h5-(2,1,1,2)"] = _grad_case(flux2, flux2_args, (2, 1, 1, 2, "auto"))
     for grid in TRAFFIC_GRIDS:
         results[f"traffic-flux2-{grid}"] = _traffic_case(flux2, flux2_args, grid, text_len=6, batch=2)
@@ -386,7 +388,9 @@ def test_every_parameter_gradient_equals_one_process(results, key):
 
 
 def _sharded_key(family: str, heads: int, grid: tuple) -> str:
-    return f"flux-h{heads}-{FLUX_SHAPES[0]}-{grid}" if family == "flux" else f"qwen-h{heads}-{grid}"
+    if family == "flux":
+        return f"flux-h{heads}-{FLUX_SHAPES[0]}-{grid}"
+    return f"{family}-h{heads}-{grid}"
 
 
 @pytest.mark.parametrize("key", [_sharded_key(*case) for case in SHARDED])
