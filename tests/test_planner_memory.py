@@ -431,7 +431,7 @@ def test_explain_says_the_placement_and_why():
 @pytest.mark.parametrize("model", ["flux2", "wan22"])
 def test_24_gib_plans_on_8_gpus(model):
     p = plan(model, world_size=8, gpu_memory_gib=24)
-    assert p.ulysses_degree * p.ring_degree * p.cfg_degree == 8
+    assert p.ulysses_degree * p.ring_degree * p.cfg_degree * p.tensor_degree == 8
     assert p.shard_weights and p.memory.total <= 24 and p.memory_per_rank_gib == p.memory.total
 
 

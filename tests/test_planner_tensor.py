@@ -6,7 +6,7 @@ by one process: DTensor and FSDP2 shard for real, no collective moves data; its 
 that no group outlives it in the test process).
 
 What is checked, and against what:
-- the cuts (``usp_dit.planner.models`` Note [tensor cuts]) written for the released Flux.1-dev
+- the cuts (``usp_dit.planner.models`` Note [tensor cuts]) written for the released Flux.1-dev, Flux.2-dev
   and Qwen-Image equal those ``tensor_cuts_of`` counts from the family plans' ``TensorPlan`` on
   the meta device (0.5 %, the memory tests' bound; they agree exactly); a spec is
   ``tensor_parallel`` exactly where its family's registered plan declares cuts;

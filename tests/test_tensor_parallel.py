@@ -6,18 +6,24 @@ splits] pads to 6 or 8 heads, exactly) and 3 heads x 16 (T = 2 x U = 2: a tensor
 heads, one of them padding on the second, which Ulysses then splits); every weight perturbed, batch
 2 with different prompts and timesteps, 15 and 71 joint tokens. Qwen-Image (its own processor reads
 ``attn.inner_dim // attn.heads``) with 5 heads and prompts of different lengths per element (its
-text mask).
+text mask). Flux.2 (Note [tensor plans]: its single blocks' one fused projection makes [q, k, v |
+MLP gate, value], a ``Fused`` of two splits, and ``to_out`` reads their Concat) with 5 heads x 16
+and MLPs 215 wide (``mlp_ratio`` 2.6875: odd, so the MLP split is padded too, inside the fused
+projection), 5 x 7 image + 6 text = 41 joint tokens, batch 2.
 
 Grids (ulysses, ring, cfg, tensor): (1,1,1,2) and (2,1,1,2) / (1,2,1,2) / (1,1,2,2) / (1,1,1,4)
-on 4 ranks, the ring grid also with the "stream" and "gather_merge" schedules forced. Each case:
-output vs stock, and after ``disable_usp`` bit-identical output and parameters. Gradients of every
-parameter on (2,1,1,2) (each cut parameter's gradient gathered and put back in the original layout,
+on 4 ranks, the ring grid also with the "stream" and "gather_merge" schedules forced (Flux.2:
+(1,1,1,2), (1,1,1,4), (2,1,1,2)). Each case: output vs stock, and after ``disable_usp``
+bit-identical output, parameters and every int attribute of every module (head counts, widths).
+Gradients of every parameter on (2,1,1,2) (Flux, Flux.2) (each cut parameter's gradient gathered and put back in the original layout,
 ``usp_dit.pipelines.tensor.full_tensor``). Refusals: a family without a tensor plan (Wan), T above
 the heads, U above a tensor rank's heads (with ``shard_weights=True``: nothing left enabled or
-sharded), LoRA layers, on every rank without a hang.
+sharded), LoRA layers, fused Q/K/V projections, on every rank without a hang. The all-reduce bytes
+counted equal the planner's on Qwen-Image (joint text) and Flux.2 (text split with the image).
 
 ``shard_weights=True`` with T = 2 (Note [sharded tensor-parallel weights] in
-``usp_dit.pipelines.weights``): Flux with 3 heads on (2,1,1,2) (padded to 4 heads, 2 a tensor rank,
+``usp_dit.pipelines.weights``): Flux.2 with 5 heads on (2,1,1,2) (the planner's placement for
+FLUX.2-dev on 8 x 24 GiB, U x T sharded); Flux with 3 heads on (2,1,1,2) (padded to 4 heads, 2 a tensor rank,
 which Ulysses splits) and 5 heads on (1,2,1,2) "gather_merge"; Qwen-Image with 5 heads on (2,1,1,2)
 and (1,1,2,2); Flux with 5 heads on (1,1,1,4) (no sequence ranks: only the uncut weights shard).
 Each: the first call (no prefetch) and the second (each block prefetching the next with its
@@ -44,6 +50,7 @@ from torch.distributed.tensor import DTensor
 from tests.adapter_parity import forward
 from usp_dit import disable_usp, enable_usp, init_usp
 from usp_dit.demo.tiny_flux import flux_inputs, tiny_flux_transformer
+from usp_dit.demo.tiny_flux2 import flux2_inputs, tiny_flux2
 from usp_dit.demo.tiny_qwen_image import qwen_image_inputs, tiny_qwen_image
 from usp_dit.pipelines import tensor as tp
 from usp_dit.pipelines import weights
@@ -58,10 +65,13 @@ GRIDS = [
 ]
 # shard_weights=True on top: (family, heads, grid)
 SHARDED = [("flux", 3, (2, 1, 1, 2, "auto")), ("flux", 5, (1, 2, 1, 2, "gather_merge")),
-           ("qwen", 5, (2, 1, 1, 2, "auto")), ("qwen", 5, (1, 1, 2, 2, "auto")), ("flux", 5, (1, 1, 1, 4, "auto"))]
+           ("qwen", 5, (2, 1, 1, 2, "auto")), ("qwen", 5, (1, 1, 2, 2, "auto")), ("flux", 5, (1, 1, 1, 4, "auto")),
+           ("flux2", 5, (2, 1, 1, 2, "auto"))]  # Flux.2: the planner's 8 x 24 GiB placement (U x T, sharded)
 RESHARDED = {SHARDED[0], SHARDED[3]}  # sharded again after the undo (one case a family: CI's time)
 TRAFFIC_GRIDS = [(1, 1, 1, 4, "auto"), (2, 1, 1, 2, "auto")]  # the counted all-reduces against the planner
 FLUX_SHAPES = [(2, 3, 3, 6), (2, 8, 8, 7)]  # (batch, height, width, text): 15 and 71 joint tokens
+FLUX2_GRIDS = [(1, 1, 1, 2, "auto"), (1, 1, 1, 4, "auto"), (2, 1, 1, 2, "auto")]
+FLUX2_MLP_RATIO = 2.6875  # 80 x 2.6875 = 215 MLP columns (exact in binary): odd, padded on T = 2 and 4
 
 
 class Args(dict):
@@ -86,6 +96,15 @@ def _flux_args(shape, seed: int = 0) -> Args:
     return args
 
 
+def _flux2():
+    return tiny_flux2(num_heads=5, head_dim=16, mlp_ratio=FLUX2_MLP_RATIO)
+
+
+def _ints(model) -> dict[tuple[str, str], int]:
+    """Every int attribute of every module (head counts, widths: what a cut sets to a rank's own)."""
+    return {(name, k): v for name, m in model.named_modules() for k, v in vars(m).items() if type(v) is int}
+
+
 def _state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -98,13 +117,15 @@ def _same_state(model, before: dict[str, torch.Tensor]) -> bool:
 
 def _output_case(model, args, grid, shard: bool = False, again: bool = False) -> dict[str, float]:
     u, r, c, t, schedule = grid
-    ref, before = forward(model, args), _state(model)
+    ref, before, ints = forward(model, args), _state(model), _ints(model)
     mesh = init_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c, tensor_degree=t, ring_schedule=schedule)
     enable_usp(model, mesh=mesh)
     try:
         block = model.transformer_blocks[0] if hasattr(model, "transformer_blocks") else None
         attn = getattr(block, "attn", None) or getattr(block, "attn1", None)  # attn1: BasicTransformerBlock's (DiT)
         local_heads = attn.heads if attn is not None else None
+        single = getattr(model, "single_transformer_blocks", [None])[0]
+        widths = [getattr(single.attn, a, 0) for a in ("heads", "inner_dim", "mlp_hidden_dim")] if single else []
         out = forward(model, args)
         bounds = _sharded_bounds(model, mesh) if shard else None
     finally:
@@ -113,7 +134,9 @@ def _output_case(model, args, grid, shard: bool = False, again: bool = False) ->
         "out": rel_err(out, ref),
         "disable_not_bit_identical": float(not torch.equal(forward(model, args), ref)),
         "params_not_restored": float(not _same_state(model, before)),
+        "ints_not_restored": float(_ints(model) != ints),
         "local_heads": float(local_heads or 0),
+        "single_widths": widths,  # a single block's (heads, inner_dim, mlp_hidden_dim) while cut
     }
     if shard:
         case["sharded"] = _sharded_case(model, args, mesh, ref, out, before, bounds, again)
@@ -262,7 +285,11 @@ def _refusal_cases() -> dict[str, float]:
 
     flux = _flux(heads=2)
     mesh = init_usp(tensor_degree=2, ulysses_degree=2)
+    fused = _flux2()
+    fused.fuse_qkv_projections()
     return {
+        "fused_qkv": _raises(lambda: enable_usp(fused, mesh=init_usp(tensor_degree=2)), NotImplementedError,
+                             "unfuse_qkv_projections"),
         "no_plan": _raises(lambda: enable_usp(tiny_wan(), mesh=init_usp(tensor_degree=2)), NotImplementedError,
                            "declares no tensor-parallel cuts"),
         "tensor_above_heads": _raises(lambda: enable_usp(_flux(heads=3), mesh=init_usp(tensor_degree=4)), ValueError,
@@ -306,6 +333,13 @@ def _run_all() -> dict[str, dict]:
         results[f"traffic-qwen-{grid}"] = _traffic_case(qwen, qwen_args, grid, text_len=9, batch=2)
     results["grad-flux-h5-(2,1,1,2)"] = _grad_case(_flux(5), _flux_args(FLUX_SHAPES[0]), (2, 1, 1, 2, "auto"))
     results["grad-flux-h5-(1,2,1,2)"] = _grad_case(_flux(5), _flux_args(FLUX_SHAPES[0]), (1, 2, 1, 2, "stream"))
+    flux2 = _flux2()
+    flux2_args = flux2_inputs(flux2, [(5, 7)], text_len=6, batch=2)  # 35 image + 6 text tokens
+    for grid in FLUX2_GRIDS:
+        results[f"flux2-h5-{grid}"] = _output_case(flux2, flux2_args, grid, ("flux2", 5, grid) in SHARDED)
+    results["grad-flux2-h5-(2,1,1,2)"] = _grad_case(flux2, flux2_args, (2, 1, 1, 2, "auto"))
+    for grid in TRAFFIC_GRIDS:
+        results[f"traffic-flux2-{grid}"] = _traffic_case(flux2, flux2_args, grid, text_len=6, batch=2)
     results["refusals"] = _refusal_cases()
     results["lora"] = _lora_case()
     return results
@@ -323,7 +357,7 @@ def _keys() -> list[str]:
     for heads in (5, 3):
         for shape in FLUX_SHAPES:
             keys += [f"flux-h{heads}-{shape}-{g}" for g in GRIDS if _fits(heads, g)]
-    return keys + [f"qwen-h5-{g}" for g in GRIDS]
+    return keys + [f"qwen-h5-{g}" for g in GRIDS] + [f"flux2-h5-{g}" for g in FLUX2_GRIDS]
 
 
 @pytest.mark.parametrize("key", _keys())
@@ -333,22 +367,30 @@ def test_output_equals_one_process_and_disable_restores(results, key):
         assert case["out"] <= TOL, (rank, key, case)
         assert case["disable_not_bit_identical"] == 0.0, (rank, key, case)
         assert case["params_not_restored"] == 0.0, (rank, key, case)
+        assert case["ints_not_restored"] == 0.0, (rank, key, case)
 
 
 def test_heads_are_cut_over_the_tensor_ranks(results):
     # 5 heads: T = 2 -> 3 a rank (one padded), T = 4 -> 2 a rank (three padded)
     assert results[0]["flux-h5-(2, 3, 3, 6)-(1, 1, 1, 2, 'auto')"]["local_heads"] == 3.0
     assert results[0]["flux-h5-(2, 3, 3, 6)-(1, 1, 1, 4, 'auto')"]["local_heads"] == 2.0
+    # Flux.2's single blocks (Fused [q, k, v | gate, value]): 5 heads x 16 and 215 MLP columns,
+    # padded to 6 x 16 and 216 on T = 2, 8 x 16 and 216 on T = 4: the processor's split reads these
+    assert results[0]["flux2-h5-(1, 1, 1, 2, 'auto')"]["single_widths"] == [3, 48, 108]
+    assert results[0]["flux2-h5-(1, 1, 1, 4, 'auto')"]["single_widths"] == [2, 32, 54]
 
 
-@pytest.mark.parametrize("key", ["grad-flux-h5-(2,1,1,2)", "grad-flux-h5-(1,2,1,2)", "grad-qwen-h5-(1,2,1,2)"])
+@pytest.mark.parametrize("key", ["grad-flux-h5-(2,1,1,2)", "grad-flux-h5-(1,2,1,2)", "grad-qwen-h5-(1,2,1,2)",
+                                 "grad-flux2-h5-(2,1,1,2)"])
 def test_every_parameter_gradient_equals_one_process(results, key):
     for rank, res in enumerate(results):
         assert res[key]["grad"] <= TOL, (rank, res[key])
 
 
 def _sharded_key(family: str, heads: int, grid: tuple) -> str:
-    return f"flux-h{heads}-{FLUX_SHAPES[0]}-{grid}" if family == "flux" else f"qwen-h{heads}-{grid}"
+    if family == "flux":
+        return f"flux-h{heads}-{FLUX_SHAPES[0]}-{grid}"
+    return f"{family}-h{heads}-{grid}"
 
 
 @pytest.mark.parametrize("key", [_sharded_key(*case) for case in SHARDED])
@@ -362,17 +404,19 @@ def test_sharded_weights_over_tensor_parallelism(results, key):
 
 
 @pytest.mark.parametrize("name", ["no_plan", "tensor_above_heads", "ulysses_above_local_heads",
-                                  "not_enabled_after_refusals"])
+                                  "not_enabled_after_refusals", "fused_qkv"])
 def test_refusals_on_every_rank(results, name):
     assert all(res["refusals"][name] == 0.0 for res in results), [res["refusals"] for res in results]
 
 
+@pytest.mark.parametrize("family", ["qwen", "flux2"])
 @pytest.mark.parametrize("grid", TRAFFIC_GRIDS)
-def test_counted_all_reduce_bytes_equal_the_planners(results, grid):
+def test_counted_all_reduce_bytes_equal_the_planners(results, grid, family):
     """Predicted == counted for the tensor axis' all-reduces: on every rank where tokens are not
-    split (T = 4), on the rank holding the larger half of the image (U = 2: the planner prices the
-    worst rank, ceil(35 / 2) = 18 image tokens) and never above it on the other."""
-    cases = [res[f"traffic-qwen-{grid}"] for res in results]
+    split (T = 4), on the rank holding the larger half of the tokens (U = 2: the planner prices the
+    worst rank, Qwen-Image's ceil(35 / 2) = 18 image tokens beside its joint text, Flux.2's
+    ceil(41 / 2) = 21 of [text; image]) and never above it on the other."""
+    cases = [res[f"traffic-{family}-{grid}"] for res in results]
     assert all(c["sent"] == c["received"] > 0 for c in cases), cases
     assert max(c["sent"] for c in cases) == cases[0]["predicted"], cases
     assert all(c["sent"] <= c["predicted"] for c in cases), cases

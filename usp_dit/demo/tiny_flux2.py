@@ -36,9 +36,10 @@ FLUX2_VARIANTS = {
 
 def tiny_flux2(
     variant: str = "dev", num_heads: int = 4, head_dim: int = 16, num_layers: int = 2, num_single_layers: int = 2,
-    seed: int = 0,
+    seed: int = 0, mlp_ratio: float = 3.0,
 ) -> Flux2Transformer2DModel:
-    """A small ``Flux2Transformer2DModel`` (``num_heads * head_dim`` wide), float32, eval mode.
+    """A small ``Flux2Transformer2DModel`` (``num_heads * head_dim`` wide, MLPs ``int(width * mlp_ratio)``:
+    FLUX.2's 3.0), float32, eval mode.
 
     RoPE: four axes of ``head_dim / 4`` each, as FLUX.2's (32, 32, 32, 32) of 128. Every parameter
     is perturbed with seeded noise (``tiny_video._perturb``).
@@ -54,7 +55,8 @@ def tiny_flux2(
     model = Flux2Transformer2DModel(
         patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=num_layers, num_single_layers=num_single_layers,
         attention_head_dim=head_dim, num_attention_heads=num_heads, joint_attention_dim=TEXT_DIM,
-        timestep_guidance_channels=32, axes_dims_rope=(head_dim // 4,) * 4, **FLUX2_VARIANTS[variant],
+        timestep_guidance_channels=32, axes_dims_rope=(head_dim // 4,) * 4, mlp_ratio=mlp_ratio,
+        **FLUX2_VARIANTS[variant],
     )
     _perturb(model, seed + 1)
     return model.eval()

@@ -13,8 +13,12 @@ Note [tensor plans]
     ``_tp_plan``: per block list, the ``Split`` s of an inner dimension (an attention's heads x
     head_dim, or an MLP's hidden width), each with the Linears that produce it (column-parallel)
     and those that consume it alone (row-parallel), and the ``Concat`` s: a row-parallel Linear fed
-    the concatenation of several splits (Flux's single blocks: ``proj_out(cat[attention, MLP])``).
-    Everything else (norms, modulation, embedders, ``proj_out`` of the model) stays whole on every
+    the concatenation of several splits (Flux's single blocks: ``proj_out(cat[attention, MLP])``),
+    and the ``Fused`` s: a column-parallel Linear whose output is the concatenation of several
+    splits (Flux.2's single blocks: ``to_qkv_mlp_proj`` makes [q, k, v | MLP gate, value], the heads'
+    split in 3 packs and the MLP width's in 2). A processor that chunks such an output by sizes it
+    reads from its module (``attn.inner_dim``, ``attn.mlp_hidden_dim``) sees them as a tensor rank's
+    own while cut (``Split.width``), and as they were after ``remove``. Everything else (norms, modulation, embedders, ``proj_out`` of the model) stays whole on every
     rank. Only what is exact is declared: a norm over all heads at once (Wan's
     ``rms_norm_across_heads``) would see a tensor rank's heads alone, so such a family has no plan
     and refuses ``tensor_degree > 1`` by name.
@@ -37,9 +41,11 @@ Note [uneven tensor splits]
     weights by a zero output), so training leaves it zero. The cost is the padded work (30 heads on
     T = 4: 32 computed, 6 %).
 
-    Packed layouts (a GEGLU/SwiGLU projection whose output is [gate, value]; a concat input) are
-    laid out rank-major before sharding: rank r's rows are [pack 0's r-th slice, pack 1's, ...],
-    so a plain ``Shard`` gives each rank the pieces its forward chunks or concatenates. Every
+    Packed layouts (a GEGLU/SwiGLU projection whose output is [gate, value]; a concat input; a
+    fused projection's [q, k, v | gate, value]) are laid out rank-major before sharding: rank r's
+    rows are [pack 0's r-th slice, pack 1's, ...] (each part padded on its own), so a plain
+    ``Shard`` gives each rank the pieces its forward chunks or concatenates:
+        fused rows   [ q_0 k_0 v_0 g_0 u_0 | q_1 k_1 v_1 g_1 u_1 | ... ]   (x_r: rank r's slice of x) Every
     parameter keeps the index map of its rows (columns) to the original ones; ``remove`` gathers
     the full tensor (``full_tensor``) and puts each row back, dropping the padding, so
     ``disable_usp`` leaves the very tensors it found (bit for bit).
@@ -64,13 +70,27 @@ class Split:
     ``columns``: Linears (paths inside the block) whose output is ``packs`` equal parts of this
     dimension (2 for a gated MLP's [gate, value]); ``rows``: Linears whose input is this dimension
     alone; ``heads``: the attention module whose heads make the dimension (heads x head_dim: whole
-    heads are cut, and its ``heads`` attribute becomes the local count), or None for an MLP width.
+    heads are cut, and its ``heads`` attribute becomes the local count), or None for an MLP width;
+    ``width``: an int attribute (path inside the block, ``"attn.mlp_hidden_dim"``) holding the
+    dimension's size, for a split made only by a ``Fused`` projection (no ``columns`` of its own to
+    read it from), set to a tensor rank's local size while cut (a processor splits by it).
     """
 
     columns: tuple[str, ...]
     rows: tuple[str, ...] = ()
     heads: str | None = None
     packs: int = 1
+    width: str | None = None
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A column-parallel Linear whose output is the concatenation of ``splits`` (indices into the
+    block's splits, in the order of its output), each in its own ``packs`` parts: Flux.2's
+    ``to_qkv_mlp_proj`` = [q, k, v | gate, value] is ``Fused(path, (heads, mlp))``."""
+
+    column: str
+    splits: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -89,6 +109,7 @@ class BlockCuts:
     block_list: str
     splits: tuple[Split, ...]
     concats: tuple[Concat, ...] = ()
+    fused: tuple[Fused, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -122,7 +143,8 @@ class _Layout:
 @dataclass
 class TensorRecord:
     """What ``apply_tensor_parallel`` changed, for ``remove``: per parameter its module, name,
-    sharded dim and index map; per attention its head count; per module the hooks added."""
+    sharded dim and index map; per module the int attributes it changed (head counts, widths:
+    restored last first); per module the hooks added."""
 
     params: list[tuple[torch.nn.Module, str, int, torch.Tensor, bool]] = field(default_factory=list)
     heads: list[tuple[torch.nn.Module, dict[str, int]]] = field(default_factory=list)
@@ -131,8 +153,10 @@ class TensorRecord:
 
 
 def _layout(block: torch.nn.Module, split: Split, degree: int) -> _Layout:
-    first = block.get_submodule(split.columns[0])
-    size = first.out_features // split.packs
+    if split.width is not None:
+        size = _attribute(block, split.width)
+    else:
+        size = block.get_submodule(split.columns[0]).out_features // split.packs
     units, unit = size, 1
     if split.heads is not None:
         units = _head_count(block.get_submodule(split.heads))
@@ -141,15 +165,7 @@ def _layout(block: torch.nn.Module, split: Split, degree: int) -> _Layout:
 
 
 def _index(parts: list[_Layout], degree: int) -> torch.Tensor:
-    """Rank-major index map of a dimension made of ``parts`` (Note [per-head weights under tensor parallelism]
-    An attention's own weights that act on every head alike (RMSNorm over head_dim on Q and K)
-    stay whole on each tensor rank but see only that rank's heads: the forward is exact, and each
-    rank's gradient of them is the sum over its heads alone. A gradient hook all-reduces it over
-    the tensor group, so every tensor rank holds the whole gradient, as one process would. The
-    other whole weights (modulation, embedders, norms outside the cut) see every channel on every
-    tensor rank already: their gradients are whole and equal there.
-
-Note [uneven tensor splits]): entry
+    """Rank-major index map of a dimension made of ``parts`` (Note [uneven tensor splits]): entry
     j is the original position of row j of the laid-out tensor, -1 for padding."""
     offsets, total = [], 0
     for part in parts:
@@ -160,6 +176,36 @@ Note [uneven tensor splits]): entry
         for part, offset in zip(parts, offsets):
             index.extend(i + offset if i >= 0 else -1 for i in part.rank_slice(rank, degree))
     return torch.tensor(index, dtype=torch.long)
+
+
+def _attribute(block: torch.nn.Module, path: str) -> int:
+    owner, _, name = path.rpartition(".")
+    return getattr(block.get_submodule(owner), name)
+
+
+def _set_local_width(record: TensorRecord, block: torch.nn.Module, path: str, local: int) -> None:
+    """``Split.width``: the attribute at ``path`` becomes a tensor rank's size of the dimension."""
+    owner, _, name = path.rpartition(".")
+    module = block.get_submodule(owner)
+    record.heads.append((module, {name: getattr(module, name)}))
+    setattr(module, name, local)
+
+
+def _fused_index(block: torch.nn.Module, cuts: BlockCuts, fused: Fused, layouts: list[_Layout],
+                 degree: int) -> torch.Tensor:
+    """The rank-major index map of a ``Fused`` projection's rows: [each split's packs] per rank.
+
+    Raises:
+        ValueError: the projection's width is not the sum of its splits' (a plan that does not fit the model).
+    """
+    parts = [layouts[i] for i in fused.splits for _ in range(cuts.splits[i].packs)]
+    width = block.get_submodule(fused.column).out_features
+    if width != sum(p.size for p in parts):
+        raise ValueError(
+            f"tensor plan: {fused.column} makes {width} channels, its splits {list(fused.splits)} "
+            f"{sum(p.size for p in parts)} ({[p.size for p in parts]}); the plan does not fit this model"
+        )
+    return _index(parts, degree)
 
 
 def _laid_out(t: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
@@ -288,15 +334,22 @@ def _cut_block(record: TensorRecord, block: torch.nn.Module, cuts: BlockCuts, me
         for path in split.rows:
             _lay_out_linear(record, block.get_submodule(path), _index([layout], degree), False)
             styles[path] = RowwiseParallel()
-        if split.heads is not None:
-            attention = block.get_submodule(split.heads)
-            _set_local_heads(record, attention, layout.padded // degree, layout.unit)
-            cut = {id(block.get_submodule(p)) for p in (*split.columns, *split.rows)}
-            _sum_partial_gradients(record, attention, cut, mesh)
+    for fused in cuts.fused:
+        _lay_out_linear(record, block.get_submodule(fused.column), _fused_index(block, cuts, fused, layouts, degree),
+                        True)
+        styles[fused.column] = ColwiseParallel()
     for concat in cuts.concats:
         index = _index([layouts[i] for i in concat.splits], degree)
         _lay_out_linear(record, block.get_submodule(concat.row), index, False)
         styles[concat.row] = RowwiseParallel()
+    cut = {id(block.get_submodule(p)) for p in styles}  # every cut Linear (inside an attention or not)
+    for split, layout in zip(cuts.splits, layouts):
+        if split.heads is not None:
+            attention = block.get_submodule(split.heads)
+            _set_local_heads(record, attention, layout.padded // degree, layout.unit)
+            _sum_partial_gradients(record, attention, cut, mesh)
+        if split.width is not None:
+            _set_local_width(record, block, split.width, layout.local(degree))
     for path, style in styles.items():
         module = block.get_submodule(path)
         record.hooks.append((module, set(module._forward_pre_hooks), set(module._forward_hooks)))
@@ -321,8 +374,10 @@ def check_tensor_plan(transformer: torch.nn.Module, plan: TensorPlan | None, fam
 
     Raises:
         NotImplementedError: the family declares no tensor plan; LoRA (PEFT) layers are injected
-            (their adapter weights would stay whole); a parameter is not a plain tensor (already a
-            DTensor: sharded or parallelised; a quantized tensor subclass).
+            (their adapter weights would stay whole); Q/K/V projections fused by
+            ``fuse_qkv_projections`` (the plan cuts the separate ones, which the processor then skips);
+            a parameter is not a plain tensor (already a DTensor: sharded or parallelised; a
+            quantized tensor subclass).
     """
     if plan is None:
         raise NotImplementedError(
@@ -335,6 +390,11 @@ def check_tensor_plan(transformer: torch.nn.Module, plan: TensorPlan | None, fam
             raise NotImplementedError(
                 f"tensor_degree={degree} with LoRA (PEFT) layers injected ({name}): the adapter weights would stay "
                 f"whole beside cut base weights; fuse or unload the adapter first"
+            )
+        if getattr(module, "fused_projections", False):
+            raise NotImplementedError(
+                f"tensor_degree={degree} with fused Q/K/V projections ({name}: fuse_qkv_projections): the tensor "
+                f"plan cuts the separate to_q / to_k / to_v; call unfuse_qkv_projections() first"
             )
     for name, param in transformer.named_parameters():
         if type(param) is not torch.nn.Parameter or type(param.data) is not torch.Tensor:
@@ -380,7 +440,7 @@ def remove_tensor_parallel(record: TensorRecord) -> None:
                 module.out_features = original
             else:
                 module.in_features = original
-    for module, saved in record.heads:
+    for module, saved in reversed(record.heads):  # last first: a width may also scale with the heads (inner_dim)
         for attr, value in saved.items():
             setattr(module, attr, value)
     for module in {id(m): m for m, *_ in record.params}.values():  # biases not cut stay DTensors: make them plain

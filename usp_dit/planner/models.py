@@ -46,10 +46,11 @@ Note [tensor cuts]
     ``tensor_cuts_of`` (which reads the plan by attribute) on the released config on the meta
     device; tests/test_planner_tensor.py counts it again from every family plan the planner
     knows (to 0.5 %) and checks that a spec is ``tensor_parallel`` exactly where its family
-    declares cuts (Flux.1, Qwen-Image here; Flux.2, Wan, HunyuanVideo and the rest declare none).
+    declares cuts (Flux.1, Flux.2, Qwen-Image here; Wan, HunyuanVideo and the rest declare none).
       * cut: the column-parallel Linears' weights and biases (rows: 1/T each), the row-parallel
         ones' weights (columns; their bias is whole on every tensor rank), a Concat's weight by
-        each split's share of its columns; each by the dimension it is cut along (heads: padded
+        each split's share of its columns, a Fused one's (Flux.2's [q, k, v | gate, value]) by
+        each split's share of its rows; each by the dimension it is cut along (heads: padded
         to ceil(H / T) a rank; an MLP's width: ceil(m / T)). Whole on every tensor rank: the
         modulation, norms (the per-head Q/K norms too), the row-parallel biases, and everything
         outside the block lists;
@@ -333,8 +334,10 @@ def _flux_memory() -> ModelMemory:
 
 
 def _flux2_memory() -> ModelMemory:
-    blocks = (_group("transformer_blocks", 8, 7851741184, 981467648, 6144, 18432, gated=True),
-              _group("single_transformer_blocks", 48, 23555223552, 490733824, 6144, 18432, gated=True, kind="fused"))
+    blocks = (_group("transformer_blocks", 8, 7851741184, 981467648, 6144, 18432, gated=True,
+                     cut=_cut(2415919104, 5435817984, reduces=2, collectives=4)),
+              _group("single_transformer_blocks", 48, 23555223552, 490733824, 6144, 18432, gated=True, kind="fused",
+                     cut=_cut(7247757312, 16307453952, reduces=1, collectives=1)))
     return ModelMemory(blocks, 816316416, loaded_bytes(816316416), loaded_bytes(226492416), 0,
                        encoders=(ENCODERS["mistral_small_31"],), vae=VAES["flux2"])
 
@@ -1060,7 +1063,15 @@ def tensor_cuts_of(transformer: Any, tensor_plan: Any) -> dict[str, BlockCut]:
                         _add(acc, linear.bias)
                 for path in split.rows:  # row-parallel: the weight's columns (the bias stays whole)
                     _add(acc, block.get_submodule(path).weight)
-                sizes.append(block.get_submodule(split.columns[0]).out_features // split.packs)
+                sizes.append(_split_size(block, split))
+            for fused in getattr(cuts, "fused", ()):  # a column-parallel weight's rows and bias, each split's share
+                linear = block.get_submodule(fused.column)
+                for i in fused.splits:
+                    rows = cuts.splits[i].packs * sizes[i]
+                    acc = head if cuts.splits[i].heads is not None else width
+                    _add(acc, linear.weight, linear.weight.shape[1] * rows)
+                    if linear.bias is not None:
+                        _add(acc, linear.bias, rows)
             for concat in cuts.concats:  # a row-parallel weight's columns, each split's share its own kind
                 weight = block.get_submodule(concat.row).weight
                 for i in concat.splits:
@@ -1070,6 +1081,15 @@ def tensor_cuts_of(transformer: Any, tensor_plan: Any) -> dict[str, BlockCut]:
         out[cuts.block_list] = BlockCut(head[0], head[1], width[0], width[1], len(cuts.concats) + stages,
                                         sum(len(s.rows) for s in cuts.splits) + len(cuts.concats))
     return out
+
+
+def _split_size(block: Any, split: Any) -> int:
+    """A split's size (``usp_dit.pipelines.tensor.Split``): its ``width`` attribute, else its first
+    column-parallel Linear's output over its packs."""
+    if getattr(split, "width", None) is not None:
+        owner, _, name = split.width.rpartition(".")
+        return getattr(block.get_submodule(owner), name)
+    return block.get_submodule(split.columns[0]).out_features // split.packs
 
 
 def _pipe_encoders(pipe: Any) -> list:

@@ -63,7 +63,10 @@ The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a pl
 single-stream attention parallel (the stock processors' own code with their
 ``dispatch_attention_fn`` call routed, ``_routing`` Note [routing a stock processor's attention
 call]), the tokens split at the forward's arguments and gathered after it (``_joint_split``
-Note [joint token split], shared with Flux.1 and Chroma).
+Note [joint token split], shared with Flux.1 and Chroma). Tensor parallelism (``tensor_degree``):
+the cuts ``_DOUBLE`` / ``_SINGLE`` below (``usp_dit.pipelines.tensor`` Note [tensor plans]; the
+single blocks' fused [q, k, v | gate, value] projection is a ``Fused`` of the heads' and the MLP's
+splits, each padded on its own).
 
 Refused (NotImplementedError): processors other than the stock ``Flux2AttnProcessor`` /
 ``Flux2ParallelSelfAttnProcessor`` and their KV variants (LoRA-replaced, custom, Diffusers'
@@ -96,6 +99,7 @@ from usp_dit.pipelines._joint_split import JointSplitForward, JointSplitPlanAdap
 from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import ModelPlan, Parallel
+from usp_dit.pipelines.tensor import BlockCuts, Concat, Fused, Split, TensorPlan
 
 # Note [routing a stock processor's attention call] (usp_dit.pipelines._routing): the stock code,
 # its one dispatch_attention_fn call routed. None if this diffusers' processor makes no such call.
@@ -179,6 +183,27 @@ def _routed_call_missing(transformer: Flux2Transformer2DModel) -> str | None:
     return None
 
 
+# Tensor parallelism (usp_dit.pipelines.tensor Note [tensor plans]), where Diffusers' own Flux.2
+# ``_tp_plan`` cuts. Double blocks: each attention's heads (Q/K/V, the text stream's added
+# projections, both output projections) and each SwiGLU MLP's width ([gate, value]: packs 2).
+# Single blocks: one fused projection makes [q, k, v | gate, value] (a Fused of the heads' split,
+# packs 3, and the MLP width's, packs 2) and ``to_out`` reads cat([attention, MLP]) (a Concat);
+# the stock processor splits the fused output by ``attn.inner_dim`` and ``attn.mlp_hidden_dim``,
+# which read a tensor rank's sizes while cut (``Split.width``), so its split is exact with padded
+# heads or MLP columns too. The QK norms are per head (RMSNorm over head_dim); the modulation is
+# computed once outside the blocks (``double_stream_modulation_*``, ``single_stream_modulation``)
+# and stays whole, as do the blocks' LayerNorms (no weights).
+_DOUBLE = BlockCuts("transformer_blocks", splits=(
+    Split(columns=("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+          rows=("attn.to_out.0", "attn.to_add_out"), heads="attn"),
+    Split(columns=("ff.linear_in",), rows=("ff.linear_out",), packs=2),
+    Split(columns=("ff_context.linear_in",), rows=("ff_context.linear_out",), packs=2),
+))
+_SINGLE = BlockCuts("single_transformer_blocks", splits=(
+    Split(columns=(), heads="attn", packs=3, width="attn.inner_dim"),
+    Split(columns=(), packs=2, width="attn.mlp_hidden_dim"),
+), fused=(Fused("attn.to_qkv_mlp_proj", (0, 1)),), concats=(Concat("attn.to_out", (0, 1)),))
+
 PLAN = ModelPlan(
     name="Flux2",
     model_class=Flux2Transformer2DModel,
@@ -204,6 +229,7 @@ PLAN = ModelPlan(
     # call a step: nothing to pair.
     cfg_branch_args=("encoder_hidden_states", "txt_ids"),
     refuse=(_routed_call_missing,),
+    tensor=TensorPlan((_DOUBLE, _SINGLE)),
 )
 
 
