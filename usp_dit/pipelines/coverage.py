@@ -232,6 +232,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "SanaVideo": FamilyPipelines("SANA-Video 2B 480p, 720p; text-, image-to-video (linear attention)",
                                  ("SanaVideoPipeline", "SanaImageToVideoPipeline"),
                                  whole_vae="no recipe yet; the 480p release decodes with Wan 2.1's VAE, which has one"),
+    "SanaWM": FamilyPipelines("SANA-WM 1600M bidirectional camera-controlled world model (GDN + softmax)",
+                              ("SanaWMPipeline",), whole_vae="no recipe yet for the LTX-2 video VAE"),
     "Cosmos3": FamilyPipelines("Cosmos 3 Omni: text/image/video-to-video, sound and action streams",
                                ("Cosmos3OmniPipeline",)),
     "Cosmos": FamilyPipelines(

@@ -58,6 +58,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     qwen_image21,
     sana,
     sana_video,
+    sana_wm,
     sd3,
     skyreels_v2,
     stable_audio,
