@@ -18,8 +18,8 @@ Note [tensor plans]
     splits (Flux.2's single blocks: ``to_qkv_mlp_proj`` makes [q, k, v | MLP gate, value], the heads'
     split in 3 packs and the MLP width's in 2). A processor that chunks such an output by sizes it
     reads from its module (``attn.inner_dim``, ``attn.mlp_hidden_dim``) sees them as a tensor rank's
-    own while cut (``Split.width``), and as they were after ``remove``. Everything else (norms, modulation, embedders, ``proj_out`` of the model) stays whole on every
-    rank. Only what is exact is declared: a norm over all heads at once (Wan's
+    own while cut (``Split.width``), and as they were after ``remove``. Everything else (norms,
+    modulation, embedders, ``proj_out`` of the model) stays whole on every rank. Only what is exact is declared: a norm over all heads at once (Wan's
     ``rms_norm_across_heads``) would see a tensor rank's heads alone, so such a family has no plan
     and refuses ``tensor_degree > 1`` by name.
 
@@ -44,9 +44,11 @@ Note [uneven tensor splits]
     Packed layouts (a GEGLU/SwiGLU projection whose output is [gate, value]; a concat input; a
     fused projection's [q, k, v | gate, value]) are laid out rank-major before sharding: rank r's
     rows are [pack 0's r-th slice, pack 1's, ...] (each part padded on its own), so a plain
-    ``Shard`` gives each rank the pieces its forward chunks or concatenates:
-        fused rows   [ q_0 k_0 v_0 g_0 u_0 | q_1 k_1 v_1 g_1 u_1 | ... ]   (x_r: rank r's slice of x) Every
-    parameter keeps the index map of its rows (columns) to the original ones; ``remove`` gathers
+    ``Shard`` gives each rank the pieces its forward chunks or concatenates (x_r: rank r's slice of x):
+
+        fused rows   [ q_0 k_0 v_0 g_0 u_0 | q_1 k_1 v_1 g_1 u_1 | ... ]
+
+    Every parameter keeps the index map of its rows (columns) to the original ones; ``remove`` gathers
     the full tensor (``full_tensor``) and puts each row back, dropping the padding, so
     ``disable_usp`` leaves the very tensors it found (bit for bit).
 """
