@@ -7,6 +7,7 @@ the machinery imports a family. docs/ADDING_A_MODEL.md: how a family is added.
 from __future__ import annotations
 
 from usp_dit.pipelines.families import (  # noqa: F401  (each module calls register_adapter on import)
+    ace_step,
     allegro,
     anyflow,
     auraflow,
