@@ -42,6 +42,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     kandinsky6,
     krea2,
     latte,
+    longcat_audio_dit,
     longcat_image,
     ltx2,
     ltx_video,
