@@ -49,6 +49,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     lumina2,
     lumina_next,
     minimax_h3,
+    minimax_music3,
     mochi,
     motif_video,
     nucleus_moe,
