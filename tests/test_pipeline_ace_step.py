@@ -8,15 +8,17 @@ frames (patch 2: 13 audio tokens, the last patch padded as stock does; 13 divide
 4), batch 2 with a different latent, context, condition and (t, r) per element; the RoPE positions
 are the model's own (0 .. seq - 1), checked per rank through the rotated Q/K.
 
-Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2) (tests/adapter_parity.GRIDS);
-each ring grid also with the "stream" and "gather_merge" schedules forced (adapter_parity
-Note [schedules in CI]). Each case: output vs the stock output, block 0's attention sees at most
-ceil(tokens / P) tokens, and after ``disable`` the output is bit-identical. Every parameter's
-gradient (loss / P on each rank, summed over the sequence group, equals one process's) on 2 and 4
-ranks, and with gradient checkpointing (the checkpointed path passes the layers' arguments by
-position). A config of full-attention layers only, with a window narrower than the sequence (21
-frames, 11 tokens), on (2,2); a sliding layer whose window does not cover the sequence is refused (Note [ACE-Step's
-sliding window]). Fullgraph compile: the whole enabled model in one graph on (2,2) equals eager.
+Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2)
+(tests/adapter_parity.GRIDS); each ring grid also with the "stream" and "gather_merge" schedules
+forced (adapter_parity Note [schedules in CI]). Each case: output vs the stock output, block 0's
+attention sees at most ceil(tokens / P) tokens, and after ``disable`` the output is bit-identical.
+Every parameter's gradient (loss / P on each rank, summed over the sequence group, equals one
+process's) on 2 and 4 ranks, and with gradient checkpointing (the checkpointed path passes the
+layers' arguments by position). A config of full-attention layers only, with a window narrower than
+the sequence (21 frames, 11 tokens), on (2,2); a sliding layer whose window does not cover the
+sequence is refused (Note [ACE-Step's sliding window]). Fullgraph compile: the whole enabled model
+in one Dynamo graph on (2,2) equals eager (backend "eager": a graph break fails as under inductor,
+at half the time of "aot_eager").
 
 Pipeline: the tiny ``AceStepPipeline`` (Qwen3 text encoder over a character tokenizer, condition
 encoder, Oobleck VAE; two prompts and lyrics; 2 steps of batched APG guidance: one call on the
@@ -145,7 +147,7 @@ def _run_all() -> dict[str, dict | str]:
     two_heads = tiny_ace_step(num_heads=2, num_kv_heads=1, head_dim=32)
     record(results, "ulysses-above-heads",
            lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "compiled", lambda: compiled_case(*_build(SHAPES[0])[:2], init_usp(2, 2)))
+    record(results, "compiled", lambda: compiled_case(*_build(SHAPES[0])[:2], init_usp(2, 2), backend="eager"))
     record(results, "pipeline", lambda: pipeline_cases(tiny_ace_step_pipeline(), _generate,
                                                        pipeline_grids(PIPELINE_GRIDS), names=("latents", "audios")),
            many=True)
