@@ -15,8 +15,10 @@ attention sees at most ceil(tokens / P) tokens, and after ``disable`` the output
 Every parameter's gradient (loss / P on each rank, summed over the sequence group, equals one
 process's) on 2 and 4 ranks, and with gradient checkpointing (the checkpointed path passes the
 layers' arguments by position). A config of full-attention layers only, with a window narrower than
-the sequence (21 frames, 11 tokens), on (2,2); a sliding layer whose window does not cover the
-sequence is refused (Note [ACE-Step's sliding window]). Fullgraph compile: the whole enabled model
+the sequence (21 frames, 11 tokens), on (2,2). A sliding window of 4 over the 13 tokens (a band that
+hides pairs): exact on the grids without ring (2,1,1), (4,1,1) (4 query heads over 2 K/V heads:
+each rank's K/V head copied) and (2,1,2), with gradients on 2 and 4 ranks; refused on every rank of
+a ring grid and under a flash backend (Note [ACE-Step's sliding window]). Fullgraph compile: the whole enabled model
 in one Dynamo graph on (2,2) equals eager (backend "eager": a graph break fails as under inductor,
 at half the time of "aot_eager").
 
@@ -99,6 +101,28 @@ def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     return gradient_errors(model, inputs, ADAPTER, mesh)
 
 
+def _band_gradient_case(mesh) -> dict[str, float]:
+    """Gradients through the Ulysses band attention (a window of 4 over 13 tokens)."""
+    model, inputs, _ = _build(SHAPES[0], sliding_window=4)
+    return gradient_errors(model, inputs, ADAPTER, mesh)
+
+
+def _band_on_ring_case(mesh) -> dict[str, float]:
+    """A band narrower than the sequence on a ring grid: NotImplementedError on every rank."""
+    model, inputs, _ = _build(SHAPES[0], sliding_window=4)
+    ADAPTER.enable(model, mesh, "auto")
+    try:
+        forward(model, inputs)
+    except NotImplementedError as exc:
+        return {"wrong_error": float("which usp_attention's ring cannot express (ring_degree=2)" not in str(exc))}
+    finally:
+        ADAPTER.disable(model)
+    return {"did_not_raise": 1.0}
+
+
+BAND_GRIDS = [(2, 1, 1), (4, 1, 1), (2, 1, 2)]  # (U, R, cfg): no ring
+
+
 def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The (q, k) of the first attention call of a forward (layer 0's self-attention), rotated."""
     seen = []
@@ -143,6 +167,12 @@ def _run_all() -> dict[str, dict | str]:
     record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
     record(results, "full-layers-u2r2", lambda: _output_case(
         "f21", init_usp(2, 2), sliding_window=4, layer_types=["full_attention"] * 2))
+    for grid in BAND_GRIDS:
+        record(results, "band-u{}r{}cfg{}".format(*grid),
+               lambda grid=grid: _output_case(SHAPES[0], init_usp(*grid), sliding_window=4))
+    record(results, "band-grad-p2", lambda: _band_gradient_case(init_usp(2, 1)))
+    record(results, "band-grad-p4", lambda: _band_gradient_case(init_usp(4, 1)))
+    record(results, "band-on-ring", lambda: _band_on_ring_case(init_usp(2, 2)))
     record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
     two_heads = tiny_ace_step(num_heads=2, num_kv_heads=1, head_dim=32)
     record(results, "ulysses-above-heads",
@@ -170,6 +200,15 @@ def test_full_attention_layers_run_at_any_length(grid_results):
     assert_within(grid_results, "full-layers-u2r2", TOL)
 
 
+@pytest.mark.parametrize("key", [f"band-u{u}r{r}cfg{c}" for u, r, c in BAND_GRIDS] + ["band-grad-p2", "band-grad-p4"])
+def test_a_narrow_sliding_window_runs_exactly_on_ulysses(grid_results, key: str):
+    assert_within(grid_results, key, TOL)
+
+
+def test_a_narrow_sliding_window_on_a_ring_is_refused_on_every_rank(grid_results):
+    assert_within(grid_results, "band-on-ring", 0.0)
+
+
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
     assert_within(grid_results, "rotated-qk", TOL)
 
@@ -194,11 +233,13 @@ def test_disable_usp_gives_back_the_bit_identical_audio(grid_results):
 # ---- single process: loud failures ----------------------------------------------------------------
 
 
-def test_a_sliding_window_narrower_than_the_sequence_is_refused():
+def test_a_narrow_sliding_window_under_a_flash_backend_is_refused():
+    """Under a flash backend the model builds no band mask (it passes window_size): refused."""
     model, inputs, _ = _build("f21", sliding_window=4)  # 11 tokens: |i - j| <= 4 hides pairs
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
-        with pytest.raises(NotImplementedError, match=r"\|i - j\| <= 4\) does not cover the 11 audio tokens"):
+        with mock.patch.object(ace_step_transformer, "_is_flash_attention_backend", lambda processor=None: True), \
+                pytest.raises(NotImplementedError, match=r"\|i - j\| <= 4\) does not cover the 11 audio tokens"):
             forward(model, inputs)
     finally:
         ADAPTER.disable(model)

@@ -246,8 +246,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "MiniMax-H3": FamilyPipelines("MiniMax-H3 (33B): text-, first-last-frame-, reference-to-video with audio", (),
                                   whole_vae="no DiffusionPipeline: Diffusers ships MiniMax-H3 as modular blocks, "
                                             "which `pipe.enable_usp()` does not wrap (enable the transformer)"),
-    "ACE-Step": FamilyPipelines("ACE-Step 1.5 base, SFT, turbo, XL text-to-music (sliding-window layers only while "
-                                "their window covers the song: about 10 s)", ("AceStepPipeline",),
+    "ACE-Step": FamilyPipelines("ACE-Step 1.5 base, SFT, turbo, XL text-to-music (songs over ~10 s, where the "
+                                "sliding window bites: ring_degree=1 only)", ("AceStepPipeline",),
                                 one_call="the turbo checkpoints and steps outside the CFG interval",
                                 whole_vae="no recipe yet (a 1-D convolutional audio decoder)"),
     "LongCat-AudioDiT": FamilyPipelines("LongCat-AudioDiT 1B text-to-audio", ("LongCatAudioDiTPipeline",),
