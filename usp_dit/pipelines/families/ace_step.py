@@ -122,7 +122,8 @@ def ulysses_band_attention(
     return gather_heads(out, plans.q_plan)
 
 
-# The stock code with its attention call bound to ``ulysses_band_attention`` (None: no such call).
+# The stock code with its attention call bound to ``ulysses_band_attention`` (None exactly when
+# ``_RoutedAceStepProcessor`` is: the same code object, refused at enable by ``_routed_call_missing``).
 _BAND_CALL = with_global(AceStepAttnProcessor2_0.__call__, ROUTED_NAME, ulysses_band_attention)
 
 # AceStepTransformerBlock.forward(hidden_states, position_embeddings, temb, attention_mask, ...): the
@@ -159,8 +160,8 @@ class USPAceStepAttnProcessor(_RoutedAceStepProcessor or RoutedProcessor):
 
 class AceStepLayerHooks:
     """A forward pre-hook on every layer: this rank's rows of ``position_embeddings`` (``local_rope``),
-    and Note [ACE-Step's sliding window] (the layer's band checked against this call's sequence
-    length, its all-zero mask dropped)."""
+    and Note [ACE-Step's sliding window]: a band covering the sequence has its all-zero mask
+    dropped; a narrower one keeps its mask on a grid without ring and is refused on a ring."""
 
     def __init__(self, transformer: AceStepTransformer1DModel, state: ShardState) -> None:
         self.state = state
@@ -177,8 +178,9 @@ class AceStepLayerHooks:
         self.handles.clear()
 
     def _cut(self, layer: torch.nn.Module, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Raises NotImplementedError for a sliding window narrower than the sequence, ValueError for
-        a RoPE table of another length than the tokens (``local_rope``)."""
+        """Raises NotImplementedError for a sliding window narrower than the sequence on a ring grid or
+        without its mask (a flash backend), ValueError for a RoPE table of another length than the
+        tokens (``local_rope``)."""
         rope = local_rope(_get_arg(args, kwargs, *_ROPE), self.state, _ROPE[0])
         args, kwargs = _set_arg(args, kwargs, *_ROPE, rope)
         window = layer.self_attn.sliding_window
