@@ -38,6 +38,7 @@ from usp_dit.demo import (
     tiny_wan_animate,
     tiny_wan_vace,
 )
+from usp_dit.demo.tiny_ace_step import tiny_ace_step
 from usp_dit.demo.tiny_allegro import tiny_allegro
 from usp_dit.demo.tiny_anyflow import tiny_anyflow
 from usp_dit.demo.tiny_auraflow import tiny_auraflow
@@ -61,10 +62,12 @@ from usp_dit.demo.tiny_joyimage import tiny_joyimage
 from usp_dit.demo.tiny_joyimage_plus import tiny_joyimage_plus
 from usp_dit.demo.tiny_krea2 import tiny_krea2
 from usp_dit.demo.tiny_latte import tiny_latte
+from usp_dit.demo.tiny_longcat_audio_dit import tiny_longcat_audio_dit
 from usp_dit.demo.tiny_longcat_image import tiny_longcat_image
 from usp_dit.demo.tiny_lumina2 import tiny_lumina2
 from usp_dit.demo.tiny_lumina_next import tiny_lumina_next
 from usp_dit.demo.tiny_minimax_h3 import tiny_minimax_h3
+from usp_dit.demo.tiny_minimax_music3 import tiny_minimax_music3
 from usp_dit.demo.tiny_motif_video import tiny_motif_video
 from usp_dit.demo.tiny_nucleus_moe import tiny_nucleus_moe
 from usp_dit.demo.tiny_omnigen import tiny_omnigen
@@ -145,6 +148,9 @@ BUILDERS = {
     "JoyImageEditPlus": tiny_joyimage_plus,  # the same, its batched RoPE cut on dim 1, a text key mask
     "StableAudio": tiny_stable_audio,  # routed F.sdpa self-attention, the RoPE argument cut there; local GQA cross-attention
     "StableAudio3": tiny_stable_audio3,  # two routed dispatch calls, RoPE a Table, inpainting rows cut per block
+    "ACE-Step": tiny_ace_step,  # GQA self-attention routed, local cross-attention to the condition
+    "LongCat-AudioDiT": tiny_longcat_audio_dit,  # routed self-attention, local masked cross-attention
+    "MiniMax-Music3": tiny_minimax_music3,  # [time token; frames] self-attention only
 }
 
 

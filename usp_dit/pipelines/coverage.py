@@ -255,6 +255,15 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
         ("StableAudio3Pipeline", "StableAudio3AudioToAudioPipeline", "StableAudio3InpaintPipeline"),
         one_call="the distilled checkpoint (guidance_scale=1, the default) and the audio-to-audio and inpainting pipelines",
         whole_vae="no recipe yet (SAME: 1-D convolutions and sliding-window attention)"),
+    "ACE-Step": FamilyPipelines("ACE-Step 1.5 base, SFT, turbo, XL text-to-music (songs over ~10 s, where the "
+                                "sliding window bites: ring_degree=1 only)", ("AceStepPipeline",),
+                                one_call="the turbo checkpoints and steps outside the CFG interval",
+                                whole_vae="no recipe yet (a 1-D convolutional audio decoder)"),
+    "LongCat-AudioDiT": FamilyPipelines("LongCat-AudioDiT 1B text-to-audio", ("LongCatAudioDiTPipeline",),
+                                        whole_vae="no recipe yet (a 1-D convolutional audio decoder)"),
+    "MiniMax-Music3": FamilyPipelines("MiniMax Music 3 (its flow-matching DiT)", (),
+                                      whole_vae="no DiffusionPipeline: Diffusers ships MiniMax Music 3 as modular "
+                                                "blocks, which `pipe.enable_usp()` does not wrap (enable the transformer)"),
 }
 
 

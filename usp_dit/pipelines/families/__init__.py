@@ -7,6 +7,7 @@ the machinery imports a family. docs/ADDING_A_MODEL.md: how a family is added.
 from __future__ import annotations
 
 from usp_dit.pipelines.families import (  # noqa: F401  (each module calls register_adapter on import)
+    ace_step,
     allegro,
     anyflow,
     auraflow,
@@ -41,12 +42,14 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     kandinsky6,
     krea2,
     latte,
+    longcat_audio_dit,
     longcat_image,
     ltx2,
     ltx_video,
     lumina2,
     lumina_next,
     minimax_h3,
+    minimax_music3,
     mochi,
     motif_video,
     nucleus_moe,

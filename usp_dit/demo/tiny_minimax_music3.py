@@ -1,0 +1,55 @@
+"""Tiny randomly initialised MiniMax Music 3 transformers and their inputs, for tests.
+
+Layout: Flow-VAE latents (batch, IN_CHANNELS, frames); the frame-aligned condition (batch, frames,
+CONDITION_DIM); timesteps (batch,) in [0, 1]. ``frames`` latent frames give ``1 + frames`` tokens
+(the time token first).
+
+Built from a seed, in code, with no download: every rank gets bit-identical weights and inputs.
+The stock pipeline is modular blocks around an autoregressive language model (not built here).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from diffusers import MiniMaxMusic3Transformer1DModel
+
+from usp_dit.demo.tiny_video import _perturb
+
+IN_CHANNELS = 8  # the release's 128
+CONDITION_DIM = 24  # the release's 2048
+
+
+def tiny_minimax_music3(num_heads: int = 4, head_dim: int = 16, seed: int = 0) -> MiniMaxMusic3Transformer1DModel:
+    """A 2-layer ``MiniMaxMusic3Transformer1DModel`` (``num_heads * head_dim`` wide; half of each
+    head rotated, as the release's 32 of 64), float32, eval mode, every parameter perturbed
+    (``tiny_video._perturb``)."""
+    torch.manual_seed(seed)
+    model = MiniMaxMusic3Transformer1DModel(
+        in_channels=IN_CHANNELS, condition_dim=CONDITION_DIM, num_layers=2, num_attention_heads=num_heads,
+        attention_head_dim=head_dim, ff_inner_dim=96, rotary_dim=head_dim // 2, fourier_embedding_dim=16,
+    )
+    _perturb(model, seed + 1)
+    return model.eval()
+
+
+@dataclass
+class MiniMaxMusic3Inputs:
+    """Keyword arguments of one ``MiniMaxMusic3Transformer1DModel.forward`` call."""
+
+    hidden_states: torch.Tensor  # (B, IN_CHANNELS, frames)
+    timestep: torch.Tensor  # (B,)
+    encoder_hidden_states: torch.Tensor  # (B, frames, CONDITION_DIM)
+
+    def kwargs(self) -> dict:
+        return dict(self.__dict__)
+
+
+def minimax_music3_inputs(frames: int, batch: int = 2, seed: int = 0) -> MiniMaxMusic3Inputs:
+    """Seeded inputs of ``frames`` latent frames: a different latent, condition and timestep per element."""
+    g = torch.Generator().manual_seed(seed)
+    return MiniMaxMusic3Inputs(
+        hidden_states=torch.randn(batch, IN_CHANNELS, frames, generator=g),
+        timestep=torch.rand(batch, generator=g),
+        encoder_hidden_states=torch.randn(batch, frames, CONDITION_DIM, generator=g),
+    )
