@@ -133,7 +133,7 @@ def test_tensor_parallel_matches_one_process(grid_results, key: str):
     for rank, res in enumerate(grid_results):
         errors = res.get(key) or res.get("tensor", "no result")
         assert not isinstance(errors, str), f"rank {rank}: {errors}"
-        worst = {k: v for k, v in errors.items() if k != "local_heads" and not k.startswith("worst_is_") and not v <= TOL}
+        worst = {k: v for k, v in errors.items() if k not in ("local_heads", "single_widths") and not k.startswith("worst_is_") and not v <= TOL}
         assert not worst, f"rank {rank}: above {TOL}: {worst}"
 
 

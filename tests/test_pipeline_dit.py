@@ -151,7 +151,7 @@ def test_tensor_parallel_matches_one_process(grid_results, key: str):
         errors = res.get(key) or res.get("tensor", "no result")
         assert not isinstance(errors, str), f"rank {rank}: {errors}"
         assert errors.get("local_heads", 3.0) == 3.0 or key.startswith("grad"), errors  # ceil(5 / 2) heads a rank
-        worst = {k: v for k, v in errors.items() if k != "local_heads" and not k.startswith("worst_is_") and not v <= TOL}
+        worst = {k: v for k, v in errors.items() if k not in ("local_heads", "single_widths") and not k.startswith("worst_is_") and not v <= TOL}
         assert not worst, f"rank {rank}: above {TOL}: {worst}"
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline, StableAudioDiTModel
+from diffusers import DiffusionPipeline, PriorTransformer
 
 import usp_dit
 from usp_dit import USPConfig, USPMesh, disable_usp, enable_usp
@@ -66,18 +66,15 @@ def test_pipeline_methods_on_every_diffusion_pipeline():
 
 
 def test_unsupported_model_names_class_and_supported_ones():
-    """A Diffusers transformer usp_dit has no plan for (Stable Audio's DiT) is refused, naming its
+    """A Diffusers transformer usp_dit has no plan for (the unCLIP prior) is refused, naming its
     class, the reason (docs/COVERAGE.md) and the supported families."""
-    audio = StableAudioDiTModel(
-        sample_size=8, in_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=2,
-        num_key_value_attention_heads=1, out_channels=4, cross_attention_dim=16, time_proj_dim=16,
-        global_states_input_dim=16, cross_attention_input_dim=16,
-    )
-    with pytest.raises(NotImplementedError, match=r"StableAudioDiTModel.*no adapter yet.*Flux"):
-        enable_usp(audio)
+    prior = PriorTransformer(num_attention_heads=2, attention_head_dim=4, num_layers=1, embedding_dim=8,
+                             num_embeddings=3, additional_embeddings=1)
+    with pytest.raises(NotImplementedError, match=r"PriorTransformer.*nothing to split.*Flux"):
+        enable_usp(prior)
     with pytest.raises(NotImplementedError, match="Linear"):
         enable_usp(torch.nn.Linear(2, 2))
-    assert not is_usp_enabled(audio)
+    assert not is_usp_enabled(prior)
 
 
 @pytest.mark.parametrize(
