@@ -62,6 +62,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     skyreels_v2,
     wan,
     wan_animate,
+    wan_animate2,
     wan_vace,
     zimage,
 )
