@@ -168,7 +168,7 @@ def _run_all() -> dict[str, dict | str]:
     record(results, "stock-cache-u2r2", lambda: _stock_cache_case(init_usp(2, 2)))
     record(results, "cached-grad-refused", lambda: _cached_gradient_refused(init_usp(1, 2)))
     for grid in [(2, 1, 1), (2, 2, 1), (1, 2, 2)]:
-        record(results, f"enable_usp-u{grid[0]}r{grid[1]}cfg{grid[2]}", lambda: _enable_usp_case(init_usp(*grid)))
+        record(results, f"enable_usp-u{grid[0]}r{grid[1]}cfg{grid[2]}", lambda grid=grid: _enable_usp_case(init_usp(*grid)))
     record(results, "ulysses-above-heads",
            lambda: ulysses_above_heads_case(tiny_wan_animate2(num_heads=2, head_dim=32), ADAPTER, init_usp(4, 1)))
     return results

@@ -88,19 +88,19 @@ class SegmentInputs:
         """Keyword arguments of the reference pass."""
         s = self.shape
         grid = torch.tensor([[s.ref_frames, s.height, s.width]] * len(self.ref_latents))
-        return dict(hidden_states=self.ref_latents, timestep=self.timestep, encoder_hidden_states=self.ref_text,
-                    condition_latents=self.ref_condition, kv_cache=cache, kv_cache_mode="extract",
-                    seq_len=s.ref_tokens, encoder_hidden_states_image=self.image, offset_grid_sizes=grid)
+        return {"hidden_states": self.ref_latents, "timestep": self.timestep, "encoder_hidden_states": self.ref_text,
+                    "condition_latents": self.ref_condition, "kv_cache": cache, "kv_cache_mode": "extract",
+                    "seq_len": s.ref_tokens, "encoder_hidden_states_image": self.image, "offset_grid_sizes": grid}
 
     def cached(self, cache: WanAnimate2KVCache, is_uncondtion: bool = False) -> dict:
         """Keyword arguments of one generation call (``origin_len`` and ``origin_area`` give F0, HW0)."""
         s = self.shape
         grid = torch.tensor([[s.ref_frames, s.height, s.width]] * len(self.latents))
-        return dict(hidden_states=self.latents, timestep=self.timestep, encoder_hidden_states=self.negative_text if is_uncondtion else self.text,
-                    condition_latents=self.condition, kv_cache=cache, kv_cache_mode="cached", seq_len=s.tokens,
-                    encoder_hidden_states_image=self.image, reference_grid_sizes=grid,
-                    origin_len=4 * (s.origin_frames - 1), origin_area=[16, 16 * s.origin_hw],
-                    is_uncondtion=is_uncondtion)
+        return {"hidden_states": self.latents, "timestep": self.timestep, "encoder_hidden_states": self.negative_text if is_uncondtion else self.text,
+                    "condition_latents": self.condition, "kv_cache": cache, "kv_cache_mode": "cached", "seq_len": s.tokens,
+                    "encoder_hidden_states_image": self.image, "reference_grid_sizes": grid,
+                    "origin_len": 4 * (s.origin_frames - 1), "origin_area": [16, 16 * s.origin_hw],
+                    "is_uncondtion": is_uncondtion}
 
 
 def segment_inputs(model: WanAnimate2Transformer3DModel, shape: SegmentShape, batch: int = 2,
