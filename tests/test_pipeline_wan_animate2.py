@@ -23,9 +23,11 @@ Neither generation count divides 2 or 4.
 Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2) (tests/adapter_parity.GRIDS),
 ring grids also with "stream" and "gather_merge" forced (tests/adapter_parity Note [schedules in
 CI]). Each case: outputs vs stock; block 0's self-attention sees at most ceil(tokens / P) tokens in
-both passes; after ``disable`` bit-identical. Also: a cache written by stock (the reference pass
-before ``enable``) read under the adapter; the reference pass's parameter gradients on 2 (first shape) and
-4 ranks (second shape) (the generation pass with a gradient is refused, and that refusal is asserted); through
+both passes, its cache holds at most ceil(reference tokens / P) rows and a window of exactly the
+reference frames the rank's queries read (Note [where the reference cache lives]); after
+``disable`` bit-identical. Also: a cache written by stock (the reference pass before ``enable``)
+read under the adapter; the reference pass's parameter gradients on 2 ranks (first shape) and 4
+(second shape) (the generation pass with a gradient is refused, and that refusal is asserted); through
 ``usp_dit.enable_usp`` on (2,1), (2,2) and cfg (1,2,2), whose two guidance calls of a step run on
 the two cfg groups (``cfg_pair``), with the branch arguments ``encoder_hidden_states`` and
 ``is_uncondtion``.
@@ -68,6 +70,7 @@ from usp_dit.demo.tiny_wan_animate2 import (
     tiny_wan_animate2,
 )
 from usp_dit.pipelines.families.wan_animate2 import ADAPTER, Geometry, rope_rows
+from usp_dit.sharding.partition import split_sizes
 from usp_dit.testing import rel_err
 
 TOL = 1e-5
@@ -90,25 +93,48 @@ def _stock(shape: SegmentShape, calls: int = 2) -> torch.Tensor:
     return run_segment(*_build(shape), calls=calls)
 
 
+def _needed_reference_frames(shape: SegmentShape, mesh) -> int:
+    """Reference frames this rank's generation tokens read, counted token by token off stock's
+    rule (generation frame f reads reference frame f - 1, if it exists)."""
+    sizes = split_sizes(shape.tokens, mesh.sequence_degree)
+    start = sum(sizes[:mesh.seq_rank])
+    hw = shape.height * shape.width
+    return len({j // hw - 1 for j in range(start, start + sizes[mesh.seq_rank])} & set(range(shape.ref_frames)))
+
+
 def _output_case(shape: SegmentShape, mesh) -> dict[str, float]:
     """Both passes vs stock; the longest sequence block 0's self-attention saw vs ceil(S / P) of
-    its pass; bit-identity after disable."""
+    its pass; block 0's cache: at most ceil(S_ref / P) rows from the reference pass and, at the
+    generation calls, a window of exactly the reference frames the rank's queries read; after
+    disable, bit-identity."""
     model, inputs = _build(shape)
     ref = _stock(shape)
-    seen = []
-    hook = model.blocks[0].self_attn.register_forward_pre_hook(
-        lambda m, args, kwargs: seen.append((kwargs["kv_cache_mode"], args[0].shape[1])), with_kwargs=True)
+    seen, held = [], []
+    attn = model.blocks[0].self_attn
+
+    def cache_rows(module, args, kwargs, out) -> None:  # after the call: what the layer cache holds now
+        cache = kwargs["kv_cache"]
+        window = module.processor.windows.get(cache)
+        held.append((cache.key.shape[1], None if window is None else window.frames))
+
+    hooks = [attn.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append((kwargs["kv_cache_mode"], args[0].shape[1])), with_kwargs=True),
+        attn.register_forward_hook(cache_rows, with_kwargs=True)]
     ADAPTER.enable(model, mesh, "auto")
     try:
         out = run_segment(model, inputs)
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
         ADAPTER.disable(model)
     again = run_segment(model, inputs)
     bound = {"extract": math.ceil(shape.ref_tokens / mesh.sequence_degree),
              "cached": math.ceil(shape.tokens / mesh.sequence_degree)}
+    needed = _needed_reference_frames(shape, mesh)
     return {"out": rel_err(out, ref), "disable_not_bit_identical": float(not torch.equal(again, ref)),
-            "block0_tokens_above_ceil": float(len(seen) != 3 or any(n > bound[mode] for mode, n in seen))}
+            "block0_tokens_above_ceil": float(len(seen) != 3 or any(n > bound[mode] for mode, n in seen)),
+            "cache_rows_above_ceil": float(len(held) != 3 or any(rows > bound["extract"] for rows, _ in held)),
+            "window_not_the_frames_read": float(held[0][1] is not None or any(w != needed for _, w in held[1:]))}
 
 
 def _stock_cache_case(mesh) -> dict[str, float]:

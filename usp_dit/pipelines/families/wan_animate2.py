@@ -43,7 +43,9 @@ Note [generation attention as a merge]
         part 3   the Z zero keys: out 0, lse log Z (Z = 0: -inf, nothing)
 
     merged in float32 (``usp_dit.attention.merge.LSEMerger``). Generation queries of frame f meet
-    exactly the keys they meet in stock, with the same scale (head_dim ** -0.5).
+    exactly the keys they meet in stock, with the same scale (head_dim ** -0.5). The BlockMask
+    object the model passes is not read: its pattern is ``create_mask``'s, rebuilt above from the
+    same numbers (the call's grids, ``origin_latent_frames``, ``origin_latent_hw``).
 
 Note [where the reference cache lives]
     A rank's queries cover generation frames [f_lo, f_hi] (a contiguous shard, straddling frame
