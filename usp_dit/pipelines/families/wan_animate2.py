@@ -52,19 +52,19 @@ Note [where the reference cache lives]
     boundaries at either end); part 2 needs reference frames [f_lo - 1, f_hi - 1], all heads. The
     reference pass shards the reference tokens like any sequence, so at its end each rank's layer
     cache holds the rank's own rows (pre-RoPE, as stock: 1 / P of stock's cache). The generation
-    grid is not known then, so at the first generation call of a layer the ranks all-gather that
-    layer's cache over the sequence group once (transient: one layer's whole cache, freed at
-    once) and each keeps its window of whole reference frames, memoised for every later call of
-    the segment (same cache, same geometry; a new cache or geometry gathers again). RoPE is
-    applied to the window at each call with that call's reference grid, as stock re-applies it.
-    Memory per rank and layer: the shard (seq_ref / P tokens) plus the window (at most
-    ceil(seq / P / (h w)) + 1 whole reference frames), against stock's seq_ref, and one layer's
-    whole cache transiently at the gather. The release at 800 x 640, 81 frames (21 reference frames
-    and 22 generation frames of 2000 tokens, 40 heads x 128, bf16) on 8 ranks: a shard of 5250
-    rows and a window of at most 4 frames (8000 rows), 271 MB of K and V per layer, 10.9 GB over
-    the 40 layers, against stock's 34.4 GB (860 MB a layer, also the transient). A cache
-    written by stock (the reference pass run before ``enable``) holds every row: the window is cut
-    from it with no communication.
+    grid is not known then, so at the first generation call of a layer the ranks exchange rows
+    once, in one all-to-all over the sequence group: each rank sends each other the rows of its
+    shard that the other's window holds, and keeps its window (whole reference frames), memoised
+    for every later call of the segment (same cache, same geometry; a new cache or geometry
+    exchanges again). RoPE is applied to the window at each call with that call's reference grid,
+    as stock re-applies it. Memory per rank and layer: the shard (seq_ref / P rows) plus the
+    window (at most ceil(seq / P / (h w)) + 1 reference frames), against stock's seq_ref; traffic:
+    the window's rows, once per layer and segment. The release at 800 x 640, 81 frames (21
+    reference frames and 22 generation frames of 2000 tokens, 40 heads x 128, bf16) on 8 ranks: a
+    shard of 5250 rows and a window of at most 4 frames (8000 rows), 271 MB of K and V per layer,
+    10.9 GB over the 40 layers, against stock's 34.4 GB (860 MB a layer). A cache written by stock
+    (the reference pass run before ``enable``) holds every row: the window is cut from it with no
+    communication.
 
 Note [RoPE rows]
     Stock's ``rope_apply`` rotates token j of a grid (f, h, w) by the product of the time, height
@@ -103,6 +103,7 @@ from diffusers.models.transformers.transformer_wan_animate_2 import (
 
 from usp_dit.attention.merge import LSEMerger
 from usp_dit.attention.usp import usp_attention
+from usp_dit.distributed.comm import exchange
 from usp_dit.kernels import attend, select_backend
 from usp_dit.kernels.autograd import needs_grad
 from usp_dit.kernels.protocol import lse_dtype
@@ -111,7 +112,6 @@ from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.families.wan_animate import frame_runs
 from usp_dit.pipelines.plan import Local, ModelPlan, Parallel, PlanAdapter
 from usp_dit.sharding.partition import offsets, split_sizes
-from usp_dit.sharding.shard import gather_sequence
 
 
 def rope_rows(x: torch.Tensor, grid: tuple[int, int, int], freqs: torch.Tensor, stride: int, start: int) -> torch.Tensor:
@@ -330,41 +330,75 @@ class USPWanAnimate2AttnProcessor:
         """Note [where the reference cache lives]: the pre-RoPE reference K/V of the frames this
         rank's queries [start, start + n) read, memoised per layer cache."""
         key, value = kv_cache.get()
-        f_lo, f_hi = start // geometry.hw, (start + max(n, 1) - 1) // geometry.hw
-        first = max(f_lo - 1, 0)
-        last = min(f_hi - 1, geometry.ref_frames - 1) if n else first - 1
-        frames = max(last - first + 1, 0)
         held = self.windows.get(kv_cache)
         if held is not None and held.key() is key and held.geometry == geometry:
             return held
-        whole = self._whole_reference(kv_cache, key, value, geometry)  # (B, S_ref, H, 2 D)
-        rows = whole[:, first * geometry.ref_hw:(first + frames) * geometry.ref_hw].clone()
+        first, frames = frames_read(geometry, start, n)
+        rows = self._reference_rows(kv_cache, key, value, geometry)  # (B, frames * ref_hw, H, 2 D)
         k_win, v_win = rows.chunk(2, dim=-1)
         window = _Window(weakref.ref(key), geometry, first, frames, geometry.ref_hw, k_win, v_win)
         self.windows[kv_cache] = window
         return window
 
-    def _whole_reference(self, kv_cache, key: torch.Tensor, value: torch.Tensor, geometry: Geometry) -> torch.Tensor:
-        """Every reference row's pre-RoPE [key | value] (B, S_ref, H, 2 D): gathered over the sequence
-        group when the reference pass ran here, else the stock cache itself.
+    def _reference_rows(self, kv_cache, key: torch.Tensor, value: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+        """This rank's window of pre-RoPE [key | value] rows (B, frames * ref_hw, H, 2 D): exchanged
+        over the sequence group when the reference pass ran here, else cut from the stock cache.
 
         Raises:
             NotImplementedError: the cache was written under another grid.
             ValueError: the reference grid has more tokens than the cache.
         """
         info = getattr(kv_cache, _EXTRACTED_ATTR, None)
-        both = torch.cat([key, value], dim=-1)
         mine = info is not None and info.key() is key
         if mine and info.mesh is not self.state.mesh:
             raise NotImplementedError("usp_dit's Wan-Animate-2 adapter: the reference cache was written under "
                                       "another grid; run the reference pass (kv_cache_mode='extract') again")
-        if mine and self.state.mesh.sequence_degree > 1:
-            both = gather_sequence(both, self.state.mesh, dim=1, seq_len=info.seq_len)
+        total = info.seq_len if mine else key.shape[1]
         needed = geometry.ref_frames * geometry.ref_hw
-        if both.shape[1] < needed:
-            raise ValueError(f"reference_grid_sizes describe {needed} reference tokens but the cache holds "
-                             f"{both.shape[1]}")
-        return both
+        if total < needed:
+            raise ValueError(f"reference_grid_sizes describe {needed} reference tokens but the cache holds {total}")
+        mesh = self.state.mesh
+        if not mine or mesh.sequence_degree == 1:  # the cache holds every row
+            lo, hi = self._window_rows(geometry)[mesh.seq_rank]
+            return torch.cat([key[:, lo:hi], value[:, lo:hi]], dim=-1)
+        return self._exchange(torch.cat([key, value], dim=-1), total, geometry)
+
+    def _window_rows(self, geometry: Geometry) -> list[tuple[int, int]]:
+        """Every sequence rank's window, as reference rows [lo, hi), from the generation split."""
+        sizes = split_sizes(self.state.seq_len, self.state.mesh.sequence_degree)
+        windows = [frames_read(geometry, start, n) for start, n in zip(offsets(sizes), sizes)]
+        return [(first * geometry.ref_hw, (first + frames) * geometry.ref_hw) for first, frames in windows]
+
+    def _exchange(self, shard: torch.Tensor, ref_len: int, geometry: Geometry) -> torch.Tensor:
+        """shard (B, S_ref_local, H, 2 D), this rank's reference rows -> its window's rows: one
+        all-to-all over the sequence group, each rank sending every other the rows of its shard
+        that the other's window holds (shards and windows are contiguous, in rank order)."""
+        mesh = self.state.mesh
+        sizes = split_sizes(ref_len, mesh.sequence_degree)
+        shards = [(a, a + n) for a, n in zip(offsets(sizes), sizes)]
+        windows = self._window_rows(geometry)
+        a, _ = own = shards[mesh.seq_rank]
+        chunks = [shard[:, s - a:e - a] for s, e in (_overlap(rows, own) for rows in windows)]
+        b, _, heads, width = shard.shape
+        recv = [_overlap(windows[mesh.seq_rank], rows) for rows in shards]  # what each rank's shard gives this one
+        pieces = exchange(chunks, [(b, e - s, heads, width) for s, e in recv], mesh.seq_group, kind="seq_gather")
+        return torch.cat(pieces, dim=1)
+
+
+def _overlap(x: tuple[int, int], y: tuple[int, int]) -> tuple[int, int]:
+    """[s, e) = x ∩ y (e == s where they do not meet)."""
+    s = max(x[0], y[0])
+    return s, max(min(x[1], y[1]), s)
+
+
+def frames_read(geometry: Geometry, start: int, n: int) -> tuple[int, int]:
+    """(first, frames): the reference frames generation tokens [start, start + n) read (frame f
+    reads f - 1, when it exists); frames 0 when none."""
+    if n == 0:
+        return 0, 0
+    first = max(start // geometry.hw - 1, 0)
+    last = min((start + n - 1) // geometry.hw - 1, geometry.ref_frames - 1)
+    return first, max(last - first + 1, 0)
 
 
 PLAN = ModelPlan(
