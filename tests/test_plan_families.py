@@ -80,6 +80,7 @@ from usp_dit.demo.tiny_sana_wm import tiny_sana_wm
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
 from usp_dit.demo.tiny_stable_audio import tiny_stable_audio
 from usp_dit.demo.tiny_stable_audio3 import tiny_stable_audio3
+from usp_dit.demo.tiny_wan_animate2 import tiny_wan_animate2
 from usp_dit.demo.tiny_zimage import tiny_zimage
 from usp_dit.pipelines.base import find_adapter, registered_adapters
 from usp_dit.pipelines.plan import Parallel, PlanAdapter
@@ -117,6 +118,7 @@ BUILDERS = {
     "ChronoEdit": tiny_chronoedit,  # Wan I2V's attention with ChronoEdit's own processor class
     "Helios": lambda: tiny_helios("amplify"),  # the history's key scales too
     "WanAnimate": tiny_wan_animate.tiny_wan_animate,  # the face adapters' per-frame attention too
+    "WanAnimate2": tiny_wan_animate2,  # the reference-cache self-attention (both passes), local cross-attention
     "WanVACE": tiny_wan_vace.tiny_wan_vace,  # the control blocks' attention too
     "Kandinsky5": tiny_kandinsky5.tiny_kandinsky5,  # the text stream's local attention too
     "Kandinsky6": tiny_kandinsky6.tiny_kandinsky6,  # two text streams, the replicated audio's attention too

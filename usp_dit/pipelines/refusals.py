@@ -18,10 +18,6 @@ _REASONS = {
     "MiniMaxMusic3RVQDepthDecoder": "an audio codec's depth decoder over a few tokens: nothing to split",
     "HunyuanVideoFramepackTransformer3DModel": (
         f"{NO_ADAPTER} (FramePack's history latents and clean-latent RoPE differ from HunyuanVideo's)"),
-    "WanAnimate2Transformer3DModel": (
-        f"{NO_ADAPTER} (in-context reference attention: each generation frame attends every generation token "
-        "plus the cached reference tokens of its own frame, a flex BlockMask over a packed [generation | reference] "
-        "buffer, the reference K/V written by a separate extract pass into a per-layer cache)"),
     "Kandinsky6SRTransformer3DModel": (
         "every self-attention is NABLA block-sparse: a flex-attention BlockMask over 64-token blocks chosen from the "
         "whole sequence's mean-pooled Q and K (top-P of the softmax mass) OR a sliding window, which no rank holds "

@@ -68,6 +68,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     stable_audio3,
     wan,
     wan_animate,
+    wan_animate2,
     wan_vace,
     zimage,
 )

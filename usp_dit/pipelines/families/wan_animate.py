@@ -56,11 +56,8 @@ an ``attention_mask`` in self-attention); at the call, a face-adapter ``attentio
 never passes one) and a layout other than "contiguous". ValueError at the call: a token count that
 does not split into the face features' T frames (stock fails there too).
 
-``WanAnimate2Transformer3DModel`` (Wan-Animate-2) is another model, not a variant of this one, and
-is refused (usp_dit.pipelines.refusals): its generation pass attends through a flex ``BlockMask``
-over a 128-aligned packed [generation | reference] buffer, each generation frame attending every
-generation token plus the cached reference tokens of its own frame index, with the reference K/V
-written by a separate extract pass into a per-layer cache; list inputs of per-sample lengths.
+``WanAnimate2Transformer3DModel`` (Wan-Animate-2) is another model, not a variant of this one: its
+own adapter is ``usp_dit.pipelines.families.wan_animate2`` (in-context reference attention).
 """
 from __future__ import annotations
 

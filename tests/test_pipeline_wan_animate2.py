@@ -1,0 +1,276 @@
+"""Wan-Animate-2 adapter: both passes (reference extract, then cached generation) equal one process's.
+
+One spawned group of 4 ranks runs every case (the 2-rank grids run on it as two data-parallel
+replicas of 2 ranks). Model: a tiny 2-layer ``WanAnimate2Transformer3DModel`` (4 heads x 16,
+CLIP image tokens, every weight perturbed; ``usp_dit.demo.tiny_wan_animate2``). Each case runs a
+segment as the pipeline does: the reference pass into a fresh ``WanAnimate2KVCache``, then two
+generation calls on it (the conditional, then the unconditional one: the second reads the
+memoised reference window), batch 2 with a different driving video, prompt (of a different
+length), CLIP image and timestep per sample; the outputs of all three calls are compared. The
+stock reference builds its BlockMask uncompiled (``tiny_wan_animate2.eager_block_masks``: the
+same mask, without a half-minute inductor build per rank).
+
+Shapes (reference grid F_r, generation grid F x h x w, video geometry F0 x HW0 of the block mask):
+  * r2f3h3w5o2x15: the pipeline's geometry (F = F_r + 1 = F0 + 1, h w = HW0): 45 generation and
+    30 reference tokens; 45 on 4 ranks is 12 | 11 | 11 | 11 against frames of 15, so ranks'
+    queries straddle frame boundaries and their reference windows overlap;
+  * r3f5h1w3o4x5: a generation grid smaller than the video geometry (h w = 3 < HW0 = 5) and fewer
+    reference frames than F0: zero keys in both parts of stock's packed buffer (10 in the
+    generation part, 2 or 5 per frame in the reference part) and a last frame with no real
+    reference key (Note [generation attention as a merge]); 15 and 9 tokens.
+Neither generation count divides 2 or 4.
+
+Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2) (tests/adapter_parity.GRIDS),
+ring grids also with "stream" and "gather_merge" forced (tests/adapter_parity Note [schedules in
+CI]). Each case: outputs vs stock; block 0's self-attention sees at most ceil(tokens / P) tokens in
+both passes, its cache holds at most ceil(reference tokens / P) rows and a window of exactly the
+reference frames the rank's queries read (Note [where the reference cache lives]); after
+``disable`` bit-identical. Also: a cache written by stock (the reference pass before ``enable``)
+read under the adapter; the reference pass's parameter gradients on 2 ranks (first shape) and 4
+(second shape) (the generation pass with a gradient is refused, and that refusal is asserted); through
+``usp_dit.enable_usp`` on (2,1), (2,2) and cfg (1,2,2), whose two guidance calls of a step run on
+the two cfg groups (``cfg_pair``), with the branch arguments ``encoder_hidden_states`` and
+``is_uncondtion``.
+
+Not here, and why: the stock pipeline is a modular pipeline (``WanAnimate2ModularPipeline``: VAE,
+UMT5, CLIP vision, pose/face video preprocessing) with no tiny build in code, so its denoise loop
+is reproduced by ``run_segment`` (the same calls, the same arguments); no compiled case: stock's
+forward reads grids with ``.tolist()`` / ``.item()`` (a graph break), so no fullgraph compile of
+this transformer exists, enabled or not.
+
+Tolerance: max|err| / max|ref| <= 1e-5 (float32): sharding only reorders float32 sums (attention
+merged by log-sum-exp against stock's one masked softmax; gradients summed over ranks).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
+
+from tests.adapter_parity import (
+    assert_within,
+    grad_keys,
+    gradient_errors,
+    grid_tests,
+    output_keys,
+    record,
+    run_grid_cases,
+    spawn_grid,
+    ulysses_above_heads_case,
+)
+from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
+from usp_dit.demo.tiny_wan_animate2 import (
+    SegmentShape,
+    eager_block_masks,
+    run_segment,
+    segment_inputs,
+    tiny_wan_animate2,
+)
+from usp_dit.pipelines.families.wan_animate2 import ADAPTER, Geometry, rope_rows
+from usp_dit.sharding.partition import split_sizes
+from usp_dit.testing import rel_err
+
+TOL = 1e-5
+WORLD = 4
+SHAPES = [SegmentShape(2, 3, 3, 5, 2, 15), SegmentShape(3, 5, 1, 3, 4, 5)]
+GRAD_SHAPES = {2: SHAPES[:1], 4: SHAPES[1:]}  # the reference pass's gradients: one shape per world size
+
+
+@functools.cache
+def _build(shape: SegmentShape):
+    """One model and its inputs per shape, shared by the cases of a rank (each case disables what
+    it enabled, and disable restores the model exactly: asserted in every output case)."""
+    model = tiny_wan_animate2()
+    return model, segment_inputs(model, shape)
+
+
+@functools.cache
+def _stock(shape: SegmentShape, calls: int = 2) -> torch.Tensor:
+    """The one-process result of a segment (``run_segment``), computed once per shape."""
+    return run_segment(*_build(shape), calls=calls)
+
+
+def _needed_reference_frames(shape: SegmentShape, mesh) -> int:
+    """Reference frames this rank's generation tokens read, counted token by token off stock's
+    rule (generation frame f reads reference frame f - 1, if it exists)."""
+    sizes = split_sizes(shape.tokens, mesh.sequence_degree)
+    start = sum(sizes[:mesh.seq_rank])
+    hw = shape.height * shape.width
+    return len({j // hw - 1 for j in range(start, start + sizes[mesh.seq_rank])} & set(range(shape.ref_frames)))
+
+
+def _output_case(shape: SegmentShape, mesh) -> dict[str, float]:
+    """Both passes vs stock; the longest sequence block 0's self-attention saw vs ceil(S / P) of
+    its pass; block 0's cache: at most ceil(S_ref / P) rows from the reference pass and, at the
+    generation calls, a window of exactly the reference frames the rank's queries read; after
+    disable, bit-identity."""
+    model, inputs = _build(shape)
+    ref = _stock(shape)
+    seen, held = [], []
+    attn = model.blocks[0].self_attn
+
+    def cache_rows(module, args, kwargs, out) -> None:  # after the call: what the layer cache holds now
+        cache = kwargs["kv_cache"]
+        window = module.processor.windows.get(cache)
+        held.append((cache.key.shape[1], None if window is None else window.frames))
+
+    hooks = [attn.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append((kwargs["kv_cache_mode"], args[0].shape[1])), with_kwargs=True),
+        attn.register_forward_hook(cache_rows, with_kwargs=True)]
+    ADAPTER.enable(model, mesh, "auto")
+    try:
+        out = run_segment(model, inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        ADAPTER.disable(model)
+    again = run_segment(model, inputs)
+    bound = {"extract": math.ceil(shape.ref_tokens / mesh.sequence_degree),
+             "cached": math.ceil(shape.tokens / mesh.sequence_degree)}
+    needed = _needed_reference_frames(shape, mesh)
+    return {"out": rel_err(out, ref), "disable_not_bit_identical": float(not torch.equal(again, ref)),
+            "block0_tokens_above_ceil": float(len(seen) != 3 or any(n > bound[mode] for mode, n in seen)),
+            "cache_rows_above_ceil": float(len(held) != 3 or any(rows > bound["extract"] for rows, _ in held)),
+            "window_not_the_frames_read": float(held[0][1] is not None or any(w != needed for _, w in held[1:]))}
+
+
+def _stock_cache_case(mesh) -> dict[str, float]:
+    """The reference pass run by stock (every row in the cache), the generation calls enabled."""
+    model, inputs = _build(SHAPES[0])
+    want = _stock(SHAPES[0])
+    cache = WanAnimate2KVCache(model.config.num_layers)
+    outs = []
+    with torch.no_grad(), eager_block_masks():
+        model(**inputs.extract(cache))
+        ADAPTER.enable(model, mesh, "auto")
+        try:
+            for uncond in (False, True):
+                outs += model(**inputs.cached(cache, is_uncondtion=uncond)).sample
+        finally:
+            ADAPTER.disable(model)
+    got = torch.cat([o.flatten() for o in outs])
+    return {"out": rel_err(got, want[-got.numel():])}  # the two generation calls' outputs
+
+
+class _ExtractCall:
+    """``gradient_errors``' inputs: the reference pass, into a fresh cache at each call."""
+
+    def __init__(self, model, inputs) -> None:
+        self.model, self.inputs = model, inputs
+
+    def kwargs(self) -> dict:
+        return self.inputs.extract(WanAnimate2KVCache(self.model.config.num_layers))
+
+
+def _gradient_case(shape: SegmentShape, mesh) -> dict[str, float]:
+    model, inputs = _build(shape)
+    return gradient_errors(model, _ExtractCall(model, inputs), ADAPTER, mesh)
+
+
+def _cached_gradient_refused(mesh) -> dict[str, float]:
+    model, inputs = _build(SHAPES[0])
+    cache = WanAnimate2KVCache(model.config.num_layers)
+    ADAPTER.enable(model, mesh, "auto")
+    try:
+        with eager_block_masks():
+            with torch.no_grad():
+                model(**inputs.extract(cache))
+            model(**inputs.cached(cache))
+    except NotImplementedError as exc:
+        return {"wrong_error": float("generation pass (kv_cache_mode='cached') with a gradient" not in str(exc))}
+    finally:
+        ADAPTER.disable(model)
+    return {"did_not_raise": 1.0}
+
+
+def _enable_usp_case(mesh) -> dict[str, float]:
+    """Through ``usp_dit.enable_usp`` (input sync, call handshake; at cfg 2 the guidance pairs of
+    ``cfg_pair``): reference pass, then two steps of (conditional, unconditional) calls."""
+    model, inputs = _build(SHAPES[0])
+    ref = _stock(SHAPES[0], calls=4)
+    enable_usp(model, mesh=mesh)
+    try:
+        out = run_segment(model, inputs, calls=4)
+    finally:
+        disable_usp(model)
+    return {"out": rel_err(out, ref)}
+
+
+def _run_all() -> dict[str, dict | str]:
+    results = {}
+    run_grid_cases(results, SHAPES, _output_case, _gradient_case, grad_shapes=GRAD_SHAPES)
+    record(results, "stock-cache-u2r2", lambda: _stock_cache_case(init_usp(2, 2)))
+    record(results, "cached-grad-refused", lambda: _cached_gradient_refused(init_usp(1, 2)))
+    for grid in [(2, 1, 1), (2, 2, 1), (1, 2, 2)]:
+        record(results, f"enable_usp-u{grid[0]}r{grid[1]}cfg{grid[2]}", lambda grid=grid: _enable_usp_case(init_usp(*grid)))
+    record(results, "ulysses-above-heads",
+           lambda: ulysses_above_heads_case(tiny_wan_animate2(num_heads=2, head_dim=32), ADAPTER, init_usp(4, 1)))
+    return results
+
+
+@pytest.fixture(scope="module")
+def grid_results() -> list[dict]:
+    return spawn_grid(_run_all, WORLD)
+
+
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
+    output_keys(SHAPES) + ["stock-cache-u2r2", "enable_usp-u2r1cfg1", "enable_usp-u2r2cfg1", "enable_usp-u1r2cfg2"],
+    grad_keys(by_world=GRAD_SHAPES), TOL,
+)
+
+
+def test_generation_pass_with_a_gradient_is_refused(grid_results):
+    assert_within(grid_results, "cached-grad-refused", 0.0)
+
+
+def test_ulysses_above_heads_raises_at_enable(grid_results):
+    assert_within(grid_results, "ulysses-above-heads", 0.0)
+
+
+# ---- single process -------------------------------------------------------------------------------
+
+
+def test_one_rank_equals_stock_and_disable_restores():
+    """Enabled on one rank the segment equals stock (the merge, not stock's packed call: float32
+    rounding only); after disable, stock's processors, bit for bit."""
+    model, inputs = _build(SHAPES[1])
+    before = [m.processor for m in model.modules() if hasattr(m, "processor")]
+    ref = run_segment(model, inputs)
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    out = run_segment(model, inputs)
+    ADAPTER.disable(model)
+    assert rel_err(out, ref) <= TOL
+    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
+    assert not [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert torch.equal(run_segment(model, inputs), ref)
+
+
+@pytest.mark.parametrize("start, rows", [(0, 30), (7, 11), (29, 1)])
+def test_rope_rows_equal_stock_rope_apply_rows(start: int, rows: int):
+    """Rows [start, start + rows) rotated alone equal the same rows of stock's whole rotation."""
+    from diffusers.models.transformers.transformer_wan_animate_2 import rope_apply
+
+    model = tiny_wan_animate2()
+    freqs = model._rope_freqs((1, 0, 5), torch.device("cpu"))
+    x = torch.randn(2, 30, 4, 16, generator=torch.Generator().manual_seed(0))
+    grid = torch.tensor([[2, 3, 5], [2, 3, 5]])
+    whole = rope_apply(x, grid, freqs, 2)
+    assert torch.equal(rope_rows(x[:, start:start + rows], (2, 3, 5), freqs, 2, start), whole[:, start:start + rows])
+
+
+def test_zero_keys_follow_stock_mask():
+    """Zero-key counts per generation frame, counted off stock's mask rule directly."""
+    g = Geometry(frames=5, hw=3, ref_frames=3, ref_hw=3, origin_frames=4, origin_hw=5)
+    counts = g.zero_keys(torch.arange(5)).tolist()
+    base = 5 * 5 - 5 * 3
+    assert counts == [base, base + 2, base + 2, base + 2, base + 5]
+
+
+def test_grids_outside_the_packed_buffer_raise():
+    with pytest.raises(ValueError, match="do not fit the packed buffer"):
+        Geometry(frames=3, hw=16, ref_frames=2, ref_hw=15, origin_frames=2, origin_hw=15).check()
+    with pytest.raises(NotImplementedError, match="beyond origin_len"):
+        Geometry(frames=4, hw=15, ref_frames=2, ref_hw=15, origin_frames=2, origin_hw=15).check()
