@@ -8,8 +8,9 @@ The refiner's four calls (``kv_cache_mode``): plain self-attention (None); "capt
 sink's pre-RoPE K/V stored in the cache); "inject" (attention over [cached sink, re-rotated with
 its own shifted positions; cached history; current tokens]); "inject_and_capture_post_rope"
 (the same, storing the current block's rotated K/V; "inject" alone runs in the pipeline). Video
-tokens 45, 27 and 15 (none divides 2 or 4); a cached prefix of 9 sink + 18 history tokens; batch 2 with a different prompt, padded
-prompt mask (different valid lengths), per-token timestep and RoPE frame positions per element.
+tokens 45, 27 and 15 (none divides 2 or 4); a cached prefix of 9 sink + 18 history tokens; batch 2
+with a different prompt, padded prompt mask (different valid lengths), per-token timestep and RoPE
+frame positions per element.
 
 Grids (U, R, cfg): (2,1,1), (1,2,1); (2,2,1), (4,1,1), (1,4,1), (1,2,2) (tests/adapter_parity.GRIDS);
 each ring grid also with the "stream" and "gather_merge" schedules forced (in CI on one ring grid
@@ -22,7 +23,8 @@ sequence group) on 2 and 4 ranks; a gradient through an injected prefix on a gri
 ``cfg_degree=2``, and a KV-cached call refused there. The tiny ``SanaWMLTX2Refiner`` (Gemma 3
 encoder, text connectors; a stage-1 latent of 8 frames of 3 x 3, sink 1, blocks of 3 frames, a
 window of 5 frames: the history trimmed; 3 Euler steps a block) through ``pipe.enable_usp()`` on
-(2,1) and (2,2) equals one process's refined latents.
+(2,1) and (2,2) equals one process's refined latents; its batch-1 calls are refused by
+``cfg_degree=2``. The compiled case (one graph, a plain call on (1,2)): tests/test_compile_grid.py.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, captured K/V, gradients and the
 pipeline's latents: sharding only reorders float32 sums (attention in blocks merged by
