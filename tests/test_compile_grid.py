@@ -468,6 +468,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("latte", (2, 1, 1), 0),  # frames as batch rows of the routed F.sdpa; temporal blocks' timestep cut per block
     ("allegro", (1, 2, 1), 0),  # AllegroAttnProcessor2_0's routed F.sdpa; RoPE positions cut at every block
     ("kandinsky6", (1, 2, 1), 0),  # the audio queries over the video merged by log-sum-exp; a (video, audio) gather
+    ("sana_wm_refiner", (1, 2, 1), 0),  # the refiner's own attn1 processor routed; RoPE argument cut per call
     ("dit", (2, 1, 1), 0),  # PixArt's routed F.sdpa, class-conditional adaLN-zero; the square fold after the gather
     ("prx", (1, 2, 1), 0),  # image queries over [text; shard] keys (zero text queries), padded prompts masked per element
     ("ernie_image", (2, 1, 1), 0),  # sequence-first single stream [image shard; masked text], cut at its seams

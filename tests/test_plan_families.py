@@ -77,6 +77,7 @@ from usp_dit.demo.tiny_prx import tiny_prx
 from usp_dit.demo.tiny_qwen_image21 import tiny_qwen_image21
 from usp_dit.demo.tiny_sana_video import tiny_sana_video
 from usp_dit.demo.tiny_sana_wm import tiny_sana_wm
+from usp_dit.demo.tiny_sana_wm_refiner import tiny_sana_wm_refiner
 from usp_dit.demo.tiny_skyreels_v2 import tiny_skyreels_v2
 from usp_dit.demo.tiny_stable_audio import tiny_stable_audio
 from usp_dit.demo.tiny_stable_audio3 import tiny_stable_audio3
@@ -134,6 +135,7 @@ BUILDERS = {
     "ZImage": tiny_zimage,  # the context refiner's local attention too
     "Sana": lambda: tiny_sana.tiny_sana("sprint"),  # linear attention, the Mix-FFN's conv hooks, QK norms
     "SanaWM": tiny_sana_wm,  # GDN per-frame sums all-reduced, softmax over gathered K/V, per-frame pixel split
+    "SANA-WM refiner": lambda: tiny_sana_wm_refiner("2.3"),  # the refiner's own attn1 routed; unused audio sites local
     "SanaVideo": tiny_sana_video,  # linear attention with RoPE, the Mix-FFN's spatial and temporal conv hooks
     "ConsisID": tiny_consisid,  # the perceiver cross-attention (not an Attention: no processor) stays
     "AuraFlow": tiny_auraflow,  # joint and single-stream blocks, one processor class

@@ -237,6 +237,9 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                  whole_vae="no recipe yet; the 480p release decodes with Wan 2.1's VAE, which has one"),
     "SanaWM": FamilyPipelines("SANA-WM 1600M bidirectional camera-controlled world model (GDN + softmax)",
                               ("SanaWMPipeline",), whole_vae="no recipe yet for the LTX-2 video VAE"),
+    "SANA-WM refiner": FamilyPipelines("SANA-WM stage 2: LTX-2 chunk-causal AR refiner (KV-cached sliding window; "
+                                       "no guidance: cfg_degree=1)", ("SanaWMLTX2Refiner",),
+                                       whole_vae="no recipe yet for the LTX-2 video VAE"),
     "Cosmos3": FamilyPipelines("Cosmos 3 Omni: text/image/video-to-video, sound and action streams",
                                ("Cosmos3OmniPipeline",)),
     "Cosmos": FamilyPipelines(

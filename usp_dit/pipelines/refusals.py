@@ -23,11 +23,6 @@ _REASONS = {
         "whole sequence's mean-pooled Q and K (top-P of the softmax mass) OR a sliding window, which no rank holds "
         "and usp_attention cannot express (as Kandinsky 5's refused sparse configs)"),
     "QwenImage21Transformer2DModel": f"{NO_ADAPTER} (a different class from Qwen-Image's)",
-    "SanaWMLTX2RefinerTransformer3DModel": (
-        f"{NO_ADAPTER} (SANA-WM's LTX-2 refiner: LTX-2's audio-video blocks with its own processors "
-        "(SanaWMLTX2AudioVideoAttnProcessor, SanaWMLTX2PerturbedAttnProcessor with per-head gates and a "
-        "perturbation mask); the ltx2 family's plan names LTX2VideoTransformer3DModel's processors only, and "
-        "this class's token split and tables are not mapped yet)"),
     "AnyFlowFARTransformer3DModel": (
         "frame-autoregressive (FAR), refused: a chunk-causal flex BlockMask over [compressed context chunks (a "
         "second, coarser patch embedding); full noise chunks (; clean chunks)] with chunks of unequal token counts, "

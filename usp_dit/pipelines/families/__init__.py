@@ -62,6 +62,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     sana,
     sana_video,
     sana_wm,
+    sana_wm_refiner,
     sd3,
     skyreels_v2,
     stable_audio,
