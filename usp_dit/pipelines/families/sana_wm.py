@@ -591,9 +591,14 @@ PLAN = ModelPlan(
     gather_at="final_layer",
     attention=(Local("blocks.*.cross_attn", stock=(SanaWMCrossAttnProcessor,)),),
     block_lists=("blocks",),
-    # SanaWMPipeline batches [uncond, cond] in one call (the text mask is ``mask``).
+    # SanaWMPipeline batches [uncond, cond] in one call (the text mask is ``mask``). The dicts
+    # ``data_info`` (``image_vae_embeds`` (B, C', T, H, W), concatenated to the latents' channels;
+    # the pipeline's ``img_hw`` (1, 2) stays whole) and ``cam_pos_embeds`` (``absmap`` (B, 3, T, H, W),
+    # ``P`` / ``P_inv`` (B, N, 4, 4)) are split value by value: rows == B split, 1 row stays, any
+    # other count raises ValueError (an unbatched (N, 4, 4) ``P``: pass it with a batch axis).
     cfg_batch_args=("hidden_states", "timestep", "encoder_hidden_states", "encoder_attention_mask", "mask",
-                    "camera_conditions", "chunk_plucker", "frame_valid_mask"),
+                    "camera_conditions", "chunk_plucker", "frame_valid_mask", "data_info", "raymats",
+                    "cam_pos_embeds"),
     hooks=(SanaWMBlockHooks,),
     refuse=(_model_reason,),
     # No head is split: any Ulysses degree the self-attention heads allow.
