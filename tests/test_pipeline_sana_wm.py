@@ -39,6 +39,22 @@ cast) and "gdn" (no bf16 cast) are held to 1e-5. Gradients, summed over the sequ
 rank's loss L / P): "gdn" within 1e-5; "released" within TOL_BF16_GRAD = 1e-2 (measured 6.7e-3):
 the stock softmax layer's backward runs in bfloat16 too (its Q/K/V gradients rounded to bfloat16,
 2^-8 relative each, from inputs that differ by float32 reordering), a weaker check of that path.
+
+``data_info["image_vae_embeds"]`` (concatenated to the latents' channels; a model of 8 input
+channels) with the batch split over the cfg groups on (1,2,2) equals stock within TOL.
+
+The stock ``SanaWMPipeline`` built tiny in code (``tiny_sana_wm.tiny_sana_wm_pipeline``: 2-layer
+Gemma-2 with a character tokenizer, the tiny LTX-2 VAE (32x, 8 frames), a gradient first frame, the
+action trajectory "w-8,jw-8" (17 poses) and pinhole intrinsics; 96 x 96 x 17 frames -> 3 x 3 x 3 =
+27 tokens, 9 pixels a frame; guidance 4: [uncond, cond] in one call), 2 steps, through
+``pipe.enable_usp()`` on (2,1,1), (2,2,1) and (2,1,2) (cfg 2 splits the batch) vs one process:
+the "gdn" transformer's final latents within TOL (no bf16 cast anywhere: only float32 sums are
+reordered; measured 5e-7 to 6e-7) and its decoded video (the (2,1,1) grid; decoding is the slow part)
+within TOL_VIDEO = 1e-4 (an untrained random VAE's gain, as tests/test_pipeline_wan.py); the
+"released" transformer's latents on (2,2,1) and (2,1,2) within TOL_BF16 (its softmax layer's bf16
+cast after a GDN layer, above; measured 4.6e-5). After ``disable_usp`` the pipeline's latents are
+bit-identical to the first call's. SHAPES[2] ("released", no frame mask) is tests/test_compile_grid.py's
+fullgraph case on (2,1,1).
 """
 from __future__ import annotations
 
