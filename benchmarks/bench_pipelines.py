@@ -173,6 +173,7 @@ CASES: dict[str, Callable] = {
     "zimage": _later(pipeline_cases.zimage_case),
     "sana": _later(pipeline_cases.sana_case),
     "sana_video": _later(pipeline_cases.sana_video_case),
+    "sana_wm": _later(pipeline_cases.sana_wm_case),
     "hidream": _later(pipeline_cases.hidream_case),
     "pixart": _later(pipeline_cases.pixart_case),
     "hunyuan_dit": _later(pipeline_cases.hunyuan_dit_case),

@@ -51,6 +51,14 @@ FAMILIES: dict[str, tuple[Callable, dict, dict, str, dict, str]] = {
              num_attention_heads=4, joint_attention_dim=32, timestep_channels=32, axes_dims_rope=(4, 4, 4, 4)),
         dict(height=96, width=112, text_len=10), "Flux3Transformer2DModel", pc.FLUX3, "not found",
     ),
+    "sana_wm": (
+        pc.sana_wm_case,
+        dict(in_channels=4, num_layers=2, hidden_size=64, num_attention_heads=2, softmax_every_n=2,
+             linear_head_dim=16, chunk_plucker_channels=6, chunk_plucker_post_attn_blocks=-1, caption_channels=32,
+             mlp_ratio=2.0, image_size=64),
+        dict(frames=17, height=96, width=160, text_len=9, valid=5), "SanaWMTransformer3DModel", {},
+        "1.6 B (SANA-WM 1600M)",
+    ),
     "ltx2": (
         pc.ltx2_case,
         dict(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16, cross_attention_dim=64,

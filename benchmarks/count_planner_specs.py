@@ -42,6 +42,7 @@ RELEASED: dict[str, tuple[str, dict]] = {
     "ovis_image": ("OvisImageTransformer2DModel", {}),
     "sana": ("SanaTransformer2DModel", {}),
     "sana_video": ("SanaVideoTransformer3DModel", {}),
+    "sana_wm": ("SanaWMTransformer3DModel", {}),
     "skyreels_v2": ("SkyReelsV2Transformer3DModel", pc.SKYREELS_DF_1_3B),
     "pixart": ("PixArtTransformer2DModel", pc.PIXART_SIGMA),
     "hunyuan_dit": ("HunyuanDiT2DModel", pc.HUNYUAN_DIT),

@@ -1207,3 +1207,36 @@ def dit_case(build, device: torch.device, height: int = 512, width: int = 512, c
     )
     tokens = (height // 16) * (width // 16)
     return model, inputs, f"{height}x{width} ({tokens} tokens, class-conditional)"
+
+
+def sana_wm_case(build, device: torch.device, frames: int = 161, height: int = 704, width: int = 1280,
+                 text_len: int = 300, valid: int = 120, config: dict | None = None):
+    """SANA-WM 1600M bidirectional as ``SanaWMPipeline`` calls it (its defaults: 161 x 704 x 1280; diffusers'
+    ``SanaWMTransformer3DModel`` defaults are the released ``Efficient-Large-Model/SANA-WM_bidirectional``
+    config, its docstring says: 20 layers of 2240, GDN heads of 112, softmax every 4th block): latents
+    (1, 128, (f-1)/8+1, h/32, w/32) (the LTX-2 VAE), patch 1; per-frame timesteps (1, 1, f'), frame 0
+    (the image's latent frame) at 0; ``text_len`` Gemma-2 tokens, ``valid`` real (a right-padded
+    mask); camera conditions (1, f', 20) (a camera moving forward, pinhole intrinsics at latent scale)
+    and the Plucker rays (1, 48, f', h', w'). One call of batch 1 (the pipeline's CFG batches 2)."""
+    from diffusers import SanaWMTransformer3DModel
+
+    model = build(SanaWMTransformer3DModel, dict(config or {}), device)
+    cfg = model.config
+    lat = ((frames - 1) // 8 + 1, height // 32, width // 32)
+    g = torch.Generator(device).manual_seed(0)
+    timestep = torch.full((1, 1, lat[0]), 500.0, **_bf(device))
+    timestep[:, :, 0] = 0.0
+    c2w = torch.eye(4, device=device).repeat(1, lat[0], 1, 1)
+    c2w[..., 2, 3] = torch.linspace(0, 1, lat[0], device=device)  # forward along +z
+    intrinsics = torch.tensor([lat[2], lat[2], lat[2] / 2, lat[1] / 2], device=device).repeat(1, lat[0], 1)
+    inputs = dict(
+        hidden_states=torch.randn(1, cfg.in_channels, *lat, generator=g, **_bf(device)),
+        timestep=timestep,
+        encoder_hidden_states=torch.randn(1, 1, text_len, cfg.caption_channels, generator=g, **_bf(device)),
+        mask=_prompt_mask(device, text_len, valid).long(),
+        camera_conditions=torch.cat([c2w.flatten(-2), intrinsics], dim=-1).to(torch.bfloat16),
+        chunk_plucker=torch.randn(1, cfg.chunk_plucker_channels, *lat, generator=g, **_bf(device)),
+        return_dict=False,
+    )
+    tokens = lat[0] * lat[1] * lat[2]
+    return model, inputs, f"{frames}x{height}x{width} ({tokens} tokens + {text_len} text, {valid} valid)"

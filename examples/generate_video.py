@@ -1,6 +1,6 @@
 """torchrun: generate a video with any video family of usp_dit (CogVideoX, Mochi, Wan, Wan VACE, HunyuanVideo,
 HunyuanVideo 1.5, FramePack, Kandinsky 5, LTX-Video, LTX-2, ChronoEdit, Helios, Cosmos 3, Sana-Video, ConsisID, Latte, Allegro,
-AnyFlow) on a Ulysses x Ring
+AnyFlow, SANA-WM) on a Ulysses x Ring
 (x CFG) grid,
 checked against one rank.
 
@@ -16,6 +16,7 @@ checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cosmos3 --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model ltx2 --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model sana_video --ring 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model sana_wm --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model consisid --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model latte --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model allegro --ring 2 --cfg 2
@@ -68,6 +69,7 @@ pipelines compress as the real ones do):
     allegro        16            any       96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
     easyanimate    16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
     anyflow        16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          with --guidance > 1 (batched)
+    sana_wm        32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45           yes (batched CFG)
 
 Helios generates chunk after chunk, each attending to the history of the earlier ones (short,
 mid, long memory: 162 + 108 + 15 + 6 = 291 tokens a call for the tiny default); the tiny pipeline
@@ -129,6 +131,15 @@ pipeline adds spatio-temporal and modality-isolation guidance, two more calls of
 which a cfg split cannot take: with ``--cfg 2`` the example turns them off (``stg_scale=0``,
 ``modality_scale=1``, for audio too), with ``--cfg 1`` they run. ``--guidance`` sets LTX-2's video
 and audio scales alike. ``--cfg`` is 1 or 2: the guidance has two branches.
+
+SANA-WM (``tiny_sana_wm``: Gemma-2 text encoder, LTX-2's VAE) is a camera-controlled world model:
+it animates an image (``--image``, default a colour gradient) along a camera trajectory, here a
+camera moving forward one step a frame (the pipeline's action string ``w-<frames - 1>``) with
+pinhole intrinsics of focal length the image's width, centred. Its transformer splits each latent
+frame's pixels over the ranks (the gated delta rule's per-frame sums all-reduced; every 4th block's
+softmax attention over all-gathered keys and values: ``usp_dit.pipelines.families.sana_wm``). The
+tiny pipeline uses a one-line chi prompt (the released one is ~1000 characters: as many tokens for a
+character tokenizer).
 
 A bad value (degrees that do not fit the ranks, a ``--cfg`` the run's guidance cannot use, a
 missing ``--model-path``, an unknown ``--backend``, a size or frame count the model cannot take, an
@@ -249,11 +260,14 @@ FAMILIES = {
     "anyflow": VideoFamily(
         "AnyFlowPipeline", 9, 4, 4, "AnyFlow's VAE (Wan's): 4 frames per latent frame", 8, 16,
         guided_by_default=False),
+    # Image + camera trajectory to video; batched CFG (its default guidance 5).
+    "sana_wm": VideoFamily(
+        "SanaWMPipeline", 17, 8, 8, "SANA-WM's VAE (LTX-2's): 8 frames per latent frame", 32, 32, size=(96, 160)),
 }
 # Families whose pipeline cleans prompts with ftfy unconditionally (diffusers 0.42): without ftfy
 # the example passes embeds made by Wan's T5 encoding (ftfy only when installed) instead.
 EMBEDS_FAMILIES = ("wan_vace", "chronoedit", "helios")
-IMAGE_FAMILIES = ("chronoedit", "consisid", "hunyuan_video_framepack")  # conditioned on --image
+IMAGE_FAMILIES = ("chronoedit", "consisid", "hunyuan_video_framepack", "sana_wm")  # conditioned on --image
 TRUE_CFG_FAMILIES = ("hunyuan_video", "hunyuan_video_framepack")  # guidance-distilled: --true-cfg adds a negative call
 PLANNED = ("cogvideox", "mochi", "wan", "hunyuan_video", "ltx_video")  # families usp_dit.plan has a cost model for
 TINY_TEXT_LENS = {"chronoedit": 512}  # the stock processor's fixed text length (image tokens come first)
@@ -393,6 +407,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             tiny_ltx_video,
             tiny_motif_video,
             tiny_sana_video,
+            tiny_sana_wm,
             tiny_video,
             tiny_wan,
             tiny_wan_vace,
@@ -424,6 +439,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
                 args.frames, args.height, args.width, max_text_len),
             "easyanimate": tiny_easyanimate.tiny_easyanimate_pipeline,
             "anyflow": tiny_anyflow.tiny_anyflow_pipeline,
+            "sana_wm": tiny_sana_wm.tiny_sana_wm_pipeline,
         }
         return builders[args.model](max_text_len=TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)).to(device)
     import diffusers
@@ -467,6 +483,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         kwargs.update(consisid_kwargs(args))
     if args.model == "hunyuan_video_framepack":
         kwargs.update(framepack_kwargs(args))
+    if args.model == "sana_wm":
+        kwargs.update(sana_wm_kwargs(args))
     prompts = dict(prompt=args.prompt, negative_prompt=args.negative_prompt)
     if args.model in EMBEDS_FAMILIES and importlib.util.find_spec("ftfy") is None:
         prompts = embedded_prompts(pipe, args, kwargs.get("max_sequence_length", 512))
@@ -478,6 +496,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     )
     if args.model == "cosmos3":  # Cosmos3OmniPipelineOutput.video: the one video, (frames, height, width, 3)
         return np.asarray(out.video, dtype=np.float32)
+    if args.model == "sana_wm":  # SanaWMPipelineOutput.frames: the one video, (frames, height, width, 3)
+        return np.asarray(out.frames, dtype=np.float32)
     return np.asarray(out.frames[0], dtype=np.float32)
 
 
@@ -504,6 +524,24 @@ def framepack_kwargs(args: argparse.Namespace) -> dict:
 
     image = gradient_image(args.height, args.width) if args.image is None else Image.open(args.image).convert("RGB")
     return {"image": ImageOps.fit(image, (args.width, args.height)), "latent_window_size": (args.frames - 1) // 4 + 1}
+
+
+def sana_wm_kwargs(args: argparse.Namespace) -> dict:
+    """The image to animate (``--image``, or a colour gradient of the output's size), a camera moving
+    forward one step a frame (action ``w-<frames - 1>``: ``--frames`` poses), pinhole intrinsics in the
+    image's pixels (focal length its width, centred; the pipeline rescales them with its resize and
+    crop) and, for the tiny pipeline, the one-line chi prompt (``tiny_sana_wm.TINY_CHI_PROMPT``)."""
+    from usp_dit.demo.tiny_video import gradient_image
+
+    image = gradient_image(args.height, args.width) if args.image is None else Image.open(args.image).convert("RGB")
+    width, height = image.size
+    kwargs = {"image": image, "action": f"w-{args.frames - 1}",
+              "intrinsics": [float(width), float(width), width / 2, height / 2]}
+    if args.model_path is None:
+        from usp_dit.demo.tiny_sana_wm import TINY_CHI_PROMPT
+
+        kwargs["chi_prompt"] = TINY_CHI_PROMPT
+    return kwargs
 
 
 def consisid_kwargs(args: argparse.Namespace) -> dict:

@@ -484,6 +484,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("lumina_next", (2, 1, 1), 0),  # LuminaAttnProcessor2_0's routed F.sdpa (GQA, proportional scale); local masked attn2
     ("stable_audio", (1, 2, 1), 0),  # StableAudioAttnProcessor2_0's routed F.sdpa; the pipeline's RoPE cut in the processor
     ("stable_audio3", (2, 1, 1), 0),  # two routed dispatch calls (differential); inpainting rows cut at the memory boundary
+    ("sana_wm", (2, 1, 1), 2),  # GDN per-frame sums all-reduced + replicated scan; bf16 SDPA over all-gathered K/V
 ]
 
 

@@ -366,6 +366,7 @@ def test_video_example_rejects_what_the_new_families_cannot_take(argv, message, 
     (["--model", "wan", "--cfg", "2"], (9, 96, 144, (1, 1, 2))),
     (["--model", "ltx2", "--cfg", "2"], (17, 96, 160, (1, 1, 2))),
     (["--model", "sana_video", "--cfg", "2"], (9, 64, 96, (1, 1, 2))),
+    (["--model", "sana_wm", "--cfg", "2"], (17, 96, 160, (1, 1, 2))),
     (["--model", "hunyuan_video15"], (9, 48, 96, (2, 1, 1))),
     (["--model", "hunyuan_video_framepack", "--true-cfg", "3", "--cfg", "2"], (9, 48, 80, (1, 1, 2))),
     (["--model", "hunyuan_video15", "--cfg", "2"], (9, 48, 96, (1, 1, 2))),
@@ -407,6 +408,17 @@ def test_video_example_generates_with_the_tiny_framepack(two_ranks):
     pipe = example.load_pipeline(args, torch.device("cpu"))
     pipe.set_progress_bar_config(disable=True)
     assert example.generate(pipe, args).shape == (13, 48, 80, 3)
+
+
+def test_video_example_generates_with_the_tiny_sana_wm(two_ranks):
+    """One process, no grid: the tiny SANA-WM pipeline from the default gradient image along the forward
+    camera trajectory (one pose a frame); its output is one video, not a batch of them."""
+    example = _example("generate_video")
+    args = example.parse_args(["--model", "sana_wm", "--steps", "1", "--frames", "9", "--height", "64",
+                               "--width", "96"])
+    pipe = example.load_pipeline(args, torch.device("cpu"))
+    pipe.set_progress_bar_config(disable=True)
+    assert example.generate(pipe, args).shape == (9, 64, 96, 3) and example.video_tokens(args, pipe) == 2 * 2 * 3
 
 
 def test_video_example_generates_with_the_tiny_latte(two_ranks):

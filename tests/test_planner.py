@@ -148,7 +148,7 @@ def test_the_planners_classes_are_the_adapters_classes():
                    "Kandinsky5": "kandinsky5", "QwenImage21": "qwen_image21", "Flux3": "flux3", "ZImage": "zimage",
                    "HunyuanImage": "hunyuan_image", "HiDream": "hidream", "CogView4": "cogview4",
                    "Lumina2": "lumina2", "Krea2": "krea2", "LongCatImage": "longcat_image",
-                   "OvisImage": "ovis_image", "Sana": "sana", "SanaVideo": "sana_video",
+                   "OvisImage": "ovis_image", "Sana": "sana", "SanaVideo": "sana_video", "SanaWM": "sana_wm",
                    "SkyReels-V2": "skyreels_v2", "AnyFlow": "anyflow", "ConsisID": "consisid", "PixArt": "pixart",
                    "HunyuanDiT": "hunyuan_dit", "DiT": "dit", "AuraFlow": "auraflow", "ErnieImage": "ernie_image",
                    "GlmImage": "glm_image", "Ideogram4": "ideogram4", "BriaFibo2": "bria_fibo2", "PRX": "prx",

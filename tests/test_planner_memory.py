@@ -81,6 +81,7 @@ PIPELINES = {
     "hunyuan_image": "HunyuanImagePipeline", "hidream": "HiDreamImagePipeline", "cogview4": "CogView4Pipeline",
     "lumina2": "Lumina2Pipeline", "krea2": "Krea2Pipeline", "longcat_image": "LongCatImagePipeline",
     "ovis_image": "OvisImagePipeline", "sana": "SanaPipeline", "sana_video": "SanaVideoPipeline",
+    "sana_wm": "SanaWMPipeline",
     "skyreels_v2": "SkyReelsV2DiffusionForcingPipeline", "anyflow": "AnyFlowPipeline", "consisid": "ConsisIDPipeline",
     "pixart": "PixArtSigmaPipeline", "hunyuan_dit": "HunyuanDiTPipeline", "dit": "DiTPipeline",
     "auraflow": "AuraFlowPipeline", "ernie_image": "ErnieImagePipeline", "glm_image": "GlmImagePipeline",

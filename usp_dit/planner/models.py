@@ -728,6 +728,18 @@ def sana_video(height=480, width=832, num_frames=81) -> ModelSpec:
                      caveat=_LINEAR_ATTENTION)
 
 
+def sana_wm(height=704, width=1280, num_frames=161) -> ModelSpec:
+    # SANA-WM 1600M bidirectional (diffusers' defaults, the released config): 20 blocks of 2240 (20 x 112),
+    # the camera (UCPE) branch in every block: 2.66e9 with it. The LTX-2 VAE (32x, 8 frames), patch 1;
+    # 300 Gemma-2 tokens by cross-attention. 15 of 20 self-attention layers are the gated delta rule
+    # (all-reduced per-frame summaries), every 4th softmax over all-gathered K and V.
+    memory = _counted((_group("blocks", 20, 2615201600, 130764560, 2240, 2240, gated=True),), 46598848, 0, 60238080,
+                      0, 0, ("gemma2_2b",), left_out="AutoencoderKLLTX2Video, not counted yet")
+    return ModelSpec("sana_wm", _video(num_frames, height, width, 8, 32), 300, "cross", 20, 20, 112, 20, 2.66e9,
+                     "batched", out_channels=128, memory=memory, output_size=(num_frames, height, width),
+                     label="SANA-WM 1600M", caveat=_LINEAR_ATTENTION)
+
+
 def skyreels_v2(height=544, width=960, num_frames=97) -> ModelSpec:
     # SkyReels-V2 DF 1.3B 540P: Wan 1.3B's 30 blocks of 1536 (12 x 128); 1.44e9.
     memory = _counted((_group("blocks", 30, 1393221120, 46440704, 1536, 8960, fp32=368640, largest_fp32=12288),),
@@ -873,7 +885,7 @@ SPECS: dict[str, Callable[..., ModelSpec]] = {
     "cosmos3": cosmos3, "minimax_h3": minimax_h3, "kandinsky5": kandinsky5, "qwen_image21": qwen_image21,
     "flux3": flux3, "zimage": zimage, "hunyuan_image": hunyuan_image, "hidream": hidream, "cogview4": cogview4,
     "lumina2": lumina2, "krea2": krea2, "longcat_image": longcat_image, "ovis_image": ovis_image, "sana": sana,
-    "sana_video": sana_video, "skyreels_v2": skyreels_v2, "anyflow": anyflow, "consisid": consisid,
+    "sana_video": sana_video, "sana_wm": sana_wm, "skyreels_v2": skyreels_v2, "anyflow": anyflow, "consisid": consisid,
     "pixart": pixart, "hunyuan_dit": hunyuan_dit, "dit": dit, "auraflow": auraflow, "ernie_image": ernie_image,
     "glm_image": glm_image, "ideogram4": ideogram4, "bria_fibo2": bria_fibo2, "prx": prx,
     "lumina_next": lumina_next, "joyimage": joyimage, "joyimage_plus": joyimage_plus,
@@ -899,6 +911,7 @@ CLASSES = {
     "Lumina2Transformer2DModel": "lumina2", "Krea2Transformer2DModel": "krea2",
     "LongCatImageTransformer2DModel": "longcat_image", "OvisImageTransformer2DModel": "ovis_image",
     "SanaTransformer2DModel": "sana", "SanaVideoTransformer3DModel": "sana_video",
+    "SanaWMTransformer3DModel": "sana_wm",
     "SkyReelsV2Transformer3DModel": "skyreels_v2", "AnyFlowTransformer3DModel": "anyflow",
     "ConsisIDTransformer3DModel": "consisid", "PixArtTransformer2DModel": "pixart", "HunyuanDiT2DModel": "hunyuan_dit",
     "DiTTransformer2DModel": "dit", "AuraFlowTransformer2DModel": "auraflow",

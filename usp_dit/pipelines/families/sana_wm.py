@@ -54,7 +54,14 @@ a layer (6.3 MB), whatever the resolution.
 
 The adapter is a ``ModelPlan`` (``usp_dit.pipelines.plan`` Note [a model is a plan]) whose token
 cut is ``FrameShards`` instead of the contiguous one. ``SanaWMPipeline`` batches [uncond, cond]
-in one call: ``cfg_degree=2`` splits it.
+in one call: ``cfg_degree=2`` splits it, the dicts ``data_info`` (``image_vae_embeds``) and
+``cam_pos_embeds`` value by value (``PLAN.cfg_batch_args``).
+
+Compile: fullgraph traces the GDN (its scan is a Python loop over the frames, unrolled) and the
+gathered softmax layers in one graph. A ``frame_valid_mask`` does not: the camera branch adds its
+-1e9 key bias only when some frame is invalid (the stock ``bool(token_valid_mask.all())``, kept so
+the all-valid call is the stock SDPA call without a mask, bit for bit), a branch on the mask's
+values that Dynamo cannot trace without a graph break, in the stock model as here.
 
 Refused (NotImplementedError): at enable, a block or attention or FFN class other than the stock
 ones, a cross-attention processor other than ``SanaWMCrossAttnProcessor``, ``pack_latents``, a
@@ -591,9 +598,14 @@ PLAN = ModelPlan(
     gather_at="final_layer",
     attention=(Local("blocks.*.cross_attn", stock=(SanaWMCrossAttnProcessor,)),),
     block_lists=("blocks",),
-    # SanaWMPipeline batches [uncond, cond] in one call (the text mask is ``mask``).
+    # SanaWMPipeline batches [uncond, cond] in one call (the text mask is ``mask``). The dicts
+    # ``data_info`` (``image_vae_embeds`` (B, C', T, H, W), concatenated to the latents' channels;
+    # the pipeline's ``img_hw`` (1, 2) stays whole) and ``cam_pos_embeds`` (``absmap`` (B, 3, T, H, W),
+    # ``P`` / ``P_inv`` (B, N, 4, 4)) are split value by value: rows == B split, 1 row stays, any
+    # other count raises ValueError (an unbatched (N, 4, 4) ``P``: pass it with a batch axis).
     cfg_batch_args=("hidden_states", "timestep", "encoder_hidden_states", "encoder_attention_mask", "mask",
-                    "camera_conditions", "chunk_plucker", "frame_valid_mask"),
+                    "camera_conditions", "chunk_plucker", "frame_valid_mask", "data_info", "raymats",
+                    "cam_pos_embeds"),
     hooks=(SanaWMBlockHooks,),
     refuse=(_model_reason,),
     # No head is split: any Ulysses degree the self-attention heads allow.
