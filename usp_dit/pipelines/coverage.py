@@ -112,12 +112,14 @@ class FamilyPipelines:
     ``one_call``: variants that make one transformer call a step (guidance distilled into the model,
     or steps distilled), where ``cfg_degree=2`` splits a batch of prompts and runs a batch of one
     whole on both groups (correct, no faster). ``whole_vae``: why the pipelines' VAE has no parallel
-    recipe and decodes whole on every rank (empty: it has one)."""
+    recipe and decodes whole on every rank (empty: it has one). ``cfg``: the CFG column's text where
+    the plan's CFG arguments do not describe the pipelines (a pipeline with no guidance at all)."""
 
     variants: str
     pipelines: tuple[str, ...]
     one_call: str = ""
     whole_vae: str = ""
+    cfg: str = ""
 
 
 # Adapter name -> what the plan does not say; the README table's rows, in this order (images, then video).
@@ -239,7 +241,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                               ("SanaWMPipeline",), whole_vae="no recipe yet for the LTX-2 video VAE"),
     "SANA-WM refiner": FamilyPipelines("SANA-WM stage 2: LTX-2 chunk-causal AR refiner (KV-cached sliding window; "
                                        "no guidance: cfg_degree=1)", ("SanaWMLTX2Refiner",),
-                                       whole_vae="no recipe yet for the LTX-2 video VAE"),
+                                       whole_vae="no recipe yet for the LTX-2 video VAE",
+                                       cfg="none: no guidance, one call a step at batch 1 (`cfg_degree=2` refused)"),
     "Cosmos3": FamilyPipelines("Cosmos 3 Omni: text/image/video-to-video, sound and action streams",
                                ("Cosmos3OmniPipeline",)),
     "Cosmos": FamilyPipelines(
@@ -373,7 +376,7 @@ def supported_families() -> list[FamilyRow]:
                                  f"not {adapter.model_class.__name__}")
             vaes += [v for v in _components(pipeline, "vae") if v not in vaes]
         rows.append(FamilyRow(name, adapter.model_class.__name__, info.variants, info.pipelines,
-                              _cfg_mode(adapter, info.one_call), _vae_mode(vaes, info.whole_vae)))
+                              info.cfg or _cfg_mode(adapter, info.one_call), _vae_mode(vaes, info.whole_vae)))
     return rows
 
 
