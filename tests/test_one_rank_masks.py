@@ -2,8 +2,8 @@
 
 With inference on one rank of the sequence, a routed call whose mask is a bool key-padding mask
 goes to one kernel call with the whole mask (no per-element split, no host syncs). These checks
-run the families that route image queries alone over [text; image] keys (PRX, NucleusMoE-Image)
-and one joint-sequence family (Qwen-Image) under ``torch.no_grad`` with masked prompts of
+run the families that route image queries alone over [text; image] keys (PRX, NucleusMoE-Image;
+Qwen-Image 2.1's target over [prefix; target]) and one joint-sequence family (Qwen-Image) under ``torch.no_grad`` with masked prompts of
 different lengths per batch element, against the stock model in float32: max|err| / max|ref|
 <= 1e-5 (float32 sums grouped differently), and check the one-call path was the one taken.
 """
@@ -44,7 +44,17 @@ def _qwen_image():
     return model, qwen_image_inputs(model, [(1, 5, 7)], [[1] * 4 + [0] * 5, [1] * 9]), ADAPTER
 
 
-@pytest.mark.parametrize("build", [_prx, _nucleus_moe, _qwen_image], ids=["prx", "nucleus_moe", "qwen_image"])
+def _qwen_image21():
+    from usp_dit.demo.tiny_qwen_image21 import qwen_image21_inputs, tiny_qwen_image21
+    from usp_dit.pipelines.families.qwen_image21 import ADAPTER
+
+    model = tiny_qwen_image21()
+    masks = [[1, 1, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0, 0, 0]]
+    return model, qwen_image21_inputs(model, [(1, 2, 4), (1, 4, 6)], masks), ADAPTER
+
+
+@pytest.mark.parametrize("build", [_prx, _nucleus_moe, _qwen_image, _qwen_image21],
+                         ids=["prx", "nucleus_moe", "qwen_image", "qwen_image21"])
 def test_one_rank_masked_inference_equals_stock_in_one_call(build, monkeypatch):
     model, inputs, adapter = build()
     calls = []

@@ -190,14 +190,31 @@ def one_rank_masked_call(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     query (B, S_q, H, D) (any rows: the caller's queries), key/value (B, S_k, H_k, D), attn_mask
     over the S_k keys -> (B, S_q, H, D).
     """
-    if not isinstance(route, Route) or dropout_p or is_causal or attention_kwargs:
+    if not isinstance(route, Route) or dropout_p or is_causal or attention_kwargs or route.block_causal is not None:
         return None
-    if route.state.mesh.sequence_degree != 1 or route.block_causal is not None:
+    if attn_mask is None:
         return None
+    return one_rank_call(query, key, value, attn_mask, route.state, scale)
+
+
+def one_rank_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                  state: ShardState, scale: float | None) -> torch.Tensor | None:
+    """Plain attention of ``query`` over every key on one rank of the sequence, without the grid's
+    machinery: no mask (``one_rank_attention``), or a bool key-padding mask in inference
+    (``one_rank_masked_attention``); ``None`` on a grid or for a mask of another form, a gradient
+    or a trace under a mask (the caller's general path then checks and runs it).
+
+    query (B, S_q, H, D), key/value (B, S_k, H_k, D), attn_mask ``None`` or over the S_k keys
+    -> (B, S_q, H, D).
+    """
+    if state.mesh.sequence_degree != 1:
+        return None
+    if attn_mask is None:
+        return one_rank_attention(query, key, value, scale=scale, backend=state.backend)
     key_mask = _one_rank_key_mask(attn_mask, query, key, value)
     if key_mask is None:
         return None
-    return one_rank_masked_attention(query, key, value, key_mask, scale=scale, backend=route.state.backend)
+    return one_rank_masked_attention(query, key, value, key_mask, scale=scale, backend=state.backend)
 
 
 def joint_attention(

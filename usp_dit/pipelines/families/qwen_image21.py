@@ -75,6 +75,7 @@ from usp_dit.pipelines._routing import (
     RoutedProcessor,
     _valid_text_keys,
     joint_attention,
+    one_rank_call,
     with_global,
 )
 from usp_dit.pipelines._token_sharding import ShardState, TokenShardHooks, _get_arg, _set_arg
@@ -130,6 +131,9 @@ def _route_prefix_target(
             f"usp_dit routes plain attention only, got dropout_p={dropout_p}, is_causal={is_causal}, "
             f"attention_kwargs={attention_kwargs}"
         )
+    one_rank = one_rank_call(query, key, value, attn_mask, route.state, scale)
+    if one_rank is not None:  # one rank: the target rows over [prefix ; target], as stock's call
+        return one_rank
     prefix = key.shape[1] - shard
     # attn_mask: (B, 1, 1, keys) over [prefix ; shard] (prefill) or [prefix ; whole target] (cached):
     # its first `prefix` columns are the prefix's, the rest (image keys) must all be valid.
@@ -210,6 +214,8 @@ class PrefixShardHooks:
         prefix = x.shape[dim] - self.target
         if prefix < 0:
             raise ValueError(f"{name} has {x.shape[dim]} rows, fewer than the target image's {self.target} tokens")
+        if self.state.mesh.sequence_degree == 1:  # every row is this rank's: no copy
+            return x
         shard = shard_sequence(x.narrow(dim, prefix, self.target), self.state.mesh, dim=dim)
         return torch.cat([x.narrow(dim, 0, prefix), shard], dim) if prefix else shard
 
@@ -238,6 +244,8 @@ class PrefixShardHooks:
 
     def _gather(self, module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         """(B, prefix + N_local, C_out) -> (B, prefix + N, C_out), equal on every rank of the sequence group."""
+        if self.state.mesh.sequence_degree == 1:  # already whole
+            return out
         target = gather_sequence(out.narrow(1, self.prefix, out.shape[1] - self.prefix), self.state.mesh, dim=1,
                                  seq_len=self.target)
         return torch.cat([out.narrow(1, 0, self.prefix), target], 1) if self.prefix else target
