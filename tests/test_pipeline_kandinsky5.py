@@ -18,8 +18,12 @@ rotated Q/K of visual block 0 equal the same rows of one process's. The stock
 ``Kandinsky5T2VPipeline``, built tiny (HunyuanVideo's VAE class), through ``pipe.enable_usp()`` on
 (2,1) and (2,2) and with ``cfg_degree=2`` (its two guidance calls a step on the two cfg groups,
 prompt and negative prompt of different lengths); the tiny ``Kandinsky5T2IPipeline`` (Flux's VAE
-class) on (2,2). Refused: NABLA sparse attention (a "nabla" config at enable, ``sparse_params`` at
-the call), a model without visual blocks.
+class) on (2,2). NABLA sparse attention (a tiny "nabla" config, the stock pipeline's own
+``sparse_params``, 384 tokens in six 64-token blocks that the shards cut mid-block; a NABLA
+sequence is a multiple of 64 by construction, so it divides 2 and 4) on (2,1) and (4,1) vs one
+process, under a flex backend that honours the BlockMask's blocks (eager CPU flex ignores them:
+``_flex_honouring_blocks``), the mask checked to change the output; on a ring (1,2) refused.
+Refused: a model without visual blocks.
 
 Tolerances. The transformer cases run a float64 model (``tiny_kandinsky5(dtype=torch.float64)``:
 Note [Kandinsky 5's bfloat16 RoPE] there: the stock processor rounds rotated Q/K, and their
@@ -39,17 +43,22 @@ tests/test_video_pipelines.py; measured 2.0e-6).
 """
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from diffusers import Kandinsky5T2VPipeline
+from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 from diffusers.models.transformers import transformer_kandinsky
 
 from tests import adapter_parity as parity
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_kandinsky5 import (
+    Kandinsky5Inputs,
     kandinsky5_inputs,
     kandinsky5_tokens,
     tiny_kandinsky5,
@@ -211,6 +220,76 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
     return results
 
 
+# ---- NABLA sparse attention on Ulysses grids (Note [Kandinsky 5's sparse attention]) ---------------
+
+
+@dataclass
+class _NablaInputs(Kandinsky5Inputs):
+    sparse_params: dict | None = None
+
+
+NABLA_SHAPE = (3, 16, 32)  # latent (frames, height, width): 3 x 8 x 16 = 384 tokens, six 64-token blocks
+NABLA_GRIDS = [(2, 1), (4, 1)]  # (U, R); a ring is refused
+
+
+def _nabla_build(keep_all: bool = False):
+    """A tiny ``nabla`` config (P = 0.3: each query block keeps its top 70 % of the softmax mass;
+    a 1 x 1 x 1 STA window: the diagonal) in float64 and its inputs with the stock pipeline's own
+    ``sparse_params`` (``get_sparse_params``). ``keep_all``: an all-true STA mask (nothing masked)."""
+    model = tiny_kandinsky5(dtype=torch.float64)
+    model.register_to_config(attention_type="nabla", attention_P=0.3, attention_wT=1, attention_wH=1,
+                             attention_wW=1, attention_add_sta=True, attention_method="topcdf")
+    frames, height, width = NABLA_SHAPE
+    inputs = kandinsky5_inputs(model, frames, height, width)
+    pipe = types.SimpleNamespace(transformer=model, fast_sta_nabla=Kandinsky5T2VPipeline.fast_sta_nabla)
+    sparse = Kandinsky5T2VPipeline.get_sparse_params(pipe, inputs.hidden_states, "cpu")
+    if keep_all:
+        sparse["sta_mask"] = torch.ones_like(sparse["sta_mask"])
+    model.set_attention_backend("flex")  # what stock's BlockMask needs
+    return model, _NablaInputs(**inputs.kwargs(), sparse_params=sparse)
+
+
+def _flex_honouring_blocks(query, key, value, attn_mask=None, scale=None, **kwargs):
+    """Diffusers' flex backend as a GPU runs it: eager flex_attention on CPU ignores a BlockMask's
+    sparsity (its math fallback reads mask_mod alone), so the tests attend with the BlockMask's
+    blocks expanded to a dense mask. (B, S, H, D) in and out."""
+    mask = None
+    if attn_mask is not None:
+        size_q, size_kv = attn_mask.BLOCK_SIZE
+        mask = attn_mask.to_dense().bool().repeat_interleave(size_q, -2).repeat_interleave(size_kv, -1)
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                         attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)
+
+
+def _honoured_flex():
+    return mock.patch.dict(_AttentionBackendRegistry._backends, {AttentionBackendName.FLEX: _flex_honouring_blocks})
+
+
+def _nabla_cases() -> dict[str, dict[str, float]]:
+    """The NABLA config on (2,1) and (4,1) vs one process, block 0 seeing ceil(384 / P) tokens, bit
+    identical after disable; the mask is not vacuous (all-kept STA changes the output); a ring refused."""
+    tokens = 384
+    results = {}
+    with _honoured_flex():
+        model, inputs = _nabla_build()
+        dense = parity.forward(*_nabla_build(keep_all=True))
+        results["nabla-mask-masks"] = {"no_effect": float(rel_err(parity.forward(model, inputs), dense) < 1e-3)}
+        for u, r in NABLA_GRIDS:
+            mesh = init_usp(u, r)
+            results[f"nabla-u{u}r{r}"] = parity.sharded_output_case(
+                model, inputs, ADAPTER, mesh, model.visual_transformer_blocks[0].self_attention, tokens)
+        ADAPTER.enable(model, init_usp(1, 2), "auto")
+        try:
+            model(**inputs.kwargs())
+            results["nabla-ring-refused"] = {"not_refused": 1.0}
+        except NotImplementedError as exc:
+            results["nabla-ring-refused"] = {"not_refused": float("ring_degree=1" not in str(exc))}
+        finally:
+            ADAPTER.disable(model)
+    return results
+
+
 def _run_all() -> dict[str, dict | str]:
     results = {}
     parity.run_grid_cases(results, SHAPES, _output_case,
@@ -221,6 +300,7 @@ def _run_all() -> dict[str, dict | str]:
     parity.record(results, "ulysses-above-heads",
                   lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
     parity.record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "nabla", _nabla_cases, many=True)
     return results
 
 
@@ -267,21 +347,14 @@ def test_disable_usp_gives_back_the_bit_identical_output(grid_results, kind):
 # ---- single process: refusals ---------------------------------------------------------------------
 
 
-def test_sparse_params_are_refused_at_the_call():
-    model, inputs = _build(SHAPES[0])
-    ADAPTER.enable(model, single_rank_mesh(), "auto")
-    try:
-        with pytest.raises(NotImplementedError, match="does not shard sparse_params .*NABLA block-sparse"):
-            model(**inputs.kwargs(), sparse_params={"to_fractal": True})
-    finally:
-        ADAPTER.disable(model)
+@pytest.mark.parametrize("grid", NABLA_GRIDS, ids=lambda g: f"u{g[0]}r{g[1]}")
+def test_nabla_sparse_attention_matches_one_process_on_ulysses_grids(grid_results, grid):
+    parity.assert_within(grid_results, "nabla-u{}r{}".format(*grid), TOL, fallback="nabla")
 
 
-def test_a_nabla_config_is_refused_at_enable():
-    model, _ = _build(SHAPES[0])
-    model.register_to_config(attention_type="nabla")
-    with pytest.raises(NotImplementedError, match="attention_type='nabla'.*NABLA block-sparse attention"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+def test_nabla_mask_is_not_vacuous_and_a_ring_is_refused(grid_results):
+    parity.assert_within(grid_results, "nabla-mask-masks", 0.0, fallback="nabla")
+    parity.assert_within(grid_results, "nabla-ring-refused", 0.0, fallback="nabla")
 
 
 def test_a_model_without_visual_blocks_is_refused():

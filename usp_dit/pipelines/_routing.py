@@ -40,11 +40,13 @@ import itertools
 import sys
 import types
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from usp_dit.attention.ulysses import gather_heads, scatter_heads, ulysses_layout
 from usp_dit.attention.usp import one_rank_attention, one_rank_masked_attention, usp_attention
 from usp_dit.kernels.autograd import needs_grad
 from usp_dit.pipelines._checks import require
@@ -257,6 +259,40 @@ def joint_attention(
         text_b = text_q.new_zeros(1, text_q.shape[1], *res.joint_out.shape[2:])
         text_outs.append(text_b.index_copy(1, idx, res.joint_out))
     return torch.cat(outs), torch.cat(text_outs)
+
+
+def ulysses_whole_sequence(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, state: ShardState,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]], torch.Tensor],
+) -> torch.Tensor:
+    """Attention whose pattern one rank can build only from the whole sequence, on a grid without
+    ring: the Ulysses all-to-all hands this rank every token of its heads, ``attend`` runs the
+    stock attention over them, the all-to-all back returns this rank's tokens of every head.
+    Used for ACE-Step's sliding-window band and Kandinsky's NABLA block-sparse masks.
+
+    Args:
+        query: (B, S_local, H, D) this rank's tokens; key, value: (B, S_local, H_kv, D).
+        state: the call's ``ShardState`` (mesh with ``ring_degree == 1``, ``seq_len``, layout: with
+            one ring block, every layout's block is the whole sequence in order).
+        attend: ``(q (B, S, h, D), k, v (B, S, h_kv', D), heads (start, stop)) -> (B, S, h, D)``,
+            this rank's query heads ``heads`` of the whole sequence in stock's token order (K/V as
+            the kernel reads them for those heads, ``UlyssesLayout.local_kv``).
+
+    Returns:
+        (B, S_local, H, D).
+
+    Raises:
+        NotImplementedError: a grid with a ring (no rank then holds a head's whole sequence).
+    """
+    if state.mesh.ring_degree > 1:
+        raise NotImplementedError(
+            f"ulysses_whole_sequence needs every token of a head on one rank, which a ring "
+            f"(ring_degree={state.mesh.ring_degree}) does not give: use ring_degree=1")
+    plans = ulysses_layout(state.mesh, query.shape[2], key.shape[2], layout_sizes(state.seq_len, state.mesh, state.layout))
+    q = scatter_heads(query, plans.q_plan)  # (B, S, h_local, D): every token, this rank's heads
+    k = plans.local_kv(scatter_heads(key, plans.kv_plan))
+    v = plans.local_kv(scatter_heads(value, plans.kv_plan))
+    return gather_heads(attend(q, k, v, plans.q_range), plans.q_plan)
 
 
 def route_attention(

@@ -67,12 +67,16 @@ from diffusers import AceStepTransformer1DModel
 from diffusers.models.transformers.ace_step_transformer import AceStepAttention, AceStepAttnProcessor2_0
 from torch.utils.hooks import RemovableHandle
 
-from usp_dit.attention.ulysses import gather_heads, scatter_heads, ulysses_layout
-from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class, with_global
+from usp_dit.pipelines._routing import (
+    ROUTED_NAME,
+    RoutedProcessor,
+    routed_processor_class,
+    ulysses_whole_sequence,
+    with_global,
+)
 from usp_dit.pipelines._token_sharding import ShardState, _get_arg, _set_arg, local_rope
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import Local, ModelPlan, Parallel, PlanAdapter
-from usp_dit.sharding.shard import layout_sizes
 
 _RoutedAceStepProcessor = routed_processor_class(AceStepAttnProcessor2_0, "_RoutedAceStepProcessor")
 
@@ -110,16 +114,14 @@ def ulysses_band_attention(
     if dropout_p or is_causal or attention_kwargs:
         raise NotImplementedError(f"usp_dit's ACE-Step band attention got dropout_p={dropout_p}, "
                                   f"is_causal={is_causal}, attention_kwargs={attention_kwargs}")
-    state = parallel_config.state
-    plans = ulysses_layout(state.mesh, query.shape[2], key.shape[2], layout_sizes(state.seq_len, state.mesh, state.layout))
-    q = scatter_heads(query, plans.q_plan)  # (B, S, h_local, D): every token, this rank's heads
-    k = plans.local_kv(scatter_heads(key, plans.kv_plan))
-    v = plans.local_kv(scatter_heads(value, plans.kv_plan))
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
-    ).transpose(1, 2)
-    return gather_heads(out, plans.q_plan)
+
+    def band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: tuple[int, int]) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, scale=scale,
+            enable_gqa=q.shape[2] != k.shape[2],
+        ).transpose(1, 2)
+
+    return ulysses_whole_sequence(query, key, value, parallel_config.state, band)
 
 
 # The stock code with its attention call bound to ``ulysses_band_attention`` (None exactly when

@@ -37,14 +37,27 @@ Note [Kandinsky 5's gather]
 Note [Kandinsky 5's sparse attention]
     Configs with ``attention_type="nabla"`` (the 10 s Lite and the Pro checkpoints) attend
     block-sparsely: ``sparse_params`` (which the pipelines pass for those configs) reorders the
-    tokens into 8 x 8 patches (``fractal_flatten(block_mask=True)``) and each self-attention call
-    builds a flex-attention ``BlockMask`` over 64-token blocks from the *whole* Q and K
-    (``nablaT_v2``: Q and K mean-pooled per block, softmax over all key blocks, the blocks holding
-    the top ``P`` of the mass kept, OR a sliding-window STA mask). That mask depends on the values
-    of every token's Q/K (a shard would estimate a different one) and is a block-sparse pattern
-    ``usp_attention`` (full, joint, masked-text, causal and block-causal layouts) cannot express:
-    refused, at enable for a ``nabla`` config and at the call for any ``sparse_params``. The dense
-    configs (``attention_type="regular"``: T2V/I2V Lite 5 s, T2I, I2I) are supported exactly.
+    tokens into 8 x 8 patches (``fractal_flatten(block_mask=True)``, before the visual blocks: the
+    tokens are split in that order) and each self-attention call builds a flex-attention
+    ``BlockMask`` over 64-token blocks from the *whole* Q and K (``nablaT_v2``: Q and K mean-pooled
+    per block, softmax over all key blocks, the blocks holding the top ``P`` of the mass kept, OR
+    the sliding-window ``sta_mask`` (1, 1, blocks, blocks)). No shard holds what that estimate reads,
+    and a ring cannot express the pattern. But the estimate is per head: pooling, ``q @ k``,
+    softmax, sort and top-P all run over (batch, head) independently, and the STA mask broadcasts
+    over heads. So on a grid without ring (``ring_degree=1``, any Ulysses degree, uneven head
+    splits included) it is exact: the Ulysses all-to-all gives each rank every token of its heads
+    in stock's (fractal) order (``_routing.ulysses_whole_sequence``), where stock's own
+    ``nablaT_v2`` builds those heads' BlockMask and stock's own ``dispatch_attention_fn`` (the
+    processor's backend: flex) attends with it; the all-to-all back returns the rank's tokens.
+    The stock processor's code runs unchanged with ``nablaT_v2`` deferred (``_DeferredNabla``:
+    it would see a shard) and its attention call bound to ``ulysses_nabla_attention``.
+
+        sparse_params, ring_degree == 1:  Ulysses NABLA attention (exact)
+        sparse_params, ring_degree > 1:   refused (at the call, every rank alike)
+        no sparse_params:                 usp_attention on any grid (dense, fractal order or not)
+
+    A ``nabla`` config enables on any grid (its pipeline's calls on a ring grid are refused).
+    The dense configs (``attention_type="regular"``: T2V/I2V Lite 5 s, T2I, I2I) run on any grid.
 
 Self-attention keeps Diffusers' maths: ``USPKandinsky5AttnProcessor`` runs the stock
 ``Kandinsky5AttnProcessor.__call__``'s own code (projections, float32 RMS norms of Q and K, RoPE
@@ -63,21 +76,31 @@ before the parts are summed, where one process rounds the sum: the text blocks' 
 embedding's) gradients agree to bfloat16's resolution (tests/test_pipeline_kandinsky5.py).
 
 Refused (NotImplementedError): processors other than the stock ``Kandinsky5AttnProcessor``,
-sparse attention (Note [Kandinsky 5's sparse attention]), a Diffusers cache that cannot run on a
+sparse attention on a ring grid (Note [Kandinsky 5's sparse attention]), a Diffusers cache that cannot run on a
 grid (``usp_dit.pipelines.caches``), a model without visual blocks (``num_visual_blocks=0``).
 The model has no dropout, so the replicated text stream needs no replicated-dropout handling.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from diffusers import Kandinsky5Transformer3DModel
+from diffusers.models import attention_dispatch
+from diffusers.models.transformers import transformer_kandinsky
 from diffusers.models.transformers.transformer_kandinsky import Kandinsky5Attention, Kandinsky5AttnProcessor
 from torch.utils.hooks import RemovableHandle
 
 from usp_dit.distributed.mesh import USPMesh
-from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class
+from usp_dit.pipelines._routing import (
+    ROUTED_NAME,
+    Route,
+    RoutedProcessor,
+    routed_processor_class,
+    ulysses_whole_sequence,
+    with_global,
+)
 from usp_dit.pipelines._token_sharding import ShardState, _get_arg, _set_arg
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import Local, ModelPlan, Parallel, PlanAdapter, PlanPatch, check_plan
@@ -90,19 +113,94 @@ _RoutedKandinsky5Processor = routed_processor_class(Kandinsky5AttnProcessor, "_R
 # The visual blocks' positional argument that carries the RoPE table (Kandinsky5TransformerDecoderBlock.forward).
 _ROPE_ARG = ("rope", 3)
 _SPARSE_REASON = (
-    "NABLA block-sparse attention: its flex-attention BlockMask is estimated from the whole sequence's Q and K "
-    "(mean-pooled per 64 tokens, top-P of the softmax mass kept), which no rank holds and usp_attention cannot "
-    "express (Note [Kandinsky 5's sparse attention])"
+    "NABLA block-sparse attention: its flex-attention BlockMask is estimated per head from the whole sequence's "
+    "Q and K (mean-pooled per 64 tokens, top-P of the softmax mass kept), which a ring splits and cannot express "
+    "(Note [Kandinsky 5's sparse attention]); ring_degree=1 (any Ulysses degree) runs it exactly"
 )
+_ESTIMATE = "nablaT_v2"  # the stock module's BlockMask estimate, which the stock processor calls
+
+
+@dataclasses.dataclass(frozen=True)
+class _DeferredNabla:
+    """What the stock processor's ``nablaT_v2(query, key, sta, thr=P)`` returns under usp_dit: its
+    arguments other than the shard's Q/K, for ``ulysses_nabla_attention`` to build the mask from
+    the whole sequence. ``sta``: (1 | B, 1 | H, blocks, blocks) bool."""
+
+    sta: torch.Tensor
+    thr: float
+
+
+def _defer_nabla(q: torch.Tensor, k: torch.Tensor, sta: torch.Tensor, thr: float = 0.9) -> _DeferredNabla:
+    return _DeferredNabla(sta, thr)
+
+
+def ulysses_nabla_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: _DeferredNabla | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    attention_kwargs: dict[str, Any] | None = None,
+    *,
+    backend: Any = None,
+    parallel_config: Any = None,
+) -> torch.Tensor:
+    """A NABLA self-attention call on a grid without ring (Note [Kandinsky 5's sparse attention]):
+    ``dispatch_attention_fn``'s signature, as the stock processor calls it.
+
+    Args:
+        query, key, value: (B, S_local, H, D) this rank's tokens (fractal order), rotated Q/K.
+        attn_mask: the deferred estimate's arguments (``_DeferredNabla``).
+        backend: the processor's attention backend (flex: the one stock's BlockMask needs).
+        parallel_config: the processor's ``Route``.
+
+    Returns:
+        (B, S_local, H, D): this rank's tokens; each head's attention is stock's, its BlockMask built
+        by stock's ``nablaT_v2`` from that head's whole Q and K.
+
+    Raises:
+        NotImplementedError: a ring grid, or a call this path does not carry (dropout, causal,
+            attention kwargs, no deferred mask).
+    """
+    if not isinstance(attn_mask, _DeferredNabla) or dropout_p or is_causal or attention_kwargs:
+        raise NotImplementedError(f"usp_dit's Kandinsky5 NABLA attention got attn_mask={type(attn_mask).__name__}, "
+                                  f"dropout_p={dropout_p}, is_causal={is_causal}, attention_kwargs={attention_kwargs}")
+    route: Route = parallel_config
+
+    def nabla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: tuple[int, int]) -> torch.Tensor:
+        sta = attn_mask.sta if attn_mask.sta.shape[1] == 1 else attn_mask.sta[:, heads[0]:heads[1]]
+        block_mask = getattr(transformer_kandinsky, _ESTIMATE)(q, k, sta, thr=attn_mask.thr)
+        return attention_dispatch.dispatch_attention_fn(q, k, v, attn_mask=block_mask, scale=scale, backend=backend)
+
+    return ulysses_whole_sequence(query, key, value, route.state, nabla)
+
+
+# The stock code with ``nablaT_v2`` deferred and its attention call bound to ``ulysses_nabla_attention``
+# (None exactly when ``_RoutedKandinsky5Processor`` is, or when the stock code builds no NABLA mask).
+_deferred = with_global(Kandinsky5AttnProcessor.__call__, _ESTIMATE, _defer_nabla)
+_NABLA_CALL = _deferred and with_global(_deferred, ROUTED_NAME, ulysses_nabla_attention)
 
 
 class USPKandinsky5AttnProcessor(_RoutedKandinsky5Processor or RoutedProcessor):
     """Kandinsky 5 visual self-attention of this rank's video shard against the whole sequence.
 
     Inputs: ``hidden_states`` (B, S_local, C); ``rotary_emb`` this rank's rows of the visual RoPE
-    table, (B, S_local, 1, head_dim/2, 2, 2) (cut by ``VisualRopeHooks``). Returns (B, S_local, C).
-    The maths is the stock ``Kandinsky5AttnProcessor``'s own code, its attention call routed.
+    table, (B, S_local, 1, head_dim/2, 2, 2) (cut by ``VisualRopeHooks``); ``sparse_params`` the
+    pipeline's NABLA parameters or ``None``. Returns (B, S_local, C). The maths is the stock
+    ``Kandinsky5AttnProcessor``'s own code, its attention call routed (dense: ``usp_attention``;
+    NABLA: ``ulysses_nabla_attention``, Note [Kandinsky 5's sparse attention]).
     """
+
+    def __init__(self, route: Route, stock: Any = None) -> None:
+        super().__init__(route, stock)
+        # The backend the stock processor was set to (set_attention_backend before enable): the
+        # NABLA call is stock's dispatch, whose BlockMask needs flex (a later set_attention_backend sets
+        # it too). The dense calls' router ignores it (usp_dit's backend runs those).
+        if getattr(stock, "_attention_backend", None) is not None:
+            self._attention_backend = stock._attention_backend
 
     def __call__(
         self,
@@ -115,9 +213,13 @@ class USPKandinsky5AttnProcessor(_RoutedKandinsky5Processor or RoutedProcessor):
         if encoder_hidden_states is not None:
             raise NotImplementedError(
                 "USPKandinsky5AttnProcessor is for the visual self-attention only; cross_attention runs locally")
-        if sparse_params is not None:
-            raise NotImplementedError(f"usp_dit's Kandinsky5 adapter does not run {_SPARSE_REASON}")
-        return super().__call__(attn, hidden_states, encoder_hidden_states, rotary_emb, sparse_params)
+        if sparse_params is None:
+            return super().__call__(attn, hidden_states, encoder_hidden_states, rotary_emb, None)
+        ring = self.route.state.mesh.ring_degree
+        if ring > 1 or _NABLA_CALL is None:
+            why = f"a ring grid (ring_degree={ring})" if ring > 1 else f"this diffusers' processor, no {_ESTIMATE} call"
+            raise NotImplementedError(f"usp_dit's Kandinsky5 adapter does not run {_SPARSE_REASON}; here: {why}")
+        return _NABLA_CALL(self, attn, hidden_states, None, rotary_emb, sparse_params)
 
 
 class VisualRopeHooks:
@@ -166,14 +268,6 @@ def _routed_call_missing(transformer: Kandinsky5Transformer3DModel) -> str | Non
     return None
 
 
-def _sparse_config(transformer: Kandinsky5Transformer3DModel) -> str | None:
-    kind = transformer.config.attention_type
-    if kind != "regular":
-        return (f"attention_type={kind!r} (its pipelines then pass sparse_params at every call) is {_SPARSE_REASON}; "
-                f"only attention_type='regular' (dense) runs on a grid")
-    return None
-
-
 def _no_visual_blocks(transformer: Kandinsky5Transformer3DModel) -> str | None:
     if len(transformer.visual_transformer_blocks) == 0:
         return "num_visual_blocks=0: no visual block to split the video tokens at"
@@ -198,9 +292,8 @@ PLAN = ModelPlan(
     cfg_batch_args=("hidden_states", "encoder_hidden_states", "timestep", "pooled_projections"),
     cfg_branch_args=("encoder_hidden_states", "pooled_projections", "text_rope_pos"),
     hooks=(VisualRopeHooks,),
-    refuse=(_routed_call_missing, _no_visual_blocks, _sparse_config),
+    refuse=(_routed_call_missing, _no_visual_blocks),
     heads=lambda model: model.config.model_dim // sum(model.config.axes_dims),
-    refuse_args={"sparse_params": _SPARSE_REASON},
 )
 
 
