@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
-from usp_dit.pipelines import is_usp_enabled
+from usp_dit.pipelines import _routing, is_usp_enabled
+from usp_dit.sharding.shard import shard_sequence
 from usp_dit.testing import assert_no_crash, full_suite, rel_err, run_spawned
 
 # (ulysses, ring, cfg) grids per world size: the issue's grids plus (1, 4) and a cfg mesh, whose two
@@ -141,6 +142,14 @@ def gradient_errors(model, inputs, adapter, mesh, zero_by_maths: str | None = No
     return {"grad": worst}
 
 
+def checkpointed_gradient_errors(model, inputs, adapter, mesh) -> dict[str, float]:
+    """``gradient_errors`` with ``model.enable_gradient_checkpointing()``: the blocks recomputed in
+    backward (block 0's recompute shards its saved input again; the arguments a model passes the
+    checkpointed blocks by position reach the adapter's hooks as such)."""
+    model.enable_gradient_checkpointing()
+    return gradient_errors(model, inputs, adapter, mesh)
+
+
 def allowance_gradient_errors(
     model, inputs, adapter, mesh, exact: dict[str, torch.Tensor], stock: dict[str, torch.Tensor], tol: float,
     factor: float = 2.0,
@@ -198,6 +207,34 @@ def cfg_split_case(model, inputs, mesh) -> dict[str, float]:
     finally:
         disable_usp(model)
     return {"out": rel_err(out, ref)}
+
+
+def first_attention_qk(model, inputs, module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (q, k) of the first call of ``module.name`` (an attention function taking q, k, v first,
+    (B, S, H, D)) in a forward of ``model``: block 0's self-attention's, rotated, in most families."""
+    seen = []
+    inner = getattr(module, name)
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.clone(), k.clone()))
+        return inner(q, k, v, *args, **kwargs)
+
+    with mock.patch.object(module, name, spy):
+        forward(model, inputs)
+    return seen[0]
+
+
+def rotated_qk_case(model, inputs, adapter, mesh, stock_module) -> dict[str, float]:
+    """Each rank's rotated Q/K of the first attention call (stock: ``stock_module``'s
+    ``dispatch_attention_fn``; enabled: the routed ``usp_attention``) equal the same rows of one
+    process's (``shard_sequence`` of the whole sequence): the RoPE rows cut like the tokens."""
+    q_ref, k_ref = first_attention_qk(model, inputs, stock_module, "dispatch_attention_fn")
+    adapter.enable(model, mesh, "auto")
+    try:
+        q, k = first_attention_qk(model, inputs, _routing, "usp_attention")
+    finally:
+        adapter.disable(model)
+    return {"q": rel_err(q, shard_sequence(q_ref, mesh)), "k": rel_err(k, shard_sequence(k_ref, mesh))}
 
 
 # ---- the grid of a family's spawned group (tests/test_pipeline_<family>.py) ------------------------

@@ -42,30 +42,12 @@ import pytest
 import torch
 from diffusers.models.transformers import ace_step_transformer
 
-from tests.adapter_parity import (
-    assert_within,
-    compiled_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_ace_step import ace_step_inputs, tiny_ace_step, tiny_ace_step_pipeline
-from usp_dit.pipelines import _routing
 from usp_dit.pipelines.families import ace_step
 from usp_dit.pipelines.families.ace_step import ADAPTER
-from usp_dit.sharding.shard import shard_sequence
-from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_AUDIO = 1e-4
@@ -85,26 +67,18 @@ def _build(shape: str, seed: int = 0, **config):
 def _output_case(shape: str, mesh, **config) -> dict[str, float]:
     """Output vs stock, block 0's attention length vs ceil(S / P), bit-identity after disable."""
     model, inputs, tokens = _build(shape, **config)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.layers[0].self_attn, tokens)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.layers[0].self_attn, tokens)
 
 
 def _gradient_case(shape: str, mesh) -> dict[str, float]:
     model, inputs, _ = _build(shape)
-    return gradient_errors(model, inputs, ADAPTER, mesh)
-
-
-def _checkpointed_gradient_case(mesh) -> dict[str, float]:
-    """Gradients with ``enable_gradient_checkpointing()``: the layers recomputed in backward, their
-    arguments (the RoPE table, the sliding mask) passed by position."""
-    model, inputs, _ = _build(SHAPES[0])
-    model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _band_gradient_case(mesh) -> dict[str, float]:
     """Gradients through the Ulysses band attention (a window of 4 over 13 tokens)."""
     model, inputs, _ = _build(SHAPES[0], sliding_window=4)
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _band_on_ring_case(mesh) -> dict[str, float]:
@@ -112,7 +86,7 @@ def _band_on_ring_case(mesh) -> dict[str, float]:
     model, inputs, _ = _build(SHAPES[0], sliding_window=4)
     ADAPTER.enable(model, mesh, "auto")
     try:
-        forward(model, inputs)
+        parity.forward(model, inputs)
     except NotImplementedError as exc:
         return {"wrong_error": float("which usp_attention's ring cannot express (ring_degree=2)" not in str(exc))}
     finally:
@@ -123,38 +97,11 @@ def _band_on_ring_case(mesh) -> dict[str, float]:
 BAND_GRIDS = [(2, 1, 1), (4, 1, 1), (2, 1, 2)]  # (U, R, cfg): no ring
 
 
-def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (q, k) of the first attention call of a forward (layer 0's self-attention), rotated."""
-    seen = []
-    inner = getattr(module, name)
-
-    def spy(q, k, v, *args, **kwargs):
-        seen.append((q.clone(), k.clone()))
-        return inner(q, k, v, *args, **kwargs)
-
-    with mock.patch.object(module, name, spy):
-        forward(model, inputs)
-    return seen[0]
-
-
-def _rotated_qk_case(mesh) -> dict[str, float]:
-    """Each rank's rotated Q/K of layer 0 equal the same rows of one process's (the RoPE table's
-    rows cut like the tokens)."""
-    model, inputs, _ = _build(SHAPES[0])
-    q_ref, k_ref = _first_attention_call(model, inputs, ace_step_transformer, "dispatch_attention_fn")
-    ADAPTER.enable(model, mesh, "auto")
-    try:
-        q, k = _first_attention_call(model, inputs, _routing, "usp_attention")
-    finally:
-        ADAPTER.disable(model)
-    return {"q": rel_err(q, shard_sequence(q_ref, mesh)), "k": rel_err(k, shard_sequence(k_ref, mesh))}
-
-
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, audio) of 2 guided steps, two prompts, 10.5 s (21 frames: 11 audio tokens)."""
-    return latents_and(pipe, "audios", prompt=["a calm piano piece", "fast guitar"],
-                       lyrics=["[verse]\nsoft notes", "[chorus]\nloud"], audio_duration=10.5, num_inference_steps=2,
-                       generator=torch.Generator().manual_seed(0), max_text_length=32)
+    return parity.latents_and(pipe, "audios", prompt=["a calm piano piece", "fast guitar"],
+                              lyrics=["[verse]\nsoft notes", "[chorus]\nloud"], audio_duration=10.5,
+                              num_inference_steps=2, generator=torch.Generator().manual_seed(0), max_text_length=32)
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
@@ -163,24 +110,30 @@ PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "full-layers-u2r2", lambda: _output_case(
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    # gradient checkpointing: the layers recomputed in backward, their arguments (the RoPE table, the
+    # sliding mask) passed by position
+    parity.record(results, "grad-ckpt-p4",
+                  lambda: parity.checkpointed_gradient_errors(*_build(SHAPES[0])[:2], ADAPTER, init_usp(2, 2)))
+    parity.record(results, "full-layers-u2r2", lambda: _output_case(
         "f21", init_usp(2, 2), sliding_window=4, layer_types=["full_attention"] * 2))
     for grid in BAND_GRIDS:
-        record(results, "band-u{}r{}cfg{}".format(*grid),
-               lambda grid=grid: _output_case(SHAPES[0], init_usp(*grid), sliding_window=4))
-    record(results, "band-grad-p2", lambda: _band_gradient_case(init_usp(2, 1)))
-    record(results, "band-grad-p4", lambda: _band_gradient_case(init_usp(4, 1)))
-    record(results, "band-on-ring", lambda: _band_on_ring_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+        parity.record(results, "band-u{}r{}cfg{}".format(*grid),
+                      lambda grid=grid: _output_case(SHAPES[0], init_usp(*grid), sliding_window=4))
+    parity.record(results, "band-grad-p2", lambda: _band_gradient_case(init_usp(2, 1)))
+    parity.record(results, "band-grad-p4", lambda: _band_gradient_case(init_usp(4, 1)))
+    parity.record(results, "band-on-ring", lambda: _band_on_ring_case(init_usp(2, 2)))
+    # each rank's rotated Q/K of layer 0 equal the same rows of one process's (the RoPE rows cut like the tokens)
+    parity.record(results, "rotated-qk",
+                  lambda: parity.rotated_qk_case(*_build(SHAPES[0])[:2], ADAPTER, init_usp(2, 2), ace_step_transformer))
     two_heads = tiny_ace_step(num_heads=2, num_kv_heads=1, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "compiled", lambda: compiled_case(*_build(SHAPES[0])[:2], init_usp(2, 2), backend="eager"))
-    record(results, "pipeline", lambda: pipeline_cases(tiny_ace_step_pipeline(), _generate,
-                                                       pipeline_grids(PIPELINE_GRIDS), names=("latents", "audios")),
-           many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "compiled",
+                  lambda: parity.compiled_case(*_build(SHAPES[0])[:2], init_usp(2, 2), backend="eager"))
+    parity.record(results, "pipeline", lambda: parity.pipeline_cases(
+        tiny_ace_step_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS), names=("latents", "audios")),
+        many=True)
     return results
 
 
@@ -188,46 +141,46 @@ def _run_all() -> dict[str, dict | str]:
 def grid_results() -> list[dict]:
     # check_groups=False: the compiled case's torch compile caches (functional collectives' graphs)
     # keep references to the process groups past the job, as in tests/test_compile_grid.py.
-    return spawn_grid(_run_all, WORLD, check_groups=False)
+    return parity.spawn_grid(_run_all, WORLD, check_groups=False)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_full_attention_layers_run_at_any_length(grid_results):
-    assert_within(grid_results, "full-layers-u2r2", TOL)
+    parity.assert_within(grid_results, "full-layers-u2r2", TOL)
 
 
 @pytest.mark.parametrize("key", [f"band-u{u}r{r}cfg{c}" for u, r, c in BAND_GRIDS] + ["band-grad-p2", "band-grad-p4"])
 def test_a_narrow_sliding_window_runs_exactly_on_ulysses(grid_results, key: str):
-    assert_within(grid_results, key, TOL)
+    parity.assert_within(grid_results, key, TOL)
 
 
 def test_a_narrow_sliding_window_on_a_ring_is_refused_on_every_rank(grid_results):
-    assert_within(grid_results, "band-on-ring", 0.0)
+    parity.assert_within(grid_results, "band-on-ring", 0.0)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 def test_whole_model_compiles_fullgraph_in_one_graph(grid_results):
-    assert_within(grid_results, "compiled", TOL)
+    parity.assert_within(grid_results, "compiled", TOL)
 
 
-@pytest.mark.parametrize("key", list(pipeline_grids(PIPELINE_GRIDS)))
+@pytest.mark.parametrize("key", list(parity.pipeline_grids(PIPELINE_GRIDS)))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, 0.0, {"latents": TOL, "audios": TOL_AUDIO}, fallback="pipeline")
+    parity.assert_within(grid_results, key, 0.0, {"latents": TOL, "audios": TOL_AUDIO}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_audio(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: loud failures ----------------------------------------------------------------
@@ -240,19 +193,12 @@ def test_a_narrow_sliding_window_under_a_flash_backend_is_refused():
     try:
         with mock.patch.object(ace_step_transformer, "_is_flash_attention_backend", lambda processor=None: True), \
                 pytest.raises(NotImplementedError, match=r"\|i - j\| <= 4\) does not cover the 11 audio tokens"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
 
-def test_a_foreign_cross_attention_processor_is_refused():
-    model = tiny_ace_step()
-    model.layers[1].cross_attn.processor = object()
-    with pytest.raises(NotImplementedError, match="layers.1.cross_attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(ace_step, "_RoutedAceStepProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_ace_step(), single_rank_mesh(), "auto")
+test_a_foreign_cross_attention_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_ace_step, ADAPTER, "layers.1.cross_attn")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_ace_step, ADAPTER, ace_step, "_RoutedAceStepProcessor")

@@ -35,41 +35,21 @@ gradient, the rotated Q/K and the pipeline's final latents. Sharding only reorde
 from __future__ import annotations
 
 import functools
-from unittest import mock
 
 import pytest
 import torch
 from diffusers.models.transformers import transformer_longcat_audio_dit
 
-from tests.adapter_parity import (
-    assert_within,
-    cfg_pair_computations,
-    compiled_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_longcat_audio_dit import (
     longcat_audio_dit_inputs,
     tiny_longcat_audio_dit,
     tiny_longcat_audio_dit_pipeline,
 )
-from usp_dit.pipelines import _routing
 from usp_dit.pipelines.families import longcat_audio_dit
 from usp_dit.pipelines.families.longcat_audio_dit import ADAPTER
-from usp_dit.sharding.shard import shard_sequence
-from usp_dit.testing import rel_err
 
 TOL = 1e-5
 TOL_AUDIO = 1e-4
@@ -90,45 +70,18 @@ def _build(adaln_type: str = "global", seed: int = 0):
 def _output_case(shape: str, mesh, adaln_type: str = "global") -> dict[str, float]:
     """Output vs stock, block 0's attention length vs ceil(S / P), bit-identity after disable."""
     model, inputs = _build(adaln_type)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].self_attn, FRAMES)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.blocks[0].self_attn, FRAMES)
 
 
 def _gradient_case(shape: str, mesh) -> dict[str, float]:
-    return gradient_errors(*_build(), ADAPTER, mesh)
-
-
-def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (q, k) of the first attention call of a forward (block 0's self-attention), rotated."""
-    seen = []
-    inner = getattr(module, name)
-
-    def spy(q, k, v, *args, **kwargs):
-        seen.append((q.clone(), k.clone()))
-        return inner(q, k, v, *args, **kwargs)
-
-    with mock.patch.object(module, name, spy):
-        forward(model, inputs)
-    return seen[0]
-
-
-def _rotated_qk_case(mesh) -> dict[str, float]:
-    """Each rank's rotated Q/K of block 0 equal the same rows of one process's (the audio RoPE
-    table's rows cut like the tokens)."""
-    model, inputs = _build()
-    q_ref, k_ref = _first_attention_call(model, inputs, transformer_longcat_audio_dit, "dispatch_attention_fn")
-    ADAPTER.enable(model, mesh, "auto")
-    try:
-        q, k = _first_attention_call(model, inputs, _routing, "usp_attention")
-    finally:
-        ADAPTER.disable(model)
-    return {"q": rel_err(q, shard_sequence(q_ref, mesh)), "k": rel_err(k, shard_sequence(k_ref, mesh))}
+    return parity.gradient_errors(*_build(), ADAPTER, mesh)
 
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, audio) of 2 steps with true CFG, two prompts, 2.6 s (13 audio tokens)."""
-    return latents_and(pipe, "audios", prompt=["soft ocean ambience", "rain on a tin roof"], negative_prompt="noise",
-                       audio_duration_s=2.6, num_inference_steps=STEPS, generator=torch.Generator().manual_seed(0),
-                       output_type="pt")
+    return parity.latents_and(pipe, "audios", prompt=["soft ocean ambience", "rain on a tin roof"],
+                              negative_prompt="noise", audio_duration_s=2.6, num_inference_steps=STEPS,
+                              generator=torch.Generator().manual_seed(0), output_type="pt")
 
 
 PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
@@ -137,16 +90,20 @@ PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
-    record(results, "adaln-local-u2r2", lambda: _output_case(SHAPES[0], init_usp(2, 2), adaln_type="local"))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    parity.record(results, "adaln-local-u2r2", lambda: _output_case(SHAPES[0], init_usp(2, 2), adaln_type="local"))
+    # each rank's rotated Q/K of block 0 equal the same rows of one process's (the audio RoPE rows cut
+    # like the tokens)
+    parity.record(results, "rotated-qk",
+                  lambda: parity.rotated_qk_case(*_build(), ADAPTER, init_usp(2, 2), transformer_longcat_audio_dit))
     two_heads = tiny_longcat_audio_dit(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "compiled", lambda: compiled_case(*_build(), init_usp(2, 2), backend="eager"))
-    record(results, "pipeline", lambda: pipeline_cases(
-        tiny_longcat_audio_dit_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS), names=("latents", "audios"),
-        check_enabled=False, probe=functools.partial(cfg_pair_computations, steps=STEPS, blocks="blocks")), many=True)
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "compiled", lambda: parity.compiled_case(*_build(), init_usp(2, 2), backend="eager"))
+    parity.record(results, "pipeline", lambda: parity.pipeline_cases(
+        tiny_longcat_audio_dit_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS),
+        names=("latents", "audios"), check_enabled=False,
+        probe=functools.partial(parity.cfg_pair_computations, steps=STEPS, blocks="blocks")), many=True)
     return results
 
 
@@ -154,37 +111,37 @@ def _run_all() -> dict[str, dict | str]:
 def grid_results() -> list[dict]:
     # check_groups=False: the compiled case's torch compile caches (functional collectives' graphs)
     # keep references to the process groups past the job, as in tests/test_compile_grid.py.
-    return spawn_grid(_run_all, WORLD, check_groups=False)
+    return parity.spawn_grid(_run_all, WORLD, check_groups=False)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES), TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES), TOL,
 )
 
 
 def test_local_adaln_variant_matches_one_process(grid_results):
-    assert_within(grid_results, "adaln-local-u2r2", TOL)
+    parity.assert_within(grid_results, "adaln-local-u2r2", TOL)
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 def test_whole_model_compiles_fullgraph_in_one_graph(grid_results):
-    assert_within(grid_results, "compiled", TOL)
+    parity.assert_within(grid_results, "compiled", TOL)
 
 
-@pytest.mark.parametrize("key", list(pipeline_grids(PIPELINE_GRIDS)))
+@pytest.mark.parametrize("key", list(parity.pipeline_grids(PIPELINE_GRIDS)))
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, 0.0, {"latents": TOL, "audios": TOL_AUDIO}, fallback="pipeline")
+    parity.assert_within(grid_results, key, 0.0, {"latents": TOL, "audios": TOL_AUDIO}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_audio(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: loud failures ----------------------------------------------------------------
@@ -196,7 +153,7 @@ def test_an_audio_mask_with_padded_frames_is_refused():
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         with pytest.raises(NotImplementedError, match="attention_mask marks padded audio frames"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
@@ -204,22 +161,15 @@ def test_an_audio_mask_with_padded_frames_is_refused():
 def test_no_audio_mask_runs_as_stock():
     model, _ = _build()
     inputs = longcat_audio_dit_inputs(FRAMES, audio_mask=False)
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
-        assert torch.equal(forward(model, inputs), ref)
+        assert torch.equal(parity.forward(model, inputs), ref)
     finally:
         ADAPTER.disable(model)
 
 
-def test_a_foreign_cross_attention_processor_is_refused():
-    model = tiny_longcat_audio_dit()
-    model.blocks[1].cross_attn.processor = object()
-    with pytest.raises(NotImplementedError, match="blocks.1.cross_attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(longcat_audio_dit, "_RoutedSelfAttnProcessor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_longcat_audio_dit(), single_rank_mesh(), "auto")
+test_a_foreign_cross_attention_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_longcat_audio_dit, ADAPTER, "blocks.1.cross_attn")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_longcat_audio_dit, ADAPTER, longcat_audio_dit, "_RoutedSelfAttnProcessor")

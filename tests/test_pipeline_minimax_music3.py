@@ -29,33 +29,17 @@ log-sum-exp, gradients summed over ranks).
 """
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 from diffusers.models.transformers import transformer_minimax_music3
 
 import usp_dit
-from tests.adapter_parity import (
-    assert_within,
-    compiled_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    output_keys,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
-from usp_dit import init_usp, single_rank_mesh
+from tests import adapter_parity as parity
+from tests import family_checks
+from usp_dit import init_usp
 from usp_dit.demo.tiny_minimax_music3 import MiniMaxMusic3Inputs, minimax_music3_inputs, tiny_minimax_music3
-from usp_dit.pipelines import _routing
 from usp_dit.pipelines.families import minimax_music3
 from usp_dit.pipelines.families.minimax_music3 import ADAPTER
-from usp_dit.sharding.shard import shard_sequence
 from usp_dit.testing import rel_err
 
 TOL = 1e-5
@@ -76,52 +60,20 @@ def _build(seed: int = 0):
 def _output_case(shape: str, mesh) -> dict[str, float]:
     """Output vs stock, block 0's attention length vs ceil((1 + frames) / P), bit-identity after disable."""
     model, inputs = _build()
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, FRAMES + 1)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn, FRAMES + 1)
 
 
 def _gradient_case(shape: str, mesh) -> dict[str, float]:
-    return gradient_errors(*_build(), ADAPTER, mesh)
-
-
-def _checkpointed_gradient_case(mesh) -> dict[str, float]:
-    """Gradients with ``enable_gradient_checkpointing()``: block 0's recompute re-shards its saved input."""
-    model, inputs = _build()
-    model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
-
-
-def _first_attention_call(model, inputs, module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (q, k) of the first attention call of a forward (block 0's), rotated."""
-    seen = []
-    inner = getattr(module, name)
-
-    def spy(q, k, v, *args, **kwargs):
-        seen.append((q.clone(), k.clone()))
-        return inner(q, k, v, *args, **kwargs)
-
-    with mock.patch.object(module, name, spy):
-        forward(model, inputs)
-    return seen[0]
-
-
-def _rotated_qk_case(mesh) -> dict[str, float]:
-    """Each rank's rotated Q/K of block 0 (time token included) equal the same rows of one process's."""
-    model, inputs = _build()
-    q_ref, k_ref = _first_attention_call(model, inputs, transformer_minimax_music3, "dispatch_attention_fn")
-    ADAPTER.enable(model, mesh, "auto")
-    try:
-        q, k = _first_attention_call(model, inputs, _routing, "usp_attention")
-    finally:
-        ADAPTER.disable(model)
-    return {"q": rel_err(q, shard_sequence(q_ref, mesh)), "k": rel_err(k, shard_sequence(k_ref, mesh))}
+    return parity.gradient_errors(*_build(), ADAPTER, mesh)
 
 
 def _guided_calls(model, steps: list[MiniMaxMusic3Inputs]) -> list[torch.Tensor]:
     """The guider's calls: per step the condition's, then zeros' (the unconditional branch)."""
     outs = []
     for inputs in steps:
-        uncond = MiniMaxMusic3Inputs(inputs.hidden_states, inputs.timestep, torch.zeros_like(inputs.encoder_hidden_states))
-        outs += [forward(model, inputs), forward(model, uncond)]
+        uncond = MiniMaxMusic3Inputs(inputs.hidden_states, inputs.timestep,
+                                     torch.zeros_like(inputs.encoder_hidden_states))
+        outs += [parity.forward(model, inputs), parity.forward(model, uncond)]
     return outs
 
 
@@ -148,14 +100,18 @@ def _two_call_cfg_case(mesh) -> dict[str, float]:
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
-    record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rotated-qk", lambda: _rotated_qk_case(init_usp(2, 2)))
-    record(results, "two-call-cfg", lambda: _two_call_cfg_case(init_usp(1, 2, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    # gradient checkpointing: block 0's recompute re-shards its saved input
+    parity.record(results, "grad-ckpt-p4",
+                  lambda: parity.checkpointed_gradient_errors(*_build(), ADAPTER, init_usp(2, 2)))
+    # each rank's rotated Q/K of block 0 (time token included) equal the same rows of one process's
+    parity.record(results, "rotated-qk",
+                  lambda: parity.rotated_qk_case(*_build(), ADAPTER, init_usp(2, 2), transformer_minimax_music3))
+    parity.record(results, "two-call-cfg", lambda: _two_call_cfg_case(init_usp(1, 2, 2)))
     two_heads = tiny_minimax_music3(num_heads=2, head_dim=32)
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
-    record(results, "compiled", lambda: compiled_case(*_build(), init_usp(2, 2), backend="eager"))
+    parity.record(results, "ulysses-above-heads",
+                  lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
+    parity.record(results, "compiled", lambda: parity.compiled_case(*_build(), init_usp(2, 2), backend="eager"))
     return results
 
 
@@ -163,41 +119,34 @@ def _run_all() -> dict[str, dict | str]:
 def grid_results() -> list[dict]:
     # check_groups=False: the compiled case's torch compile caches (functional collectives' graphs)
     # keep references to the process groups past the job, as in tests/test_compile_grid.py.
-    return spawn_grid(_run_all, WORLD, check_groups=False)
+    return parity.spawn_grid(_run_all, WORLD, check_groups=False)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES) + ["grad-ckpt-p4"], TOL,
 )
 
 
 def test_rope_rotates_each_rank_like_the_same_rows_of_one_process(grid_results):
-    assert_within(grid_results, "rotated-qk", TOL)
+    parity.assert_within(grid_results, "rotated-qk", TOL)
 
 
 def test_cfg_parallel_runs_the_guiders_two_calls_at_once(grid_results):
-    assert_within(grid_results, "two-call-cfg", TOL)
+    parity.assert_within(grid_results, "two-call-cfg", TOL)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 def test_whole_model_compiles_fullgraph_in_one_graph(grid_results):
-    assert_within(grid_results, "compiled", TOL)
+    parity.assert_within(grid_results, "compiled", TOL)
 
 
 # ---- single process: loud failures ----------------------------------------------------------------
 
 
-def test_a_foreign_processor_is_refused():
-    model = tiny_minimax_music3()
-    model.transformer_blocks[1].attn.processor = object()
-    with pytest.raises(NotImplementedError, match="transformer_blocks.1.attn.processor is object"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
-
-
-def test_a_processor_without_the_routed_call_is_refused(monkeypatch):
-    monkeypatch.setattr(minimax_music3, "_RoutedMusic3Processor", None)
-    with pytest.raises(NotImplementedError, match="does not call dispatch_attention_fn, the call usp_dit routes"):
-        ADAPTER.enable(tiny_minimax_music3(), single_rank_mesh(), "auto")
+test_a_foreign_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_minimax_music3, ADAPTER, "transformer_blocks.1.attn")
+test_a_processor_without_the_routed_call_is_refused = family_checks.routed_call_refused(
+    tiny_minimax_music3, ADAPTER, minimax_music3, "_RoutedMusic3Processor")

@@ -33,24 +33,10 @@ from unittest import mock
 
 import pytest
 import torch
+from diffusers.models.attention_processor import AttnProcessor2_0
 
-from tests.adapter_parity import (
-    assert_one_rank_bit_identical,
-    assert_within,
-    cfg_split_case,
-    decoded_latents_and,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_stable_audio import stable_audio_inputs, tiny_stable_audio, tiny_stable_audio_pipeline
 from usp_dit.pipelines.families.stable_audio import ADAPTER
@@ -84,7 +70,7 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.frames + 1)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].attn1, shape.frames + 1)
 
 
 def _gradient_case(shape: Shape, mesh) -> dict[str, float]:
@@ -92,7 +78,7 @@ def _gradient_case(shape: Shape, mesh) -> dict[str, float]:
     process's; the frozen Fourier timestep weights too (made trainable here: a gradient to check)."""
     model, inputs = _build(shape)
     model.time_proj.weight.requires_grad_(True)
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
 def _rope_rows(model, inputs) -> torch.Tensor:
@@ -108,7 +94,7 @@ def _rope_rows(model, inputs) -> torch.Tensor:
         return stock(x, freqs_cis, *args, **kwargs)
 
     with mock.patch.object(embeddings, "apply_rotary_emb", keep):
-        forward(model, inputs)
+        parity.forward(model, inputs)
     return seen[0]
 
 
@@ -132,69 +118,68 @@ PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits [uncond, c
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, audio) of 2 steps at 22 latent frames (23 tokens), batched CFG, seed 0."""
     prompt, negative_prompt = PROMPTS
-    return decoded_latents_and(
+    return parity.decoded_latents_and(
         pipe, "audios", prompt=prompt, negative_prompt=negative_prompt, guidance_scale=3.0, num_inference_steps=2,
         generator=torch.Generator().manual_seed(0),
     )
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
-    return pipeline_cases(tiny_stable_audio_pipeline(), _generate, pipeline_grids(PIPELINE_GRIDS),
-                          names=("latents", "audios"))
+    return parity.pipeline_cases(tiny_stable_audio_pipeline(), _generate, parity.pipeline_grids(PIPELINE_GRIDS),
+                                 names=("latents", "audios"))
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
-    record(results, "rope-rows", lambda: _rope_rows_case(init_usp(2, 2)))
-    record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    parity.record(results, "rope-rows", lambda: _rope_rows_case(init_usp(2, 2)))
+    parity.record(results, "cfg-split", lambda: parity.cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES), TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES), TOL,
 )
 
 
 def test_rope_rows_of_each_rank_match_one_process(grid_results):
-    assert_within(grid_results, "rope-rows", TOL, {"not_cut": 0.0})
+    parity.assert_within(grid_results, "rope-rows", TOL, {"not_cut": 0.0})
 
 
 def test_cfg_split_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"audios": TOL_AUDIO}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"audios": TOL_AUDIO}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_audio(grid_results):
-    assert_within(grid_results, "pipeline-after-disable", 0.0)
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
 # ---- single process: restore exactly, loud failures ----------------------------------------------
 
 
-def test_one_rank_is_bit_identical_to_stock():
-    assert_one_rank_bit_identical(*_build(SHAPES[0]), ADAPTER)
+test_one_rank_is_bit_identical_to_stock = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[0]), ADAPTER)
 
 
 def test_text_mask_and_rope_change_the_output():
     """What the grid cases cover matters: the text mask and the RoPE table each change the output."""
     model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     inputs.encoder_attention_mask = torch.ones_like(inputs.encoder_attention_mask)
-    assert rel_err(forward(model, inputs), ref) > 1e-3
+    assert rel_err(parity.forward(model, inputs), ref) > 1e-3
     model, inputs = _build(SHAPES[0])
     inputs.rotary_embedding = tuple(t.roll(1, dims=0) for t in inputs.rotary_embedding)
-    assert rel_err(forward(model, inputs), ref) > 1e-3
+    assert rel_err(parity.forward(model, inputs), ref) > 1e-3
 
 
 def test_an_audio_mask_is_refused():
@@ -213,15 +198,10 @@ def test_a_rope_table_of_the_wrong_length_is_refused():
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         with pytest.raises(ValueError, match="rotary_embedding has 22 rows but the transformer has 23"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
 
-def test_a_custom_processor_is_refused():
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
-    model = tiny_stable_audio()
-    model.transformer_blocks[0].attn1.set_processor(AttnProcessor2_0())
-    with pytest.raises(NotImplementedError, match="AttnProcessor2_0"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_custom_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_stable_audio, ADAPTER, "transformer_blocks.0.attn1", AttnProcessor2_0)

@@ -38,24 +38,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from diffusers.models.transformers.transformer_stable_audio3 import StableAudio3SelfAttnProcessor
 
-from tests.adapter_parity import (
-    assert_one_rank_bit_identical,
-    assert_within,
-    cfg_split_case,
-    forward,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    latents_and,
-    output_keys,
-    pipeline_cases,
-    pipeline_grids,
-    record,
-    run_grid_cases,
-    sharded_output_case,
-    spawn_grid,
-)
+from tests import adapter_parity as parity
+from tests import family_checks
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_stable_audio3 import (
     NUM_MEMORY,
@@ -94,20 +80,12 @@ def _build(shape: Shape, seed: int = 0):
 
 def _output_case(shape: Shape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].self_attn,
-                               NUM_MEMORY + shape.frames)
+    return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.transformer_blocks[0].self_attn,
+                                      NUM_MEMORY + shape.frames)
 
 
 def _gradient_case(shape: Shape, mesh) -> dict[str, float]:
-    return gradient_errors(*_build(shape), ADAPTER, mesh)
-
-
-def _checkpointed_gradient_case(mesh) -> dict[str, float]:
-    """Gradient checkpointing: the model passes the blocks' arguments (local_seq, num_memory_tokens)
-    positionally, and block 0's recompute shards its saved input again."""
-    model, inputs = _build(SHAPES[0])
-    model.enable_gradient_checkpointing()
-    return gradient_errors(model, inputs, ADAPTER, mesh)
+    return parity.gradient_errors(*_build(shape), ADAPTER, mesh)
 
 
 def _rope_rows_case(mesh) -> dict[str, float]:
@@ -118,7 +96,7 @@ def _rope_rows_case(mesh) -> dict[str, float]:
         lambda m, args, kwargs: seen.append(kwargs["rope"]), with_kwargs=True)
     ADAPTER.enable(model, mesh, "auto")
     try:
-        forward(model, inputs)
+        parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
         hook.remove()
@@ -136,7 +114,7 @@ DURATION = 2.0  # seconds: 16 latent frames + 7 memory tokens = 23 tokens
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, audio) of 2 steps, batched CFG, seed 0."""
     prompt, negative_prompt = PROMPTS
-    return latents_and(
+    return parity.latents_and(
         pipe, "audios", prompt=prompt, negative_prompt=negative_prompt, guidance_scale=3.0, duration=DURATION,
         num_inference_steps=2, generator=torch.Generator().manual_seed(0),
     )
@@ -145,7 +123,7 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 def _inpaint(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, audio) of 2 inpainting steps, a different masked span per element, seed 0."""
     audio = torch.randn(2, 2, int(DURATION * SAMPLING_RATE), generator=torch.Generator().manual_seed(1))
-    return latents_and(
+    return parity.latents_and(
         pipe, "audios", prompt=PROMPTS[0], duration=DURATION, audio=audio, mask_start_seconds=[0.5, 1.0],
         mask_end_seconds=[1.5, 1.75], num_inference_steps=2, generator=torch.Generator().manual_seed(0),
     )
@@ -153,54 +131,58 @@ def _inpaint(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
     names = ("latents", "audios")
-    results = pipeline_cases(tiny_stable_audio3_pipeline("text"), _generate, pipeline_grids(PIPELINE_GRIDS),
-                             names=names)
-    return {**results, **pipeline_cases(tiny_stable_audio3_pipeline("inpaint"), _inpaint,
-                                        pipeline_grids(INPAINT_GRIDS, "inpaint"), names=names,
-                                        after_disable="inpaint-after-disable")}
+    results = parity.pipeline_cases(tiny_stable_audio3_pipeline("text"), _generate,
+                                    parity.pipeline_grids(PIPELINE_GRIDS),
+                                    names=names)
+    return {**results, **parity.pipeline_cases(tiny_stable_audio3_pipeline("inpaint"), _inpaint,
+                                               parity.pipeline_grids(INPAINT_GRIDS, "inpaint"), names=names,
+                                               after_disable="inpaint-after-disable")}
 
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case)
-    record(results, "grad-checkpointing", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
-    record(results, "rope-rows", lambda: _rope_rows_case(init_usp(1, 4)))
-    record(results, "cfg-split", lambda: cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
-    record(results, "pipeline", _pipeline_cases, many=True)
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case)
+    # gradient checkpointing: the model passes the blocks' arguments (local_seq, num_memory_tokens)
+    # positionally, and block 0's recompute shards its saved input again
+    parity.record(results, "grad-checkpointing",
+                  lambda: parity.checkpointed_gradient_errors(*_build(SHAPES[0]), ADAPTER, init_usp(2, 2)))
+    parity.record(results, "rope-rows", lambda: _rope_rows_case(init_usp(1, 4)))
+    parity.record(results, "cfg-split", lambda: parity.cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES), grad_keys(SHAPES), TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES), parity.grad_keys(SHAPES), TOL,
 )
 
 
 def test_gradients_with_checkpointing_match_one_process(grid_results):
-    assert_within(grid_results, "grad-checkpointing", TOL)
+    parity.assert_within(grid_results, "grad-checkpointing", TOL)
 
 
 def test_rope_rows_of_each_rank_match_one_process(grid_results):
-    assert_within(grid_results, "rope-rows", TOL, {"not_cut": 0.0})
+    parity.assert_within(grid_results, "rope-rows", TOL, {"not_cut": 0.0})
 
 
 def test_cfg_split_matches_stock(grid_results):
-    assert_within(grid_results, "cfg-split", TOL)
+    parity.assert_within(grid_results, "cfg-split", TOL)
 
 
 @pytest.mark.parametrize("key", [f"pipeline-u{u}r{r}cfg{c}" for u, r, c in PIPELINE_GRIDS]
                          + [f"inpaint-u{u}r{r}cfg{c}" for u, r, c in INPAINT_GRIDS])
 def test_pipeline_matches_one_process(grid_results, key: str):
-    assert_within(grid_results, key, TOL, {"audios": TOL_AUDIO}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"audios": TOL_AUDIO}, fallback="pipeline")
 
 
 @pytest.mark.parametrize("key", ["pipeline-after-disable", "inpaint-after-disable"])
 def test_disable_usp_gives_back_the_bit_identical_audio(grid_results, key: str):
-    assert_within(grid_results, key, 0.0)
+    parity.assert_within(grid_results, key, 0.0)
 
 
 # ---- single process: the memory boundary, restore exactly, loud failures --------------------------
@@ -215,20 +197,19 @@ def test_memory_split_of_a_shard(lo: int, hi: int, memory: int, frames: tuple[in
     assert (got_memory, got_frames.start, got_frames.stop) == (memory, *frames)
 
 
-def test_one_rank_is_bit_identical_to_stock():
-    assert_one_rank_bit_identical(*_build(SHAPES[0]), ADAPTER)
+test_one_rank_is_bit_identical_to_stock = family_checks.one_rank_bit_identical(lambda: _build(SHAPES[0]), ADAPTER)
 
 
 def test_inpainting_and_memory_change_the_output():
     """What the grid cases cover matters: the inpainting condition and the memory tokens each change the output."""
     model, inputs = _build(SHAPES[0])
-    ref = forward(model, inputs)
+    ref = parity.forward(model, inputs)
     inputs.local_add_cond = inputs.local_add_cond.roll(1, dims=2)
-    assert rel_err(forward(model, inputs), ref) > 1e-3
+    assert rel_err(parity.forward(model, inputs), ref) > 1e-3
     model, inputs = _build(SHAPES[0])
     with torch.no_grad():
         model.memory_tokens.mul_(-1)
-    assert rel_err(forward(model, inputs), ref) > 1e-3
+    assert rel_err(parity.forward(model, inputs), ref) > 1e-3
 
 
 def test_an_inpainting_condition_of_the_wrong_length_is_refused():
@@ -237,18 +218,14 @@ def test_an_inpainting_condition_of_the_wrong_length_is_refused():
     try:
         inputs.hidden_states = inputs.hidden_states[:, :, :-1]
         with pytest.raises(ValueError, match="local_add_cond has 16 frames but the transformer has 22 tokens"):
-            forward(model, inputs)
+            parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
 
 
-def test_a_custom_processor_is_refused():
-    from diffusers.models.transformers.transformer_stable_audio3 import StableAudio3SelfAttnProcessor
+class _CustomProcessor(StableAudio3SelfAttnProcessor):
+    """A subclass of stock's self-attention processor: not stock's, so not known to be routable."""
 
-    class Custom(StableAudio3SelfAttnProcessor):
-        pass
 
-    model = tiny_stable_audio3()
-    model.transformer_blocks[1].self_attn.set_processor(Custom())
-    with pytest.raises(NotImplementedError, match="Custom"):
-        ADAPTER.enable(model, single_rank_mesh(), "auto")
+test_a_custom_processor_is_refused = family_checks.foreign_processor_refused(
+    tiny_stable_audio3, ADAPTER, "transformer_blocks.1.self_attn", _CustomProcessor)

@@ -50,17 +50,7 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
 
-from tests.adapter_parity import (
-    assert_within,
-    grad_keys,
-    gradient_errors,
-    grid_tests,
-    output_keys,
-    record,
-    run_grid_cases,
-    spawn_grid,
-    ulysses_above_heads_case,
-)
+from tests import adapter_parity as parity
 from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
 from usp_dit.demo.tiny_wan_animate2 import (
     SegmentShape,
@@ -167,7 +157,7 @@ class _ExtractCall:
 
 def _gradient_case(shape: SegmentShape, mesh) -> dict[str, float]:
     model, inputs = _build(shape)
-    return gradient_errors(model, _ExtractCall(model, inputs), ADAPTER, mesh)
+    return parity.gradient_errors(model, _ExtractCall(model, inputs), ADAPTER, mesh)
 
 
 def _cached_gradient_refused(mesh) -> dict[str, float]:
@@ -201,33 +191,35 @@ def _enable_usp_case(mesh) -> dict[str, float]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    run_grid_cases(results, SHAPES, _output_case, _gradient_case, grad_shapes=GRAD_SHAPES)
-    record(results, "stock-cache-u2r2", lambda: _stock_cache_case(init_usp(2, 2)))
-    record(results, "cached-grad-refused", lambda: _cached_gradient_refused(init_usp(1, 2)))
+    parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case, grad_shapes=GRAD_SHAPES)
+    parity.record(results, "stock-cache-u2r2", lambda: _stock_cache_case(init_usp(2, 2)))
+    parity.record(results, "cached-grad-refused", lambda: _cached_gradient_refused(init_usp(1, 2)))
     for grid in [(2, 1, 1), (2, 2, 1), (1, 2, 2)]:
-        record(results, f"enable_usp-u{grid[0]}r{grid[1]}cfg{grid[2]}", lambda grid=grid: _enable_usp_case(init_usp(*grid)))
-    record(results, "ulysses-above-heads",
-           lambda: ulysses_above_heads_case(tiny_wan_animate2(num_heads=2, head_dim=32), ADAPTER, init_usp(4, 1)))
+        parity.record(results, f"enable_usp-u{grid[0]}r{grid[1]}cfg{grid[2]}",
+                      lambda grid=grid: _enable_usp_case(init_usp(*grid)))
+    parity.record(results, "ulysses-above-heads", lambda: parity.ulysses_above_heads_case(
+        tiny_wan_animate2(num_heads=2, head_dim=32), ADAPTER, init_usp(4, 1)))
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return spawn_grid(_run_all, WORLD)
+    return parity.spawn_grid(_run_all, WORLD)
 
 
-test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = grid_tests(
-    output_keys(SHAPES) + ["stock-cache-u2r2", "enable_usp-u2r1cfg1", "enable_usp-u2r2cfg1", "enable_usp-u1r2cfg2"],
-    grad_keys(by_world=GRAD_SHAPES), TOL,
+test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
+    parity.output_keys(SHAPES)
+    + ["stock-cache-u2r2", "enable_usp-u2r1cfg1", "enable_usp-u2r2cfg1", "enable_usp-u1r2cfg2"],
+    parity.grad_keys(by_world=GRAD_SHAPES), TOL,
 )
 
 
 def test_generation_pass_with_a_gradient_is_refused(grid_results):
-    assert_within(grid_results, "cached-grad-refused", 0.0)
+    parity.assert_within(grid_results, "cached-grad-refused", 0.0)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
-    assert_within(grid_results, "ulysses-above-heads", 0.0)
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 # ---- single process -------------------------------------------------------------------------------
