@@ -17,18 +17,26 @@ output on one process, block 0's self-attention sees at most ceil(384 / P) token
 rank, summed over the sequence group, equals one process's). The mask is not vacuous: an all-true
 sliding-tile prior (nothing masked) changes the output by more than 1e-3.
 
+Pipeline: the stock ``Kandinsky6SRPipeline``, built tiny (``tiny_kandinsky6_sr_pipeline``: a tiny
+``Kandinsky6SRVAE``, one 128 x 256 tile size), a 5-frame 64 x 128 video at ``resolution_scale=2``
+(one tile, 2 latent frames x 8 x 16 = 256 tokens), 2 steps, through ``pipe.enable_usp`` on (2,1,1)
+and (4,1,1): the latents its VAE decodes and the frames equal one process's; after ``disable_usp``
+bit-identical. cfg_degree=2 is not run on the pipeline: it calls the transformer on a batch of one
+tile (``tiles_batch_size=1``), which a cfg split refuses; the transformer case (2,1,2) covers it.
+
 Flex on CPU: eager ``flex_attention`` ignores a BlockMask's sparsity (its math fallback reads
 mask_mod alone), so every case attends through Kandinsky 5's ``_flex_honouring_blocks`` (the
 BlockMask's blocks expanded to a dense sdpa mask: what flex computes on a GPU), patched in for
 the stock model and the sharded one alike.
 
-Tolerance: float32 max|err| / max|ref| <= 1e-5 on outputs and gradients. The stock processor
+Tolerance: float32 max|err| / max|ref| <= 1e-5 on outputs, gradients and the pipeline's latents
+(decoded frames 1e-4: an untrained random VAE's gain). The stock processor
 keeps the model's dtype (its RoPE casts back to Q's dtype: no bfloat16 round trip, unlike Kandinsky
 5's), so sharding only reorders float32 sums (GEMMs over a shard's rows; the same per-head estimate
 over the same gathered rows). The discrete block choice could in principle flip on a last-bit
 change of a pooled score at the threshold; it does not here. Measured: outputs 0 on (2,1) and
 (4,1) (a row's float32 GEMM does not depend on the shard here), 3.2e-7 on (2,1,2) (batch 1 a
-group); gradients 1.0e-6.
+group); gradients 1.0e-6; the pipeline's latents and frames 0.
 """
 from __future__ import annotations
 
@@ -39,18 +47,25 @@ from tests import adapter_parity as parity
 from tests import family_checks
 from tests.test_pipeline_kandinsky5 import _honoured_flex
 from usp_dit import init_usp, single_rank_mesh
-from usp_dit.demo.tiny_kandinsky6_sr import kandinsky6_sr_inputs, tiny_kandinsky6_sr
+from usp_dit.demo.tiny_kandinsky6_sr import (
+    kandinsky6_sr_inputs,
+    kandinsky6_sr_video,
+    tiny_kandinsky6_sr,
+    tiny_kandinsky6_sr_pipeline,
+)
 from usp_dit.pipelines.families import kandinsky6_sr
 from usp_dit.pipelines.families.kandinsky6_sr import ADAPTER, USPKandinsky6SRAttnProcessor
 from usp_dit.testing import rel_err
 
 TOL = 1e-5
+TOL_FRAMES = 1e-4  # decoded frames: an untrained random VAE's gain
 MASK_MIN = 1e-3  # the NABLA mask's effect on the output must exceed this
 WORLD = 4
 SHAPE = (3, 8, 16)  # latent (frames, height, width): 384 tokens, six 64-token blocks
 TOKENS = 384
 GRIDS = [(2, 1, 1), (4, 1, 1), (2, 1, 2)]  # (U, R, cfg); a ring is refused
 GRAD_GRIDS = [(2, 1), (4, 1)]
+PIPELINE_GRIDS = parity.pipeline_grids([(2, 1, 1), (4, 1, 1)])  # batch-1 tiles: cfg_degree=2 refused
 
 
 def _build(window: tuple[int, int, int] = (1, 1, 1)):
@@ -91,6 +106,16 @@ def _ring_case() -> dict[str, float]:
     return {"not_refused": 1.0}
 
 
+def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the latents the VAE decodes, the frames): one 128 x 256 tile, 2 latent frames, 2 steps."""
+    return parity.decoded_latents_and(pipe, "frames", video=kandinsky6_sr_video(), resolution_scale=2,
+                                      num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(0))
+
+
+def _pipeline_cases() -> dict[str, dict[str, float]]:
+    return parity.pipeline_cases(tiny_kandinsky6_sr_pipeline(), _generate, PIPELINE_GRIDS, names=("latents", "frames"))
+
+
 def _run_all() -> dict[str, dict | str]:
     results = {}
     with _honoured_flex():
@@ -101,6 +126,7 @@ def _run_all() -> dict[str, dict | str]:
                           lambda u=u, r=r: parity.gradient_errors(*_build(), ADAPTER, init_usp(u, r)))
         parity.record(results, "mask-masks", _mask_case)
         parity.record(results, "ring-refused", _ring_case)
+        parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
@@ -117,6 +143,15 @@ def test_sharded_output_matches_one_process(grid_results, grid):
 @pytest.mark.parametrize("grid", GRAD_GRIDS, ids=lambda g: f"u{g[0]}r{g[1]}")
 def test_parameter_gradients_match_one_process(grid_results, grid):
     parity.assert_within(grid_results, "grad-u{}r{}".format(*grid), TOL)
+
+
+@pytest.mark.parametrize("key", list(PIPELINE_GRIDS))
+def test_pipeline_matches_one_process(grid_results, key: str):
+    parity.assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
+
+
+def test_pipeline_after_disable_usp_is_bit_identical(grid_results):
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0, fallback="pipeline")
 
 
 def test_nabla_mask_is_not_vacuous(grid_results):

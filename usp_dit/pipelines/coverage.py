@@ -211,7 +211,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                   ("Kandinsky6TI2VAPipeline",), one_call="the distilled checkpoints (guidance_scale=1)"),
     "Kandinsky6SR": FamilyPipelines("Kandinsky 6.0 video super-resolution (NABLA sparse attention: ring_degree=1 grids)",
                                     ("Kandinsky6SRPipeline",),
-                                    cfg="none: no guidance, one call a step; `cfg_degree=2` splits a batch of tiles",
+                                    cfg="none: no guidance, one call a step; `cfg_degree=2` splits a batch of tiles "
+                                        "(`tiles_batch_size` >= 2; a batch of one refused)",
                                     whole_vae="no recipe yet (the K-VAE: its own blocks)"),
     "HunyuanVideo": FamilyPipelines("T2V; I2V (latent_concat, token_replace)",
                                     ("HunyuanVideoPipeline", "HunyuanVideoImageToVideoPipeline"),
