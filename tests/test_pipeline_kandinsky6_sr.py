@@ -15,7 +15,8 @@ Grids (U, R, cfg): (2,1,1), (4,1,1) and (2,1,2) (the batch split over the cfg gr
 output on one process, block 0's self-attention sees at most ceil(384 / P) tokens, after
 ``disable`` the output is bit-identical. Every parameter's gradient on (2,1) and (4,1) (loss / P a
 rank, summed over the sequence group, equals one process's). The mask is not vacuous: an all-true
-sliding-tile prior (nothing masked) changes the output by more than 1e-3.
+sliding-tile prior (nothing masked) changes the output by more than 1e-3. The fullgraph-compiled
+case (2,1,1) is in tests/test_compile_grid.py (ADAPTER_CASES).
 
 Pipeline: the stock ``Kandinsky6SRPipeline``, built tiny (``tiny_kandinsky6_sr_pipeline``: a tiny
 ``Kandinsky6SRVAE``, one 128 x 256 tile size), a 5-frame 64 x 128 video at ``resolution_scale=2``
@@ -62,14 +63,15 @@ TOL_FRAMES = 1e-4  # decoded frames: an untrained random VAE's gain
 MASK_MIN = 1e-3  # the NABLA mask's effect on the output must exceed this
 WORLD = 4
 SHAPE = (3, 8, 16)  # latent (frames, height, width): 384 tokens, six 64-token blocks
+SHAPES = [SHAPE]  # tests/test_compile_grid.py builds its case with _build(SHAPES[0])
 TOKENS = 384
 GRIDS = [(2, 1, 1), (4, 1, 1), (2, 1, 2)]  # (U, R, cfg); a ring is refused
 GRAD_GRIDS = [(2, 1), (4, 1)]
 PIPELINE_GRIDS = parity.pipeline_grids([(2, 1, 1), (4, 1, 1)])  # batch-1 tiles: cfg_degree=2 refused
 
 
-def _build(window: tuple[int, int, int] = (1, 1, 1)):
-    return tiny_kandinsky6_sr(window=window), kandinsky6_sr_inputs(*SHAPE)
+def _build(shape: tuple[int, int, int] = SHAPE, window: tuple[int, int, int] = (1, 1, 1)):
+    return tiny_kandinsky6_sr(window=window), kandinsky6_sr_inputs(*shape)
 
 
 def _key(grid: tuple[int, ...]) -> str:

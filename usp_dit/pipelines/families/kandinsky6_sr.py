@@ -40,9 +40,10 @@ Note [Kandinsky 6 SR's sparse attention]
     the estimate and ring attention cannot express the block pattern, so a grid with
     ``ring_degree > 1`` is refused at enable (and at the call).
 
-Gradients (fine-tuning): the model trains (``_supports_gradient_checkpointing``); the path is the
-stock processor's code, an all-to-all and stock's flex dispatch, each differentiable (the BlockMask
-is built from the rotated Q/K under no gradient of its own: its indices are integers). Not tested here.
+Gradients (fine-tuning): each rank's parameter gradients, summed over the sequence group, are one
+process's (tests/test_pipeline_kandinsky6_sr.py, (2,1) and (4,1)): the path is the stock processor's
+code, the all-to-alls and stock's flex dispatch, each differentiable; the BlockMask carries no
+gradient (its block indices are integers), as in stock.
 
 CFG: ``Kandinsky6SRPipeline`` makes one transformer call a step, no guidance; ``cfg_degree=2``
 splits a batch of tiles over the two cfg groups.
