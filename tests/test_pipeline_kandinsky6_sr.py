@@ -16,7 +16,8 @@ output on one process, block 0's self-attention sees at most ceil(384 / P) token
 ``disable`` the output is bit-identical. Every parameter's gradient on (2,1) and (4,1) (loss / P a
 rank, summed over the sequence group, equals one process's). The mask is not vacuous: an all-true
 sliding-tile prior (nothing masked) changes the output by more than 1e-3. The fullgraph-compiled
-case (2,1,1) is in tests/test_compile_grid.py (ADAPTER_CASES).
+case (2,1,1) is in tests/test_compile_grid.py (ADAPTER_CASES). A Ulysses degree above the head
+count (4 on 2 heads) is refused at enable.
 
 Pipeline: the stock ``Kandinsky6SRPipeline``, built tiny (``tiny_kandinsky6_sr_pipeline``: a tiny
 ``Kandinsky6SRVAE``, one 128 x 256 tile size), a 5-frame 64 x 128 video at ``resolution_scale=2``
@@ -129,6 +130,8 @@ def _run_all() -> dict[str, dict | str]:
         parity.record(results, "mask-masks", _mask_case)
         parity.record(results, "ring-refused", _ring_case)
         parity.record(results, "pipeline", _pipeline_cases, many=True)
+        parity.record(results, "ulysses-above-heads", lambda: parity.ulysses_above_heads_case(
+            tiny_kandinsky6_sr(num_heads=2, head_dim=32), ADAPTER, init_usp(ulysses_degree=4)))
     return results
 
 
@@ -154,6 +157,10 @@ def test_pipeline_matches_one_process(grid_results, key: str):
 
 def test_pipeline_after_disable_usp_is_bit_identical(grid_results):
     parity.assert_within(grid_results, "pipeline-after-disable", 0.0, fallback="pipeline")
+
+
+def test_ulysses_above_heads_raises_at_enable(grid_results):
+    parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
 def test_nabla_mask_is_not_vacuous(grid_results):
