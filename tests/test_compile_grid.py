@@ -452,6 +452,7 @@ ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's
     ("wan_vace", (2, 1, 1), 1),  # control blocks cut by their own hook, hints added on the shard
     ("wan_animate", (1, 2, 1), 1),  # face attention by frame: every rank's tokens start or end mid-frame
     ("kandinsky5", (2, 1, 1), 0),
+    ("kandinsky6_sr", (2, 1, 1), 0),  # NABLA: the deferred estimate and stock's flex call inside the all-to-alls
     ("cosmos3", (1, 2, 1), 0),  # the packed two-stream call, cut at the model's seams; replicated text as joint K/V
     ("cogview4", (2, 1, 1), 0),  # the text mask as a bias channel (routed F.sdpa of the stock code)
     ("longcat_image", (1, 2, 1), 2), ("ovis_image", (2, 1, 1), 0),  # Flux-like joint split; 2: the edit call

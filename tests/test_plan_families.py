@@ -60,6 +60,7 @@ from usp_dit.demo.tiny_hunyuan_image import tiny_hunyuan_image
 from usp_dit.demo.tiny_ideogram4 import tiny_ideogram4
 from usp_dit.demo.tiny_joyimage import tiny_joyimage
 from usp_dit.demo.tiny_joyimage_plus import tiny_joyimage_plus
+from usp_dit.demo.tiny_kandinsky6_sr import tiny_kandinsky6_sr
 from usp_dit.demo.tiny_krea2 import tiny_krea2
 from usp_dit.demo.tiny_latte import tiny_latte
 from usp_dit.demo.tiny_longcat_audio_dit import tiny_longcat_audio_dit
@@ -123,6 +124,7 @@ BUILDERS = {
     "WanVACE": tiny_wan_vace.tiny_wan_vace,  # the control blocks' attention too
     "Kandinsky5": tiny_kandinsky5.tiny_kandinsky5,  # the text stream's local attention too
     "Kandinsky6": tiny_kandinsky6.tiny_kandinsky6,  # two text streams, the replicated audio's attention too
+    "Kandinsky6SR": tiny_kandinsky6_sr,  # NABLA: ring refused at enable, Ulysses whole-sequence estimate
     "Cosmos3": lambda: tiny_cosmos3.tiny_cosmos3("nemotron-omni"),  # sound and action heads too
     "MiniMax-H3": tiny_minimax_h3,  # the text refiner's local attention too
     "CogView4": tiny_cogview4,

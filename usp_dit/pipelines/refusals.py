@@ -18,11 +18,6 @@ _REASONS = {
     "MiniMaxMusic3RVQDepthDecoder": "an audio codec's depth decoder over a few tokens: nothing to split",
     "HunyuanVideoFramepackTransformer3DModel": (
         f"{NO_ADAPTER} (FramePack's history latents and clean-latent RoPE differ from HunyuanVideo's)"),
-    "Kandinsky6SRTransformer3DModel": (
-        "every self-attention is NABLA block-sparse: a flex-attention BlockMask over 64-token blocks chosen from the "
-        "whole sequence's mean-pooled Q and K (top-P of the softmax mass) OR a sliding window, which no rank holds "
-        "and usp_attention cannot express on a ring (Kandinsky 5's NABLA configs run on ring_degree=1 grids; "
-        "this class is not adapted yet)"),
     "QwenImage21Transformer2DModel": f"{NO_ADAPTER} (a different class from Qwen-Image's)",
     "AnyFlowFARTransformer3DModel": (
         "frame-autoregressive (FAR), refused: a chunk-causal flex BlockMask over [compressed context chunks (a "

@@ -40,6 +40,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     joyimage_plus,
     kandinsky5,
     kandinsky6,
+    kandinsky6_sr,
     krea2,
     latte,
     longcat_audio_dit,

@@ -70,8 +70,8 @@ Refused (NotImplementedError): processors other than the stock ``Kandinsky6AttnP
 attention module the plan does not name, a Diffusers cache that cannot run on a grid
 (``usp_dit.pipelines.caches``), a model without fused blocks (``num_visual_blocks=0``), and any
 attention mask in the parallel sites (the model passes none there). The model has no dropout.
-``Kandinsky6SRTransformer3DModel`` (the super-resolution stage) has no adapter: its every
-self-attention is NABLA block-sparse (usp_dit.pipelines.refusals).
+``Kandinsky6SRTransformer3DModel`` (the super-resolution stage, NABLA block-sparse) has its own
+adapter on grids without ring (usp_dit.pipelines.families.kandinsky6_sr).
 """
 from __future__ import annotations
 
