@@ -204,7 +204,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                    whole_vae="no DiffusionPipeline: Diffusers ships Wan-Animate-2 as modular blocks "
                                              "(WanAnimate2ModularPipeline, WanAnimate2DistilledModularPipeline)"),
     "WanVACE": FamilyPipelines("Wan 2.1 VACE 1.3B, 14B; Wan 2.2 VACE-Fun A14B", ("WanVACEPipeline",)),
-    "Kandinsky5": FamilyPipelines("Kandinsky 5.0 T2V / I2V Lite 5 s, T2I, I2I (dense attention; NABLA refused)",
+    "Kandinsky5": FamilyPipelines("Kandinsky 5.0 T2V / I2V Lite 5 s, T2I, I2I (dense attention), Lite 10 s "
+                                  "and Pro (NABLA: grids without a ring)",
                                   ("Kandinsky5T2VPipeline", "Kandinsky5I2VPipeline", "Kandinsky5T2IPipeline",
                                    "Kandinsky5I2IPipeline")),
     "Kandinsky6": FamilyPipelines("Kandinsky 6.0 text / image to video and audio",
