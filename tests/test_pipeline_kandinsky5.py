@@ -43,6 +43,7 @@ tests/test_video_pipelines.py; measured 2.0e-6).
 """
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import dataclass
 from unittest import mock
@@ -262,8 +263,16 @@ def _flex_honouring_blocks(query, key, value, attn_mask=None, scale=None, **kwar
     return out.transpose(1, 2)
 
 
-def _honoured_flex():
-    return mock.patch.dict(_AttentionBackendRegistry._backends, {AttentionBackendName.FLEX: _flex_honouring_blocks})
+def _honoured_flex() -> contextlib.ExitStack:
+    """The flex backend swapped for ``_flex_honouring_blocks``, and Diffusers' process-wide active
+    backend (``set_attention_backend`` sets it for every later model, not just this one) put back
+    on exit: the spawned ranks are reused by later test files, whose models must not inherit flex."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.dict(_AttentionBackendRegistry._backends,
+                                        {AttentionBackendName.FLEX: _flex_honouring_blocks}))
+    stack.enter_context(mock.patch.object(_AttentionBackendRegistry, "_active_backend",
+                                          _AttentionBackendRegistry._active_backend))
+    return stack
 
 
 def _nabla_cases() -> dict[str, dict[str, float]]:
