@@ -237,14 +237,16 @@ def test_a_mask_in_a_parallel_site_is_refused():
         ADAPTER.disable(model)
 
 
-def test_the_super_resolution_transformer_is_refused_for_its_sparse_attention():
+def test_the_super_resolution_transformer_has_its_own_plan():
+    """Kandinsky 6 SR (every layer NABLA) runs on grids without a ring through its own plan
+    (tests/test_pipeline_kandinsky6_sr.py), not this one."""
     from diffusers import Kandinsky6SRTransformer3DModel
 
     from usp_dit.pipelines.base import registered_adapters
-    from usp_dit.pipelines.refusals import refusal_reason
+    from usp_dit.pipelines.families import kandinsky6_sr
 
-    assert all(getattr(a, "model_class", None) is not Kandinsky6SRTransformer3DModel for a in registered_adapters())
-    assert "NABLA block-sparse" in refusal_reason(Kandinsky6SRTransformer3DModel)
+    owners = [a for a in registered_adapters() if getattr(a, "model_class", None) is Kandinsky6SRTransformer3DModel]
+    assert owners == [kandinsky6_sr.ADAPTER]
 
 
 # ---- the video example's Kandinsky 6 option (argument checks only: nothing loads) -----------------
