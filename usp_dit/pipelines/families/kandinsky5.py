@@ -83,6 +83,7 @@ The model has no dropout, so the replicated text stream needs no replicated-drop
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -134,48 +135,69 @@ def _defer_nabla(q: torch.Tensor, k: torch.Tensor, sta: torch.Tensor, thr: float
     return _DeferredNabla(sta, thr)
 
 
-def ulysses_nabla_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: _DeferredNabla | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    attention_kwargs: dict[str, Any] | None = None,
-    *,
-    backend: Any = None,
-    parallel_config: Any = None,
-) -> torch.Tensor:
-    """A NABLA self-attention call on a grid without ring (Note [Kandinsky 5's sparse attention]):
-    ``dispatch_attention_fn``'s signature, as the stock processor calls it.
+BlockMaskOf = Callable[[torch.Tensor, torch.Tensor, _DeferredNabla, tuple[int, int]], Any]
 
-    Args:
-        query, key, value: (B, S_local, H, D) this rank's tokens (fractal order), rotated Q/K.
-        attn_mask: the deferred estimate's arguments (``_DeferredNabla``).
-        backend: the processor's attention backend (flex: the one stock's BlockMask needs).
-        parallel_config: the processor's ``Route``.
 
-    Returns:
-        (B, S_local, H, D): this rank's tokens; each head's attention is stock's, its BlockMask built
-        by stock's ``nablaT_v2`` from that head's whole Q and K.
+def deferred_nabla_call(family: str, block_mask_of: BlockMaskOf) -> Callable[..., torch.Tensor]:
+    """The routed ``dispatch_attention_fn`` of a stock processor that estimates a NABLA BlockMask
+    (deferred: ``_DeferredNabla``) and attends with it, on a grid without ring (Note [Kandinsky 5's
+    sparse attention]; Kandinsky 6 SR's processor does the same with its own estimate).
 
-    Raises:
-        NotImplementedError: a ring grid, or a call this path does not carry (dropout, causal,
-            attention kwargs, no deferred mask).
+    ``block_mask_of(q, k, deferred, heads)``: the BlockMask stock's estimate builds from this rank's
+    query heads ``heads`` (start, stop) of the whole sequence, q/k (B, S, h, D).
     """
-    if not isinstance(attn_mask, _DeferredNabla) or dropout_p or is_causal or attention_kwargs:
-        raise NotImplementedError(f"usp_dit's Kandinsky5 NABLA attention got attn_mask={type(attn_mask).__name__}, "
-                                  f"dropout_p={dropout_p}, is_causal={is_causal}, attention_kwargs={attention_kwargs}")
-    route: Route = parallel_config
 
-    def nabla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: tuple[int, int]) -> torch.Tensor:
-        sta = attn_mask.sta if attn_mask.sta.shape[1] == 1 else attn_mask.sta[:, heads[0]:heads[1]]
-        block_mask = getattr(transformer_kandinsky, _ESTIMATE)(q, k, sta, thr=attn_mask.thr)
-        return attention_dispatch.dispatch_attention_fn(q, k, v, attn_mask=block_mask, scale=scale, backend=backend)
+    def call(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: _DeferredNabla | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        attention_kwargs: dict[str, Any] | None = None,
+        *,
+        backend: Any = None,
+        parallel_config: Any = None,
+    ) -> torch.Tensor:
+        """A NABLA self-attention call: ``dispatch_attention_fn``'s signature, as the stock processor calls it.
 
-    return ulysses_whole_sequence(query, key, value, route.state, nabla)
+        Args:
+            query, key, value: (B, S_local, H, D) this rank's tokens (the model's block order), rotated Q/K.
+            attn_mask: the deferred estimate's arguments (``_DeferredNabla``).
+            backend: the processor's attention backend (flex: the one stock's BlockMask needs).
+            parallel_config: the processor's ``Route``.
+
+        Returns:
+            (B, S_local, H, D): this rank's tokens; each head's attention is stock's, its BlockMask
+            built by stock's estimate from that head's whole Q and K.
+
+        Raises:
+            NotImplementedError: a ring grid, or a call this path does not carry (dropout, causal,
+                attention kwargs, no deferred mask).
+        """
+        if not isinstance(attn_mask, _DeferredNabla) or dropout_p or is_causal or attention_kwargs:
+            raise NotImplementedError(
+                f"usp_dit's {family} NABLA attention got attn_mask={type(attn_mask).__name__}, "
+                f"dropout_p={dropout_p}, is_causal={is_causal}, attention_kwargs={attention_kwargs}")
+
+        def nabla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: tuple[int, int]) -> torch.Tensor:
+            block_mask = block_mask_of(q, k, attn_mask, heads)
+            return attention_dispatch.dispatch_attention_fn(q, k, v, attn_mask=block_mask, scale=scale, backend=backend)
+
+        return ulysses_whole_sequence(query, key, value, parallel_config.state, nabla)
+
+    return call
+
+
+def _nabla_block_mask(q: torch.Tensor, k: torch.Tensor, deferred: _DeferredNabla, heads: tuple[int, int]) -> Any:
+    """Stock's ``nablaT_v2`` on this rank's heads: a per-head STA mask (1 | B, H, ...) cut to them."""
+    sta = deferred.sta if deferred.sta.shape[1] == 1 else deferred.sta[:, heads[0]:heads[1]]
+    return getattr(transformer_kandinsky, _ESTIMATE)(q, k, sta, thr=deferred.thr)
+
+
+ulysses_nabla_attention = deferred_nabla_call("Kandinsky5", _nabla_block_mask)
 
 
 # The stock code with ``nablaT_v2`` deferred and its attention call bound to ``ulysses_nabla_attention``

@@ -59,14 +59,13 @@ from typing import Any
 
 import torch
 from diffusers import Kandinsky6SRTransformer3DModel
-from diffusers.models import attention_dispatch
 from diffusers.models.transformers import transformer_kandinsky6_sr
 from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttention, Kandinsky6SRAttnProcessor
 
 from usp_dit.distributed.mesh import USPMesh
-from usp_dit.pipelines._routing import ROUTED_NAME, Route, RoutedProcessor, ulysses_whole_sequence, with_global
+from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, with_global
 from usp_dit.pipelines.base import register_adapter
-from usp_dit.pipelines.families.kandinsky5 import VisualRopeHooks, _defer_nabla, _DeferredNabla
+from usp_dit.pipelines.families.kandinsky5 import VisualRopeHooks, _defer_nabla, _DeferredNabla, deferred_nabla_call
 from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter, PlanPatch
 
 _ESTIMATE = "nabla_block_mask"  # the stock module's BlockMask estimate, which the stock processor calls
@@ -78,49 +77,15 @@ _RING_REASON = (
 )
 
 
-def ulysses_sr_nabla_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: _DeferredNabla | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    attention_kwargs: dict[str, Any] | None = None,
-    *,
-    backend: Any = None,
-    parallel_config: Any = None,
-) -> torch.Tensor:
-    """A Kandinsky 6 SR self-attention call on a grid without ring (Note [Kandinsky 6 SR's sparse
-    attention]): ``dispatch_attention_fn``'s signature, as the stock processor calls it.
+def _sr_block_mask(q: torch.Tensor, k: torch.Tensor, deferred: _DeferredNabla, heads: tuple[int, int]) -> Any:
+    """Stock's ``nabla_block_mask`` on this rank's heads: its (blocks, blocks) prior is every head's
+    (no per-head slice); the estimate takes (B, h, S, D)."""
+    estimate = getattr(transformer_kandinsky6_sr, _ESTIMATE)
+    return estimate(q.transpose(1, 2), k.transpose(1, 2), deferred.sta, thr=deferred.thr)
 
-    Args:
-        query, key, value: (B, S_local, H, D) this rank's tokens (block order), rotated Q/K.
-        attn_mask: the deferred estimate's arguments (``_DeferredNabla``; ``sta`` (blocks, blocks)).
-        backend: the processor's attention backend (stock passes flex: what its BlockMask needs).
-        parallel_config: the processor's ``Route``.
 
-    Returns:
-        (B, S_local, H, D): this rank's tokens; each head's attention is stock's, its BlockMask built
-        by stock's ``nabla_block_mask`` from that head's whole Q and K.
-
-    Raises:
-        NotImplementedError: a ring grid, or a call this path does not carry (dropout, causal,
-            attention kwargs, no deferred mask).
-    """
-    if not isinstance(attn_mask, _DeferredNabla) or dropout_p or is_causal or attention_kwargs:
-        raise NotImplementedError(f"usp_dit's Kandinsky6SR attention got attn_mask={type(attn_mask).__name__}, "
-                                  f"dropout_p={dropout_p}, is_causal={is_causal}, attention_kwargs={attention_kwargs}")
-    route: Route = parallel_config
-
-    def nabla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: tuple[int, int]) -> torch.Tensor:
-        # The (blocks, blocks) prior is every head's: no per-head slice. The estimate takes (B, h, S, D).
-        estimate = getattr(transformer_kandinsky6_sr, _ESTIMATE)
-        block_mask = estimate(q.transpose(1, 2), k.transpose(1, 2), attn_mask.sta, thr=attn_mask.thr)
-        return attention_dispatch.dispatch_attention_fn(q, k, v, attn_mask=block_mask, scale=scale, backend=backend)
-
-    return ulysses_whole_sequence(query, key, value, route.state, nabla)
+# A Kandinsky 6 SR self-attention call on a grid without ring (Note [Kandinsky 6 SR's sparse attention]).
+ulysses_sr_nabla_attention = deferred_nabla_call("Kandinsky6SR", _sr_block_mask)
 
 
 # The stock code with ``nabla_block_mask`` deferred and its attention call bound to
