@@ -139,6 +139,9 @@ def test_refusals():
         route_attention(q, k, v, dropout_p=0.1, parallel_config=_route("first"))
     with pytest.raises(ValueError, match="shard has 7"):
         route_attention(q, k, v, parallel_config=_route("none"))
+    short = q[:, :5], k[:, :5], v[:, :5]  # a joint call with fewer tokens than the shard's 7
+    with pytest.raises(ValueError, match="joint attention call got 5 tokens, but this rank's shard has 7"):
+        route_attention(*short, parallel_config=_route("first"))
     with pytest.raises(RuntimeError, match="not its Route"):
         route_attention(q, k, v, parallel_config=None)
 

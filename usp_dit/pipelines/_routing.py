@@ -295,6 +295,26 @@ def ulysses_whole_sequence(
     return gather_heads(attend(q, k, v, plans.q_range), plans.q_plan)
 
 
+def _one_rank_unmasked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, route: Route,
+                       scale: float | None) -> torch.Tensor:
+    """``route_attention`` on one rank of the sequence with no mask: attention over the whole
+    sequence the stock code concatenated, in one kernel call.
+
+    The general path's work (the shard length from the layout, the text and video slices, the
+    mask checks) decides nothing here: with one rank the shard is the whole sequence
+    (``state.seq_len`` tokens) and ``[text; shard]`` is attended as it is. Only the length check
+    is kept. Host-bound models (PixArt, DiT: a few ms of GPU work a forward) make 20-60 such
+    calls a forward, and pay every microsecond of Python in their step time.
+
+    query (B, L, H, D), key/value (B, L_k, H_k, D) -> (B, L, H, D).
+    """
+    state, length = route.state, query.shape[1]
+    if (route.text == "none" and length != state.seq_len) or length < state.seq_len:
+        what = "self-attention" if route.text == "none" else "joint attention"
+        raise ValueError(f"a routed {what} call got {length} tokens, but this rank's shard has {state.seq_len}")
+    return one_rank_attention(query, key, value, scale=scale, backend=state.backend)
+
+
 def route_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -336,6 +356,9 @@ def route_attention(
             f"usp_dit routes plain attention only, got dropout_p={dropout_p}, is_causal={is_causal}, "
             f"attention_kwargs={attention_kwargs}"
         )
+    state = route.state
+    if attn_mask is None and route.block_causal is None and state.mesh.sequence_degree == 1:
+        return _one_rank_unmasked(query, key, value, route, scale)
     length, shard = query.shape[1], route.shard_len()
     text_len = length - shard
     if route.text == "none" and text_len:
