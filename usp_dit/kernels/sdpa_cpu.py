@@ -37,7 +37,7 @@ class SDPACPUBackend:
 
     def forward(self, q, k, v, scale, causal=False, key_mask=None):
         qt, kt, vt = to_bhsd(q, k, v)
-        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = torch._scaled_dot_product_flash_attention_for_cpu(
             qt, kt, vt, 0.0, causal, attn_mask=additive_key_mask(key_mask, q.dtype), scale=scale
         )
         return keyless_rows(out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype), key_mask)

@@ -34,6 +34,10 @@ from usp_dit.kernels._sdpa_layout import additive_key_mask, grads_to_bshd, keyle
 from usp_dit.kernels.protocol import BackendCaps, folded_forward_stack
 from usp_dit.kernels.registry import register_backend
 
+# The forward ops are called through their generated Python bindings (``torch._scaled_dot_product_*``,
+# the same aten functions): about 10 us a call less host time than ``torch.ops.aten``'s schema-driven
+# argument parsing, which a host-bound model pays on every attention call (PixArt: 28 a forward,
+# docs/PERFORMANCE.md). The backward ops have no such binding and go through ``torch.ops.aten``.
 _aten = torch.ops.aten
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
@@ -136,7 +140,7 @@ class SDPACuDNNBackend(_CudaSDPA):
 
     def forward(self, q, k, v, scale, causal=False):
         qt, kt, vt = to_bhsd(q, k, v)
-        res = _aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal, False, scale=scale)
+        res = torch._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal, False, scale=scale)
         out, lse, cum_q, cum_k, _, _, seed, offset, _ = res
         self._keep_aux(q.device, seed, offset, cum_q, cum_k)
         return out.transpose(1, 2), lse_to_bsh(lse, q.shape[1], q.dtype)
@@ -144,7 +148,7 @@ class SDPACuDNNBackend(_CudaSDPA):
     def forward_out(self, q, k, v, scale):
         """Without the LSE (compute_log_sumexp=False), as PyTorch's own SDPA runs inference."""
         qt, kt, vt = to_bhsd(q, k, v)
-        return _aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, False, 0.0, False, False, scale=scale)[0].transpose(1, 2)
+        return torch._scaled_dot_product_cudnn_attention(qt, kt, vt, None, False, 0.0, False, False, scale=scale)[0].transpose(1, 2)
 
     def forward_stack(self, q, k_blocks, v_blocks, scale):
         """G blocks in one call; cuDNN reads the stride-0 repeated ``q`` in place (no copy at batch
@@ -171,7 +175,7 @@ class SDPAFlashBackend(_CudaSDPA):
 
     def forward(self, q, k, v, scale, causal=False):
         qt, kt, vt = to_bhsd(q, k, v)
-        out, lse, cum_q, cum_k, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = torch._scaled_dot_product_flash_attention(
             qt, kt, vt, 0.0, causal, False, scale=scale
         )
         self._keep_aux(q.device, cum_q, cum_k, seed, offset)
@@ -204,7 +208,7 @@ class SDPAEfficientBackend(_CudaSDPA):
 
     def forward(self, q, k, v, scale, causal=False, key_mask=None):
         qt, kt, vt = to_bhsd(q, k, v)
-        out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(
+        out, lse, seed, offset = torch._scaled_dot_product_efficient_attention(
             qt, kt, vt, _bias(key_mask, q), True, 0.0, causal, scale=scale
         )
         self._keep_aux(q.device, seed, offset)
@@ -213,7 +217,7 @@ class SDPAEfficientBackend(_CudaSDPA):
     def forward_out(self, q, k, v, scale):
         """Without the LSE (compute_log_sumexp=False), as PyTorch's own SDPA runs inference."""
         qt, kt, vt = to_bhsd(q, k, v)
-        return _aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, False, 0.0, False, scale=scale)[0].transpose(1, 2)
+        return torch._scaled_dot_product_efficient_attention(qt, kt, vt, None, False, 0.0, False, scale=scale)[0].transpose(1, 2)
 
     def backward(self, dout, q, k, v, out, lse, scale, causal=False, key_mask=None):
         qt, kt, vt = to_bhsd(q, k, v)
