@@ -89,6 +89,9 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return out.type_as(x)
 
 
+_STOCK_LINEAR = SanaLinearAttnProcessor3_0()
+
+
 class USPSanaVideoLinearAttnProcessor:
     """``SanaLinearAttnProcessor3_0`` over this rank's tokens, its two summaries summed over the
     sequence group (the module docstring; Note [linear attention on a grid])."""
@@ -111,6 +114,10 @@ class USPSanaVideoLinearAttnProcessor:
         if encoder_hidden_states is not None or rotary_emb is None:
             raise NotImplementedError("usp_dit's Sana-Video adapter runs attn1 as self-attention over the video "
                                       "tokens with the model's RoPE, as SanaVideoTransformerBlock calls it")
+        if self.state.mesh.sequence_degree == 1:
+            # Every token on this rank: nothing to sum over ranks, so stock's own code (its kernels,
+            # its rotation) is the whole answer, at stock's speed.
+            return _STOCK_LINEAR(attn, hidden_states, rotary_emb=rotary_emb)
         original_dtype = hidden_states.dtype
         query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
         if attn.norm_q is not None:
