@@ -21,7 +21,8 @@ prompt and negative prompt of different lengths); the tiny ``Kandinsky5T2IPipeli
 class) on (2,2). NABLA sparse attention (a tiny "nabla" config, the stock pipeline's own
 ``sparse_params``, 384 tokens in six 64-token blocks that the shards cut mid-block; a NABLA
 sequence is a multiple of 64 by construction, so it divides 2 and 4) on (2,1) and (4,1) vs one
-process, under a flex backend that honours the BlockMask's blocks (eager CPU flex ignores them:
+process, with 4 heads and with 5 (which neither 2 nor 4 divides: uneven Ulysses head splits, each
+head with an STA prior of its own so that a rank's head range must be cut right), under a flex backend that honours the BlockMask's blocks (eager CPU flex ignores them:
 ``_flex_honouring_blocks``), the mask checked to change the output; on a ring (1,2) refused.
 Refused: a model without visual blocks.
 
@@ -231,13 +232,20 @@ class _NablaInputs(Kandinsky5Inputs):
 
 NABLA_SHAPE = (3, 16, 32)  # latent (frames, height, width): 3 x 8 x 16 = 384 tokens, six 64-token blocks
 NABLA_GRIDS = [(2, 1), (4, 1)]  # (U, R); a ring is refused
+# 5 heads, which neither 2 nor 4 divides: Ulysses gives the ranks 3 + 2 or 2 + 1 + 1 + 1 heads, and
+# each rank's estimate runs over its own uneven head range with that range's slice of a per-head STA
+# prior (``heads`` of ``deferred_nabla_call``, ``_nabla_block_mask``).
+NABLA_UNEVEN_HEADS = 5
 
 
-def _nabla_build(keep_all: bool = False):
+def _nabla_build(keep_all: bool = False, num_heads: int = 4, per_head_sta: bool = False):
     """A tiny ``nabla`` config (P = 0.3: each query block keeps its top 70 % of the softmax mass;
-    a 1 x 1 x 1 STA window: the diagonal) in float64 and its inputs with the stock pipeline's own
-    ``sparse_params`` (``get_sparse_params``). ``keep_all``: an all-true STA mask (nothing masked)."""
-    model = tiny_kandinsky5(dtype=torch.float64)
+    a 1 x 1 x 1 STA window: the diagonal) in float64, ``num_heads`` x 16, and its inputs with the
+    stock pipeline's own ``sparse_params`` (``get_sparse_params``). ``keep_all``: an all-true STA
+    mask (nothing masked). ``per_head_sta``: the diagonal OR a seeded random block pattern of each
+    head's own, (1, H, blocks, blocks) (stock's estimate broadcasts it over the batch): a rank that
+    took another head range's prior would attend differently."""
+    model = tiny_kandinsky5(num_heads=num_heads, dtype=torch.float64)
     model.register_to_config(attention_type="nabla", attention_P=0.3, attention_wT=1, attention_wH=1,
                              attention_wW=1, attention_add_sta=True, attention_method="topcdf")
     frames, height, width = NABLA_SHAPE
@@ -246,6 +254,10 @@ def _nabla_build(keep_all: bool = False):
     sparse = Kandinsky5T2VPipeline.get_sparse_params(pipe, inputs.hidden_states, "cpu")
     if keep_all:
         sparse["sta_mask"] = torch.ones_like(sparse["sta_mask"])
+    if per_head_sta:
+        sta = sparse["sta_mask"]  # (1, 1, blocks, blocks)
+        noise = torch.rand(1, num_heads, *sta.shape[2:], generator=torch.Generator().manual_seed(7))
+        sparse["sta_mask"] = sta | (noise < 0.3)
     model.set_attention_backend("flex")  # what stock's BlockMask needs
     return model, _NablaInputs(**inputs.kwargs(), sparse_params=sparse)
 
@@ -277,7 +289,8 @@ def _honoured_flex() -> contextlib.ExitStack:
 
 def _nabla_cases() -> dict[str, dict[str, float]]:
     """The NABLA config on (2,1) and (4,1) vs one process, block 0 seeing ceil(384 / P) tokens, bit
-    identical after disable; the mask is not vacuous (all-kept STA changes the output); a ring refused."""
+    identical after disable, with 4 heads and with 5 (uneven Ulysses head splits); the mask is not
+    vacuous (all-kept STA changes the output); a ring refused."""
     tokens = 384
     results = {}
     with _honoured_flex():
@@ -288,6 +301,11 @@ def _nabla_cases() -> dict[str, dict[str, float]]:
             mesh = init_usp(u, r)
             results[f"nabla-u{u}r{r}"] = parity.sharded_output_case(
                 model, inputs, ADAPTER, mesh, model.visual_transformer_blocks[0].self_attention, tokens)
+        uneven, uneven_inputs = _nabla_build(num_heads=NABLA_UNEVEN_HEADS, per_head_sta=True)
+        for u, r in NABLA_GRIDS:
+            results[f"nabla-h{NABLA_UNEVEN_HEADS}-u{u}r{r}"] = parity.sharded_output_case(
+                uneven, uneven_inputs, ADAPTER, init_usp(u, r), uneven.visual_transformer_blocks[0].self_attention,
+                tokens)
         ADAPTER.enable(model, init_usp(1, 2), "auto")
         try:
             model(**inputs.kwargs())
@@ -359,6 +377,11 @@ def test_disable_usp_gives_back_the_bit_identical_output(grid_results, kind):
 @pytest.mark.parametrize("grid", NABLA_GRIDS, ids=lambda g: f"u{g[0]}r{g[1]}")
 def test_nabla_sparse_attention_matches_one_process_on_ulysses_grids(grid_results, grid):
     parity.assert_within(grid_results, "nabla-u{}r{}".format(*grid), TOL, fallback="nabla")
+
+
+@pytest.mark.parametrize("grid", NABLA_GRIDS, ids=lambda g: f"u{g[0]}r{g[1]}")
+def test_nabla_sparse_attention_matches_one_process_with_uneven_heads(grid_results, grid):
+    parity.assert_within(grid_results, f"nabla-h{NABLA_UNEVEN_HEADS}-u{grid[0]}r{grid[1]}", TOL, fallback="nabla")
 
 
 def test_nabla_mask_is_not_vacuous_and_a_ring_is_refused(grid_results):
