@@ -22,8 +22,9 @@ class) on (2,2). NABLA sparse attention (a tiny "nabla" config, the stock pipeli
 ``sparse_params``, 384 tokens in six 64-token blocks that the shards cut mid-block; a NABLA
 sequence is a multiple of 64 by construction, so it divides 2 and 4) on (2,1) and (4,1) vs one
 process, with 4 heads and with 5 (which neither 2 nor 4 divides: uneven Ulysses head splits, each
-head with an STA prior of its own so that a rank's head range must be cut right), under a flex backend that honours the BlockMask's blocks (eager CPU flex ignores them:
-``_flex_honouring_blocks``), the mask checked to change the output; on a ring (1,2) refused.
+head with an STA prior of its own so that a rank's head range must be cut right), under a flex
+backend that honours the BlockMask's blocks (eager flex ignores them: ``usp_dit.testing.flex``),
+the mask checked to change the output; on a ring (1,2) refused.
 Refused: a model without visual blocks.
 
 Tolerances. The transformer cases run a float64 model (``tiny_kandinsky5(dtype=torch.float64)``:
@@ -44,7 +45,6 @@ tests/test_video_pipelines.py; measured 2.0e-6).
 """
 from __future__ import annotations
 
-import contextlib
 import types
 from dataclasses import dataclass
 from unittest import mock
@@ -52,9 +52,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from diffusers import Kandinsky5T2VPipeline
-from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 from diffusers.models.transformers import transformer_kandinsky
 
 from tests import adapter_parity as parity
@@ -70,6 +68,7 @@ from usp_dit.pipelines import _routing, is_usp_enabled
 from usp_dit.pipelines.families.kandinsky5 import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
 from usp_dit.testing import rel_err
+from usp_dit.testing.flex import honoured_flex
 
 TOL = 1e-10  # float64 transformer outputs and rotated Q/K
 TOL_F32 = 1e-5  # the float32 pipelines' latents; gradients outside the text stream (stock's float32 casts)
@@ -262,38 +261,13 @@ def _nabla_build(keep_all: bool = False, num_heads: int = 4, per_head_sta: bool 
     return model, _NablaInputs(**inputs.kwargs(), sparse_params=sparse)
 
 
-def _flex_honouring_blocks(query, key, value, attn_mask=None, scale=None, **kwargs):
-    """Diffusers' flex backend as a GPU runs it: eager flex_attention on CPU ignores a BlockMask's
-    sparsity (its math fallback reads mask_mod alone), so the tests attend with the BlockMask's
-    blocks expanded to a dense mask. (B, S, H, D) in and out."""
-    mask = None
-    if attn_mask is not None:
-        size_q, size_kv = attn_mask.BLOCK_SIZE
-        mask = attn_mask.to_dense().bool().repeat_interleave(size_q, -2).repeat_interleave(size_kv, -1)
-    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                         attn_mask=mask, scale=scale)
-    return out.transpose(1, 2)
-
-
-def _honoured_flex() -> contextlib.ExitStack:
-    """The flex backend swapped for ``_flex_honouring_blocks``, and Diffusers' process-wide active
-    backend (``set_attention_backend`` sets it for every later model, not just this one) put back
-    on exit: the spawned ranks are reused by later test files, whose models must not inherit flex."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.dict(_AttentionBackendRegistry._backends,
-                                        {AttentionBackendName.FLEX: _flex_honouring_blocks}))
-    stack.enter_context(mock.patch.object(_AttentionBackendRegistry, "_active_backend",
-                                          _AttentionBackendRegistry._active_backend))
-    return stack
-
-
 def _nabla_cases() -> dict[str, dict[str, float]]:
     """The NABLA config on (2,1) and (4,1) vs one process, block 0 seeing ceil(384 / P) tokens, bit
     identical after disable, with 4 heads and with 5 (uneven Ulysses head splits); the mask is not
     vacuous (all-kept STA changes the output); a ring refused."""
     tokens = 384
     results = {}
-    with _honoured_flex():
+    with honoured_flex():
         model, inputs = _nabla_build()
         dense = parity.forward(*_nabla_build(keep_all=True))
         results["nabla-mask-masks"] = {"no_effect": float(rel_err(parity.forward(model, inputs), dense) < 1e-3)}

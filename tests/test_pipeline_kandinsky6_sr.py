@@ -29,9 +29,9 @@ bit-identical. cfg_degree=2 is not run on the pipeline: it calls the transformer
 tile (``tiles_batch_size=1``), which a cfg split refuses; the transformer case (2,1,2) covers it.
 
 Flex on CPU: eager ``flex_attention`` ignores a BlockMask's sparsity (its math fallback reads
-mask_mod alone), so every case attends through Kandinsky 5's ``_flex_honouring_blocks`` (the
-BlockMask's blocks expanded to a dense sdpa mask: what flex computes on a GPU), patched in for
-the stock model and the sharded one alike.
+mask_mod alone), so every case attends through ``usp_dit.testing.flex.flex_honouring_blocks`` (the
+BlockMask's blocks expanded to a dense sdpa mask: what compiled flex computes on a GPU), patched in
+for the stock model and the sharded one alike.
 
 Tolerance: float32 max|err| / max|ref| <= 1e-5 on outputs, gradients and the pipeline's latents
 (decoded frames 1e-4: an untrained random VAE's gain). The stock processor
@@ -49,7 +49,6 @@ import torch
 
 from tests import adapter_parity as parity
 from tests import family_checks
-from tests.test_pipeline_kandinsky5 import _honoured_flex
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_kandinsky6_sr import (
     kandinsky6_sr_inputs,
@@ -60,6 +59,7 @@ from usp_dit.demo.tiny_kandinsky6_sr import (
 from usp_dit.pipelines.families import kandinsky6_sr
 from usp_dit.pipelines.families.kandinsky6_sr import ADAPTER, USPKandinsky6SRAttnProcessor
 from usp_dit.testing import rel_err
+from usp_dit.testing.flex import honoured_flex
 
 TOL = 1e-5
 TOL_FRAMES = 1e-4  # decoded frames: an untrained random VAE's gain
@@ -134,7 +134,7 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    with _honoured_flex():
+    with honoured_flex():
         for grid in GRIDS:
             parity.record(results, _key(grid), lambda grid=grid: _grid_case(grid))
         for u, r in GRAD_GRIDS:
@@ -216,7 +216,7 @@ def test_one_rank_gives_stock_output():
     """Enabled on one rank (the deferred estimate, the whole-sequence call on a degree-1 grid) the
     output is stock's, under the block-honouring flex."""
     model, inputs = _build()
-    with _honoured_flex():
+    with honoured_flex():
         ref = parity.forward(model, inputs)
         ADAPTER.enable(model, single_rank_mesh(), "auto")
         try:
