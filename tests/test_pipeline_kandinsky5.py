@@ -237,13 +237,15 @@ NABLA_GRIDS = [(2, 1), (4, 1)]  # (U, R); a ring is refused
 NABLA_UNEVEN_HEADS = 5
 
 
-def _nabla_build(keep_all: bool = False, num_heads: int = 4, per_head_sta: bool = False):
+def _nabla_build(keep_all: bool = False, num_heads: int = 4, per_head_sta: bool = False, flex: str = "model"):
     """A tiny ``nabla`` config (P = 0.3: each query block keeps its top 70 % of the softmax mass;
     a 1 x 1 x 1 STA window: the diagonal) in float64, ``num_heads`` x 16, and its inputs with the
     stock pipeline's own ``sparse_params`` (``get_sparse_params``). ``keep_all``: an all-true STA
     mask (nothing masked). ``per_head_sta``: the diagonal OR a seeded random block pattern of each
     head's own, (1, H, blocks, blocks) (stock's estimate broadcasts it over the batch): a rank that
-    took another head range's prior would attend differently."""
+    took another head range's prior would attend differently. ``flex``: where flex is set, "model"
+    (``transformer.set_attention_backend``: every processor, and Diffusers' process-wide active
+    backend) or "visual" (each visual self-attention's ``set_attention_backend``, nothing else)."""
     model = tiny_kandinsky5(num_heads=num_heads, dtype=torch.float64)
     model.register_to_config(attention_type="nabla", attention_P=0.3, attention_wT=1, attention_wH=1,
                              attention_wW=1, attention_add_sta=True, attention_method="topcdf")
@@ -257,7 +259,11 @@ def _nabla_build(keep_all: bool = False, num_heads: int = 4, per_head_sta: bool 
         sta = sparse["sta_mask"]  # (1, 1, blocks, blocks)
         noise = torch.rand(1, num_heads, *sta.shape[2:], generator=torch.Generator().manual_seed(7))
         sparse["sta_mask"] = sta | (noise < 0.3)
-    model.set_attention_backend("flex")  # what stock's BlockMask needs
+    if flex == "model":
+        model.set_attention_backend("flex")  # what stock's BlockMask needs
+    else:
+        for block in model.visual_transformer_blocks:
+            block.self_attention.set_attention_backend("flex")
     return model, _NablaInputs(**inputs.kwargs(), sparse_params=sparse)
 
 
@@ -361,6 +367,26 @@ def test_nabla_sparse_attention_matches_one_process_with_uneven_heads(grid_resul
 def test_nabla_mask_is_not_vacuous_and_a_ring_is_refused(grid_results):
     parity.assert_within(grid_results, "nabla-mask-masks", 0.0, fallback="nabla")
     parity.assert_within(grid_results, "nabla-ring-refused", 0.0, fallback="nabla")
+
+
+def test_nabla_dispatches_on_the_backend_set_on_the_visual_self_attentions_alone():
+    """Flex set on the visual self-attentions only (Diffusers' process-wide active backend left
+    native): the enabled model's NABLA call runs on flex as stock's does (the swapped-in processor
+    takes its stock processors' backend: ``carry_stock_backend``; it used to keep none and fall to
+    the active SDPA backend, which refuses a BlockMask), equal to stock (float64, 1e-10); visual
+    self-attentions set to different backends are refused by name at enable."""
+    with honoured_flex():
+        model, inputs = _nabla_build(flex="visual")
+        ref = parity.forward(model, inputs)
+        ADAPTER.enable(model, single_rank_mesh(), "auto")
+        try:
+            out = parity.forward(model, inputs)
+        finally:
+            ADAPTER.disable(model)
+        assert rel_err(out, ref) <= TOL
+        model.visual_transformer_blocks[1].self_attention.set_attention_backend("native")
+        with pytest.raises(NotImplementedError, match="different attention backends"):
+            ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
 def test_a_model_without_visual_blocks_is_refused():
