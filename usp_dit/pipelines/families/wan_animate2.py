@@ -327,6 +327,9 @@ class USPWanAnimate2AttnProcessor:
             pos += tokens
         return out, lse
 
+    # Run eagerly under torch.compile: a traced lookup guards on the memo's size, which grows by a
+    # layer at each of the first call's layers, so every layer would compile its own graph.
+    @torch.compiler.disable
     def _window(self, kv_cache: WanAnimate2KVLayerCache, geometry: Geometry, start: int, n: int) -> _Window:
         """Note [where the reference cache lives]: the pre-RoPE reference K/V of the frames this
         rank's queries [start, start + n) read, memoised per layer cache."""
