@@ -14,7 +14,21 @@ hunyuan_image (HunyuanImage 2.1, 2048x2048), zimage (Z-Image / Z-Image-Turbo 102
 cosmos3 (189x720x1280), wan_animate (77x720x1280 segment), minimax_h3 (33 B, 124x768x1344), anyflow
 (AnyFlow-Wan2.1-T2V-14B, 81x480x832):
 benchmarks/pipeline_cases.py (benchmarks/check_cases.py checks those on CPU; benchmarks/GPU_PENDING.md: the
-commands for their first GPU figures).
+commands for their first GPU figures). Compiled always (stock attends with a flex BlockMask, which needs
+torch.compile: benchmarks/flex_cases.py, Note [why these cases are compiled]): kandinsky5_nabla (T2V Lite 10 s,
+241x512x768), kandinsky5_nabla_pro (T2V Pro 10 s, 19 B), kandinsky6_sr (a 121x512x768 tile), wan_animate2
+(a generation call, 81x800x640 segment).
+
+Compiled mode (``--compile``, or always for the flex cases): the model's repeated blocks are
+``torch.compile``d once (Diffusers' ``compile_repeated_blocks``: regional compilation, the default
+inductor mode; ``fullgraph=True`` where the case says so, else graph breaks allowed) before either
+variant runs; both variants then run those compiled blocks (Dynamo keeps a graph per variant: the
+switch changes what its guards see), so each row is still compiled stock against compiled usp_dit.
+The warm-up runs each variant, then each again after a switch (a guard the switch invalidates
+recompiles there); each timed round starts with one untimed forward after its switch, so a
+recompile never lands inside a timing. Dynamo's recompile limit is raised to 64 and made an error:
+a variant never falls back to eager silently (for the flex cases eager is the O(S^2) math path).
+The row's shape says "compiled ..." and how many graphs were compiled after the warm-up.
 
 Full-size transformers with random weights (configs of the released checkpoints, written below),
 bf16, batch 1, ``torch.inference_mode``. One model is built per family; the two variants are timed
@@ -44,9 +58,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 try:
-    import pipeline_cases  # run as benchmarks/bench_pipelines.py: this folder is on sys.path
+    import flex_cases  # run as benchmarks/bench_pipelines.py: this folder is on sys.path
+    import pipeline_cases
 except ImportError:
-    from benchmarks import pipeline_cases
+    from benchmarks import flex_cases, pipeline_cases
 
 # Flux.1-dev: diffusers' FluxTransformer2DModel defaults are the dev checkpoint's config.
 FLUX_DEV = dict(
@@ -77,6 +92,8 @@ class Row:
     usp_peak_gib: float
     max_rel_diff: float
     params_b: float
+    compiled: str = ""  # "", "blocks, fullgraph" or "blocks, graph breaks"
+    recompiles_after_warmup: int | None = None  # Dynamo graphs compiled after the warm-up (compiled mode)
 
 
 def build(cls, config: dict, device: torch.device) -> torch.nn.Module:
@@ -197,6 +214,11 @@ CASES: dict[str, Callable] = {
     "ideogram4": _later(pipeline_cases.ideogram4_case),
     "prx": _later(pipeline_cases.prx_case),
     "dit": _later(pipeline_cases.dit_case),
+    # Compiled always (flex_cases.COMPILE): stock's flex BlockMask attention needs torch.compile.
+    "kandinsky5_nabla": _later(flex_cases.kandinsky5_nabla_case),
+    "kandinsky5_nabla_pro": _later(flex_cases.kandinsky5_nabla_pro_case),
+    "kandinsky6_sr": _later(flex_cases.kandinsky6_sr_case),
+    "wan_animate2": _later(flex_cases.wan_animate2_case),
 }
 
 
@@ -219,12 +241,37 @@ def set_variant(model: torch.nn.Module, variant: str, backend: str) -> None:
         usp_dit.enable_usp(model, backend=backend)
 
 
+def compile_blocks(model: torch.nn.Module, fullgraph: bool, backend: str = "inductor") -> str:
+    """``torch.compile`` the model's repeated blocks, once, for both variants (see the module
+    docstring): Diffusers' ``compile_repeated_blocks``, or each block of the family's plan where
+    the class names none. ``backend``: torch.compile's (check_cases.py traces with "aot_eager").
+    Returns how (the row's ``compiled``)."""
+    from usp_dit.pipelines.base import find_adapter
+
+    torch._dynamo.config.recompile_limit = 64  # a graph per variant and per hook set, never near it
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # never a silent fall-back to eager
+    if getattr(model, "_repeated_blocks", None):
+        model.compile_repeated_blocks(fullgraph=fullgraph, backend=backend)
+    else:
+        for list_name in find_adapter(model).plan.block_lists:
+            for block in getattr(model, list_name):
+                block.compile(fullgraph=fullgraph, backend=backend)
+    return "blocks, fullgraph" if fullgraph else "blocks, graph breaks"
+
+
+def _graphs_compiled() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
 def bench(name: str, args: argparse.Namespace, device: torch.device) -> Row:
     """Build ``name``'s model, warm both variants up, time them interleaved, compare outputs."""
     start = time.perf_counter()
     model, inputs, shape = CASES[name](device)
     params = sum(p.numel() for p in model.parameters()) / 1e9
     print(f"# {name}: {params:.2f} B parameters built in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    compiled = ""
+    if args.compile or name in flex_cases.COMPILE:
+        compiled = compile_blocks(model, flex_cases.COMPILE.get(name, False))
 
     def forward() -> torch.Tensor:
         out = model(**inputs)[0]
@@ -232,29 +279,41 @@ def bench(name: str, args: argparse.Namespace, device: torch.device) -> Row:
 
     outputs, samples = {}, {"stock": [], "usp": []}
     with torch.inference_mode():
-        for variant in ("stock", "usp"):  # warm-up: kernels chosen, allocator filled
-            set_variant(model, variant, args.backend)
-            for _ in range(args.warmup):
-                outputs[variant] = forward()
-            torch.cuda.synchronize()
+        for cycle in range(2 if compiled else 1):  # warm-up: compiled, kernels chosen, allocator filled
+            for variant in ("stock", "usp"):
+                t0 = time.perf_counter()
+                set_variant(model, variant, args.backend)
+                for _ in range(args.warmup if cycle == 0 else 1):
+                    outputs[variant] = forward()
+                torch.cuda.synchronize()
+                print(f"# {name} {variant}: warm-up {cycle} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        graphs = _graphs_compiled()
         peaks = {"stock": 0.0, "usp": 0.0}
         for _ in range(args.rounds):
             for variant in ("stock", "usp"):
                 set_variant(model, variant, args.backend)
+                if compiled:  # a recompile after the switch lands here, not in the timing
+                    forward()
                 torch.cuda.reset_peak_memory_stats()
                 samples[variant].append(time_round(forward, args.iters))
                 peaks[variant] = max(peaks[variant], torch.cuda.max_memory_allocated() / 2**30)
         set_variant(model, "stock", args.backend)
+    recompiles = _graphs_compiled() - graphs if compiled else None
     ref, got = outputs["stock"].float(), outputs["usp"].float()
     diff = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
     stock, usp = statistics.median(samples["stock"]), statistics.median(samples["usp"])
     del model, inputs, outputs
+    if compiled:
+        torch._dynamo.reset()  # the compiled graphs hold the model's weights
     torch.cuda.empty_cache()
-    return Row(name, shape, stock, usp, usp / stock, peaks["stock"], peaks["usp"], diff, params)
+    return Row(name, shape, stock, usp, usp / stock, peaks["stock"], peaks["usp"], diff, params, compiled, recompiles)
 
 
 def markdown(row: Row) -> str:
-    return (f"| {row.model} | {row.shape} | {row.stock_ms:.1f} | {row.usp_ms:.1f} | {row.ratio:.3f} | "
+    shape = row.shape
+    if row.compiled:
+        shape += f"; compiled {row.compiled}, {row.recompiles_after_warmup} graphs after warm-up"
+    return (f"| {row.model} | {shape} | {row.stock_ms:.1f} | {row.usp_ms:.1f} | {row.ratio:.3f} | "
             f"{row.stock_peak_gib:.1f} | {row.usp_peak_gib:.1f} | {row.max_rel_diff:.1e} |")
 
 
@@ -266,6 +325,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=3, help="forwards per timed round")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
     p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every case's blocks in both variants (graph breaks allowed; the flex cases "
+                        "are compiled always, as benchmarks/flex_cases.COMPILE says)")
     return p.parse_args()
 
 

@@ -1,4 +1,4 @@
-"""CPU check of ``bench_pipelines.py``'s newer cases (not part of the test suite; ~1-2 minutes).
+"""CPU check of ``bench_pipelines.py``'s newer cases (not part of the test suite; ~2-3 minutes).
 
     PYTHONPATH=. python3 benchmarks/check_cases.py              # every family below
     PYTHONPATH=. python3 benchmarks/check_cases.py ltx2,flux3   # some
@@ -9,11 +9,23 @@ model after ``usp_dit.enable_usp`` at world size 1, must agree (max |diff| / max
 1e-5: the same maths, float32 rounding only); ``disable_usp`` afterwards. (2) the released config
 built on the meta device: its parameter count, beside the published size where one is known.
 
+The flex cases (``flex_cases.COMPILE``: compiled on the GPU) are checked twice. Eagerly, with
+flex as a GPU's compiled kernel computes it (the NABLA cases: ``usp_dit.testing.flex``, the
+BlockMask's blocks honoured, Note [flex on CPU ignores a BlockMask's blocks]; Wan-Animate-2: eager
+flex is exact for its mask_mod BlockMask, built uncompiled here: ``eager_block_masks``). Then in
+``bench_pipelines``' compiled mode (its own ``compile_blocks``, the case's fullgraph setting) with
+``backend="aot_eager"``: inductor's CPU flex template fails to lower these calls (torch 2.13), so
+what runs is Dynamo's and AOTAutograd's trace of both variants, the same graphs the GPU's inductor
+gets, over eager kernels. Stock, usp, stock, usp: compiled stock must equal eager stock and
+compiled usp compiled stock (1e-5); the graphs compiled in the second cycle (after a switch) are
+printed (the GPU run's "graphs after warm-up" should match).
+
 Layout: a case returns ``(model, inputs, shape)`` (``pipeline_cases``); inputs are built bf16 there
 (the benchmark's dtype) and cast to float32 here, recursively through lists and tuples.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -21,12 +33,18 @@ from collections.abc import Callable
 import torch
 
 try:
-    import pipeline_cases as pc  # run as benchmarks/check_cases.py: this folder is on sys.path
+    import bench_pipelines  # run as benchmarks/check_cases.py: this folder is on sys.path
+    import flex_cases as fc
+    import pipeline_cases as pc
 except ImportError:
+    from benchmarks import bench_pipelines
+    from benchmarks import flex_cases as fc
     from benchmarks import pipeline_cases as pc
 
 import usp_dit
 from usp_dit.demo.tiny_video import _perturb
+from usp_dit.demo.tiny_wan_animate2 import eager_block_masks
+from usp_dit.testing.flex import honoured_flex
 
 TOLERANCE = 1e-5  # float32, the same computation in both variants at world size 1
 
@@ -122,7 +140,49 @@ FAMILIES: dict[str, tuple[Callable, dict, dict, str, dict, str]] = {
         dict(height=64, width=64, text_len=7), "MiniMaxH3Transformer3DModel", pc.MINIMAX_H3,
         "33 B (66 GB of bf16 shards)",
     ),
+    # ---- the flex cases (flex_cases.COMPILE), checked eagerly and compiled ----
+    # NABLA: P 0.3 and a 1 x 1 x 1 STA window, so that the tiny mask drops blocks (the release's window
+    # covers every block of a 6-block grid); 3 x 8 x 16 = 384 tokens, six 64-token blocks.
+    "kandinsky5_nabla": (
+        fc.kandinsky5_nabla_case,
+        dict(in_visual_dim=4, out_visual_dim=4, in_text_dim=32, in_text_dim2=32, time_dim=32, model_dim=64,
+             ff_dim=96, num_visual_blocks=2, axes_dims=(4, 6, 6), attention_P=0.3, attention_wT=1, attention_wH=1,
+             attention_wW=1),
+        dict(frames=9, height=128, width=256, text_len=7), "Kandinsky5Transformer3DModel", fc.KANDINSKY5_LITE_10S,
+        "2 B (Kandinsky 5.0 T2V Lite)",
+    ),
+    "kandinsky5_nabla_pro": (
+        fc.kandinsky5_nabla_pro_case,
+        dict(in_visual_dim=4, out_visual_dim=4, in_text_dim=32, in_text_dim2=32, time_dim=32, model_dim=64,
+             ff_dim=96, num_text_blocks=2, num_visual_blocks=2, axes_dims=(4, 6, 6), attention_P=0.3,
+             attention_wT=1, attention_wH=1, attention_wW=1),
+        dict(frames=9, height=128, width=256, text_len=7), "Kandinsky5Transformer3DModel", fc.KANDINSKY5_PRO_10S,
+        "19 B (Kandinsky 5.0 Video Pro)",
+    ),
+    "kandinsky6_sr": (
+        fc.kandinsky6_sr_case,
+        dict(in_visual_dim=4, out_visual_dim=4, time_dim=32, model_dim=64, ff_dim=96, num_visual_blocks=2,
+             axes_dims=(4, 6, 6), nabla_threshold=0.5, nabla_window=(1, 1, 1)),
+        dict(frames=9, height=128, width=256), "Kandinsky6SRTransformer3DModel", fc.KANDINSKY6_SR, "not found",
+    ),
+    "wan_animate2": (
+        fc.wan_animate2_case,
+        dict(patch_size=(1, 2, 2), text_len=16, in_dim=12, dim=64, ffn_dim=96, freq_dim=16, text_dim=32, out_dim=4,
+             num_heads=4, num_layers=2),
+        dict(segment_frames=9, height=64, width=96, text_len=7, image_len=5), "WanAnimate2Transformer3DModel",
+        fc.WAN_ANIMATE2, "not found (Wan 14B backbone)",
+    ),
 }
+NABLA = ("kandinsky5_nabla", "kandinsky5_nabla_pro", "kandinsky6_sr")
+
+
+def flex_as_on_gpu(name: str) -> contextlib.AbstractContextManager:
+    """What a flex case needs on CPU to compute what the GPU's compiled flex does (module docstring)."""
+    if name in NABLA:
+        return honoured_flex()
+    if name == "wan_animate2":
+        return eager_block_masks()
+    return contextlib.nullcontext()
 
 
 def build_tiny(cls, config: dict, device: torch.device) -> torch.nn.Module:
@@ -155,17 +215,47 @@ def first_output(out) -> torch.Tensor:
     return torch.cat(flat)
 
 
+def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+
+
 def check_tiny(name: str) -> float:
     case, tiny, sizes, *_ = FAMILIES[name]
-    model, inputs, shape = case(build_tiny, torch.device("cpu"), config=tiny, **sizes)
-    inputs = {k: as_float32(v) for k, v in inputs.items()}
+    with flex_as_on_gpu(name):
+        model, inputs, shape = case(build_tiny, torch.device("cpu"), config=tiny, **sizes)
+        inputs = {k: as_float32(v) for k, v in inputs.items()}
+        with torch.inference_mode():
+            ref = first_output(model(**inputs))
+            usp_dit.enable_usp(model)
+            got = first_output(model(**inputs))
+            usp_dit.disable_usp(model)
+        diff = rel(got, ref)
+        print(f"{name}: tiny {shape}: {ref.numel()} outputs, stock vs enable_usp max rel diff {diff:.1e}")
+        if name in fc.COMPILE:
+            diff = max(diff, check_compiled(name, model, inputs, ref))
+    return diff
+
+
+def check_compiled(name: str, model: torch.nn.Module, inputs: dict, eager_stock: torch.Tensor) -> float:
+    """``bench_pipelines``' compiled mode at tiny scale (module docstring): the worst of compiled
+    stock vs eager stock and compiled usp vs compiled stock, over two switch cycles."""
+    torch._dynamo.reset()
+    how = bench_pipelines.compile_blocks(model, fc.COMPILE[name], backend="aot_eager")
+    outs: dict[tuple[str, int], torch.Tensor] = {}
+    start = bench_pipelines._graphs_compiled()  # a process-wide counter: the graphs before this check
     with torch.inference_mode():
-        ref = first_output(model(**inputs))
-        usp_dit.enable_usp(model)
-        got = first_output(model(**inputs))
-        usp_dit.disable_usp(model)
-    diff = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
-    print(f"{name}: tiny {shape}: {ref.numel()} outputs, stock vs enable_usp max rel diff {diff:.1e}")
+        for cycle in range(2):
+            if cycle == 1:
+                graphs = bench_pipelines._graphs_compiled()
+            for variant in ("stock", "usp"):
+                bench_pipelines.set_variant(model, variant, "auto")
+                outs[variant, cycle] = first_output(model(**inputs))
+        bench_pipelines.set_variant(model, "stock", "auto")
+    after = bench_pipelines._graphs_compiled() - graphs
+    diff = max(max(rel(outs["stock", c], eager_stock), rel(outs["usp", c], outs["stock", c])) for c in (0, 1))
+    print(f"  compiled {how} (aot_eager): stock vs eager stock and usp vs stock, max rel diff {diff:.1e}; "
+          f"{graphs - start} graphs compiled in the first switch cycle, {after} in the second")
+    torch._dynamo.reset()
     return diff
 
 

@@ -747,7 +747,7 @@ def ltx2_case(build, device: torch.device, frames: int = 121, height: int = 512,
 
 # Kandinsky 5.0 T2V Lite sft 5s (kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers; the dit_params of
 # configs/config_5s_sft.yaml in ai-forever/Kandinsky-5): 32 visual blocks of 1792 (28 heads x 64), visual_cond,
-# dense attention (the 10 s and Pro checkpoints' NABLA sparse attention is refused by usp_dit).
+# dense attention (the 10 s checkpoints' NABLA attention: flex_cases.kandinsky5_nabla_case, compiled).
 KANDINSKY5_LITE = dict(
     in_visual_dim=16, out_visual_dim=16, time_dim=512, patch_size=(1, 2, 2), model_dim=1792, ff_dim=7168,
     num_text_blocks=2, num_visual_blocks=32, axes_dims=(16, 24, 24), visual_cond=True, in_text_dim=3584,

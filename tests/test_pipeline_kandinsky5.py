@@ -21,8 +21,10 @@ prompt and negative prompt of different lengths); the tiny ``Kandinsky5T2IPipeli
 class) on (2,2). NABLA sparse attention (a tiny "nabla" config, the stock pipeline's own
 ``sparse_params``, 384 tokens in six 64-token blocks that the shards cut mid-block; a NABLA
 sequence is a multiple of 64 by construction, so it divides 2 and 4) on (2,1) and (4,1) vs one
-process, under a flex backend that honours the BlockMask's blocks (eager CPU flex ignores them:
-``_flex_honouring_blocks``), the mask checked to change the output; on a ring (1,2) refused.
+process, with 4 heads and with 5 (which neither 2 nor 4 divides: uneven Ulysses head splits, each
+head with an STA prior of its own so that a rank's head range must be cut right), under a flex
+backend that honours the BlockMask's blocks (eager flex ignores them: ``usp_dit.testing.flex``),
+the mask checked to change the output; on a ring (1,2) refused.
 Refused: a model without visual blocks.
 
 Tolerances. The transformer cases run a float64 model (``tiny_kandinsky5(dtype=torch.float64)``:
@@ -43,7 +45,6 @@ tests/test_video_pipelines.py; measured 2.0e-6).
 """
 from __future__ import annotations
 
-import contextlib
 import types
 from dataclasses import dataclass
 from unittest import mock
@@ -51,9 +52,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from diffusers import Kandinsky5T2VPipeline
-from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 from diffusers.models.transformers import transformer_kandinsky
 
 from tests import adapter_parity as parity
@@ -69,6 +68,7 @@ from usp_dit.pipelines import _routing, is_usp_enabled
 from usp_dit.pipelines.families.kandinsky5 import ADAPTER
 from usp_dit.sharding.shard import shard_sequence
 from usp_dit.testing import rel_err
+from usp_dit.testing.flex import honoured_flex
 
 TOL = 1e-10  # float64 transformer outputs and rotated Q/K
 TOL_F32 = 1e-5  # the float32 pipelines' latents; gradients outside the text stream (stock's float32 casts)
@@ -231,13 +231,22 @@ class _NablaInputs(Kandinsky5Inputs):
 
 NABLA_SHAPE = (3, 16, 32)  # latent (frames, height, width): 3 x 8 x 16 = 384 tokens, six 64-token blocks
 NABLA_GRIDS = [(2, 1), (4, 1)]  # (U, R); a ring is refused
+# 5 heads, which neither 2 nor 4 divides: Ulysses gives the ranks 3 + 2 or 2 + 1 + 1 + 1 heads, and
+# each rank's estimate runs over its own uneven head range with that range's slice of a per-head STA
+# prior (``heads`` of ``deferred_nabla_call``, ``_nabla_block_mask``).
+NABLA_UNEVEN_HEADS = 5
 
 
-def _nabla_build(keep_all: bool = False):
+def _nabla_build(keep_all: bool = False, num_heads: int = 4, per_head_sta: bool = False, flex: str = "model"):
     """A tiny ``nabla`` config (P = 0.3: each query block keeps its top 70 % of the softmax mass;
-    a 1 x 1 x 1 STA window: the diagonal) in float64 and its inputs with the stock pipeline's own
-    ``sparse_params`` (``get_sparse_params``). ``keep_all``: an all-true STA mask (nothing masked)."""
-    model = tiny_kandinsky5(dtype=torch.float64)
+    a 1 x 1 x 1 STA window: the diagonal) in float64, ``num_heads`` x 16, and its inputs with the
+    stock pipeline's own ``sparse_params`` (``get_sparse_params``). ``keep_all``: an all-true STA
+    mask (nothing masked). ``per_head_sta``: the diagonal OR a seeded random block pattern of each
+    head's own, (1, H, blocks, blocks) (stock's estimate broadcasts it over the batch): a rank that
+    took another head range's prior would attend differently. ``flex``: where flex is set, "model"
+    (``transformer.set_attention_backend``: every processor, and Diffusers' process-wide active
+    backend) or "visual" (each visual self-attention's ``set_attention_backend``, nothing else)."""
+    model = tiny_kandinsky5(num_heads=num_heads, dtype=torch.float64)
     model.register_to_config(attention_type="nabla", attention_P=0.3, attention_wT=1, attention_wH=1,
                              attention_wW=1, attention_add_sta=True, attention_method="topcdf")
     frames, height, width = NABLA_SHAPE
@@ -246,41 +255,25 @@ def _nabla_build(keep_all: bool = False):
     sparse = Kandinsky5T2VPipeline.get_sparse_params(pipe, inputs.hidden_states, "cpu")
     if keep_all:
         sparse["sta_mask"] = torch.ones_like(sparse["sta_mask"])
-    model.set_attention_backend("flex")  # what stock's BlockMask needs
+    if per_head_sta:
+        sta = sparse["sta_mask"]  # (1, 1, blocks, blocks)
+        noise = torch.rand(1, num_heads, *sta.shape[2:], generator=torch.Generator().manual_seed(7))
+        sparse["sta_mask"] = sta | (noise < 0.3)
+    if flex == "model":
+        model.set_attention_backend("flex")  # what stock's BlockMask needs
+    else:
+        for block in model.visual_transformer_blocks:
+            block.self_attention.set_attention_backend("flex")
     return model, _NablaInputs(**inputs.kwargs(), sparse_params=sparse)
-
-
-def _flex_honouring_blocks(query, key, value, attn_mask=None, scale=None, **kwargs):
-    """Diffusers' flex backend as a GPU runs it: eager flex_attention on CPU ignores a BlockMask's
-    sparsity (its math fallback reads mask_mod alone), so the tests attend with the BlockMask's
-    blocks expanded to a dense mask. (B, S, H, D) in and out."""
-    mask = None
-    if attn_mask is not None:
-        size_q, size_kv = attn_mask.BLOCK_SIZE
-        mask = attn_mask.to_dense().bool().repeat_interleave(size_q, -2).repeat_interleave(size_kv, -1)
-    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                         attn_mask=mask, scale=scale)
-    return out.transpose(1, 2)
-
-
-def _honoured_flex() -> contextlib.ExitStack:
-    """The flex backend swapped for ``_flex_honouring_blocks``, and Diffusers' process-wide active
-    backend (``set_attention_backend`` sets it for every later model, not just this one) put back
-    on exit: the spawned ranks are reused by later test files, whose models must not inherit flex."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.dict(_AttentionBackendRegistry._backends,
-                                        {AttentionBackendName.FLEX: _flex_honouring_blocks}))
-    stack.enter_context(mock.patch.object(_AttentionBackendRegistry, "_active_backend",
-                                          _AttentionBackendRegistry._active_backend))
-    return stack
 
 
 def _nabla_cases() -> dict[str, dict[str, float]]:
     """The NABLA config on (2,1) and (4,1) vs one process, block 0 seeing ceil(384 / P) tokens, bit
-    identical after disable; the mask is not vacuous (all-kept STA changes the output); a ring refused."""
+    identical after disable, with 4 heads and with 5 (uneven Ulysses head splits); the mask is not
+    vacuous (all-kept STA changes the output); a ring refused."""
     tokens = 384
     results = {}
-    with _honoured_flex():
+    with honoured_flex():
         model, inputs = _nabla_build()
         dense = parity.forward(*_nabla_build(keep_all=True))
         results["nabla-mask-masks"] = {"no_effect": float(rel_err(parity.forward(model, inputs), dense) < 1e-3)}
@@ -288,6 +281,11 @@ def _nabla_cases() -> dict[str, dict[str, float]]:
             mesh = init_usp(u, r)
             results[f"nabla-u{u}r{r}"] = parity.sharded_output_case(
                 model, inputs, ADAPTER, mesh, model.visual_transformer_blocks[0].self_attention, tokens)
+        uneven, uneven_inputs = _nabla_build(num_heads=NABLA_UNEVEN_HEADS, per_head_sta=True)
+        for u, r in NABLA_GRIDS:
+            results[f"nabla-h{NABLA_UNEVEN_HEADS}-u{u}r{r}"] = parity.sharded_output_case(
+                uneven, uneven_inputs, ADAPTER, init_usp(u, r), uneven.visual_transformer_blocks[0].self_attention,
+                tokens)
         ADAPTER.enable(model, init_usp(1, 2), "auto")
         try:
             model(**inputs.kwargs())
@@ -361,9 +359,34 @@ def test_nabla_sparse_attention_matches_one_process_on_ulysses_grids(grid_result
     parity.assert_within(grid_results, "nabla-u{}r{}".format(*grid), TOL, fallback="nabla")
 
 
+@pytest.mark.parametrize("grid", NABLA_GRIDS, ids=lambda g: f"u{g[0]}r{g[1]}")
+def test_nabla_sparse_attention_matches_one_process_with_uneven_heads(grid_results, grid):
+    parity.assert_within(grid_results, f"nabla-h{NABLA_UNEVEN_HEADS}-u{grid[0]}r{grid[1]}", TOL, fallback="nabla")
+
+
 def test_nabla_mask_is_not_vacuous_and_a_ring_is_refused(grid_results):
     parity.assert_within(grid_results, "nabla-mask-masks", 0.0, fallback="nabla")
     parity.assert_within(grid_results, "nabla-ring-refused", 0.0, fallback="nabla")
+
+
+def test_nabla_dispatches_on_the_backend_set_on_the_visual_self_attentions_alone():
+    """Flex set on the visual self-attentions only (Diffusers' process-wide active backend left
+    native): the enabled model's NABLA call runs on flex as stock's does (the swapped-in processor
+    takes its stock processors' backend: ``carry_stock_backend``; it used to keep none and fall to
+    the active SDPA backend, which refuses a BlockMask), equal to stock (float64, 1e-10); visual
+    self-attentions set to different backends are refused by name at enable."""
+    with honoured_flex():
+        model, inputs = _nabla_build(flex="visual")
+        ref = parity.forward(model, inputs)
+        ADAPTER.enable(model, single_rank_mesh(), "auto")
+        try:
+            out = parity.forward(model, inputs)
+        finally:
+            ADAPTER.disable(model)
+        assert rel_err(out, ref) <= TOL
+        model.visual_transformer_blocks[1].self_attention.set_attention_backend("native")
+        with pytest.raises(NotImplementedError, match="different attention backends"):
+            ADAPTER.enable(model, single_rank_mesh(), "auto")
 
 
 def test_a_model_without_visual_blocks_is_refused():

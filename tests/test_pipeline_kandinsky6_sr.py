@@ -14,7 +14,9 @@ Grids (U, R, cfg): (2,1,1), (4,1,1) and (2,1,2) (the batch split over the cfg gr
 (1,2,1) is refused at enable naming ``ring_degree=1``. Each Ulysses case: output vs the stock
 output on one process, block 0's self-attention sees at most ceil(384 / P) tokens, after
 ``disable`` the output is bit-identical. Every parameter's gradient on (2,1) and (4,1) (loss / P a
-rank, summed over the sequence group, equals one process's). The mask is not vacuous: an all-true
+rank, summed over the sequence group, equals one process's). With 5 heads (which neither 2 nor 4
+divides: uneven Ulysses head splits, each rank's estimate over its own head range) on (2,1) and
+(4,1): outputs vs one process, and the gradients on (4,1). The mask is not vacuous: an all-true
 sliding-tile prior (nothing masked) changes the output by more than 1e-3. The fullgraph-compiled
 case (2,1,1) is in tests/test_compile_grid.py (ADAPTER_CASES). A Ulysses degree above the head
 count (4 on 2 heads) is refused at enable.
@@ -27,9 +29,9 @@ bit-identical. cfg_degree=2 is not run on the pipeline: it calls the transformer
 tile (``tiles_batch_size=1``), which a cfg split refuses; the transformer case (2,1,2) covers it.
 
 Flex on CPU: eager ``flex_attention`` ignores a BlockMask's sparsity (its math fallback reads
-mask_mod alone), so every case attends through Kandinsky 5's ``_flex_honouring_blocks`` (the
-BlockMask's blocks expanded to a dense sdpa mask: what flex computes on a GPU), patched in for
-the stock model and the sharded one alike.
+mask_mod alone), so every case attends through ``usp_dit.testing.flex.flex_honouring_blocks`` (the
+BlockMask's blocks expanded to a dense sdpa mask: what compiled flex computes on a GPU), patched in
+for the stock model and the sharded one alike.
 
 Tolerance: float32 max|err| / max|ref| <= 1e-5 on outputs, gradients and the pipeline's latents
 (decoded frames 1e-4: an untrained random VAE's gain). The stock processor
@@ -47,7 +49,6 @@ import torch
 
 from tests import adapter_parity as parity
 from tests import family_checks
-from tests.test_pipeline_kandinsky5 import _honoured_flex
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_kandinsky6_sr import (
     kandinsky6_sr_inputs,
@@ -58,6 +59,7 @@ from usp_dit.demo.tiny_kandinsky6_sr import (
 from usp_dit.pipelines.families import kandinsky6_sr
 from usp_dit.pipelines.families.kandinsky6_sr import ADAPTER, USPKandinsky6SRAttnProcessor
 from usp_dit.testing import rel_err
+from usp_dit.testing.flex import honoured_flex
 
 TOL = 1e-5
 TOL_FRAMES = 1e-4  # decoded frames: an untrained random VAE's gain
@@ -68,11 +70,15 @@ SHAPES = [SHAPE]  # tests/test_compile_grid.py builds its case with _build(SHAPE
 TOKENS = 384
 GRIDS = [(2, 1, 1), (4, 1, 1), (2, 1, 2)]  # (U, R, cfg); a ring is refused
 GRAD_GRIDS = [(2, 1), (4, 1)]
+# 5 heads, which neither 2 nor 4 divides: Ulysses gives the ranks 3 + 2 or 2 + 1 + 1 + 1 heads, and
+# each rank's estimate runs over its own uneven head range.
+UNEVEN_HEADS = 5
+UNEVEN_GRIDS = [(2, 1), (4, 1)]
 PIPELINE_GRIDS = parity.pipeline_grids([(2, 1, 1), (4, 1, 1)])  # batch-1 tiles: cfg_degree=2 refused
 
 
-def _build(shape: tuple[int, int, int] = SHAPE, window: tuple[int, int, int] = (1, 1, 1)):
-    return tiny_kandinsky6_sr(window=window), kandinsky6_sr_inputs(*shape)
+def _build(shape: tuple[int, int, int] = SHAPE, window: tuple[int, int, int] = (1, 1, 1), num_heads: int = 4):
+    return tiny_kandinsky6_sr(num_heads=num_heads, window=window), kandinsky6_sr_inputs(*shape)
 
 
 def _key(grid: tuple[int, ...]) -> str:
@@ -89,6 +95,13 @@ def _grid_case(grid: tuple[int, int, int]) -> dict[str, float]:
         return parity.cfg_split_case(model, inputs, mesh)
     return parity.sharded_output_case(model, inputs, ADAPTER, mesh, model.visual_transformer_blocks[0].self_attention,
                                       TOKENS)
+
+
+def _uneven_heads_case(u: int, r: int) -> dict[str, float]:
+    """``UNEVEN_HEADS`` heads on (u, r): output vs one process, block 0 seeing ceil(384 / P) tokens."""
+    model, inputs = _build(num_heads=UNEVEN_HEADS)
+    return parity.sharded_output_case(model, inputs, ADAPTER, init_usp(u, r),
+                                      model.visual_transformer_blocks[0].self_attention, TOKENS)
 
 
 def _mask_case() -> dict[str, float]:
@@ -121,12 +134,16 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 def _run_all() -> dict[str, dict | str]:
     results = {}
-    with _honoured_flex():
+    with honoured_flex():
         for grid in GRIDS:
             parity.record(results, _key(grid), lambda grid=grid: _grid_case(grid))
         for u, r in GRAD_GRIDS:
             parity.record(results, f"grad-u{u}r{r}",
                           lambda u=u, r=r: parity.gradient_errors(*_build(), ADAPTER, init_usp(u, r)))
+        for u, r in UNEVEN_GRIDS:
+            parity.record(results, f"h{UNEVEN_HEADS}-u{u}r{r}", lambda u=u, r=r: _uneven_heads_case(u, r))
+        parity.record(results, f"grad-h{UNEVEN_HEADS}-u4r1", lambda: parity.gradient_errors(
+            *_build(num_heads=UNEVEN_HEADS), ADAPTER, init_usp(4, 1)))
         parity.record(results, "mask-masks", _mask_case)
         parity.record(results, "ring-refused", _ring_case)
         parity.record(results, "pipeline", _pipeline_cases, many=True)
@@ -148,6 +165,15 @@ def test_sharded_output_matches_one_process(grid_results, grid):
 @pytest.mark.parametrize("grid", GRAD_GRIDS, ids=lambda g: f"u{g[0]}r{g[1]}")
 def test_parameter_gradients_match_one_process(grid_results, grid):
     parity.assert_within(grid_results, "grad-u{}r{}".format(*grid), TOL)
+
+
+@pytest.mark.parametrize("grid", UNEVEN_GRIDS, ids=lambda g: f"u{g[0]}r{g[1]}")
+def test_uneven_ulysses_heads_match_one_process(grid_results, grid):
+    parity.assert_within(grid_results, f"h{UNEVEN_HEADS}-u{grid[0]}r{grid[1]}", TOL)
+
+
+def test_uneven_ulysses_heads_gradients_match_one_process(grid_results):
+    parity.assert_within(grid_results, f"grad-h{UNEVEN_HEADS}-u4r1", TOL)
 
 
 @pytest.mark.parametrize("key", list(PIPELINE_GRIDS))
@@ -190,7 +216,7 @@ def test_one_rank_gives_stock_output():
     """Enabled on one rank (the deferred estimate, the whole-sequence call on a degree-1 grid) the
     output is stock's, under the block-honouring flex."""
     model, inputs = _build()
-    with _honoured_flex():
+    with honoured_flex():
         ref = parity.forward(model, inputs)
         ADAPTER.enable(model, single_rank_mesh(), "auto")
         try:

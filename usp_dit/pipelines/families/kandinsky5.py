@@ -76,7 +76,8 @@ before the parts are summed, where one process rounds the sum: the text blocks' 
 embedding's) gradients agree to bfloat16's resolution (tests/test_pipeline_kandinsky5.py).
 
 Refused (NotImplementedError): processors other than the stock ``Kandinsky5AttnProcessor``,
-sparse attention on a ring grid (Note [Kandinsky 5's sparse attention]), a Diffusers cache that cannot run on a
+visual self-attentions set to different attention backends (``carry_stock_backend``), sparse
+attention on a ring grid (Note [Kandinsky 5's sparse attention]), a Diffusers cache that cannot run on a
 grid (``usp_dit.pipelines.caches``), a model without visual blocks (``num_visual_blocks=0``).
 The model has no dropout, so the replicated text stream needs no replicated-dropout handling.
 """
@@ -96,7 +97,6 @@ from torch.utils.hooks import RemovableHandle
 from usp_dit.distributed.mesh import USPMesh
 from usp_dit.pipelines._routing import (
     ROUTED_NAME,
-    Route,
     RoutedProcessor,
     routed_processor_class,
     ulysses_whole_sequence,
@@ -216,14 +216,6 @@ class USPKandinsky5AttnProcessor(_RoutedKandinsky5Processor or RoutedProcessor):
     NABLA: ``ulysses_nabla_attention``, Note [Kandinsky 5's sparse attention]).
     """
 
-    def __init__(self, route: Route, stock: Any = None) -> None:
-        super().__init__(route, stock)
-        # The backend the stock processor was set to (set_attention_backend before enable): the
-        # NABLA call is stock's dispatch, whose BlockMask needs flex (a later set_attention_backend sets
-        # it too). The dense calls' router ignores it (usp_dit's backend runs those).
-        if getattr(stock, "_attention_backend", None) is not None:
-            self._attention_backend = stock._attention_backend
-
     def __call__(
         self,
         attn: Kandinsky5Attention,
@@ -319,14 +311,41 @@ PLAN = ModelPlan(
 )
 
 
+def carry_stock_backend(patch: PlanPatch) -> None:
+    """Give each swapped-in processor the attention backend its stock processors were set to.
+
+    The NABLA call is stock's ``dispatch_attention_fn`` with the processor's ``_attention_backend``
+    (flex: the one a BlockMask needs), which ``set_attention_backend`` sets on each stock processor,
+    on the whole model or on the visual self-attentions alone. One USP processor serves every
+    visual block, so their stock processors must agree. (A later ``set_attention_backend`` sets the
+    USP processor's directly; the dense calls' router ignores it: usp_dit's backend runs those.)
+
+    Raises:
+        NotImplementedError: the stock processors it replaces were set to different backends.
+    """
+    seen: dict[int, tuple[Any, set]] = {}
+    for _, original, replacement in patch.swaps:
+        seen.setdefault(id(replacement), (replacement, set()))[1].add(getattr(original, "_attention_backend", None))
+    for replacement, backends in seen.values():
+        if len(backends) > 1:
+            raise NotImplementedError(
+                f"usp_dit's Kandinsky5 adapter: the visual self-attentions' stock processors are set to different "
+                f"attention backends {sorted(str(b) for b in backends)}; one processor serves them all: set one "
+                f"(transformer.set_attention_backend)")
+        replacement._attention_backend = backends.pop()
+
+
 class Kandinsky5Adapter(PlanAdapter):
-    """``PLAN`` with its gather at the model's last visual block (Note [Kandinsky 5's gather])."""
+    """``PLAN`` with its gather at the model's last visual block (Note [Kandinsky 5's gather]), its
+    processors on the stock processors' attention backend (``carry_stock_backend``)."""
 
     def make_patch(self, transformer: torch.nn.Module, mesh: USPMesh, backend: str) -> PlanPatch:
         check_plan(self.plan, transformer)
         last = len(transformer.visual_transformer_blocks) - 1
         plan = dataclasses.replace(self.plan, gather_at=f"visual_transformer_blocks.{last}")
-        return PlanPatch(plan, transformer, mesh, backend)
+        patch = PlanPatch(plan, transformer, mesh, backend)
+        carry_stock_backend(patch)
+        return patch
 
 
 ADAPTER = register_adapter(Kandinsky5Adapter(PLAN, __name__))

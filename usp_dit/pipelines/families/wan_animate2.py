@@ -63,8 +63,9 @@ Note [where the reference cache lives]
     reference frames and 22 generation frames of 2000 tokens, 40 heads x 128, bf16) on 8 ranks: a
     shard of 5250 rows and a window of at most 4 frames (8000 rows), 271 MB of K and V per layer,
     10.9 GB over the 40 layers, against stock's 34.4 GB (860 MB a layer). A cache written by stock
-    (the reference pass run before ``enable``) holds every row: the window is cut from it with no
-    communication.
+    (the reference pass run before ``enable``), or one rank's own cache, holds every row: the
+    window is a view of it (rows [lo, hi) of its key and value), no communication and no copy (a
+    copy on one rank would double stock's 34.4 GB).
 
 Note [RoPE rows]
     Stock's ``rope_apply`` rotates token j of a grid (f, h, w) by the product of the time, height
@@ -326,6 +327,9 @@ class USPWanAnimate2AttnProcessor:
             pos += tokens
         return out, lse
 
+    # Run eagerly under torch.compile: a traced lookup guards on the memo's size, which grows by a
+    # layer at each of the first call's layers, so every layer would compile its own graph.
+    @torch.compiler.disable
     def _window(self, kv_cache: WanAnimate2KVLayerCache, geometry: Geometry, start: int, n: int) -> _Window:
         """Note [where the reference cache lives]: the pre-RoPE reference K/V of the frames this
         rank's queries [start, start + n) read, memoised per layer cache."""
@@ -334,15 +338,17 @@ class USPWanAnimate2AttnProcessor:
         if held is not None and held.key() is key and held.geometry == geometry:
             return held
         first, frames = frames_read(geometry, start, n)
-        rows = self._reference_rows(kv_cache, key, value, geometry)  # (B, frames * ref_hw, H, 2 D)
-        k_win, v_win = rows.chunk(2, dim=-1)
+        k_win, v_win = self._reference_rows(kv_cache, key, value, geometry)  # each (B, frames * ref_hw, H, D)
         window = _Window(weakref.ref(key), geometry, first, frames, geometry.ref_hw, k_win, v_win)
         self.windows[kv_cache] = window
         return window
 
-    def _reference_rows(self, kv_cache, key: torch.Tensor, value: torch.Tensor, geometry: Geometry) -> torch.Tensor:
-        """This rank's window of pre-RoPE [key | value] rows (B, frames * ref_hw, H, 2 D): exchanged
-        over the sequence group when the reference pass ran here, else cut from the stock cache.
+    def _reference_rows(self, kv_cache, key: torch.Tensor, value: torch.Tensor,
+                        geometry: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's window of pre-RoPE key and value rows, each (B, frames * ref_hw, H, D):
+        exchanged over the sequence group when the reference pass ran here, else cut from the stock
+        cache as views (no copy: on one rank the window is the whole cache, 34 GB at the release's
+        size, Note [where the reference cache lives]).
 
         Raises:
             NotImplementedError: the cache was written under another grid.
@@ -360,8 +366,8 @@ class USPWanAnimate2AttnProcessor:
         mesh = self.state.mesh
         if not mine or mesh.sequence_degree == 1:  # the cache holds every row
             lo, hi = self._window_rows(geometry)[mesh.seq_rank]
-            return torch.cat([key[:, lo:hi], value[:, lo:hi]], dim=-1)
-        return self._exchange(torch.cat([key, value], dim=-1), total, geometry)
+            return key[:, lo:hi], value[:, lo:hi]
+        return self._exchange(torch.cat([key, value], dim=-1), total, geometry).chunk(2, dim=-1)
 
     def _window_rows(self, geometry: Geometry) -> list[tuple[int, int]]:
         """Every sequence rank's window, as reference rows [lo, hi), from the generation split."""
