@@ -213,6 +213,8 @@ def gather_cfg_output(out: Any, batch: int, mesh: USPMesh) -> Any:
     rows = batch // mesh.cfg_degree
 
     def gather(i: int, x: Any) -> Any:
+        if x is None:  # no sample: a call that only fills a cache (AnyFlow FAR's cache call)
+            return None
         if i == 0 and isinstance(x, list):  # one tensor per row (Z-Image): equal shapes, stacked
             return list(_gather_rows(torch.stack(x), batch, mesh).unbind(0))
         if i == 0 or (torch.is_tensor(x) and x.dim() > 0 and x.shape[0] == rows):
