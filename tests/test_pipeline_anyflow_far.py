@@ -196,6 +196,30 @@ def _training_refused(mesh) -> dict[str, float]:
         ADAPTER.disable(model)
 
 
+def _clean_mask_kwargs(model, inputs) -> dict:
+    """The cache call over chunks (2, 1, 1) of SHAPES[1] (4 compressed + 30 full tokens) with
+    ``build_attention_mask(has_clean_context=True)``: rows of the first full chunk still see a prefix
+    of the keys, the second's do not (its noise sees its own chunk only, and earlier chunks' clean
+    copies)."""
+    kwargs = inputs.kwargs(cache_call=3)
+    kwargs["attention_mask"] = model.build_attention_mask(
+        chunk_partition=kwargs["chunk_partition"], height=10, width=6, mode="cache", has_clean_context=True)
+    return kwargs
+
+
+def _clean_mask_refused(mesh) -> dict[str, float]:
+    """On (1,4) ranks 0 and 1 hold rows whose keys are prefixes, ranks 2 and 3 rows whose keys are
+    not: NotImplementedError on every rank all the same (the verdict agreed), before any transfer."""
+    model, inputs = _build(SHAPES[1])
+    kwargs = _clean_mask_kwargs(model, inputs)
+    ADAPTER.enable(model, mesh, "auto")
+    try:
+        with torch.no_grad():
+            return _refused(lambda: model(**kwargs), "prefix of the keys")
+    finally:
+        ADAPTER.disable(model)
+
+
 PIPELINE_GRIDS = parity.pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
 
 
@@ -219,6 +243,7 @@ def _run_all() -> dict[str, dict | str]:
     parity.record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
     parity.record(results, "grad-refused", lambda: _gradient_refused(init_usp(2, 2)))
     parity.record(results, "training-refused", lambda: _training_refused(init_usp(1, 4)))
+    parity.record(results, "clean-mask-refused", lambda: _clean_mask_refused(init_usp(1, 4)))
     two_heads = tiny_anyflow_far(num_heads=2, head_dim=32)
     parity.record(results, "ulysses-above-heads",
                   lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
@@ -249,6 +274,10 @@ def test_a_gradient_through_an_inference_call_is_refused_on_a_grid(grid_results)
 
 def test_the_training_rollout_is_refused_on_a_grid(grid_results):
     parity.assert_within(grid_results, "training-refused", 0.0)
+
+
+def test_a_cache_mask_that_is_no_prefix_on_some_ranks_is_refused_on_all(grid_results):
+    parity.assert_within(grid_results, "clean-mask-refused", 0.0)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
@@ -282,16 +311,26 @@ def test_one_rank_matches_stock_and_disable_restores_it_bit_for_bit():
 
 
 def test_a_cache_call_mask_that_is_no_prefix_is_refused():
-    """``build_attention_mask(has_clean_context=True)``: noise queries see their own chunk's noise
-    and no earlier chunk's, not a prefix of the keys."""
     model, inputs = _build(SHAPES[1])
-    cache_kwargs = inputs.kwargs(cache_call=3)
-    cache_kwargs["attention_mask"] = model.build_attention_mask(
-        chunk_partition=cache_kwargs["chunk_partition"], height=10, width=6, mode="cache", has_clean_context=True)
+    kwargs = _clean_mask_kwargs(model, inputs)
     ADAPTER.enable(model, single_rank_mesh(), "auto")
     try:
         with torch.no_grad(), pytest.raises(NotImplementedError, match="prefix of the keys"):
-            model(**cache_kwargs)
+            model(**kwargs)
+    finally:
+        ADAPTER.disable(model)
+
+
+def test_a_cache_call_mask_of_another_call_is_refused():
+    """A mask built for another chunk partition (one chunk of 7 full frames: 147 tokens): ValueError
+    naming both padded lengths."""
+    model, inputs = _build(SHAPES[0])
+    kwargs = inputs.kwargs(cache_call=3)  # 9 compressed + 21 full tokens, padded to 128
+    kwargs["attention_mask"] = model.build_attention_mask(chunk_partition=[7], height=6, width=14, mode="cache")
+    ADAPTER.enable(model, single_rank_mesh(), "auto")
+    try:
+        with torch.no_grad(), pytest.raises(ValueError, match=r"BlockMask is \(256, 256\).*are 128"):
+            model(**kwargs)
     finally:
         ADAPTER.disable(model)
 

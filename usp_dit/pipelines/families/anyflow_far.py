@@ -33,8 +33,10 @@ Note [what FAR inference computes]
 
           out_i = sum_j e^{s_ij} v_j / (sum_j e^{s_ij} + Z),   j over [cache; the S tokens]
 
-      (measured: leaving the zero keys out moves stock's output by 40-85 % of its scale). Dense
-      otherwise: no causality inside the chunk, none towards the cache.
+      (measured on tiny models, 24 to 72 real keys beside Z = 104: leaving the zero keys out
+      changes stock's output by 55-150 % of its largest value; at the 1.3B release's chunks of
+      4680 tokens Z = 56, small beside ~10^4 keys but not nothing). Dense otherwise: no causality
+      inside the chunk, none towards the cache.
     * **the cache call** (after each chunk but the last): ``transformer(output[:, :sum(cp[:c+1])],
       t = r = 0, attention_mask = build_attention_mask(mode="cache"), is_cache_step: True)`` ->
       ``_forward_cache``: the whole prefix, its last L - 1 chunks full and every earlier one
@@ -129,6 +131,8 @@ from torch.utils.hooks import RemovableHandle
 from usp_dit.attention.merge import LSEMerger
 from usp_dit.attention.usp import usp_attention
 from usp_dit.distributed.comm import all_gather_uneven
+from usp_dit.distributed.handshake import agree
+from usp_dit.distributed.replica import comm_device
 from usp_dit.kernels import attend, select_backend
 from usp_dit.kernels.autograd import needs_grad
 from usp_dit.pipelines._token_sharding import ShardState, _get_arg
@@ -179,14 +183,13 @@ class _Runs:
     runs: list[tuple[int, int, int]]  # (first row, end row, visible keys), rows local to the shard
 
 
-def visible_prefixes(mask: BlockMask, start: int, rows: int, padded: int) -> torch.Tensor:
-    """(rows,) int64: how many keys each query row ``start + i`` sees under ``mask``, each row's
-    keys being a prefix [0, c) of the ``padded`` key positions (the call's, padded as stock pads).
+def check_mask(mask: Any, padded: int) -> None:
+    """What every rank can check alike about a cache call's mask.
 
     Raises:
-        NotImplementedError: not a BlockMask, one built per batch row or head, or a row whose keys
-            are not a prefix.
-        ValueError: the mask's lengths are not ``padded`` (stock's flex call fails there too).
+        NotImplementedError: not a BlockMask, or one built per batch row or head.
+        ValueError: its lengths are not ``padded``, the call's tokens padded as stock pads them
+            (stock's flex call fails there too).
     """
     if not isinstance(mask, BlockMask):
         raise NotImplementedError(
@@ -199,22 +202,25 @@ def visible_prefixes(mask: BlockMask, start: int, rows: int, padded: int) -> tor
         raise ValueError(
             f"the cache call's BlockMask is {tuple(mask.seq_lengths)} (queries, keys), but its tokens padded to a "
             f"multiple of {FLEX_BLOCK} are {padded}: build it for this call's chunk_partition, height and width")
-    keys = padded
-    device = mask.kv_num_blocks.device
+
+
+def visible_prefixes(mask: BlockMask, start: int, rows: int) -> torch.Tensor | None:
+    """(rows,) int64: how many keys each query row ``start + i`` sees under ``mask``'s
+    ``mask_mod`` (evaluated at b = h = 0, ``MASK_ROWS`` rows at a time), each row's keys being a
+    prefix [0, c) of the key positions; ``None`` if a row's keys are no prefix."""
+    keys, device = mask.seq_lengths[1], mask.kv_num_blocks.device
     mod = torch.vmap(torch.vmap(mask.mask_mod, in_dims=(None, None, None, 0)), in_dims=(None, None, 0, None))
     zero = torch.zeros((), dtype=torch.int64, device=device)
     kv = torch.arange(keys, device=device)
-    counts = []
+    counts = [torch.zeros(0, dtype=torch.int64, device=device)]
     for lo in range(start, start + rows, MASK_ROWS):
         q = torch.arange(lo, min(lo + MASK_ROWS, start + rows), device=device)
         allowed = mod(zero, zero, q, kv).bool()  # (m, keys)
         c = allowed.sum(dim=1)
         if not torch.equal(allowed, kv[None, :] < c[:, None]):
-            raise NotImplementedError(
-                "usp_dit's AnyFlow FAR adapter runs a cache call whose mask gives each query a prefix of the keys "
-                "(stock's chunk-causal cache mask); this mask does not (e.g. has_clean_context=True)")
+            return None
         counts.append(c)
-    return torch.cat(counts) if counts else torch.zeros(0, dtype=torch.int64)
+    return torch.cat(counts)
 
 
 def prefix_runs(counts: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -320,7 +326,7 @@ class USPFARSelfAttnProcessor:
         cached = nc + nf
         _check_rope(rotary_emb, state.seq_len, cached + state.seq_len)
         start = self._start()
-        q = apply_rotary_emb(q, _rope_rows(rotary_emb["query"], start, n)).transpose(1, 2)
+        q = apply_rotary_emb(q, _rope_rows(rotary_emb["query"], start, n)).transpose(1, 2).contiguous()
         k = apply_rotary_emb(k, _rope_rows(rotary_emb["key"], cached + start, n)).transpose(1, 2)
         current = usp_attention(q, k, v.transpose(1, 2), mesh=state.mesh, backend=state.backend,
                                 seq_len=state.seq_len, layout=state.layout, return_lse=True)
@@ -344,16 +350,17 @@ class USPFARSelfAttnProcessor:
         state, n = self.state, q.shape[2]
         seq = state.seq_len
         _check_rope(rotary_emb, seq, seq)
+        start = self._start()
+        runs = self._prefix_runs(mask, start, n)  # before any transfer: a refusal raises on every rank
         kv = gather_sequence(torch.cat([k, v], dim=-1), state.mesh, dim=2, seq_len=seq, layout=state.layout)
         k_all, v_all = kv.chunk(2, dim=-1)  # (B, H, S, D), pre-RoPE
         self._store(kv_cache, flag, kv, rows)
-        start = self._start()
         q = apply_rotary_emb(q, _rope_rows(rotary_emb["query"], start, n)).transpose(1, 2)  # (B, n, H, D)
         k_all = apply_rotary_emb(k_all, rotary_emb["key"]).transpose(1, 2)
         v_all = v_all.transpose(1, 2)
         kernel, scale = self._kernel(q), q.shape[-1] ** -0.5
         out = torch.zeros_like(q)
-        for r0, r1, c in self._prefix_runs(mask, start, n):
+        for r0, r1, c in runs:
             real = min(c, seq)  # keys past the real ones are stock's zero padding rows
             if c == 0:
                 continue  # a row that sees nothing: zeros, as flex gives
@@ -376,11 +383,26 @@ class USPFARSelfAttnProcessor:
         kv_cache["full_cache"][1, :, :, :nf, :] = value[:, :, nc:]
 
     def _prefix_runs(self, mask: Any, start: int, rows: int) -> list[tuple[int, int, int]]:
+        """This rank's runs of rows (Note [the cache call on a grid]), memoised for the call's mask.
+
+        Raises:
+            NotImplementedError: on every rank of the sequence group alike (one small all-gather:
+                each rank reads its own rows), when a row of any rank sees no prefix of the keys.
+        """
         held = self._runs
         if held is not None and held.mask() is mask and (held.start, held.rows) == (start, rows):
             return held.runs
-        padded = math.ceil(self.state.seq_len / FLEX_BLOCK) * FLEX_BLOCK
-        runs = prefix_runs(visible_prefixes(mask, start, rows, padded))
+        state = self.state
+        check_mask(mask, math.ceil(state.seq_len / FLEX_BLOCK) * FLEX_BLOCK)
+        counts = visible_prefixes(mask, start, rows)
+        oks = [int(counts is not None)]
+        if state.mesh.sequence_degree > 1:
+            oks = agree({}, state.mesh.seq_group, comm_device(state.mesh), varying=oks[0], what="a FAR cache mask")
+        if not all(oks):
+            raise NotImplementedError(
+                "usp_dit's AnyFlow FAR adapter runs a cache call whose mask gives each query a prefix of the keys "
+                "(stock's chunk-causal cache mask); this mask does not (e.g. has_clean_context=True)")
+        runs = prefix_runs(counts)
         self._runs = _Runs(weakref.ref(mask), start, rows, runs)
         return runs
 
