@@ -209,7 +209,8 @@ def _gather_rows(x: torch.Tensor, batch: int, mesh: USPMesh) -> torch.Tensor:
 
 def gather_cfg_output(out: Any, batch: int, mesh: USPMesh) -> Any:
     """The first output (the sample, batch/cfg rows here; or a list of batch/cfg equal-shaped
-    tensors, one per row) all-gathered over "cfg": full batch, every rank; so is every later output tensor with batch/cfg rows (LTX-2's audio sample beside its video)."""
+    tensors, one per row) all-gathered over "cfg": full batch, every rank; so is every later output tensor with batch/cfg rows (LTX-2's audio sample beside its video).
+    A ``None`` output stays ``None`` (AnyFlow FAR's cache call returns no sample)."""
     rows = batch // mesh.cfg_degree
 
     def gather(i: int, x: Any) -> Any:

@@ -72,9 +72,10 @@ Note [the cache call on a grid]
     and attends this rank's queries under the call's mask. The mask is read, not rebuilt: its
     ``mask_mod`` is evaluated on this rank's rows against every (padded) key position, in blocks of
     512 rows, once per call (the same BlockMask object reaches every layer); each row must see a
-    prefix [0, c) of the keys (chunk-causal rows do: frame_idx never decreases along the sequence),
-    and each run of rows with the same c is one kernel call against keys [0, c): one call per
-    chunk the shard meets. (usp_attention's ``block_causal`` takes one frame length for all
+    prefix [0, c) of the keys (chunk-causal rows do: frame_idx never decreases along the sequence;
+    the ranks agree on that verdict in one small all-gather before any transfer, so a refusal
+    raises on every rank), and each run of rows with the same c is one kernel call against keys
+    [0, c): one call per chunk the shard meets. (usp_attention's ``block_causal`` takes one frame length for all
     frames, Note [staircase masks] in ``usp_dit.attention.masks``: FAR's unequal chunks are not
     that.) Work: each rank its rows times the keys they see, so not balanced: the last rank's rows
     see every key. At the 1.3B release's last cache call (14430 tokens: 5070 compressed in chunks
@@ -107,8 +108,10 @@ BlockMask, is built per batch row or head, or gives a row keys that are not a pr
 ``build_attention_mask(has_clean_context=True)``); processors other than stock's
 ``AnyFlowCausalAttnProcessor`` on ``attn1`` and ``AnyFlowCrossAttnProcessor`` on ``attn2``; a
 Diffusers cache that cannot run on a grid; ``num_layers=0``. ValueError: a RoPE table of another
-length than the call's keys, a KV cache whose batch is neither the call's nor ``cfg_degree`` times
-it. One rank: the same merges (not stock's flex kernel), equal to stock within float32 rounding.
+length than the call's keys, a cache-call mask of another length than the call's padded tokens, a
+KV cache whose batch is neither the call's nor ``cfg_degree`` times it. One rank: the same merges
+(not stock's flex kernel), equal to stock within float32 rounding. Compile: not traced in one
+graph (the cache call reads its mask on the host; not tested under torch.compile).
 """
 from __future__ import annotations
 
@@ -178,8 +181,7 @@ class _Runs:
     """A cache call's runs of this rank's rows, memoised for the call's mask (every layer gets it)."""
 
     mask: weakref.ref
-    start: int
-    rows: int
+    key: tuple[int, int, int]  # (seq_len, start, rows) of the call
     runs: list[tuple[int, int, int]]  # (first row, end row, visible keys), rows local to the shard
 
 
@@ -296,6 +298,7 @@ class USPFARSelfAttnProcessor:
     # -- where this rank's rows sit ------------------------------------------------------------
 
     def _start(self) -> int:
+        """This rank's first token (the plan's layout is contiguous)."""
         mesh = self.state.mesh
         return offsets(split_sizes(self.state.seq_len, mesh.sequence_degree))[mesh.seq_rank]
 
@@ -389,10 +392,9 @@ class USPFARSelfAttnProcessor:
             NotImplementedError: on every rank of the sequence group alike (one small all-gather:
                 each rank reads its own rows), when a row of any rank sees no prefix of the keys.
         """
-        held = self._runs
-        if held is not None and held.mask() is mask and (held.start, held.rows) == (start, rows):
+        state, held = self.state, self._runs
+        if held is not None and held.mask() is mask and held.key == (state.seq_len, start, rows):
             return held.runs
-        state = self.state
         check_mask(mask, math.ceil(state.seq_len / FLEX_BLOCK) * FLEX_BLOCK)
         counts = visible_prefixes(mask, start, rows)
         oks = [int(counts is not None)]
@@ -403,7 +405,7 @@ class USPFARSelfAttnProcessor:
                 "usp_dit's AnyFlow FAR adapter runs a cache call whose mask gives each query a prefix of the keys "
                 "(stock's chunk-causal cache mask); this mask does not (e.g. has_clean_context=True)")
         runs = prefix_runs(counts)
-        self._runs = _Runs(weakref.ref(mask), start, rows, runs)
+        self._runs = _Runs(weakref.ref(mask), (state.seq_len, start, rows), runs)
         return runs
 
 
