@@ -214,12 +214,16 @@ test_replaced_processor_is_refused = family_checks.foreign_processor_refused(
     lambda: tiny_anyflow("t2v"), ADAPTER, "blocks.1.attn2", transformer_anyflow.AnyFlowAttnProcessor)
 
 
-def test_far_model_is_refused_with_its_reason():
+def test_the_far_model_has_its_own_plan():
+    """The frame-autoregressive AnyFlow FAR runs its inference calls through its own plan
+    (tests/test_pipeline_anyflow_far.py), not this one."""
     from diffusers import AnyFlowFARTransformer3DModel
 
-    from usp_dit.pipelines.refusals import refusal_reason
+    from usp_dit.pipelines.base import registered_adapters
+    from usp_dit.pipelines.families import anyflow_far
 
-    assert "BlockMask" in refusal_reason(AnyFlowFARTransformer3DModel)
+    owners = [a for a in registered_adapters() if getattr(a, "model_class", None) is AnyFlowFARTransformer3DModel]
+    assert owners == [anyflow_far.ADAPTER]
 
 
 # ---- the video example's AnyFlow option (one process, no grid) -------------------------------------

@@ -41,6 +41,7 @@ from usp_dit.demo import (
 from usp_dit.demo.tiny_ace_step import tiny_ace_step
 from usp_dit.demo.tiny_allegro import tiny_allegro
 from usp_dit.demo.tiny_anyflow import tiny_anyflow
+from usp_dit.demo.tiny_anyflow_far import tiny_anyflow_far
 from usp_dit.demo.tiny_auraflow import tiny_auraflow
 from usp_dit.demo.tiny_bria import tiny_bria, tiny_bria_fibo
 from usp_dit.demo.tiny_bria_fibo2 import tiny_bria_fibo2
@@ -117,6 +118,7 @@ BUILDERS = {
     "BriaFibo2": tiny_bria_fibo2,  # the Perceiver and injection cross-attention local
     "SkyReels-V2": lambda: tiny_skyreels_v2(num_frame_per_block=2),  # diffusion forcing's block-causal mask
     "AnyFlow": lambda: tiny_anyflow("i2v"),  # AnyFlow's own processors: routed attn1, local attn2 with image tokens
+    "AnyFlowFAR": tiny_anyflow_far,  # the KV-cached causal attn1 (its own processor), local attn2
     "ChronoEdit": tiny_chronoedit,  # Wan I2V's attention with ChronoEdit's own processor class
     "Helios": lambda: tiny_helios("amplify"),  # the history's key scales too
     "WanAnimate": tiny_wan_animate.tiny_wan_animate,  # the face adapters' per-frame attention too

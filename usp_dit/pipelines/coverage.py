@@ -234,8 +234,11 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
         "T2V, I2V; diffusion forcing (block-causal attention)",
         ("SkyReelsV2Pipeline", "SkyReelsV2ImageToVideoPipeline", "SkyReelsV2DiffusionForcingPipeline"),
     ),
-    "AnyFlow": FamilyPipelines("AnyFlow flow-map T2V, V2V (bidirectional; the FAR causal model refused)", ("AnyFlowPipeline",),
+    "AnyFlow": FamilyPipelines("AnyFlow flow-map T2V, V2V (bidirectional)", ("AnyFlowPipeline",),
                                one_call="the released checkpoints (CFG fused into the weights, guidance_scale=1)"),
+    "AnyFlowFAR": FamilyPipelines("AnyFlow FAR frame-autoregressive T2V, I2V, V2V (KV-cached chunks; the training "
+                                  "rollout refused)", ("AnyFlowFARPipeline",),
+                                  one_call="the released checkpoints (CFG fused into the weights, guidance_scale=1)"),
     "ChronoEdit": FamilyPipelines("ChronoEdit-14B; edit, temporal reasoning", ("ChronoEditPipeline",)),
     "Helios": FamilyPipelines("Helios-Base, -Mid, -Distilled; T2V, I2V, V2V with multi-term memory",
                               ("HeliosPipeline", "HeliosPyramidPipeline"),

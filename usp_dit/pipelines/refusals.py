@@ -19,12 +19,6 @@ _REASONS = {
     "HunyuanVideoFramepackTransformer3DModel": (
         f"{NO_ADAPTER} (FramePack's history latents and clean-latent RoPE differ from HunyuanVideo's)"),
     "QwenImage21Transformer2DModel": f"{NO_ADAPTER} (a different class from Qwen-Image's)",
-    "AnyFlowFARTransformer3DModel": (
-        "frame-autoregressive (FAR), refused: a chunk-causal flex BlockMask over [compressed context chunks (a "
-        "second, coarser patch embedding); full noise chunks (; clean chunks)] with chunks of unequal token counts, "
-        "noise-to-same-frame-only rules in training, and a per-layer K/V cache written and read per chunk in "
-        "inference: not a uniform block-causal layout usp_attention can express, and the cache is not sharded "
-        "(the bidirectional AnyFlowTransformer3DModel is supported)"),
 }
 
 

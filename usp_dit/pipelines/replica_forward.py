@@ -209,10 +209,13 @@ def _gather_rows(x: torch.Tensor, batch: int, mesh: USPMesh) -> torch.Tensor:
 
 def gather_cfg_output(out: Any, batch: int, mesh: USPMesh) -> Any:
     """The first output (the sample, batch/cfg rows here; or a list of batch/cfg equal-shaped
-    tensors, one per row) all-gathered over "cfg": full batch, every rank; so is every later output tensor with batch/cfg rows (LTX-2's audio sample beside its video)."""
+    tensors, one per row) all-gathered over "cfg": full batch, every rank; so is every later output tensor with batch/cfg rows (LTX-2's audio sample beside its video).
+    A ``None`` output stays ``None`` (AnyFlow FAR's cache call returns no sample)."""
     rows = batch // mesh.cfg_degree
 
     def gather(i: int, x: Any) -> Any:
+        if x is None:  # no sample: a call that only fills a cache (AnyFlow FAR's cache call)
+            return None
         if i == 0 and isinstance(x, list):  # one tensor per row (Z-Image): equal shapes, stacked
             return list(_gather_rows(torch.stack(x), batch, mesh).unbind(0))
         if i == 0 or (torch.is_tensor(x) and x.dim() > 0 and x.shape[0] == rows):

@@ -10,6 +10,7 @@ from usp_dit.pipelines.families import (  # noqa: F401  (each module calls regis
     ace_step,
     allegro,
     anyflow,
+    anyflow_far,
     auraflow,
     bria,
     bria_fibo2,

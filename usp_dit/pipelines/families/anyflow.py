@@ -42,7 +42,8 @@ Refused (NotImplementedError): processors other than the stock ``AnyFlowAttnProc
 ``attn1`` and ``AnyFlowCrossAttnProcessor`` on ``attn2`` (LoRA-replaced, custom, diffusers' context
 parallelism), an ``attention_mask`` reaching ``attn1`` (the stock forward passes none), a temporal patch size other than 1 (stock itself cannot unpack such an output),
 a Diffusers cache that cannot run on a grid, ``num_layers=0``. The frame-autoregressive sibling
-``AnyFlowFARTransformer3DModel`` is a different class, refused (``usp_dit.pipelines.refusals``).
+``AnyFlowFARTransformer3DModel`` is a different class, with its own plan
+(``usp_dit.pipelines.families.anyflow_far``).
 """
 from __future__ import annotations
 
