@@ -293,6 +293,8 @@ OTHERS: dict[str, tuple[str, Callable[[], Any]]] = {
     "ltx2_vocoder": ("diffusers.pipelines.ltx2.vocoder.LTX2Vocoder", _diffusers_defaults),
     "minimax_h3_audio_vae": ("diffusers.AutoencoderKLMiniMaxH3Audio", _diffusers_defaults),
     "cosmos3_sound": ("diffusers.Cosmos3AVAEAudioTokenizer", _diffusers_defaults),
+    "kandinsky6_audio_vae": ("diffusers.MMAudioVAE", _diffusers_defaults),
+    "kandinsky6_vocoder": ("diffusers.MMAudioVocoder", _diffusers_defaults),
     "sa3_duration": ("diffusers.pipelines.stable_audio_3.modeling_stable_audio_3.StableAudio3DurationEmbedder",
                      _diffusers_defaults),
     "ace_step_condition": ("diffusers.pipelines.ace_step.modeling_ace_step.AceStepConditionEncoder",

@@ -370,6 +370,8 @@ OTHERS = {
                                        "AutoencoderKLMiniMaxH3Audio", 151321489, 605285956),
     "cosmos3_sound": HeldModule("Cosmos 3's sound tokenizer (a sound-capable checkpoint's)", "Cosmos3AVAEAudioTokenizer",
                                 496287362, 992574724),
+    "kandinsky6_audio_vae": HeldModule("Kandinsky 6's audio VAE (MMAudio's)", "MMAudioVAE", 305479682, 610959364),
+    "kandinsky6_vocoder": HeldModule("Kandinsky 6's vocoder (MMAudio's)", "MMAudioVocoder", 122152752, 244305504),
     "stable_audio_projection": HeldModule("Stable Audio Open's projection model", "StableAudioProjectionModel", 396544,
                                           793088),
     "sa3_duration": HeldModule("Stable Audio 3's duration embedder", "StableAudio3DurationEmbedder", 197376, 394752),
@@ -528,12 +530,15 @@ def _hunyuan_video_memory() -> ModelMemory:
 
 def _kandinsky6_memory() -> ModelMemory:
     # Text blocks (video and audio prompts) and the 60 fused video / audio decoder blocks; the
-    # "modulation" children of the outer layers are kept in float32 (16793600 parameters).
+    # "modulation" children of the outer layers are kept in float32 (16793600 parameters). The
+    # TI2VA pipeline also holds MMAudio's audio VAE and vocoder (Diffusers' defaults, assumed the
+    # release's: benchmarks/planner_components.py).
     blocks = (_group("video_text_transformer_blocks", 4, 906134528, 226533632, 4096, 16384),
               _group("audio_text_transformer_blocks", 4, 906134528, 226533632, 4096, 16384),
               _group("visual_transformer_blocks", 60, 46317004800, 771950080, 4096, 16384))
     return ModelMemory(blocks, 59230292, loaded_bytes(59230292, 16793600), 34111616, 0,
-                       encoders=(ENCODERS["qwen25_vl_7b"], ENCODERS["clip_l"]), vae=VAES["kandinsky6"])
+                       encoders=(ENCODERS["qwen25_vl_7b"], ENCODERS["clip_l"]), vae=VAES["kandinsky6"],
+                       others=(OTHERS["kandinsky6_audio_vae"], OTHERS["kandinsky6_vocoder"]))
 
 
 # ---------------------------------------------------------------------------------------------
