@@ -370,6 +370,19 @@ def test_vae_counts_are_the_released_models(key):
     assert vae.estimated and f"python benchmarks/bench_vae.py --vae {key}" in vae.source
 
 
+def test_count_planner_specs_prints_the_planners_component_figures():
+    """``python -m benchmarks.count_planner_specs --components`` prints what the planner holds (one
+    entry of each table: the tests above count every entry)."""
+    from benchmarks.count_planner_specs import count_component
+
+    e = ENCODERS["t5_base"]
+    assert f"{e.params}, {e.layers}, {e.largest_layer_bytes // 2}, {e.rest_bytes // 2})" in \
+        count_component("encoders", "t5_base")
+    held = OTHERS["ltx2_vocoder"]
+    assert f"{held.params}, {held.nbytes})" in count_component("others", "ltx2_vocoder")
+    assert f"{VAES['sd'].params} parameters, {VAES['sd'].nbytes} bytes" in count_component("vaes", "sd")
+
+
 def test_vae_estimates_follow_their_rule():
     """Note [VAE estimates] by hand: the SD VAE is Flux.1's decoder (its figures); the Wan 2.2 VAE is
     Wan 2.1's at C 64 / 96 (256 channels at half resolution) with Wan's fractions; LTX-2's has no

@@ -140,10 +140,11 @@ class MemoryBreakdown:
     @property
     def phases(self) -> dict[str, float]:
         """GiB of each phase of a generation, without the reserve."""
+        held = self.vae_weights + self.others  # whole on every rank in every phase
         return {
-            "encode": self.weights_between_calls + self.text_encoders_encoding + self.vae_weights + self.others,
-            "denoise": self.weights + self.text_encoders + self.vae_weights + self.others + self.activations,
-            "decode": self.weights_between_calls + self.text_encoders + self.vae_weights + self.others + self.vae_decode,
+            "encode": self.weights_between_calls + self.text_encoders_encoding + held,
+            "denoise": self.weights + self.text_encoders + held + self.activations,
+            "decode": self.weights_between_calls + self.text_encoders + held + self.vae_decode,
         }
 
     @property

@@ -28,7 +28,7 @@ Note [model memory]
         sequential, parallel or fused-parallel block, float32 residual adds);
       * the rest: the outer children (embedders, modulation, final layer: one unit each; the
         largest one), the transformer's own direct parameters (its root unit's), how many
-        transformers are resident (Wan 2.2 A14B: both experts);
+        transformers are resident (Wan 2.2 A14B: both experts; Ideogram 4: its unconditional one);
       * each text encoder of the family's pipeline (its class and checkpoint): parameters,
         layers (every list of like layers, as ``layer_lists`` finds them: the rule by which
         ``usp_dit.pipelines.encoders`` makes the FSDP2 units of ``text_encoder="shard"``), the largest layer, and the rest (one
@@ -43,8 +43,9 @@ Note [model memory]
     The integers are counted from the released configs instantiated on the meta device
     (Diffusers 0.42.1 / transformers 5; tests/test_planner_memory.py counts them again and checks
     every figure here to 0.5 %; the later families' encoders, held modules and VAEs are built from
-    benchmarks/planner_components.py, each config number's source written there). A spec built from an object (``spec_of_transformer``, a pipeline
-    passed to ``usp_dit.plan``) counts that object's own parameters instead (``memory_of``).
+    benchmarks/planner_components.py, each config number's source written there). A spec built
+    from an object (``spec_of_transformer``, a pipeline passed to ``usp_dit.plan``) counts that
+    object's own parameters instead (``memory_of``).
 
 Note [tensor cuts]
     Where ``enable_usp(..., tensor_degree=T)`` cuts a block is the family plan's ``TensorPlan``
@@ -368,8 +369,8 @@ OTHERS = {
     "ltx2_vocoder": HeldModule("LTX-2's vocoder", "LTX2Vocoder", 55592802, 111185604),
     "minimax_h3_audio_vae": HeldModule("MiniMax-H3's audio VAE (all float32: _keep_in_fp32_modules)",
                                        "AutoencoderKLMiniMaxH3Audio", 151321489, 605285956),
-    "cosmos3_sound": HeldModule("Cosmos 3's sound tokenizer (a sound-capable checkpoint's)", "Cosmos3AVAEAudioTokenizer",
-                                496287362, 992574724),
+    "cosmos3_sound": HeldModule("Cosmos 3's sound tokenizer (a sound-capable checkpoint's)",
+                                "Cosmos3AVAEAudioTokenizer", 496287362, 992574724),
     "kandinsky6_audio_vae": HeldModule("Kandinsky 6's audio VAE (MMAudio's)", "MMAudioVAE", 305479682, 610959364),
     "kandinsky6_vocoder": HeldModule("Kandinsky 6's vocoder (MMAudio's)", "MMAudioVocoder", 122152752, 244305504),
     "stable_audio_projection": HeldModule("Stable Audio Open's projection model", "StableAudioProjectionModel", 396544,
@@ -433,7 +434,8 @@ VAES = {
 #     that replaces it: ``python benchmarks/bench_vae.py --vae KEY`` prints the measured
 #     ``stock_peak_gib``, ``output_gib`` and fractions at the entry's reference size.
 _LAST_STAGE = {"flux": 128, "qwen_image": 96, "wan": 96, "ltx_video": 8}
-_LIKE = {"flux": "Flux.1's VAE", "qwen_image": "Qwen-Image's VAE", "wan": "Wan 2.1's VAE", "ltx_video": "LTX-Video's VAE"}
+_LIKE = {"flux": "Flux.1's VAE", "qwen_image": "Qwen-Image's VAE", "wan": "Wan 2.1's VAE",
+         "ltx_video": "LTX-Video's VAE"}
 
 
 def _estimated(key: str, name: str, params: int, nbytes: int, like: str, width: int, reference: tuple[int, int, int],
@@ -445,8 +447,8 @@ def _estimated(key: str, name: str, params: int, nbytes: int, like: str, width: 
     return VAEDecode(name, params, nbytes, round(base.stock_peak_gib * width / _LAST_STAGE[like] * size, 2),
                      round(out_channels * math.prod(reference) * BF16 / 2**30, 3), reference,
                      base.fractions if recipe else None,
-                     f"estimate: {_LIKE[like]} measured decode x C {width} / {_LAST_STAGE[like]} ({why}) x the output's "
-                     f"size, {parallel}; measure: python benchmarks/bench_vae.py --vae {key}")
+                     f"estimate: {_LIKE[like]} measured decode x C {width} / {_LAST_STAGE[like]} ({why}) x the "
+                     f"output's size, {parallel}; measure: python benchmarks/bench_vae.py --vae {key}")
 
 
 _FULL = "128 channels at full resolution"
