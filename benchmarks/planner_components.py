@@ -386,8 +386,12 @@ def meta_component(table: str, key: str) -> torch.nn.Module:
     device, as ``from_pretrained(torch_dtype=torch.bfloat16)`` loads it: bf16, a Diffusers class's
     ``_keep_in_fp32_modules`` float32 (transformers keeps float32 modules only for float16 loads)."""
     path, config = {"encoders": ENCODERS, "others": OTHERS, "vaes": VAE_CONFIGS}[table][key]
-    model = _build(path, config())
-    keep = getattr(model, "_keep_in_fp32_modules", None) if path.startswith("diffusers") else None
+    return as_loaded(_build(path, config()), path.startswith("diffusers"))
+
+
+def as_loaded(model: torch.nn.Module, diffusers_class: bool) -> torch.nn.Module:
+    """``model`` in bf16, a Diffusers class's ``_keep_in_fp32_modules`` float32 (as loaded)."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) if diffusers_class else None
     model.to(torch.bfloat16)
     for name, param in model.named_parameters():
         if any(part in (keep or ()) for part in name.split(".")):
