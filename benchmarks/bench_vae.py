@@ -2,6 +2,13 @@
 P-way split decode simulated on the one GPU.
 
     PYTHONPATH=. python3 benchmarks/bench_vae.py --model flux,cogvideox,wan --parts 2,4,8 --json vae.json
+    PYTHONPATH=. python3 benchmarks/bench_vae.py --vae sd,wan22,oobleck    # the planner's estimated VAEs
+
+``--vae KEY[,KEY]`` measures a VAE of the planner's table (``usp_dit.planner.models.VAES``) whose
+decode figures are estimates (Note [VAE estimates]): built from its released config
+(benchmarks/planner_components.py ``VAE_CONFIGS``) at the entry's reference size (``_VAE_LATENTS``),
+it prints the ``stock_peak_gib``, ``output_gib`` and (where usp_dit has a parallel recipe for the
+class) the per-P fractions to put in place of the estimate, with ``source=_VAE_RUN``.
 
 Models (full-size VAEs with random weights, configs of the released checkpoints: Diffusers'
 defaults for each class are those configs; Flux's below), bf16, batch 1, ``torch.inference_mode``:
@@ -42,9 +49,34 @@ FLUX_VAE = dict(
 )
 
 
+# The planner's estimated VAEs: the latent of each entry's reference size (``VAEDecode.reference``).
+_VAE_LATENTS = {
+    "sd": (1, 4, 128, 128), "cogview4": (1, 16, 128, 128),  # 1024 x 1024, 8x
+    "hunyuan_image": (1, 64, 64, 64), "sana": (1, 32, 32, 32),  # 2048 x 2048 and 1024 x 1024, 32x
+    "qwen_image21": (1, 64, 1, 83, 83),  # 1328 x 1328, 16x, one frame
+    "wan22": (1, 48, 21, 45, 80),  # 81 x 720 x 1280: 4x in time, 16x in space
+    "ltx2": (1, 128, 16, 16, 24),  # 121 x 512 x 768: 8x in time, 32x in space
+    "minimax_h3": (1, 24, 37, 48, 84),  # 124 x 768 x 1344: 17 n + 5 frames -> 5 n + 2 latent frames, 16x
+    "oobleck": (1, 64, 1024), "oobleck_48k": (1, 64, 1500),  # 1024 x 2048 samples; 60 s at 48 kHz / 1920
+    "same": (1, 256, 323), "longcat_audio": (1, 64, 351),  # 30 s: 44.1 kHz / 4096; 24 kHz / 2048
+    "music3_vocoder": (1, 128, 689),  # one 200-frame window: 689 x 512 samples
+}
+
+
+def _planner_case(key: str) -> tuple[Callable[[], torch.nn.Module], tuple[int, ...], str]:
+    from benchmarks.planner_components import VAE_CONFIGS, component_class
+    from usp_dit.planner.models import VAES
+
+    path, config = VAE_CONFIGS[key]
+    reference = "x".join(str(n) for n in VAES[key].reference if n > 1) or "1"
+    return (lambda: component_class(path)(**config())), _VAE_LATENTS[key], reference
+
+
 def _case(name: str) -> tuple[Callable[[], torch.nn.Module], tuple[int, ...], str]:
     import diffusers as d
 
+    if name.startswith("vae:"):
+        return _planner_case(name[4:])
     cases = {
         "flux": (lambda: d.AutoencoderKL(**FLUX_VAE), (1, 16, 128, 128), "1024x1024"),
         "qwen_image": (lambda: d.AutoencoderKLQwenImage(), (1, 16, 1, 166, 166), "1328x1328"),
@@ -189,26 +221,33 @@ def bench(name: str, parts: list[int], warmup: int, rounds: int) -> Row:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     factory, shape, label = _case(name)
     if device.type == "cpu":  # a dry run: the same code on a tiny latent
-        shape = shape[:-2] + (9, 7)
+        shape = shape[:-1] + (9,) if len(shape) == 3 else shape[:-2] + (9, 7)
     vae = _build(factory, device)
+    if name.startswith("vae:"):  # as from_pretrained(torch_dtype=bf16) loads it (MiniMax-H3's keeps float32 parts)
+        from benchmarks.planner_components import as_loaded
+
+        vae = as_loaded(vae, True)
     z = torch.randn(shape, generator=torch.Generator(device).manual_seed(0), device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
-        stock_ms, stock_peak, out = _timed(lambda: vae.decode(z).sample, warmup, rounds)
+        stock_ms, stock_peak, out = _timed(lambda: _decode(vae, z), warmup, rounds)
         output_gib = out.numel() * out.element_size() / 2**30
         del out
         # world size 1, side by side: stock, then enabled (no group: nothing is replaced), 3 pairs
         pairs = []
-        for _ in range(3):
-            s, _, o = _timed(lambda: vae.decode(z).sample, 0, 1)
+        from usp_dit.pipelines.vae.recipes import recipes
+
+        splits = type(vae) in recipes()
+        for _ in range(3 if splits else 0):
+            s, _, o = _timed(lambda: _decode(vae, z), 0, 1)
             del o
             enable_parallel_vae(vae, single_rank_mesh(device.type))
-            u, _, o = _timed(lambda: vae.decode(z).sample, 0, 1)
+            u, _, o = _timed(lambda: _decode(vae, z), 0, 1)
             del o
             disable_parallel_vae(vae)
             pairs.append(u / s)
-        row = Row(name, label, round(stock_ms, 1), round(stock_peak, 2), round(statistics.median(pairs), 3),
-                  round(output_gib, 2))
-        for p in parts:
+        row = Row(name, label, round(stock_ms, 1), round(stock_peak, 2),
+                  round(statistics.median(pairs), 3) if pairs else float("nan"), round(output_gib, 3))
+        for p in parts if splits else ():  # no recipe: every rank decodes whole (fractions None)
             ms, peak, counts = share(vae, z, p, warmup, rounds)
             row.shares[p] = dict(ms=round(ms, 1), time_frac=round(ms / stock_ms, 3), time_goal=round(1.3 / p, 3),
                                  peak_gib=round(peak, 2), mem_frac=round(peak / stock_peak, 3),
@@ -216,19 +255,38 @@ def bench(name: str, parts: list[int], warmup: int, rounds: int) -> Row:
     return row
 
 
+def _decode(vae: torch.nn.Module, z: torch.Tensor) -> torch.Tensor:
+    """The stock decode of ``z``: ``vae.decode`` (or the module's call, a vocoder), its tensor."""
+    out = vae.decode(z) if hasattr(vae, "decode") else vae(z)
+    out = getattr(out, "sample", out)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def planner_line(row: Row, key: str) -> str:
+    """The measured ``VAEDecode`` fields of the planner's ``VAES[key]`` (to replace its estimate)."""
+    fractions = {int(p): share["mem_frac"] for p, share in row.shares.items()} or None
+    if not torch.cuda.is_available():
+        return f"# --vae {key}: a CPU dry run (a tiny latent, no memory figures): nothing to put in the planner"
+    return (f'# --vae {key}: measured {row.shape}; in usp_dit/planner/models.py VAES["{key}"]:\n'
+            f"stock_peak_gib={row.stock_peak_gib}, output_gib={row.output_gib}, fractions={fractions}, "
+            f"source=_VAE_RUN")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="flux,cogvideox,wan")
+    parser.add_argument("--vae", default=None, help="the planner's VAES keys to measure (replaces --model)")
     parser.add_argument("--parts", default="2,4,8")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     parts = [int(p) for p in args.parts.split(",")]
+    names = [f"vae:{key}" for key in args.vae.split(",")] if args.vae else args.model.split(",")
     rows, failed = [], False
     print("| model | shape | stock ms | stock peak GiB | world-1 ratio | " + " | ".join(
         f"P={p} time / mem (goal {1.3 / p:.2f} / {1.2 / p:.2f})" for p in parts) + " |", flush=True)
-    for name in args.model.split(","):
+    for name in names:
         try:
             row = bench(name, parts, args.warmup, args.rounds)
         except Exception:  # noqa: BLE001  (report and go on with the next model)
@@ -238,9 +296,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows.append(row)
         torch.cuda.empty_cache()
-        cells = " | ".join(f"{row.shares[p]['time_frac']:.3f} / {row.shares[p]['mem_frac']:.3f}" for p in parts)
+        cells = " | ".join(f"{row.shares[p]['time_frac']:.3f} / {row.shares[p]['mem_frac']:.3f}" if p in row.shares
+                           else "whole (no recipe)" for p in parts)
         print(f"| {row.model} | {row.shape} | {row.stock_ms} | {row.stock_peak_gib} | {row.world1_ratio} | {cells} |",
               flush=True)
+        if name.startswith("vae:"):
+            print(planner_line(row, name[4:]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)

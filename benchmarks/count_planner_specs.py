@@ -3,6 +3,7 @@ released transformer config built on the meta device: nothing is allocated, ~0.1
 
     PYTHONPATH=. python -m benchmarks.count_planner_specs               # every family below
     PYTHONPATH=. python -m benchmarks.count_planner_specs ltx2,sana     # some
+    PYTHONPATH=. python -m benchmarks.count_planner_specs --components  # encoders, held modules, VAEs
 
 Layout: no tensors; prints, per family, the parameter count and the ``_counted(...)`` call of
 ``usp_dit/planner/models.py`` that holds its block lists (the family plan's ``block_lists``: count,
@@ -11,6 +12,9 @@ leaves them), the rest (outer children, the root's own parameters) and, where th
 declares tensor-parallel cuts, each list's ``BlockCut`` (``tensor_cuts_of``). The configs are
 ``RELEASED`` below (the released or assumed configs of ``pipeline_cases``, with their sources there);
 tests/test_planner_memory.py builds the same ones and checks the planner's figures against them.
+``--components`` prints the ``ENCODERS`` / ``OTHERS`` / ``VAES`` figures of the text encoders, the
+modules held beside them and the VAEs of ``benchmarks.planner_components`` (their released configs
+and sources there).
 """
 from __future__ import annotations
 
@@ -58,6 +62,14 @@ RELEASED: dict[str, tuple[str, dict]] = {
     "lumina_next": ("LuminaNextDiT2DModel", pc.LUMINA_NEXT),
     "joyimage": ("JoyImageEditTransformer3DModel", {}),
     "joyimage_plus": ("JoyImageEditPlusTransformer3DModel", {}),
+    # The audio DiTs: Diffusers' defaults, written for these releases (usp_dit.planner.models Note
+    # [audio specs] says which were confirmed): Stable Audio Open 1.0, Stable Audio 3 Medium,
+    # ACE-Step 1.5 (2 B), LongCat-AudioDiT 1B, MiniMax Music 3's 2.4 B flow-matching DiT.
+    "stable_audio": ("StableAudioDiTModel", {}),
+    "stable_audio3": ("StableAudio3DiTModel", {}),
+    "ace_step": ("AceStepTransformer1DModel", {}),
+    "longcat_audio_dit": ("LongCatAudioDiTTransformer", {}),
+    "minimax_music3": ("MiniMaxMusic3Transformer1DModel", {}),
 }
 
 
@@ -145,7 +157,34 @@ def count(name: str) -> str:
             f"{root_params}, {root_fp32})")
 
 
+def count_component(table: str, key: str) -> str:
+    """The planner's figures of the released module ``key`` of ``table`` ("encoders", "others", "vaes")."""
+    from benchmarks.planner_components import ENCODERS, OTHERS, VAE_CONFIGS, meta_component
+    from usp_dit.planner.models import _count, encoder_of
+
+    path = {"encoders": ENCODERS, "others": OTHERS, "vaes": VAE_CONFIGS}[table][key][0]
+    module = meta_component(table, key)
+    params, nbytes = _count(module)
+    cls = path.rpartition(".")[2]
+    if table == "encoders":  # _encoder(name, cls, params, layers, largest layer, rest): all bf16
+        e = encoder_of(module)
+        return (f'"{key}": _encoder("...", "{cls}", {params}, {e.layers}, {e.largest_layer_bytes // 2}, '
+                f'{e.rest_bytes // 2}),')
+    if table == "others":
+        return f'"{key}": HeldModule("...", "{cls}", {params}, {nbytes}),'
+    return f'"{key}": {cls}: {params} parameters, {nbytes} bytes'
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--components":
+        from benchmarks.planner_components import ENCODERS, OTHERS, VAE_CONFIGS
+
+        wanted = set(argv[1].split(",")) if len(argv) > 1 else None
+        for table, keys in (("encoders", ENCODERS), ("others", OTHERS), ("vaes", VAE_CONFIGS)):
+            for key in keys:
+                if wanted is None or key in wanted:
+                    print(count_component(table, key))
+        return 0
     names = argv[0].split(",") if argv else list(RELEASED)
     for name in names:
         print(count(name))

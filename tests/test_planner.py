@@ -17,6 +17,7 @@ What is checked:
 """
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -152,7 +153,9 @@ def test_the_planners_classes_are_the_adapters_classes():
                    "SkyReels-V2": "skyreels_v2", "AnyFlow": "anyflow", "ConsisID": "consisid", "PixArt": "pixart",
                    "HunyuanDiT": "hunyuan_dit", "DiT": "dit", "AuraFlow": "auraflow", "ErnieImage": "ernie_image",
                    "GlmImage": "glm_image", "Ideogram4": "ideogram4", "BriaFibo2": "bria_fibo2", "PRX": "prx",
-                   "LuminaNext": "lumina_next", "JoyImageEdit": "joyimage", "JoyImageEditPlus": "joyimage_plus"}
+                   "LuminaNext": "lumina_next", "JoyImageEdit": "joyimage", "JoyImageEditPlus": "joyimage_plus",
+                   "StableAudio": "stable_audio", "StableAudio3": "stable_audio3", "ACE-Step": "ace_step",
+                   "LongCat-AudioDiT": "longcat_audio_dit", "MiniMax-Music3": "minimax_music3"}
     assert {name: family_spec[by_class[name]] for name in CLASSES} == CLASSES
     # wan22 (Wan 2.2 A14B) is two WanTransformer3DModels: the "wan" class, both experts counted.
     assert set(CLASSES.values()) == set(RUNNABLE) - {"wan22"}
@@ -298,3 +301,79 @@ def test_every_class_plans_on_80_gib_gpus_or_says_what_it_needs(world):
         assert 0 < p.memory_per_rank_gib <= 80 and p.predicted_step_ms > 0, name
         left_out, caveat = spec_for(name).memory.left_out, spec_for(name).caveat
         assert (left_out in p.explain()) and (caveat in p.explain()), name
+
+
+# ---- audio DiTs: a length in seconds (usp_dit.planner.models Note [audio specs]) --------------------
+
+AUDIO = {  # spec -> (the class, seconds, the tokens the grid splits at that length)
+    "stable_audio": ("StableAudioDiTModel", 30.0, 1 + 1024),  # always the 1024 frames, cropped after
+    "stable_audio3": ("StableAudio3DiTModel", 60.0, 64 + math.ceil(60 * 44100 / 4096)),
+    "ace_step": ("AceStepTransformer1DModel", 240.0, math.ceil(240 * 25 / 2)),
+    "longcat_audio_dit": ("LongCatAudioDiTTransformer", 30.0, 30 * 24000 // 2048),
+    "minimax_music3": ("MiniMaxMusic3Transformer1DModel", 240.0, 1 + 689),  # one 200-frame window a call
+}
+
+
+@pytest.mark.parametrize("model", sorted(AUDIO))
+def test_audio_models_plan_from_seconds_on_1_2_4_8_gpus(model):
+    """An audio DiT's length turns into its tokens; it plans on 1, 2, 4 and 8 GPUs, by its spec key
+    and by its class's spec; its memory holds its text encoders, held modules and VAE."""
+    cls, seconds, tokens = AUDIO[model]
+    spec = spec_for(model, seconds=seconds)
+    assert CLASSES[cls] == model and spec.tokens == tokens and spec.seconds == seconds
+    assert spec.output_size[1:] == (1, 1) and spec.memory.vae is not None and not spec.memory.left_out
+    for world in (1, 2, 4, 8):
+        p = plan(model, world_size=world, seconds=seconds, gpu_memory_gib=80)
+        assert p.ulysses_degree * p.ring_degree * p.cfg_degree * p.tensor_degree == world
+        assert p.memory.text_encoders * 2**30 == pytest.approx(spec.memory.encoder_bytes)
+        assert p.memory.others * 2**30 == pytest.approx(spec.memory.other_bytes)
+        assert p.memory_per_rank_gib <= 80 and p.memory.vae_weights > 0
+    if model != "minimax_music3":  # no text encoder: its 8 B language model is a held module
+        assert spec.memory.encoders and p.memory.text_encoders > 0
+    else:
+        assert p.memory.others > 16  # the 8.6 B language model in bf16
+
+
+def test_an_audio_model_that_cannot_fit_names_the_smallest_memory():
+    """MiniMax Music 3 holds its 8.6 B language model beside the DiT on every rank: 8 GiB GPUs are
+    too small, and the error names the smallest limit that plans."""
+    with pytest.raises(ValueError, match=r"gpu_memory_gib=8: no grid and placement of MiniMax Music 3 fits on "
+                                         r"4 GPU\(s\); the smallest that works is gpu_memory_gib=") as err:
+        plan("minimax_music3", world_size=4, gpu_memory_gib=8)
+    need = float(re.search(r"smallest that works is gpu_memory_gib=([0-9.]+)", str(err.value)).group(1))
+    assert need > 16 and plan("minimax_music3", world_size=4, gpu_memory_gib=need).memory_per_rank_gib <= need
+
+
+def test_audio_length_and_image_sizes_are_not_mixed():
+    """seconds= is an audio model's only size; an image model refuses it (and the reverse); a length
+    outside the model's range is named."""
+    with pytest.raises(ValueError, match=r"height=512: model 'stable_audio' takes a size of \['seconds'\] only"):
+        spec_for("stable_audio", height=512)
+    with pytest.raises(ValueError, match=r"seconds=10: model 'flux' takes a size of \['height', 'width', "):
+        plan("flux", world_size=2, seconds=10)
+    with pytest.raises(ValueError, match=r"seconds=60: Stable Audio Open generates 0 < seconds <= 47.5"):
+        spec_for("stable_audio", seconds=60)
+    assert spec_for("ace_step", seconds=30).tokens < spec_for("ace_step", seconds=240).tokens
+
+
+def test_cli_takes_seconds(capsys):
+    assert main(["--model", "ace_step", "--world-size", "4", "--seconds", "120", "--gpu-memory-gib", "80"]) == 0
+    assert "ace_step on 4 GPU(s)" in capsys.readouterr().out
+    assert main(["--model", "ace_step", "--world-size", "4", "--height", "512"]) == 2
+    assert "takes a size of ['seconds'] only" in capsys.readouterr().err
+
+
+def test_an_audio_pipeline_object_counts_its_own_modules():
+    """plan(pipe) on a (tiny) StableAudioPipeline counts its own text encoder, projection model
+    (a held module) and VAE, at the release's length in tokens."""
+    from usp_dit.demo.tiny_stable_audio import tiny_stable_audio_pipeline
+
+    pipe = tiny_stable_audio_pipeline()
+
+    def nbytes(module):
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    p = plan(pipe, world_size=2, seconds=10)
+    assert p.memory.text_encoders * 2**30 == pytest.approx(nbytes(pipe.text_encoder))
+    assert p.memory.others * 2**30 == pytest.approx(nbytes(pipe.projection_model))
+    assert p.memory.vae_weights * 2**30 == pytest.approx(nbytes(pipe.vae))

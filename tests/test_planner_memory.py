@@ -37,11 +37,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from benchmarks import planner_components as components
 from benchmarks.count_planner_specs import RELEASED, transformer_class
 from usp_dit.planner import memory as memory_model
 from usp_dit.planner.cost import Grid, predict
 from usp_dit.planner.hardware import LINKS, check_gpu
-from usp_dit.planner.models import ENCODERS, SPECS, VAES, spec_for
+from usp_dit.planner.models import ENCODERS, OTHERS, SPECS, VAES, spec_for
 from usp_dit.planner.plan import main, memory_table, plan
 
 TOLERANCE = 0.005  # the brief's 0.5 %; the figures are exact counts, so this is a bound on typos
@@ -87,7 +88,20 @@ PIPELINES = {
     "auraflow": "AuraFlowPipeline", "ernie_image": "ErnieImagePipeline", "glm_image": "GlmImagePipeline",
     "ideogram4": "Ideogram4Pipeline", "bria_fibo2": "BriaFibo2Pipeline", "prx": "PRXPipeline",
     "lumina_next": "LuminaPipeline", "joyimage": "JoyImageEditPipeline", "joyimage_plus": "JoyImageEditPlusPipeline",
-}  # MiniMax-H3 and FLUX.3 have modular pipelines only: nothing counted beside the transformer (``left_out``).
+    "stable_audio": "StableAudioPipeline", "stable_audio3": "StableAudio3Pipeline", "ace_step": "AceStepPipeline",
+    "longcat_audio_dit": "LongCatAudioDiTPipeline",
+}
+# Modular pipelines only: the classes of their blocks' ComponentSpecs (text encoder, VAE, held modules).
+MODULAR = {
+    "minimax_h3": ("modular_pipelines.minimax_h3", ["Qwen3VLForConditionalGeneration"], "AutoencoderKLMiniMaxH3",
+                   ["AutoencoderKLMiniMaxH3Audio"]),
+    "flux3": ("modular_pipelines.flux3", ["Qwen3VLForConditionalGeneration"], "AutoencoderKLFlux2", []),
+    "minimax_music3": ("modular_pipelines.minimax_music3", [], "MiniMaxMusic3Vocoder",
+                       ["Qwen3ForCausalLM", "MiniMaxMusic3RVQDepthDecoder", "MiniMaxMusic3ConditionEncoder"]),
+}
+# The pipelines' components held beside the text encoders (``ModelMemory.others``), by attribute.
+HELD = ("image_encoder", "connectors", "audio_vae", "vocoder", "projection_model", "duration_embedder",
+        "condition_encoder", "vision_language_encoder", "sound_tokenizer")
 
 
 def _encoder_configs() -> dict:
@@ -177,6 +191,8 @@ def _meta_encoder(key: str) -> torch.nn.Module:
     import transformers
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel
 
+    if key in components.ENCODERS:  # the later families': their configs and sources there
+        return components.meta_component("encoders", key)
     cls_name = ENCODERS[key].cls
     cls = Qwen2_5_VLTextModel if cls_name == "Qwen2_5_VLTextModel" else getattr(transformers, cls_name)
     with torch.device("meta"):
@@ -188,9 +204,12 @@ def _meta_vae(model: str) -> torch.nn.Module:
 
     from benchmarks.bench_vae import FLUX_VAE  # Flux.1's AutoencoderKL config (SD3's is the same)
 
-    name = spec_for(model).memory.vae.name
+    vae = spec_for(model).memory.vae
+    key = next(k for k, v in VAES.items() if v is vae)
+    if key in components.VAE_CONFIGS:  # the later families': their configs and sources there
+        return components.meta_component("vaes", key)
     with torch.device("meta"):
-        return getattr(diffusers, name)(**(FLUX_VAE if name == "AutoencoderKL" else {})).to(torch.bfloat16)
+        return getattr(diffusers, vae.name)(**(FLUX_VAE if vae.name == "AutoencoderKL" else {})).to(torch.bfloat16)
 
 
 def _close(planned: float, counted: float) -> bool:
@@ -217,7 +236,7 @@ def test_transformer_counts_are_the_released_models(model):
     root = sum(p.numel() * p.element_size() for p in transformer.parameters(recurse=False))
     assert _close(mem.outer_params, params - sum(g.params for g in mem.blocks))
     assert _close(mem.largest_outer_bytes, max(b for _, b in outer)) and mem.root_bytes == root
-    assert mem.experts == (2 if model == "wan22" else 1)
+    assert mem.experts == (2 if model in ("wan22", "ideogram4") else 1)  # Ideogram 4: its unconditional_transformer
 
 
 def _check_widths(group, block: torch.nn.Module) -> None:
@@ -285,31 +304,114 @@ def _takes(encoder_cls: str, annotation) -> bool:
                for name in _names(annotation))
 
 
-@pytest.mark.parametrize("model", sorted(SPECS))
-def test_encoders_and_vae_are_the_pipelines_components(model):
-    """Each counted encoder and VAE is one the family's pipeline takes, in order; what is not
-    counted is named in ``left_out`` (and where nothing is left out, every encoder is counted)."""
+def _components(model: str) -> tuple[list, object, list[str]]:
+    """(text encoder annotations in order, the VAE annotation, the held modules' class names) of the
+    family's pipeline: its ``__init__``, or a modular pipeline's blocks' ComponentSpecs."""
+    import importlib
+
     import diffusers
 
-    mem = spec_for(model).memory
-    if model not in PIPELINES:  # a modular pipeline only
-        assert not mem.encoders and mem.vae is None and mem.left_out
-        return
+    if model in MODULAR:
+        package, encoders, vae, held = MODULAR[model]
+        specs = set()
+        module = importlib.import_module(f"diffusers.{package}")
+        for name in dir(module):  # every block class of the package: its expected components
+            block = getattr(module, name)
+            if isinstance(block, type) and hasattr(block, "expected_components"):
+                try:
+                    specs |= {getattr(c.type_hint, "__name__", "") for c in block().expected_components}
+                except Exception:  # noqa: BLE001  (a block that needs arguments: its parts are listed too)
+                    continue
+        assert set(encoders + [vae] + held) <= specs, (model, set(encoders + [vae] + held) - specs)
+        return encoders, vae, held
     signature = inspect.signature(getattr(diffusers, PIPELINES[model]).__init__).parameters
-    wanted = [signature[n].annotation for n in ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
-              if n in signature]
-    if "vae" not in signature:  # a placeholder (*args, **kwargs) where an optional dependency is missing
-        wanted = [e.cls for e in mem.encoders]
+    encoders = [signature[n].annotation for n in ("text_encoder", "text_encoder_2", "text_encoder_3",
+                                                  "text_encoder_4") if n in signature]
+    held = [name for n in HELD if n in signature for name in _names(signature[n].annotation)]
+    return encoders, signature["vae"].annotation if "vae" in signature else None, held
+
+
+@pytest.mark.parametrize("model", sorted(SPECS))
+def test_encoders_and_vae_are_the_pipelines_components(model):
+    """Each counted encoder, VAE and held module is one the family's pipeline takes, the encoders in
+    order; every text encoder is counted; what is not counted is named in ``left_out`` with why."""
+    mem = spec_for(model).memory
+    wanted, vae, held = _components(model)
+    if model == "consisid":  # a placeholder (*args, **kwargs): an optional dependency is missing here
+        wanted, vae, held = [e.cls for e in mem.encoders], None, []
     taken = iter(wanted)  # the counted encoders are a subsequence of the pipeline's
     assert all(any(_takes(e.cls, a) for a in taken) for e in mem.encoders), (model, [e.cls for e in mem.encoders])
-    assert len(mem.encoders) == len(wanted) or mem.left_out, model
-    if mem.vae is None:
-        assert mem.left_out, model
-        return
-    if "vae" in signature:
-        assert mem.vae.name in _names(signature["vae"].annotation), model
+    assert len(mem.encoders) == len(wanted), model
+    assert all(m.cls in held for m in mem.others), (model, [m.cls for m in mem.others], held)
+    assert mem.vae is not None, model
+    if vae is not None:
+        assert mem.vae.name in (_names(vae) if not isinstance(vae, str) or "|" in vae else [vae]), model
     params, nbytes = _counted(_meta_vae(model))
     assert _close(mem.vae.params, params) and _close(mem.vae.nbytes, nbytes)
+    # Nothing is left out but what no meta build here can count: modules of other packages.
+    assert not mem.left_out or "outside Diffusers and transformers" in mem.left_out, (model, mem.left_out)
+
+
+@pytest.mark.parametrize("key", sorted(OTHERS))
+def test_held_module_counts_are_the_released_models(key):
+    params, nbytes = _counted(components.meta_component("others", key))
+    assert _close(OTHERS[key].params, params) and _close(OTHERS[key].nbytes, nbytes)
+    assert OTHERS[key].cls == components.OTHERS[key][0].rpartition(".")[2]
+
+
+@pytest.mark.parametrize("key", sorted(components.VAE_CONFIGS))
+def test_vae_counts_are_the_released_models(key):
+    """Every VAE built from benchmarks/planner_components.py, its count and its decode's source:
+    an estimate (Note [VAE estimates]) names the command that measures it."""
+    params, nbytes = _counted(components.meta_component("vaes", key))
+    vae = VAES[key]
+    assert _close(vae.params, params) and _close(vae.nbytes, nbytes)
+    assert vae.name == components.VAE_CONFIGS[key][0].rpartition(".")[2]
+    assert vae.estimated and f"python benchmarks/bench_vae.py --vae {key}" in vae.source
+
+
+def test_count_planner_specs_prints_the_planners_component_figures():
+    """``python -m benchmarks.count_planner_specs --components`` prints what the planner holds (one
+    entry of each table: the tests above count every entry)."""
+    from benchmarks.count_planner_specs import count_component
+
+    e = ENCODERS["t5_base"]
+    assert f"{e.params}, {e.layers}, {e.largest_layer_bytes // 2}, {e.rest_bytes // 2})" in \
+        count_component("encoders", "t5_base")
+    held = OTHERS["ltx2_vocoder"]
+    assert f"{held.params}, {held.nbytes})" in count_component("others", "ltx2_vocoder")
+    assert f"{VAES['sd'].params} parameters, {VAES['sd'].nbytes} bytes" in count_component("vaes", "sd")
+
+
+def test_vae_estimates_follow_their_rule():
+    """Note [VAE estimates] by hand: the SD VAE is Flux.1's decoder (its figures); the Wan 2.2 VAE is
+    Wan 2.1's at C 64 / 96 (256 channels at half resolution) with Wan's fractions; LTX-2's has no
+    parallel recipe (every rank decodes whole); an audio VAE's reference is in samples."""
+    assert (VAES["sd"].stock_peak_gib, VAES["sd"].fractions) == (VAES["flux"].stock_peak_gib, VAES["flux"].fractions)
+    assert VAES["wan22"].stock_peak_gib == pytest.approx(VAES["wan"].stock_peak_gib * 64 / 96, abs=0.01)
+    assert VAES["wan22"].fractions == VAES["wan"].fractions and VAES["ltx2"].fractions is None
+    assert VAES["oobleck"].reference == (1024 * 2048, 1, 1)
+    assert VAES["oobleck"].stock_peak_gib == pytest.approx(VAES["flux"].stock_peak_gib * 2, abs=0.01)
+    assert not VAES["wan"].estimated and VAES["flux2"].estimated  # measured; an older estimate
+
+
+def test_explain_says_a_vae_figure_is_an_estimate():
+    text = plan("cogview4", world_size=8, gpu_memory_gib=80).explain()
+    assert "The VAE decode's memory (AutoencoderKL) is an estimate" in text
+    assert "python benchmarks/bench_vae.py --vae cogview4" in text
+    assert "is an estimate" not in plan("wan", world_size=8, gpu_memory_gib=80).explain()  # measured
+
+
+def test_held_modules_are_on_every_rank_in_every_phase():
+    """LTX-2's connectors, audio VAE and vocoder are held whole by every rank whatever the placement."""
+    spec = spec_for("ltx2")
+    held = sum(OTHERS[k].nbytes for k in ("ltx2_connectors", "ltx2_audio_vae", "ltx2_vocoder")) / GIB
+    for shard, encoder in ((False, "replicate"), (True, "shard")):
+        m = memory_model.breakdown(spec, 8, 1, 8, "none", 1, shard_weights=shard, text_encoder=encoder)
+        assert m.others == pytest.approx(held)
+        bare = replace(m, others=0.0)
+        assert all(m.phases[p] == pytest.approx(bare.phases[p] + held) for p in m.phases)
+    assert "other modules 2.9" in plan("ltx2", world_size=8, gpu_memory_gib=80).explain()
 
 
 @pytest.mark.parametrize("model, encoders", [("flux2", ("mistral_small_31",)), ("wan22", ("umt5_xxl",))])

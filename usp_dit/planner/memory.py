@@ -8,9 +8,9 @@ P = world size). Figures are GiB (2^30 bytes) of the worst rank.
 Note [memory per rank]
     One generation on a rank passes three phases; the peak is the largest, plus a reserve:
 
-        encode   = T_rest + E_encode + V_w            the prompt through the text encoders
-        denoise  = T_peak + E_rest  + V_w + A         every transformer call of the loop
-        decode   = T_rest + E_rest  + V_w + V_dec     the parallel VAE decode
+        encode   = T_rest + E_encode + V_w + O            the prompt through the text encoders
+        denoise  = T_peak + E_rest  + V_w + O + A         every transformer call of the loop
+        decode   = T_rest + E_rest  + V_w + O + V_dec     the parallel VAE decode
         peak     = max(encode, denoise, decode) + reserve
 
     Transformer weights T (bytes by dtype as loaded: bf16, Diffusers' float32 modules at 4 bytes;
@@ -85,6 +85,11 @@ Note [memory per rank]
                              weights) it is 0.57-0.90 of the measured; x 1.3 brings the four whose
                              activations exceed 1 GiB (CogVideoX, Mochi, Wan, HunyuanVideo) to
                              0.97-1.17 (tests/test_planner_memory.py checks peak >= measured).
+    Other modules O (``ModelMemory.others``: an image encoder, LTX-2's text connectors, an audio VAE
+    and vocoder beside the video VAE, GLM-Image's autoregressive prior, an audio model's condition
+    encoder or language model): their weights whole on every rank in every phase (``text_encoder=``
+    places the text encoders only); their activations are left out (one pass a prompt or a
+    decode, small beside a transformer call's).
     VAE: V_w its weights (bf16, on every rank); V_dec one rank's part of the parallel decode
     (``usp_dit.enable_parallel_vae``, split over the P ranks) plus the gathered output (the whole
     decoded image or video on every rank): the fractions of the stock decode's peak measured on
@@ -92,7 +97,8 @@ Note [memory per rank]
     largest measured P, that fraction x P_measured / P; at a size other than the measured, the
     peak and output scaled by frames x height x width. A VAE without a parallel recipe decodes
     whole on every rank (fraction 1). The figures' source is ``VAEDecode.source`` (some are
-    estimates from a like VAE: said there).
+    estimates from a like VAE by ``models`` Note [VAE estimates]: said there, and in explain()).
+    An audio model's size is its samples: ``output_size`` (samples, 1, 1), scaled the same way.
     reserve = 1.0 GiB: the CUDA context and cuBLAS / cuDNN workspaces (outside torch's count),
     NCCL's buffers, a call's small inputs and the gathered output of the transformer.
     Not modelled: the caching allocator's fragmentation (``PYTORCH_CUDA_ALLOC_CONF=
@@ -129,14 +135,16 @@ class MemoryBreakdown:
     vae_decode: float  # one rank's share of the decode + the gathered output (V_dec)
     reserve: float = RESERVE_GIB
     tensor: int = 1  # the tensor degree T (``enable_usp(..., tensor_degree=T)``)
+    others: float = 0.0  # the other modules held whole on every rank (O)
 
     @property
     def phases(self) -> dict[str, float]:
         """GiB of each phase of a generation, without the reserve."""
+        held = self.vae_weights + self.others  # whole on every rank in every phase
         return {
-            "encode": self.weights_between_calls + self.text_encoders_encoding + self.vae_weights,
-            "denoise": self.weights + self.text_encoders + self.vae_weights + self.activations,
-            "decode": self.weights_between_calls + self.text_encoders + self.vae_weights + self.vae_decode,
+            "encode": self.weights_between_calls + self.text_encoders_encoding + held,
+            "denoise": self.weights + self.text_encoders + held + self.activations,
+            "decode": self.weights_between_calls + self.text_encoders + held + self.vae_decode,
         }
 
     @property
@@ -328,7 +336,7 @@ def breakdown(spec: ModelSpec, ulysses: int, ring: int, replica: int, schedule: 
     return MemoryBreakdown(
         shard_weights, text_encoder, t_peak / GIB, t_rest / GIB, e_rest / GIB, e_encode / GIB,
         activation_bytes(spec, ulysses, ring, schedule, batch, tensor) / GIB, vae_weights / GIB,
-        vae_decode_gib(spec, replica), tensor=tensor,
+        vae_decode_gib(spec, replica), tensor=tensor, others=memory.other_bytes / GIB,
     )
 
 

@@ -28,16 +28,24 @@ Note [model memory]
         sequential, parallel or fused-parallel block, float32 residual adds);
       * the rest: the outer children (embedders, modulation, final layer: one unit each; the
         largest one), the transformer's own direct parameters (its root unit's), how many
-        transformers are resident (Wan 2.2 A14B: both experts);
+        transformers are resident (Wan 2.2 A14B: both experts; Ideogram 4: its unconditional one);
       * each text encoder of the family's pipeline (its class and checkpoint): parameters,
         layers (every list of like layers, as ``layer_lists`` finds them: the rule by which
         ``usp_dit.pipelines.encoders`` makes the FSDP2 units of ``text_encoder="shard"``), the largest layer, and the rest (one
         unit gathered for the whole encoder forward: embeddings, final norm, lm_head);
-      * the VAE: its parameters and the decode's memory (``VAEDecode``).
+      * the VAE: its parameters and the decode's memory (``VAEDecode``: measured on a GPU, or
+        estimated from a measured VAE of its family by Note [VAE estimates], said in its source);
+      * the other modules the pipeline holds whole on every rank (``HeldModule``): an image
+        encoder, LTX-2's text connectors, an audio VAE and vocoder beside the video VAE, GLM-Image's
+        autoregressive prior, an audio model's condition encoder or language model;
+      * ``left_out``: what the pipeline holds that no meta build here can count (a module of a
+        package outside Diffusers and transformers), named with why.
     The integers are counted from the released configs instantiated on the meta device
     (Diffusers 0.42.1 / transformers 5; tests/test_planner_memory.py counts them again and checks
-    every figure here to 0.5 %). A spec built from an object (``spec_of_transformer``, a pipeline
-    passed to ``usp_dit.plan``) counts that object's own parameters instead (``memory_of``).
+    every figure here to 0.5 %; the later families' encoders, held modules and VAEs are built from
+    benchmarks/planner_components.py, each config number's source written there). A spec built
+    from an object (``spec_of_transformer``, a pipeline passed to ``usp_dit.plan``) counts that
+    object's own parameters instead (``memory_of``).
 
 Note [tensor cuts]
     Where ``enable_usp(..., tensor_degree=T)`` cuts a block is the family plan's ``TensorPlan``
@@ -65,6 +73,7 @@ Note [tensor cuts]
 """
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -168,7 +177,24 @@ class VAEDecode:
     output_gib: float  # the decoded output at ``reference`` (gathered whole on every rank)
     reference: tuple[int, int, int]  # (frames, height, width)
     fractions: dict[int, float] | None  # P -> one rank's share of the stock peak; None: no parallel recipe
-    source: str
+    source: str  # how the decode figures were had: "measured ...", or "estimate: <the rule>" (Note [VAE estimates])
+
+    @property
+    def estimated(self) -> bool:
+        """Whether the decode figures are an estimate, not a measurement (Note [VAE estimates])."""
+        return self.source.startswith("estimate")
+
+
+@dataclass(frozen=True)
+class HeldModule:
+    """A module the pipeline holds whole on every rank beside its text encoders and VAE (Note
+    [model memory]): an image encoder, LTX-2's text connectors, an audio VAE or vocoder beside the
+    video VAE, an autoregressive prior, a condition encoder; bytes as loaded."""
+
+    name: str  # the checkpoint or component
+    cls: str  # the class the pipeline takes
+    params: int
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -183,8 +209,9 @@ class ModelMemory:
     experts: int = 1  # transformers resident at once (Wan 2.2 A14B: 2)
     encoders: tuple[TextEncoder, ...] = ()
     vae: VAEDecode | None = None
-    # What the pipeline holds that is not counted here (a text encoder or VAE whose released config
-    # the planner has not counted yet): its memory is missing from every figure; "" where none.
+    others: tuple[HeldModule, ...] = ()  # held whole on every rank, in every phase
+    # What the pipeline holds that is not counted here, and why it cannot be (modules outside
+    # Diffusers and transformers): its memory is missing from every figure; "" where none.
     left_out: str = ""
 
     @property
@@ -205,6 +232,10 @@ class ModelMemory:
     @property
     def encoder_bytes(self) -> int:
         return sum(e.nbytes for e in self.encoders)
+
+    @property
+    def other_bytes(self) -> int:
+        return sum(m.nbytes for m in self.others)
 
     @property
     def tensor_parallel(self) -> bool:
@@ -229,10 +260,11 @@ class ModelSpec:
     other_rate: float = 550e12
     out_channels: int = 64  # per token, what the output gather moves
     memory: ModelMemory | None = None
-    output_size: tuple[int, int, int] = (1, 1024, 1024)  # (frames, height, width) generated
+    output_size: tuple[int, int, int] = (1, 1024, 1024)  # (frames, height, width) generated; audio: (samples, 1, 1)
     label: str = ""  # the release's name, for tables
     unsupported: str = ""  # why enable_usp cannot run it yet ("" where it can)
     caveat: str = ""  # where the cost model prices this family only roughly ("" where it fits)
+    seconds: float | None = None  # an audio model's output length (Note [audio specs]); None: image / video
 
     @property
     def hidden(self) -> int:
@@ -287,6 +319,71 @@ ENCODERS = {
     "gemma2_2b": _encoder("Gemma-2-2B (google/gemma-2-2b-it)", "Gemma2Model", 2614341888, 26, 77865984, 589826304),
     "llama31_8b_lm": _encoder("Llama-3.1-8B-Instruct (meta-llama)", "LlamaForCausalLM", 8030261248, 32, 218112000,
                               1050677248),
+    # The later families' (configs and their sources: benchmarks/planner_components.py, "confirmed"
+    # or "recalled" there; python -m benchmarks.count_planner_specs --components prints these).
+    "gemma3_12b": _encoder("Gemma 3 12B (google/gemma-3-12b-it)", "Gemma3ForConditionalGeneration", 12202563392, 75,
+                           224148992, 1031945168),
+    "qwen3_vl_8b": _encoder("Qwen3-VL-8B-Instruct", "Qwen3VLForConditionalGeneration", 8767123696, 66, 192946432,
+                            1289207680),
+    "qwen3_vl_8b_model": _encoder("Qwen3-VL-8B-Instruct (no LM head)", "Qwen3VLModel", 8144793840, 66, 192946432,
+                                  666877824),
+    "qwen3_vl_4b": _encoder("Qwen3-VL-4B-Instruct", "Qwen3VLForConditionalGeneration", 4437815808, 63, 100930816,
+                            420163584),
+    "qwen3_vl_4b_model": _encoder("Qwen3-VL-4B-Instruct (no LM head)", "Qwen3VLModel", 4437815808, 63, 100930816,
+                                  420163584),
+    "qwen3_vl_32b": _encoder("Qwen3-VL-32B-Instruct", "Qwen3VLForConditionalGeneration", 33357390064, 94, 487598336,
+                             1605093248),
+    "glm4_9b": _encoder("GLM-4-9B (CogView4-6B's text_encoder)", "GlmModel", 8779194368, 40, 203960832, 620761088),
+    "qwen3_4b": _encoder("Qwen3-4B (Z-Image's text_encoder)", "Qwen3Model", 4022468096, 36, 100930816, 388958720),
+    "qwen3_1_7b": _encoder("Qwen3-1.7B (Ovis 2.5's, Ovis-Image's text_encoder)", "Qwen3Model", 1720574976, 28,
+                           50336000, 311166976),
+    "qwen3_embedding_06b": _encoder("Qwen3-Embedding-0.6B (ACE-Step 1.5's text_encoder)", "Qwen3Model", 595776512, 28,
+                                    15730944, 155310080),
+    "ministral3_3b": _encoder("Ministral 3 3B (ERNIE-Image's text_encoder)", "Mistral3Model", 3849090048, 50,
+                              116398080, 420037632),
+    "t5gemma_2b": _encoder("T5Gemma 2B encoder (PRX's text_encoder)", "T5GemmaEncoder", 2614341888, 26, 77865984,
+                           589826304),
+    "t5gemma_b": _encoder("T5Gemma b encoder (Stable Audio 3's text_encoder; size recalled)", "T5GemmaEncoderModel",
+                          281580288, 12, 7080960, 196608768),
+    "pile_t5_xl": _encoder("Pile-T5-XL encoder (AuraFlow's text_encoder)", "UMT5EncoderModel", 1223550976, 24,
+                           48239616, 65800192),
+    "mt5_xl": _encoder("mT5-XL encoder (HunyuanDiT's text_encoder_2)", "T5EncoderModel", 1669958656, 24, 48239616,
+                       512231424),
+    "t5_base": _encoder("T5-base encoder (google-t5/t5-base)", "T5EncoderModel", 109628544, 12, 7079808, 24675072),
+    "umt5_base": _encoder("umT5-base encoder (google/umt5-base)", "UMT5EncoderModel", 281861376, 12, 7079808,
+                          196903680),
+    "hunyuan_bert": _encoder("HunyuanDiT's bilingual CLIP text tower (BERT-large)", "BertModel", 352035840, 24,
+                             12596224, 49726464),
+    "gemma_2b": _encoder("Gemma-2B (google/gemma-2b)", "GemmaModel", 2506172416, 18, 110104576, 524290048),
+}
+
+# Modules held whole on every rank beside the text encoders (Note [model memory]); counted as the
+# encoders are (benchmarks/planner_components.py ``OTHERS``).
+OTHERS = {
+    "clip_vit_h_image": HeldModule("CLIP ViT-H/14 image encoder (Wan 2.1 I2V's image_encoder)", "CLIPVisionModel",
+                                   630766080, 1261532160),
+    "glm_image_prior": HeldModule("GLM-Image's autoregressive prior (vision_language_encoder)",
+                                  "GlmImageForConditionalGeneration", 10114245632, 20228491264),
+    "ltx2_connectors": HeldModule("LTX-2's text connectors", "LTX2TextConnectors", 1431475200, 2862950400),
+    "ltx2_audio_vae": HeldModule("LTX-2's audio VAE", "AutoencoderKLLTX2Audio", 53248146, 106496292),
+    "ltx2_vocoder": HeldModule("LTX-2's vocoder", "LTX2Vocoder", 55592802, 111185604),
+    "minimax_h3_audio_vae": HeldModule("MiniMax-H3's audio VAE (all float32: _keep_in_fp32_modules)",
+                                       "AutoencoderKLMiniMaxH3Audio", 151321489, 605285956),
+    "cosmos3_sound": HeldModule("Cosmos 3's sound tokenizer (a sound-capable checkpoint's)",
+                                "Cosmos3AVAEAudioTokenizer", 496287362, 992574724),
+    "kandinsky6_audio_vae": HeldModule("Kandinsky 6's audio VAE (MMAudio's)", "MMAudioVAE", 305479682, 610959364),
+    "kandinsky6_vocoder": HeldModule("Kandinsky 6's vocoder (MMAudio's)", "MMAudioVocoder", 122152752, 244305504),
+    "stable_audio_projection": HeldModule("Stable Audio Open's projection model", "StableAudioProjectionModel", 396544,
+                                          793088),
+    "sa3_duration": HeldModule("Stable Audio 3's duration embedder", "StableAudio3DurationEmbedder", 197376, 394752),
+    "ace_step_condition": HeldModule("ACE-Step 1.5's condition encoder (lyrics, timbre)", "AceStepConditionEncoder",
+                                     608369664, 1216739328),
+    "music3_language_model": HeldModule("MiniMax Music 3's 8B language model", "Qwen3ForCausalLM", 8584475648,
+                                        17168951296),
+    "music3_rvq_depth_decoder": HeldModule("MiniMax Music 3's RVQ depth decoder", "MiniMaxMusic3RVQDepthDecoder",
+                                           646025216, 1292050432),
+    "music3_condition_encoder": HeldModule("MiniMax Music 3's condition encoder", "MiniMaxMusic3ConditionEncoder",
+                                           25167881, 50335762),
 }
 
 _VAE_RUN = "measured (docs/PERFORMANCE.md 'Parallel VAE decode', one H200, 2026-12-04)"
@@ -319,6 +416,72 @@ VAES = {
     "kandinsky6": VAEDecode("AutoencoderKLHunyuanVideo", 246478803, loaded_bytes(246478803), **_HV_VAE,
                             source="HunyuanVideo's VAE measured (the same class and config), scaled to the size"),
 }
+
+# Note [VAE estimates]
+#     A VAE without a measurement of its own takes its decode figures from the measured VAE of its
+#     family (above) by one rule: the stock peak scales with C, the values per output position of
+#     the decoder's last (full-rate) stage (its channels over the output positions one of its
+#     positions covers: LTX's 128 channels at 1/4 x 1/4 of the pixels are 8), and with the size:
+#
+#         peak = peak_like x (C / C_like) x (f h w) / (f h w)_like        (audio: samples, 1, 1)
+#
+#     the gathered output = output channels x positions x 2 bytes; the per-P fractions are the
+#     like VAE's where usp_dit has a parallel recipe for the class, else None (every rank decodes
+#     whole). The families: Flux.1's AutoencoderKL (C 128; a whole-image convolutional decoder: the
+#     like VAE of the 2D and the audio convolutional decoders), Qwen-Image's (C 96), Wan 2.1's (C 96;
+#     a causal video decoder working in temporal pieces), LTX-Video's (C 8). Each entry's ``source``
+#     starts "estimate:" and names its family and C (``explain()`` says so), and the GPU command
+#     that replaces it: ``python benchmarks/bench_vae.py --vae KEY`` prints the measured
+#     ``stock_peak_gib``, ``output_gib`` and fractions at the entry's reference size.
+_LAST_STAGE = {"flux": 128, "qwen_image": 96, "wan": 96, "ltx_video": 8}
+_LIKE = {"flux": "Flux.1's VAE", "qwen_image": "Qwen-Image's VAE", "wan": "Wan 2.1's VAE",
+         "ltx_video": "LTX-Video's VAE"}
+
+
+def _estimated(key: str, name: str, params: int, nbytes: int, like: str, width: int, reference: tuple[int, int, int],
+               out_channels: int, recipe: bool, why: str) -> VAEDecode:
+    """A ``VAEDecode`` estimated from the measured ``like`` (Note [VAE estimates])."""
+    base = VAES[like]
+    size = math.prod(reference) / math.prod(base.reference)
+    parallel = "its parallel-decode fractions" if recipe else "no parallel recipe: whole on every rank"
+    return VAEDecode(name, params, nbytes, round(base.stock_peak_gib * width / _LAST_STAGE[like] * size, 2),
+                     round(out_channels * math.prod(reference) * BF16 / 2**30, 3), reference,
+                     base.fractions if recipe else None,
+                     f"estimate: {_LIKE[like]} measured decode x C {width} / {_LAST_STAGE[like]} ({why}) x the "
+                     f"output's size, {parallel}; measure: python benchmarks/bench_vae.py --vae {key}")
+
+
+_FULL = "128 channels at full resolution"
+VAES.update({
+    key: _estimated(key, *args) for key, args in {
+        "sd": ("AutoencoderKL", 83653863, loaded_bytes(83653863), "flux", 128, (1, 1024, 1024), 3, True,
+               "Flux.1's decoder with a 4-channel latent"),
+        "cogview4": ("AutoencoderKL", 414501539, loaded_bytes(414501539), "flux", 128, (1, 1024, 1024), 3, True,
+                     _FULL),
+        "hunyuan_image": ("AutoencoderKLHunyuanImage", 405575491, loaded_bytes(405575491), "flux", 128,
+                          (1, 2048, 2048), 3, False, _FULL),
+        "sana": ("AutoencoderDC", 312250275, loaded_bytes(312250275), "flux", 128, (1, 1024, 1024), 3, False, _FULL),
+        "qwen_image21": ("AutoencoderKLQwenImage21", 337740404, loaded_bytes(337740404), "qwen_image", 144,
+                         (1, 1328, 1328), 4, False, "144 channels at full resolution"),
+        "wan22": ("AutoencoderKLWan", 704688668, loaded_bytes(704688668), "wan", 64, (81, 720, 1280), 3, True,
+                  "256 channels at half resolution: 2x2 patches"),
+        "ltx2": ("AutoencoderKLLTX2Video", 1222479601, loaded_bytes(1222479601), "ltx_video", 8, (121, 512, 768), 3,
+                 False, "128 channels at 1/4 resolution: 4x4 patches, as LTX-Video's"),
+        "minimax_h3": ("AutoencoderKLMiniMaxH3", 2603868984, 5569011760, "wan", 96, (124, 768, 1344), 3, False,
+                       "a 2048-wide transformer decoder over patches, in clips of 17 frames: no convolutional last "
+                       "stage to compare, taken as Wan's"),
+        "oobleck": ("AutoencoderOobleck", 156112514, loaded_bytes(156112514), "flux", 128, (2097152, 1, 1), 2, False,
+                    "128 channels at the sample rate"),
+        "oobleck_48k": ("AutoencoderOobleck", 168695426, loaded_bytes(168695426), "flux", 128, (2880000, 1, 1), 2,
+                        False, "128 channels at the sample rate"),
+        "same": ("AutoencoderSAME", 107458096, loaded_bytes(107458096), "flux", 18, (1323000, 1, 1), 2, False,
+                 "a 768-wide transformer over 256-sample patches, its MLP's 4608 a patch: 18 a sample"),
+        "longcat_audio": ("LongCatAudioDiTVae", 91881345, loaded_bytes(91881345), "flux", 128, (720000, 1, 1), 1,
+                          False, "128 channels at the sample rate"),
+        "music3_vocoder": ("MiniMaxMusic3Vocoder", 54170722, loaded_bytes(54170722), "flux", 96, (352768, 1, 1), 2,
+                           False, "96 channels at the sample rate"),
+    }.items()
+})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,12 +532,15 @@ def _hunyuan_video_memory() -> ModelMemory:
 
 def _kandinsky6_memory() -> ModelMemory:
     # Text blocks (video and audio prompts) and the 60 fused video / audio decoder blocks; the
-    # "modulation" children of the outer layers are kept in float32 (16793600 parameters).
+    # "modulation" children of the outer layers are kept in float32 (16793600 parameters). The
+    # TI2VA pipeline also holds MMAudio's audio VAE and vocoder (Diffusers' defaults, assumed the
+    # release's: benchmarks/planner_components.py).
     blocks = (_group("video_text_transformer_blocks", 4, 906134528, 226533632, 4096, 16384),
               _group("audio_text_transformer_blocks", 4, 906134528, 226533632, 4096, 16384),
               _group("visual_transformer_blocks", 60, 46317004800, 771950080, 4096, 16384))
     return ModelMemory(blocks, 59230292, loaded_bytes(59230292, 16793600), 34111616, 0,
-                       encoders=(ENCODERS["qwen25_vl_7b"], ENCODERS["clip_l"]), vae=VAES["kandinsky6"])
+                       encoders=(ENCODERS["qwen25_vl_7b"], ENCODERS["clip_l"]), vae=VAES["kandinsky6"],
+                       others=(OTHERS["kandinsky6_audio_vae"], OTHERS["kandinsky6_vocoder"]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,22 +650,24 @@ def ltx_video(height=512, width=768, num_frames=121) -> ModelSpec:
 # <name>`` (the configs and their sources: ``RELEASED`` there, from benchmarks/pipeline_cases.py;
 # "assumed" where no released config.json was at hand); tests/test_planner_memory.py counts them
 # again. Heads, head_dim and layers are the config's; ``layers`` counts the attention layers over
-# the split sequence (a refiner over the text alone, a cross-attention: local, not counted). A text
-# encoder or VAE the planner has not counted is named in ``ModelMemory.left_out``.
+# the split sequence (a refiner over the text alone, a cross-attention: local, not counted). Their
+# text encoders, VAEs and other modules are counted from benchmarks/planner_components.py; what no
+# meta build can count is named in ``ModelMemory.left_out`` with why.
 
 
 def _counted(blocks: tuple[BlockGroup, ...], outer: int, outer_fp32: int, largest_outer_bytes: int, root: int,
-             root_fp32: int, encoders: tuple[str, ...] = (), vae: str | None = None, left_out: str = "") -> ModelMemory:
+             root_fp32: int, encoders: tuple[str, ...] = (), vae: str | None = None, left_out: str = "", *,
+             others: tuple[str, ...] = (), experts: int = 1) -> ModelMemory:
     """A released transformer as ``count_planner_specs`` prints it: its block lists, the rest
-    (parameters, how many of them float32, the largest outer child's bytes, the root's own)."""
+    (parameters, how many of them float32, the largest outer child's bytes, the root's own); the
+    pipeline's text encoders, VAE and other modules by their keys."""
     return ModelMemory(blocks, outer, loaded_bytes(outer, outer_fp32), largest_outer_bytes,
-                       loaded_bytes(root, root_fp32), encoders=tuple(ENCODERS[e] for e in encoders),
-                       vae=VAES[vae] if vae else None, left_out=left_out)
+                       loaded_bytes(root, root_fp32), experts=experts, encoders=tuple(ENCODERS[e] for e in encoders),
+                       vae=VAES[vae] if vae else None, others=tuple(OTHERS[o] for o in others), left_out=left_out)
 
 
 _WAN_BLOCKS = _group("blocks", 40, 14055772160, 351394304, 5120, 13824, fp32=1638400, largest_fp32=40960)
 _WAN_I2V_BLOCKS = _group("blocks", 40, 16153538560, 403838464, 5120, 13824, fp32=1638400, largest_fp32=40960)
-_CLIP_IMAGE = "the CLIP ViT-H image encoder (~0.6 B)"
 _LINEAR_ATTENTION = ("linear self-attention: priced as softmax attention and Ulysses / ring traffic (an "
                      "over-estimate); enable_usp all-reduces per-head summaries instead, not priced here")
 
@@ -514,8 +682,8 @@ def ltx2(height=512, width=768, num_frames=121) -> ModelSpec:
     # 18.9e9 parameters. The audio stream (round(f / 24 x 25) tokens, 32 x 64) is replicated on
     # every rank and not counted in the tokens; each stream's 1024 prompt tokens by cross-attention.
     memory = _counted((_group("transformer_blocks", 48, 18531581952, 386074624, 4096, 16384),), 344592640, 0,
-                      237043712, 12288, 0,
-                      left_out="the Gemma 3 12B text encoder (~12 B) and AutoencoderKLLTX2Video, not counted yet")
+                      237043712, 12288, 0, ("gemma3_12b",), "ltx2",
+                      others=("ltx2_connectors", "ltx2_audio_vae", "ltx2_vocoder"))
     return ModelSpec("ltx2", _video(num_frames, height, width, 8, 32), 1024, "cross", 32, 32, 128, 48, 18.9e9,
                      "batched", out_channels=128, memory=memory, output_size=(num_frames, height, width),
                      label="LTX-2")
@@ -536,7 +704,7 @@ def wan_animate(height=720, width=1280, num_frames=77) -> ModelSpec:
     # frame's latent first, then (f - 1) / 4 + 1; 512 text + 257 CLIP image tokens by cross-attention,
     # the face adapter's cross-attention local; 17.3e9 parameters.
     memory = _counted((_WAN_I2V_BLOCKS, _group("face_adapter", 8, 839026688, 104878336, 5120, 5120)), 282251636,
-                      27568640, 535616000, 10240, 10240, ("umt5_xxl",), "wan", left_out=_CLIP_IMAGE)
+                      27568640, 535616000, 10240, 10240, ("umt5_xxl",), "wan", others=("clip_vit_h_image",))
     tokens = ((num_frames - 1) // 4 + 2) * _patches(height, width, 16)
     return ModelSpec("wan_animate", tokens, 512 + 257, "cross", 40, 40, 128, 40, 17.3e9, "two_call", out_channels=64,
                      memory=memory, output_size=(num_frames, height, width), label="Wan 2.2 Animate 14B")
@@ -546,7 +714,7 @@ def chronoedit(height=480, width=832, num_frames=5) -> ModelSpec:
     # ChronoEdit-14B (assumed: Wan 2.1 I2V-14B's config): an edit is 5 frames (2 latent frames),
     # 8 latent frames with temporal reasoning (num_frames=29); 512 text + 257 image tokens; 16.4e9.
     memory = _counted((_WAN_I2V_BLOCKS,), 241340224, 27558400, 535616000, 10240, 10240, ("umt5_xxl",), "wan",
-                      left_out=_CLIP_IMAGE)
+                      others=("clip_vit_h_image",))
     return ModelSpec("chronoedit", _video(num_frames, height, width), 512 + 257, "cross", 40, 40, 128, 40, 16.4e9,
                      "two_call", out_channels=64, memory=memory, output_size=(num_frames, height, width),
                      label="ChronoEdit-14B")
@@ -570,7 +738,9 @@ def cosmos3(height=720, width=1280, num_frames=189) -> ModelSpec:
     # attended jointly; the 48-channel latent at 16x in 2x2 patches (ceil) is split.
     tokens = ((num_frames - 1) // 4 + 1) * _patches(height, width, 32)
     memory = _counted((_group("layers", 36, 13892143104, 385892864, 4096, 12288),), 1281526016, 17833984, 1244659712,
-                      8192, 0, left_out="the Wan 2.2 VAE (48 channels), not counted yet")
+                      8192, 0, vae="wan22", others=("cosmos3_sound",),
+                      left_out="the safety checker Cosmos3OmniPipeline builds by default (CosmosSafetyChecker from "
+                               "the cosmos_guardrail package, outside Diffusers and transformers: not counted here)")
     return ModelSpec("cosmos3", tokens, 256, "joint", 32, 8, 128, 36, 15.2e9, "two_call", out_channels=192,
                      memory=memory, output_size=(num_frames, height, width), label="Cosmos 3 Nano")
 
@@ -583,8 +753,8 @@ def minimax_h3(height=768, width=1344, num_frames=124) -> ModelSpec:
     audio = round((17 * chunks + 5) / 24 * 40)
     tokens = (5 * chunks + 2) * _patches(height, width, 32) + audio
     memory = _counted((_group("transformer_blocks", 50, 32278592000, 645571840, 5376, 14336, gated=True),),
-                      844400896, 17222144, 1541461504, 0, 0,
-                      left_out="the Qwen3-VL text encoder and the video and audio VAEs, not counted yet")
+                      844400896, 17222144, 1541461504, 0, 0, ("qwen3_vl_32b",), "minimax_h3",
+                      others=("minimax_h3_audio_vae",))
     return ModelSpec("minimax_h3", tokens, 200, "split", 56, 56, 128, 50, 33.1e9, "batched", out_channels=96,
                      memory=memory, output_size=(num_frames, height, width), label="MiniMax-H3")
 
@@ -607,7 +777,7 @@ def qwen_image21(height=1024, width=1024, num_frames=None) -> ModelSpec:
     # replicated prefix; true_cfg_scale=1 by default: one call a step.
     memory = _counted((_group("transformer_blocks", 32, 6979330048, 218104064, 4096, 12288,
                               cut=_cut(2147483648, 4831838208, reduces=2, collectives=2)),), 135794688, 0, 134217728, 0,
-                      0, left_out="the Qwen3-VL text encoder and AutoencoderKLQwenImage21, not counted yet")
+                      0, ("qwen3_vl_8b",), "qwen_image21")
     return ModelSpec("qwen_image21", _patches(height, width, 16), 100, "joint", 32, 32, 128, 32, 7.1e9, "distilled",
                      out_channels=64, memory=memory, output_size=(1, height, width), label="Qwen-Image 2.1")
 
@@ -619,8 +789,8 @@ def flux3(height=1024, width=1024, num_frames=None) -> ModelSpec:
     memory = _counted((_group("txt_mode_blocks", 5, 613418240, 122683648, 3072, 9216, gated=True, fp32=1280,
                               largest_fp32=256),
                        _group("single_transformer_blocks", 28, 3435142144, 122683648, 3072, 6144, kind="parallel",
-                              fp32=7168, largest_fp32=256)), 1489897984, 2560, 2453678080, 0, 0,
-                      left_out="the Qwen3-VL text encoder and the VAE, not counted yet")
+                              fp32=7168, largest_fp32=256)), 1489897984, 2560, 2453678080, 0, 0, ("qwen3_vl_4b",),
+                      "flux2")  # the modular blocks' AutoencoderKLFlux2 (its prompt upsampler: optional, not counted)
     return ModelSpec("flux3", _patches(height, width, 16), 160, "split", 24, 24, 128, 33, 5.5e9, "two_call",
                      out_channels=128, memory=memory, output_size=(1, height, width), label="FLUX.3")
 
@@ -631,7 +801,7 @@ def zimage(height=1024, width=1024, num_frames=None) -> ModelSpec:
     memory = _counted((_group("noise_refiner", 2, 361820672, 180910336, 3840, 10240),
                        _group("context_refiner", 2, 353925632, 176962816, 3840, 10240),
                        _group("layers", 30, 5427310080, 180910336, 3840, 10240)), 11852352, 0, 19673600, 7680, 0,
-                      vae="flux", left_out="the Qwen3-4B text encoder (~4 B), not counted yet")
+                      ("qwen3_4b",), "flux")
     return ModelSpec("zimage", _patches(height, width, 16), 128, "joint", 30, 30, 128, 32, 6.2e9, "batched",
                      out_channels=64, memory=memory, output_size=(1, height, width), label="Z-Image")
 
@@ -641,8 +811,7 @@ def hunyuan_image(height=2048, width=2048, num_frames=None) -> ModelSpec:
     # 1000 Qwen2.5-VL + 128 ByT5 glyph tokens, replicated, attended jointly.
     memory = _counted((_group("transformer_blocks", 20, 9250600960, 462530048, 3584, 14336),
                        _group("single_transformer_blocks", 40, 7708620800, 192715520, 3584, 14336, kind="parallel")),
-                      466573760, 0, 824169472, 0, 0, ("qwen25_vl_7b", "byt5_small"),
-                      left_out="AutoencoderKLHunyuanImage, not counted yet")
+                      466573760, 0, 824169472, 0, 0, ("qwen25_vl_7b", "byt5_small"), "hunyuan_image")
     return ModelSpec("hunyuan_image", _patches(height, width, 32), 1128, "joint", 28, 28, 128, 60, 17.4e9, "two_call",
                      out_channels=64, memory=memory, output_size=(1, height, width), label="HunyuanImage 2.1")
 
@@ -660,7 +829,7 @@ def hidream(height=1024, width=1024, num_frames=None) -> ModelSpec:
 def cogview4(height=1024, width=1024, num_frames=None) -> ModelSpec:
     # CogView4-6B: 28 blocks of 4096 (32 x 128); 6.4e9. A GLM prompt of ~128 tokens, replicated.
     memory = _counted((_group("transformer_blocks", 28, 6344196096, 226578432, 4096, 16384),), 24922176, 0, 34095104,
-                      0, 0, left_out="the GLM-4-9B text encoder (~9 B) and CogView4's VAE, not counted yet")
+                      0, 0, ("glm4_9b",), "cogview4")
     return ModelSpec("cogview4", _patches(height, width, 16), 128, "joint", 32, 32, 128, 28, 6.4e9, "two_call",
                      out_channels=64, memory=memory, output_size=(1, height, width), label="CogView4-6B")
 
@@ -680,8 +849,8 @@ def krea2(height=1024, width=1024, num_frames=None) -> ModelSpec:
     # Krea 2: 28 blocks of 6144 (48 query / 12 K/V heads x 128); 12.8e9. 512 prompt tokens
     # (12 tapped Qwen3-VL layers fused), replicated, attended jointly.
     memory = _counted((_group("transformer_blocks", 28, 12156476416, 434159872, 6144, 16384, fp32=351232,
-                              largest_fp32=12544),), 663596620, 30208, 686903320, 0, 0, vae="qwen_image",
-                      left_out="the Qwen3-VL text encoder, not counted yet")
+                              largest_fp32=12544),), 663596620, 30208, 686903320, 0, 0, ("qwen3_vl_4b_model",),
+                      "qwen_image")
     return ModelSpec("krea2", _patches(height, width, 16), 512, "joint", 48, 12, 128, 28, 12.8e9, "two_call",
                      out_channels=64, memory=memory, output_size=(1, height, width), label="Krea 2")
 
@@ -702,8 +871,7 @@ def ovis_image(height=1024, width=1024, num_frames=None) -> ModelSpec:
     # Ovis-Image-7B: 6 double + 27 single blocks (24 x 128), SwiGLU; 7.4e9. 256 Qwen3 tokens, split.
     memory = _counted((_group("transformer_blocks", 6, 2492120064, 415353344, 3072, 12288, gated=True),
                        _group("single_transformer_blocks", 27, 4842526464, 179352832, 3072, 12288, gated=True,
-                              kind="parallel")), 35803200, 0, 37761024, 0, 0, vae="flux",
-                      left_out="the Ovis 2.5 Qwen3 text encoder (~2 B), not counted yet")
+                              kind="parallel")), 35803200, 0, 37761024, 0, 0, ("qwen3_1_7b",), "flux")
     return ModelSpec("ovis_image", _patches(height, width, 16), 256, "split", 24, 24, 128, 33, 7.4e9, "two_call",
                      out_channels=64, memory=memory, output_size=(1, height, width), label="Ovis-Image-7B")
 
@@ -712,7 +880,7 @@ def sana(height=1024, width=1024, num_frames=None) -> ModelSpec:
     # Sana 1600M: 20 blocks of 2240 (70 x 32), DC-AE 32x, patch 1; 1.6e9. 300 Gemma-2 tokens by
     # cross-attention. Its Mix-FFN is convolutions (the MLP width counted here is the attention's).
     memory = _counted((_group("transformer_blocks", 20, 1558412800, 77920640, 2240, 2240),), 46049952, 0, 71429120,
-                      4480, 0, ("gemma2_2b",), left_out="AutoencoderDC, not counted yet")
+                      4480, 0, ("gemma2_2b",), "sana")
     return ModelSpec("sana", _patches(height, width, 32), 300, "cross", 70, 70, 32, 20, 1.6e9, "batched",
                      out_channels=32, memory=memory, output_size=(1, height, width), label="Sana 1600M",
                      caveat=_LINEAR_ATTENTION)
@@ -734,7 +902,7 @@ def sana_wm(height=704, width=1280, num_frames=161) -> ModelSpec:
     # 300 Gemma-2 tokens by cross-attention. 15 of 20 self-attention layers are the gated delta rule
     # (all-reduced per-frame summaries), every 4th softmax over all-gathered K and V.
     memory = _counted((_group("blocks", 20, 2615201600, 130764560, 2240, 2240, gated=True),), 46598848, 0, 60238080,
-                      0, 0, ("gemma2_2b",), left_out="AutoencoderKLLTX2Video, not counted yet")
+                      0, 0, ("gemma2_2b",), "ltx2")
     return ModelSpec("sana_wm", _video(num_frames, height, width, 8, 32), 300, "cross", 20, 20, 112, 20, 2.66e9,
                      "batched", out_channels=128, memory=memory, output_size=(num_frames, height, width),
                      label="SANA-WM 1600M", caveat=_LINEAR_ATTENTION)
@@ -761,7 +929,11 @@ def consisid(height=480, width=720, num_frames=49) -> ModelSpec:
     # ConsisID-preview: CogVideoX-5B I2V's 42 blocks (48 x 64) + face perceivers; 6.2e9. 226 T5
     # tokens, replicated, attended jointly.
     memory = _counted((_group("transformer_blocks", 42, 5552300544, 132197632, 3072, 12288),), 610194496, 0,
-                      881233920, 0, 0, ("t5_xxl",), "cogvideox", left_out="the face encoders (EVA-CLIP, ~0.3 B)")
+                      881233920, 0, 0, ("t5_xxl",), "cogvideox",
+                      left_out="the face models prepare_face_models loads beside the pipeline (EVA02-CLIP-L, ~0.3 B; "
+                               "insightface's and facexlib's detectors): their classes live in packages outside "
+                               "Diffusers and transformers (consisid_eva_clip, insightface, facexlib), so no meta "
+                               "build counts them here")
     return ModelSpec("consisid", _video(num_frames, height, width), 226, "joint", 48, 48, 64, 42, 6.2e9, "batched",
                      out_channels=64, memory=memory, output_size=(num_frames, height, width), label="ConsisID")
 
@@ -769,7 +941,7 @@ def consisid(height=480, width=720, num_frames=49) -> ModelSpec:
 def pixart(height=1024, width=1024, num_frames=None) -> ModelSpec:
     # PixArt-Sigma XL 1024: 28 blocks of 1152 (16 x 72); 0.6e9; 300 T5 tokens by cross-attention.
     memory = _counted((_group("transformer_blocks", 28, 595155456, 21255552, 1152, 4608),), 15700640, 0, 19187712,
-                      2304, 0, ("t5_xxl",), left_out="the SDXL VAE (AutoencoderKL, 4 channels), not counted yet")
+                      2304, 0, ("t5_xxl",), "sd")
     return ModelSpec("pixart", _patches(height, width, 16), 300, "cross", 16, 16, 72, 28, 0.61e9, "batched",
                      out_channels=32, memory=memory, output_size=(1, height, width), label="PixArt-Sigma")
 
@@ -777,7 +949,7 @@ def pixart(height=1024, width=1024, num_frames=None) -> ModelSpec:
 def hunyuan_dit(height=1024, width=1024, num_frames=None) -> ModelSpec:
     # HunyuanDiT v1.2: 40 blocks of 1408 (16 x 88); 1.5e9; 77 Bert + 256 mT5 tokens by cross-attention.
     memory = _counted((_group("blocks", 40, 1439135872, 38063680, 1408, 6144),), 60816160, 0, 62526720, 340992, 0,
-                      left_out="the Bert and mT5 text encoders and the SDXL VAE, not counted yet")
+                      ("hunyuan_bert", "mt5_xl"), "sd")
     return ModelSpec("hunyuan_dit", _patches(height, width, 16), 333, "cross", 16, 16, 88, 40, 1.5e9, "batched",
                      out_channels=32, memory=memory, output_size=(1, height, width), label="HunyuanDiT v1.2")
 
@@ -786,7 +958,7 @@ def dit(height=512, width=512, num_frames=None) -> ModelSpec:
     # DiT-XL/2 512: 28 blocks of 1152 (16 x 72); 0.75e9; class-conditional (no text).
     memory = _counted((_group("transformer_blocks", 28, 747113472, 26682624, 1152, 4608,
                               cut=_cut(148732416, 297400320, reduces=2, collectives=2)),), 2712992, 0, 5313024, 0, 0,
-                      left_out="the SD VAE (AutoencoderKL, 4 channels), not counted yet")
+                      vae="sd")
     return ModelSpec("dit", _patches(height, width, 16), 0, "joint", 16, 16, 72, 28, 0.75e9, "batched",
                      out_channels=32, memory=memory, output_size=(1, height, width), label="DiT-XL/2 512")
 
@@ -798,8 +970,7 @@ def auraflow(height=1024, width=1024, num_frames=None) -> ModelSpec:
                               cut=_cut(301989888, 603979776, reduces=2, collectives=4)),
                        _group("single_transformer_blocks", 32, 5435817984, 169869312, 3072, 5120, kind="parallel",
                               cut=_cut(1207959552, 2415919104, reduces=2, collectives=2))),
-                      63833088, 0, 56727552, 24576, 0,
-                      left_out="the Pile-T5 text encoder (~1 B) and the SDXL VAE, not counted yet")
+                      63833088, 0, 56727552, 24576, 0, ("pile_t5_xl",), "sd")
     return ModelSpec("auraflow", _patches(height, width, 16), 264, "joint", 12, 12, 256, 36, 6.9e9, "batched",
                      out_channels=16, memory=memory, output_size=(1, height, width), label="AuraFlow v0.3")
 
@@ -807,26 +978,27 @@ def auraflow(height=1024, width=1024, num_frames=None) -> ModelSpec:
 def ernie_image(height=1024, width=1024, num_frames=None) -> ModelSpec:
     # ERNIE-Image (diffusers' defaults): 24 layers of 3072 (24 x 128); 2.8e9; 128 prompt tokens joint.
     memory = _counted((_group("layers", 24, 2718062592, 113252608, 3072, 8192),), 103056512, 0, 113283072, 0, 0,
-                      vae="flux2", left_out="the Mistral-3 text encoder, not counted yet")
+                      ("ministral3_3b",), "flux2")
     return ModelSpec("ernie_image", _patches(height, width, 16), 128, "joint", 24, 24, 128, 24, 2.8e9, "batched",
                      out_channels=128, memory=memory, output_size=(1, height, width), label="ERNIE-Image")
 
 
 def glm_image(height=1024, width=1024, num_frames=None) -> ModelSpec:
     # GLM-Image's diffusion decoder (diffusers' defaults): 30 blocks of 2560 (64 x 40); 2.9e9; ~32
-    # ByT5 glyph tokens joint.
+    # ByT5 glyph tokens joint. Its 10 B autoregressive prior (vision_language_encoder) is held beside it.
     memory = _counted((_group("transformer_blocks", 30, 2832768000, 94425600, 2560, 10240),), 69652032, 0, 83886080, 0,
-                      0, ("byt5_small",), left_out="the autoregressive prior (~9 B) and the VAE, not counted yet")
+                      0, ("byt5_small",), "cogview4", others=("glm_image_prior",))
     return ModelSpec("glm_image", _patches(height, width, 16), 32, "joint", 64, 64, 40, 30, 2.9e9, "two_call",
                      out_channels=64, memory=memory, output_size=(1, height, width), label="GLM-Image")
 
 
 def ideogram4(height=1024, width=1024, num_frames=None) -> ModelSpec:
     # Ideogram 4 (diffusers' defaults): 34 layers of 4608 (18 x 256); 9.3e9; the prompt left-padded
-    # to 2048 rows, replicated, attended jointly.
+    # to 2048 rows, replicated, attended jointly. Two such transformers are resident (the pipeline's
+    # ``unconditional_transformer``, a second 9 B model per a public model page: assumed the same config).
     memory = _counted((_group("layers", 34, 8985469952, 264278528, 4608, 12288,
                               cut=_cut(2887778304, 5775556608, reduces=2, collectives=2)),), 293818496, 0, 490742784,
-                      0, 0, vae="flux2", left_out="the Qwen3-VL text encoder, not counted yet")
+                      0, 0, ("qwen3_vl_8b_model",), "flux2", experts=2)
     return ModelSpec("ideogram4", _patches(height, width, 16), 2048, "joint", 18, 18, 256, 34, 9.3e9, "batched",
                      out_channels=128, memory=memory, output_size=(1, height, width), label="Ideogram 4")
 
@@ -836,7 +1008,7 @@ def bria_fibo2(height=1024, width=1024, num_frames=None) -> ModelSpec:
     # prompt tokens make 320 gist tokens, replicated, attended jointly.
     memory = _counted((_group("noise_refiner", 2, 315220480, 157610240, 3584, 9536),
                        _group("layers", 44, 7338589445, 238358017, 3584, 9536)), 473532288, 0, 942328832, 0, 0,
-                      vae="flux2", left_out="the Qwen3-VL text encoder, not counted yet")
+                      ("qwen3_vl_4b",), "flux2")
     return ModelSpec("bria_fibo2", _patches(height, width, 16), 320, "joint", 28, 28, 128, 46, 8.1e9, "two_call",
                      out_channels=128, memory=memory, output_size=(1, height, width), label="FIBO 2.0")
 
@@ -844,7 +1016,7 @@ def bria_fibo2(height=1024, width=1024, num_frames=None) -> ModelSpec:
 def prx(height=1024, width=1024, num_frames=None) -> ModelSpec:
     # PRX-1.2B (diffusers' defaults): 16 blocks of 1792 (28 x 64); 1.17e9; 256 T5Gemma tokens joint.
     memory = _counted((_group("blocks", 16, 1156230144, 72264384, 1792, 6272),), 14461504, 0, 13081728, 0, 0,
-                      vae="flux", left_out="the T5Gemma text encoder, not counted yet")
+                      ("t5gemma_2b",), "flux")
     return ModelSpec("prx", _patches(height, width, 16), 256, "joint", 28, 28, 64, 16, 1.17e9, "batched",
                      out_channels=64, memory=memory, output_size=(1, height, width), label="PRX-1.2B")
 
@@ -853,7 +1025,7 @@ def lumina_next(height=1024, width=1024, num_frames=None) -> ModelSpec:
     # Lumina-Next-SFT: 24 layers of 2304 (32 query / 8 K/V heads x 72); 1.75e9; 128 Gemma tokens by
     # cross-attention.
     memory = _counted((_group("layers", 24, 1749007104, 72875296, 2304, 6144),), 5891872, 0, 6830080, 2304, 0,
-                      left_out="the Gemma-2B text encoder and the SDXL VAE, not counted yet")
+                      ("gemma_2b",), "sd")
     return ModelSpec("lumina_next", _patches(height, width, 16), 128, "cross", 32, 8, 72, 24, 1.75e9, "batched",
                      out_channels=32, memory=memory, output_size=(1, height, width), label="Lumina-Next-SFT")
 
@@ -861,7 +1033,7 @@ def lumina_next(height=1024, width=1024, num_frames=None) -> ModelSpec:
 def _joyimage_memory() -> ModelMemory:
     return _counted((_group("double_blocks", 20, 4531701760, 226585088, 3072, 12288,
                             cut=_cut(1510318080, 3020390400, reduces=2, collectives=4)),), 89293888, 10229760,
-                    198254592, 0, 0, vae="wan", left_out="the Qwen3-VL text encoder, not counted yet")
+                    198254592, 0, 0, ("qwen3_vl_8b",), "wan")
 
 
 def joyimage(height=1024, width=1024, num_frames=None) -> ModelSpec:
@@ -877,6 +1049,91 @@ def joyimage_plus(height=1024, width=1024, num_frames=None) -> ModelSpec:
     return replace(joyimage(height, width), name="joyimage_plus", guidance="batched", label="JoyImage-Edit-Plus")
 
 
+# ---------------------------------------------------------------------------------------------
+# Audio DiTs (Note [audio specs])
+#
+# Note [audio specs]
+#     An audio model's size is its length in seconds (``usp_dit.plan(..., seconds=)``, ``--seconds``):
+#     the latent rate (the VAE's sample rate over its hop, and the transformer's patch) turns it
+#     into the tokens the grid splits, and the VAE decodes ``output_size = (samples, 1, 1)``
+#     (``VAEDecode.reference`` is in samples too: the memory model scales a decode by samples as
+#     by frames x height x width). A spec builder takes ``seconds`` only; ``spec_for`` refuses an
+#     image size for it, and a ``seconds`` for an image or video model. Transformers: Diffusers'
+#     defaults (benchmarks/count_planner_specs.py ``RELEASED``); MiniMax Music 3's sizes are
+#     confirmed by a public reading of its config.json (36 x 2048, 2.4 B), the others are the
+#     classes' defaults, written for these releases (Stable Audio Open 1.0, SA3 Medium, ACE-Step 1.5
+#     2 B, LongCat-AudioDiT 1B) and matching their stated sizes; not read from their config.json.
+
+
+def _seconds(seconds: float, name: str, longest: float) -> float:
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds <= longest:
+        raise ValueError(f"seconds={seconds!r}: {name} generates 0 < seconds <= {longest:g}")
+    return float(seconds)
+
+
+def stable_audio(seconds=47.55) -> ModelSpec:
+    # Stable Audio Open 1.0: 24 blocks of 1536 (24 x 64; cross-attention K/V 12 heads); 1.06e9. The
+    # pipeline always makes sample_size = 1024 latent frames (2048 samples each at 44.1 kHz: up to
+    # 47.55 s, the rest cropped): 1 global token + 1024, whatever ``seconds``. Cross-attention to
+    # 128 T5-base tokens + 2 seconds tokens; CFG batched.
+    _seconds(seconds, "Stable Audio Open", 1024 * 2048 / 44100)
+    memory = _counted((_group("transformer_blocks", 24, 1048080384, 43670016, 1536, 6144, gated=True),), 8858752, 0,
+                      9437184, 0, 0, ("t5_base",), "oobleck", others=("stable_audio_projection",))
+    return ModelSpec("stable_audio", 1 + 1024, 130, "cross", 24, 24, 64, 24, 1.06e9, "batched", out_channels=64,
+                     memory=memory, output_size=(1024 * 2048, 1, 1), label="Stable Audio Open 1.0", seconds=seconds)
+
+
+def stable_audio3(seconds=10.0) -> ModelSpec:
+    # Stable Audio 3 Medium: 24 blocks of 1536 (24 x 64), differential self-attention (two attention
+    # calls a block: 48 layers); 1.45e9. 64 memory tokens + one per 4096 samples (SAME at 44.1 kHz),
+    # up to 384 s; cross-attention to 256 T5Gemma tokens + the duration token. The released medium
+    # checkpoint is distilled (guidance_scale 1: one call a step).
+    frames = math.ceil(_seconds(seconds, "Stable Audio 3", 384) * 44100 / 4096)
+    memory = _counted((_group("transformer_blocks", 24, 1425795072, 59408128, 1536, 6144, gated=True),), 27375872, 0,
+                      33051648, 99072, 0, ("t5gemma_b",), "same", others=("sa3_duration",))
+    return ModelSpec("stable_audio3", 64 + frames, 257, "cross", 24, 24, 64, 48, 1.45e9, "distilled",
+                     out_channels=256, memory=memory, output_size=(frames * 4096, 1, 1), label="Stable Audio 3 Medium",
+                     seconds=seconds)
+
+
+def ace_step(seconds=60.0) -> ModelSpec:
+    # ACE-Step 1.5 (2 B: turbo / base / SFT): 24 layers of 2048 (16 query / 8 K/V heads x 128),
+    # half of them sliding-window (128); 1.58e9. 25 latent frames a second (Oobleck at 48 kHz,
+    # 1920x), patch 2; cross-attention to the packed condition, up to 256 text + 2048 lyric tokens
+    # (the pipeline's maxima). CFG batched (guidance_scale 7 by default).
+    frames = math.ceil(_seconds(seconds, "ACE-Step", 600) * 25)
+    memory = _counted((_group("layers", 24, 1510404096, 62933504, 2048, 6144),), 65054784, 0, 59801600, 4096, 0,
+                      ("qwen3_embedding_06b",), "oobleck_48k", others=("ace_step_condition",))
+    return ModelSpec("ace_step", math.ceil(frames / 2), 256 + 2048, "cross", 16, 8, 128, 24, 1.58e9, "batched",
+                     out_channels=128, memory=memory, output_size=(frames * 1920, 1, 1), label="ACE-Step 1.5",
+                     seconds=seconds, caveat="sliding-window layers priced as full attention (an over-estimate)")
+
+
+def longcat_audio_dit(seconds=30.0) -> ModelSpec:
+    # LongCat-AudioDiT 1B: 24 blocks of 1536 (24 x 64); 0.98e9. One token per 2048 samples at 24 kHz
+    # (up to 30 s: 351 tokens); cross-attention to up to 512 umT5 tokens; CFG one call per branch.
+    frames = int(_seconds(seconds, "LongCat-AudioDiT", 30) * 24000 // 2048)
+    memory = _counted((_group("blocks", 24, 906817536, 37784064, 1536, 6144),), 75138112, 0, 75706368, 0, 0,
+                      ("umt5_base",), "longcat_audio")
+    return ModelSpec("longcat_audio_dit", max(frames, 1), 512, "cross", 24, 24, 64, 24, 0.98e9, "two_call",
+                     out_channels=64, memory=memory, output_size=(max(frames, 1) * 2048, 1, 1),
+                     label="LongCat-AudioDiT 1B", seconds=seconds)
+
+
+def minimax_music3(seconds=60.0) -> ModelSpec:
+    # MiniMax Music 3's flow-matching DiT: 36 blocks of 2048 (32 x 64); 2.43e9. A call denoises one
+    # window of 200 language-model frames (8 s; 689 Flow-VAE latent frames at 44.1 kHz / 512, the
+    # song's whole length when shorter) + the time token; no text stream (the condition is added on
+    # channels). CFG one call per branch. The 8 B language model, its depth decoder and condition
+    # encoder are held beside it; the vocoder decodes a window at a time.
+    frames = min(math.ceil(_seconds(seconds, "MiniMax Music 3", 300) * 44100 / 512), 689)
+    memory = _counted((_group("transformer_blocks", 36, 2416877568, 67135488, 2048, 8192, gated=True),), 15028352, 0,
+                      10616832, 0, 0, vae="music3_vocoder",
+                      others=("music3_language_model", "music3_rvq_depth_decoder", "music3_condition_encoder"))
+    return ModelSpec("minimax_music3", 1 + frames, 0, "joint", 32, 32, 64, 36, 2.43e9, "two_call", out_channels=128,
+                     memory=memory, output_size=(frames * 512, 1, 1), label="MiniMax Music 3", seconds=seconds)
+
+
 SPECS: dict[str, Callable[..., ModelSpec]] = {
     "flux": flux, "flux2": flux2, "sd35": sd35, "qwen_image": qwen_image, "cogvideox": cogvideox, "mochi": mochi,
     "wan": wan, "wan22": wan22, "hunyuan_video": hunyuan_video, "hunyuan_video15": hunyuan_video15,
@@ -889,6 +1146,8 @@ SPECS: dict[str, Callable[..., ModelSpec]] = {
     "pixart": pixart, "hunyuan_dit": hunyuan_dit, "dit": dit, "auraflow": auraflow, "ernie_image": ernie_image,
     "glm_image": glm_image, "ideogram4": ideogram4, "bria_fibo2": bria_fibo2, "prx": prx,
     "lumina_next": lumina_next, "joyimage": joyimage, "joyimage_plus": joyimage_plus,
+    "stable_audio": stable_audio, "stable_audio3": stable_audio3, "ace_step": ace_step,
+    "longcat_audio_dit": longcat_audio_dit, "minimax_music3": minimax_music3,
 }
 # The Diffusers transformer class -> the spec builder that knows its sizes. By class name, so that
 # the planner needs neither Diffusers nor the adapters above it (tests/test_planner.py checks that
@@ -919,18 +1178,33 @@ CLASSES = {
     "Ideogram4Transformer2DModel": "ideogram4", "BriaFibo2Transformer2DModel": "bria_fibo2",
     "PRXTransformer2DModel": "prx", "LuminaNextDiT2DModel": "lumina_next",
     "JoyImageEditTransformer3DModel": "joyimage", "JoyImageEditPlusTransformer3DModel": "joyimage_plus",
+    "StableAudioDiTModel": "stable_audio", "StableAudio3DiTModel": "stable_audio3",
+    "AceStepTransformer1DModel": "ace_step", "LongCatAudioDiTTransformer": "longcat_audio_dit",
+    "MiniMaxMusic3Transformer1DModel": "minimax_music3",
 }
 
 
-def spec_for(model: str, height: int | None = None, width: int | None = None, num_frames: int | None = None) -> ModelSpec:
-    """The released config of ``model`` (a key of ``SPECS``) at a size (defaults: the model's usual)."""
+def spec_for(model: str, height: int | None = None, width: int | None = None, num_frames: int | None = None,
+             seconds: float | None = None) -> ModelSpec:
+    """The released config of ``model`` (a key of ``SPECS``) at a size (defaults: the model's usual):
+    ``height``, ``width``, ``num_frames`` for an image or video model, ``seconds`` for an audio one.
+
+    Raises:
+        ValueError: an unknown model, or a size the model does not take (naming the ones it does).
+    """
     if model not in SPECS:
         raise ValueError(f"model={model!r} is not one the planner knows; choose one of {sorted(SPECS)}")
-    kwargs = {k: v for k, v in (("height", height), ("width", width), ("num_frames", num_frames)) if v is not None}
+    kwargs = {k: v for k, v in (("height", height), ("width", width), ("num_frames", num_frames),
+                                ("seconds", seconds)) if v is not None}
+    takes = list(inspect.signature(SPECS[model]).parameters)
+    wrong = [k for k in kwargs if k not in takes]
+    if wrong:
+        raise ValueError(f"{', '.join(f'{k}={kwargs[k]!r}' for k in wrong)}: model {model!r} takes a size of "
+                         f"{takes} only" + (" (an audio model: its size is seconds=)" if takes == ["seconds"] else ""))
     return SPECS[model](**kwargs)
 
 
-def spec_of_transformer(transformer, height=None, width=None, num_frames=None, pipe=None) -> ModelSpec:
+def spec_of_transformer(transformer, height=None, width=None, num_frames=None, pipe=None, seconds=None) -> ModelSpec:
     """A spec for an instantiated transformer: its family's size formula, with the heads, head_dim,
     layers and parameter count read from the object itself (its config may differ from the
     release), and its memory counted from the objects (``memory_of``: the pipeline's, when given)."""
@@ -941,7 +1215,7 @@ def spec_of_transformer(transformer, height=None, width=None, num_frames=None, p
         raise ValueError(
             f"the planner cannot plan a {name}; it knows {sorted(CLASSES)} (families {sorted(set(CLASSES.values()))})"
         )
-    base = spec_for(CLASSES[name], height, width, num_frames)
+    base = spec_for(CLASSES[name], height, width, num_frames, seconds)
     cfg = transformer.config
     heads = int(getattr(cfg, "num_attention_heads", base.heads))
     head_dim = int(getattr(cfg, "attention_head_dim", base.head_dim))
@@ -1031,25 +1305,36 @@ def _blocks_of(transformer: Any, base: ModelMemory | None, hidden: int) -> tuple
 
 def memory_of(transformer: Any, base: ModelMemory | None, hidden: int, pipe: Any = None) -> ModelMemory:
     """``ModelMemory`` counted from the objects: the transformer's blocks and the rest; with a
-    pipeline, its second expert (``transformer_2``), text encoders and VAE (the decode's figures
-    are the release's, ``base``). A bare transformer has no encoders and no VAE to count."""
+    pipeline, its second transformer (``transformer_2``, ``unconditional_transformer``), text
+    encoders, VAE (the decode's figures are the release's, ``base``) and the other modules it
+    holds (``_OTHER_COMPONENTS``). A bare transformer has no encoders and no VAE to count."""
     blocks = _blocks_of(transformer, base, hidden)
     params, nbytes = _count(transformer)
     in_blocks = {id(b) for g in blocks for b in getattr(transformer, g.name)}
     lists = {g.name for g in blocks}
     outer = [_count(c) for n, c in transformer.named_children() if n not in lists and id(c) not in in_blocks]
     root = sum(p.numel() * p.element_size() for p in transformer.parameters(recurse=False))
-    experts = 2 if pipe is not None and getattr(pipe, "transformer_2", None) is not None else 1
+    second = any(getattr(pipe, n, None) is not None for n in ("transformer_2", "unconditional_transformer"))
+    experts = 2 if pipe is not None and second else 1
     encoders: tuple[TextEncoder, ...] = ()
+    others: tuple[HeldModule, ...] = ()
     vae = None
     if pipe is not None:
         encoders = tuple(encoder_of(m) for m in _pipe_encoders(pipe))
+        others = tuple(HeldModule(n, type(m).__name__, *_count(m)) for n in _OTHER_COMPONENTS
+                       if hasattr(m := getattr(pipe, n, None), "parameters"))
         vae_module = getattr(pipe, "vae", None)
         if vae_module is not None and base is not None and base.vae is not None:
             vae_params, vae_bytes = _count(vae_module)
             vae = replace(base.vae, params=vae_params, nbytes=vae_bytes)
     return ModelMemory(blocks, params - sum(g.params for g in blocks), nbytes - sum(g.nbytes for g in blocks),
-                       max((b for _, b in outer), default=0), root, experts, encoders, vae)
+                       max((b for _, b in outer), default=0), root, experts, encoders, vae, others)
+
+
+# A pipeline's modules held whole on every rank beside its text encoders (``ModelMemory.others``).
+_OTHER_COMPONENTS = ("image_encoder", "connectors", "audio_vae", "vocoder", "projection_model", "duration_embedder",
+                     "condition_encoder", "vision_language_encoder", "sound_tokenizer", "language_model",
+                     "rvq_depth_decoder")
 
 
 def _add(acc: list[int], t: Any, numel: int | None = None) -> None:

@@ -7,7 +7,7 @@ Layout: no tensors; a model is a Diffusers pipeline, its transformer, or a famil
     print(plan.explain())
     pipe.enable_usp(degrees="auto")          # the same choice, made at enable
 
-    python -m usp_dit.planner --model flux --world-size 8 [--height H --width W --frames F
+    python -m usp_dit.planner --model flux --world-size 8 [--height H --width W --frames F | --seconds S
                            --batch B --cfg/--no-cfg --interconnect nvlink|pcie|infiniband --gpu h200]
     python -m usp_dit.planner --model wan --world-size 1 --project
 
@@ -107,8 +107,9 @@ class Plan:
         m = self.memory
         if m is None:
             return []
+        others = f"other modules {m.others:.1f}, " if m.others else ""
         parts = (f"weights {m.weights:.1f}, text encoders {m.text_encoders:.1f}, activations {m.activations:.1f}, "
-                 f"VAE {m.vae:.1f}, reserve {m.reserve:.1f}; peak while {_PHASE_WORDS[m.peak_phase]}")
+                 f"VAE {m.vae:.1f}, {others}reserve {m.reserve:.1f}; peak while {_PHASE_WORDS[m.peak_phase]}")
         if self.gpu_memory_gib is None:
             return [(f"Memory: {m.total:.1f} GiB per rank, {m.placement()} ({parts}); not checked against a GPU: "
                      f"pass gpu_memory_gib= to choose the placement.")]
@@ -230,17 +231,17 @@ def candidate_grids(spec: ModelSpec, world_size: int, batch: int, cfg: bool, ten
     return grids
 
 
-def _spec(model: Any, height, width, num_frames) -> ModelSpec:
+def _spec(model: Any, height, width, num_frames, seconds=None) -> ModelSpec:
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, str):
-        return spec_for(model, height, width, num_frames)
+        return spec_for(model, height, width, num_frames, seconds)
     transformer = getattr(model, "transformer", model)
     if transformer is None or not hasattr(transformer, "config"):
         raise ValueError(f"usp_dit.plan cannot plan a {type(model).__name__}: pass a pipeline, its transformer, "
                          f"or a model name of {sorted(SPECS)}")
     pipe = model if transformer is not model else None
-    return spec_of_transformer(transformer, height, width, num_frames, pipe=pipe)
+    return spec_of_transformer(transformer, height, width, num_frames, pipe=pipe, seconds=seconds)
 
 
 def _default_cfg(model: Any, spec: ModelSpec) -> bool:
@@ -328,6 +329,7 @@ def plan(
     height: int | None = None,
     width: int | None = None,
     num_frames: int | None = None,
+    seconds: float | None = None,
     batch: int = 1,
     cfg: bool | None = None,
     interconnect: str = "nvlink",
@@ -343,6 +345,7 @@ def plan(
             VAE); a bare transformer's has no text encoders or VAE; a name takes the release's.
         world_size: GPUs the job runs on (>= 1).
         height, width, num_frames: the output size; ``None`` takes the model's usual size.
+        seconds: an audio model's output length (its only size; ``models`` Note [audio specs]).
         batch: prompts per step. cfg: whether classifier-free guidance runs two branches
             (``None``: the family's usual).
         interconnect: "nvlink" (one node), "pcie", or "infiniband" (nodes of 8 over NVLink).
@@ -365,7 +368,7 @@ def plan(
     limit = check_gpu_memory(gpu_memory_gib)
     check_interconnect(interconnect)
     device = check_gpu(gpu)
-    spec = _spec(pipe_or_transformer, height, width, num_frames)
+    spec = _spec(pipe_or_transformer, height, width, num_frames, seconds)
     if spec.unsupported:
         raise ValueError(f"model {spec.name!r} ({spec.label}): {spec.unsupported}; the planner has its memory "
                          f"(python -m usp_dit.planner --memory-table) but plans only what enable_usp runs")
@@ -396,9 +399,13 @@ def choose(spec: ModelSpec, world_size: int, *, batch: int = 1, cfg: bool, inter
 
 
 def _notes(spec: ModelSpec) -> tuple[str, ...]:
-    """What ``spec``'s figures leave out and where its time is priced roughly, for explain()."""
+    """What ``spec``'s figures leave out, which are estimates, and where its time is priced roughly,
+    for explain()."""
     left_out = spec.memory.left_out if spec.memory is not None else ""
+    vae = spec.memory.vae if spec.memory is not None else None
+    estimate = vae is not None and vae.estimated
     return tuple(note for note in (left_out and f"Memory leaves out {left_out}",
+                                   estimate and f"The VAE decode's memory ({vae.name}) is an {vae.source}",
                                    spec.caveat and f"Time is rough: {spec.caveat}") if note)
 
 
@@ -506,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--height", type=int)
     p.add_argument("--width", type=int)
     p.add_argument("--frames", type=int, dest="num_frames")
+    p.add_argument("--seconds", type=float, help="an audio model's output length")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cfg", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--interconnect", default="nvlink", choices=INTERCONNECTS)
@@ -530,10 +538,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--model and --world-size are required (except with --memory-table)")
         if args.project:
             print(projection(args.model, height=args.height, width=args.width, num_frames=args.num_frames,
-                             batch=args.batch, cfg=args.cfg, gpu=args.gpu))
+                             seconds=args.seconds, batch=args.batch, cfg=args.cfg, gpu=args.gpu))
             return 0
         result = plan(args.model, world_size=args.world_size, height=args.height, width=args.width,
-                      num_frames=args.num_frames, batch=args.batch, cfg=args.cfg, interconnect=args.interconnect,
+                      num_frames=args.num_frames, seconds=args.seconds, batch=args.batch, cfg=args.cfg,
+                      interconnect=args.interconnect,
                       gpu=args.gpu, gpu_memory_gib=args.gpu_memory_gib)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
