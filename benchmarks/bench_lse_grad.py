@@ -63,7 +63,9 @@ def main() -> None:
             res = bench(name, shape)
             if res is None:
                 continue
-            aug = f"{res['augmented']:.2f} ({res['width']}) = {res['augmented'] / res['plain']:.2f}x" if "augmented" in res else "-"
+            aug = "-"
+            if "augmented" in res:
+                aug = f"{res['augmented']:.2f} ({res['width']}) = {res['augmented'] / res['plain']:.2f}x"
             print(f"| {shape_name} {shape} | {name} | {res['plain']:.2f} | {aug} | "
                   f"{res['two_calls']:.2f} = {res['two_calls'] / res['plain']:.2f}x |")
 

@@ -94,10 +94,9 @@ def test_bfloat16_within_twice_the_plain_backward_error(name):
     out, lse = backend.forward(qd, kd, vd, 0.3)
     plain = backend.backward(w_out.to(torch.bfloat16), qd, kd, vd, out, lse, 0.3)
     plain_err = max(rel_err(a, b) for a, b in zip(plain, plain_ref))
+    args = (backend, w_out.to(torch.bfloat16), qd, kd, vd, out, lse, w_lse.float(), 0.3)
     for width in (24, None):  # augmented at 24 columns; two calls
-        grads = (backward_two_calls(backend, w_out.to(torch.bfloat16), qd, kd, vd, out, lse, w_lse.float(), 0.3, {})
-                 if width is None else
-                 backward_augmented(backend, w_out.to(torch.bfloat16), qd, kd, vd, out, lse, w_lse.float(), 0.3, width, {}))
+        grads = backward_two_calls(*args, {}) if width is None else backward_augmented(*args, width, {})
         err = max(rel_err(a, b) for a, b in zip(grads, ref))
         assert err <= 2 * plain_err + 1e-3, (width, err, plain_err)
 
@@ -186,7 +185,8 @@ class Case:
     @property
     def id(self) -> str:
         mask = "" if self.frame is None else f"-f{self.frame}-{self.layout}"
-        return f"w{self.world}-u{self.ulysses}r{self.ring}-{self.schedule}-{self.backend}-{self.shape.id}-{self.reads}{mask}"
+        grid = f"w{self.world}-u{self.ulysses}r{self.ring}-{self.schedule}"
+        return f"{grid}-{self.backend}-{self.shape.id}-{self.reads}{mask}"
 
 
 CAUSAL_SHAPE = Shape(2, 13, 4, 2, 8, 0)
@@ -203,10 +203,12 @@ def cases(world: int) -> list[Case]:
                 if u <= shape.heads:
                     out.append(Case(world, u, r, schedule, BACKENDS[len(out) % 2], shape))
             for layout, frame in CAUSAL_RUNS if schedule != "gather_one_call" else ():
-                out.append(Case(world, u, r, schedule, BACKENDS[len(out) % 2], CAUSAL_SHAPE, frame=frame, layout=layout))
+                backend = BACKENDS[len(out) % 2]
+                out.append(Case(world, u, r, schedule, backend, CAUSAL_SHAPE, frame=frame, layout=layout))
     u, r = GRIDS[world][-1]
     schedule = "stream" if r > 1 else "auto"
-    out += [Case(world, u, r, schedule, "sdpa_cpu", SHAPES[0], "lse"), Case(world, u, r, schedule, "sdpa_cpu", SHAPES[2], "rank0")]
+    out += [Case(world, u, r, schedule, "sdpa_cpu", SHAPES[0], "lse"),
+            Case(world, u, r, schedule, "sdpa_cpu", SHAPES[2], "rank0")]
     return out
 
 
@@ -243,7 +245,8 @@ def _reference(case: Case, x: dict, p: int):
     names = ["q", "k", "v"] + (["jq", "jk", "jv"] if s.joint else [])
     leaves = {n: x[n].clone().requires_grad_() for n in names}
     n = s.seq
-    cat = [torch.cat([leaves[a], leaves[b]], 1) if s.joint else leaves[a] for a, b in (("q", "jq"), ("k", "jk"), ("v", "jv"))]
+    pairs = (("q", "jq"), ("k", "jk"), ("v", "jv"))
+    cat = [torch.cat([leaves[a], leaves[b]], 1) if s.joint else leaves[a] for a, b in pairs]
     if case.frame is not None:
         visible = frame_causal_mask(n, case.frame)
     else:
@@ -351,7 +354,8 @@ def plain_path_calls(mesh) -> dict[str, int]:
     try:
         x = _inputs(Case(0, 1, 1, "auto", "sdpa_cpu", SHAPES[1]), seed=7)
         leaves = [shard_sequence(x[n], mesh).clone().requires_grad_() for n in ("q", "k", "v")]
-        for name, want_lse, read_lse in (("out_only", True, False), ("no_lse", False, False), ("reads_lse", True, True)):
+        runs = (("out_only", True, False), ("no_lse", False, False), ("reads_lse", True, True))
+        for name, want_lse, read_lse in runs:
             seen.clear()
             res = usp_attention(*leaves, mesh=mesh, backend="sdpa_cpu", return_lse=want_lse, seq_len=11)
             loss = res.out.square().sum() + (res.lse.sum() if read_lse else 0)
@@ -367,7 +371,8 @@ def run_grid(world: int) -> dict[str, object]:
     for i, case in enumerate(cases(world)):
         key = (case.ulysses, case.ring)
         if key not in meshes:
-            meshes[key] = init_usp(ulysses_degree=case.ulysses, ring_degree=case.ring) if world > 1 else single_rank_mesh()
+            meshes[key] = single_rank_mesh() if world == 1 else init_usp(ulysses_degree=case.ulysses,
+                                                                         ring_degree=case.ring)
         try:
             results[case.id] = run_case(case, meshes[key], seed=i)
         except Exception as exc:  # recorded, asserted by the parent

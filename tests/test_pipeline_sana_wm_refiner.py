@@ -133,7 +133,7 @@ def _refused(fn, exc_type: type[Exception], match: str) -> dict[str, float]:
 def _prefix_grads(model, inputs, divisor: int) -> dict[str, torch.Tensor]:
     """Gradients of (out * w).sum() / ``divisor`` for every parameter and the injected cache's K/V
     (leaves: the sink's and history's K and V of every layer)."""
-    inputs.sink, inputs.history = ([t.detach().requires_grad_() for t in pair] for pair in (inputs.sink, inputs.history))
+    inputs.sink, inputs.history = ([t.detach().requires_grad_() for t in kv] for kv in (inputs.sink, inputs.history))
     out = parity.sample(model(**inputs.kwargs(), return_dict=False))
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(123))
     leaves = {**dict(model.named_parameters()), "sink.k": inputs.sink[0], "sink.v": inputs.sink[1],

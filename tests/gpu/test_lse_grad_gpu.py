@@ -36,7 +36,8 @@ def test_lse_gradient_through_the_kernel(name, dtype, head_dim, causal):
     g = torch.Generator(device="cuda").manual_seed(0)
     b, s, h, hk = 2, 777, 8, 2
     mk = lambda *shape: torch.randn(*shape, generator=g, device="cuda", dtype=torch.float64)  # noqa: E731
-    q, k, v, w_out, w_lse = mk(b, s, h, head_dim), mk(b, s, hk, head_dim), mk(b, s, hk, head_dim), mk(b, s, h, head_dim), mk(b, s, h)
+    q, k, v = mk(b, s, h, head_dim), mk(b, s, hk, head_dim), mk(b, s, hk, head_dim)
+    w_out, w_lse = mk(b, s, h, head_dim), mk(b, s, h)
     scale = head_dim ** -0.5
     visible = torch.ones(s, s, dtype=torch.bool, device="cuda")
     visible = visible.tril() if causal else visible

@@ -148,7 +148,8 @@ def _joint(t: _Tally, shape: CallShape, hq: list[int], r: int, u: int, ring: int
         t.add("joint_gather", over_ring + over_ulysses, over_ring + over_ulysses)
     if backward:  # over the sequence group: P = ring x ulysses ranks
         joint_out = shape.batch * shape.joint * shape.heads * shape.head_dim * shape.dtype_bytes
-        for nbytes in (joint_out,) + ((shape.batch * shape.joint * shape.heads * shape.acc_bytes,) if return_lse else ()):
+        joint_lse = shape.batch * shape.joint * shape.heads * shape.acc_bytes
+        for nbytes in (joint_out,) + ((joint_lse,) if return_lse else ()):
             both = all_reduce_bytes(nbytes, ring * len(hq))
             t.add("joint_grad", both, both)
 
