@@ -18,8 +18,10 @@ per shape, Note [schedules in CI]). Each case: the output vs the stock output, w
 in the cache (the captured K/V of every layer, which the adapter gathers to the whole sequence) vs
 stock's, block 0's self-attention sees at most ceil(S / P) tokens, and after ``disable`` the output
 is bit-identical. Every parameter's gradient of plain calls (loss / P on each rank, summed over the
-sequence group) on 2 and 4 ranks; a gradient through an injected prefix on a grid is refused
-(Note [cached prefix] in usp_dit.pipelines.families.sana_wm_refiner); a batched plain call split by
+sequence group) on 2 and 4 ranks; through an injected prefix ("inject_and_capture_post_rope",
+Note [cached prefix] in usp_dit.pipelines.families.sana_wm_refiner: the merge by the LSEs'
+gradients) on (2,2), every parameter's and the injected sink's and history's K/V (replicated:
+each rank's part, summed over the sequence group); a batched plain call split by
 ``cfg_degree=2``, and a KV-cached call refused there. The tiny ``SanaWMLTX2Refiner`` (Gemma 3
 encoder, text connectors; a stage-1 latent of 8 frames of 3 x 3, sink 1, blocks of 3 frames, a
 window of 5 frames: the history trimmed; 3 Euler steps a block) through ``pipe.enable_usp()`` on
@@ -128,14 +130,35 @@ def _refused(fn, exc_type: type[Exception], match: str) -> dict[str, float]:
     return {"did_not_raise": 1.0}
 
 
-def _prefix_gradient_refused(mesh) -> dict[str, float]:
-    """A gradient through an injected prefix on a grid: NotImplementedError on every rank."""
+def _prefix_grads(model, inputs, divisor: int) -> dict[str, torch.Tensor]:
+    """Gradients of (out * w).sum() / ``divisor`` for every parameter and the injected cache's K/V
+    (leaves: the sink's and history's K and V of every layer)."""
+    inputs.sink, inputs.history = ([t.detach().requires_grad_() for t in kv] for kv in (inputs.sink, inputs.history))
+    out = parity.sample(model(**inputs.kwargs(), return_dict=False))
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(123))
+    leaves = {**dict(model.named_parameters()), "sink.k": inputs.sink[0], "sink.v": inputs.sink[1],
+              "history.k": inputs.history[0], "history.v": inputs.history[1]}
+    grads = torch.autograd.grad((out * weight).sum() / divisor, list(leaves.values()), allow_unused=True)
+    return {n: torch.zeros_like(t) if g is None else g for (n, t), g in zip(leaves.items(), grads)}
+
+
+def _prefix_gradient_case(mesh) -> dict[str, float]:
+    """Through an injected prefix on a grid: every parameter's and the cache's gradients (each
+    rank's loss L / P, summed over the sequence group) vs one process's."""
     model, inputs = _build(SHAPES[1])
+    ref = _prefix_grads(model, inputs, 1)
     ADAPTER.enable(model, mesh, "auto")
     try:
-        return _refused(lambda: model(**inputs.kwargs()), NotImplementedError, "forward only")
+        grads = _prefix_grads(model, inputs, mesh.sequence_degree)
     finally:
         ADAPTER.disable(model)
+    errors = {"params": 0.0}
+    for name, g in grads.items():
+        g = g.contiguous()  # gloo reduces contiguous buffers only
+        torch.distributed.all_reduce(g, group=mesh.seq_group)
+        key = name if name in ("sink.k", "sink.v", "history.k", "history.v") else "params"
+        errors[key] = max(errors.get(key, 0.0), rel_err(g, ref[name]))
+    return errors
 
 
 def _cfg_cache_refused(mesh) -> dict[str, float]:
@@ -176,7 +199,7 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 def _run_all() -> dict[str, dict | str]:
     results = {}
     parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case, GRAD_SHAPES)
-    parity.record(results, "prefix-grad-refused", lambda: _prefix_gradient_refused(init_usp(2, 2)))
+    parity.record(results, "prefix-grad-u2r2", lambda: _prefix_gradient_case(init_usp(2, 2)))
     parity.record(results, "cfg-split", lambda: parity.cfg_split_case(*_build(SHAPES[0]), init_usp(1, 2, 2)))
     parity.record(results, "cfg-cache-refused", lambda: _cfg_cache_refused(init_usp(1, 2, 2)))
     two_heads = tiny_sana_wm_refiner(num_heads=2, head_dim=32)
@@ -196,8 +219,8 @@ test_sharded_output_matches_one_process, test_parameter_gradients_match_one_proc
 )
 
 
-def test_gradient_through_a_cached_prefix_is_refused_on_a_grid(grid_results):
-    parity.assert_within(grid_results, "prefix-grad-refused", 0.0)
+def test_gradients_through_a_cached_prefix_match_one_process(grid_results):
+    parity.assert_within(grid_results, "prefix-grad-u2r2", TOL)
 
 
 def test_cfg_parallel_splits_a_plain_batched_call(grid_results):

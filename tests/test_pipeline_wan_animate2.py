@@ -27,7 +27,13 @@ both passes, its cache holds at most ceil(reference tokens / P) rows and a windo
 reference frames the rank's queries read (Note [where the reference cache lives]); after
 ``disable`` bit-identical. Also: a cache written by stock (the reference pass before ``enable``)
 read under the adapter; the reference pass's parameter gradients on 2 ranks (first shape) and 4
-(second shape) (the generation pass with a gradient is refused, and that refusal is asserted); through
+(second shape); the generation pass's parameter gradients (Note [generation gradient]: the merge
+through the LSE's gradient) on (1,2) (first shape, "stream") and (2,2) (second shape), the
+reference pass under ``no_grad``, and on (2,1) behind a stock-written cache that requires a
+gradient (the gradient flowing into the reference pass too), against one process's stock model
+whose flex attention (no backward on CPU) is replaced by the same BlockMask's mask evaluated
+densely under a plain masked softmax (``_dense_flex``); a gradient into a cache the adapter wrote
+on a grid refused (NotImplementedError on every rank); through
 ``usp_dit.enable_usp`` on (2,1), (2,2) and cfg (1,2,2), whose two guidance calls of a step run on
 the two cfg groups (``cfg_pair``), with the branch arguments ``encoder_hidden_states`` and
 ``is_uncondtion``.
@@ -43,12 +49,17 @@ merged by log-sum-exp against stock's one masked softmax; gradients summed over 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
+from diffusers.models.transformers import transformer_wan_animate_2 as stock
 from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
+from torch.nn.attention.flex_attention import BlockMask
 
 from tests import adapter_parity as parity
 from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
@@ -160,17 +171,76 @@ def _gradient_case(shape: SegmentShape, mesh) -> dict[str, float]:
     return parity.gradient_errors(model, _ExtractCall(model, inputs), ADAPTER, mesh)
 
 
-def _cached_gradient_refused(mesh) -> dict[str, float]:
+@contextlib.contextmanager
+def _dense_flex():
+    """Stock's generation calls with a differentiable stand-in for flex attention, which has no
+    backward on CPU: the BlockMask's own ``mask_mod`` evaluated on every (query, key) pair, then a
+    masked softmax (a row with no visible key, a padded query, gives 0 like flex, with no NaN)."""
+    original = stock.dispatch_attention_fn
+
+    def dispatch(query, key, value, attn_mask=None, **kwargs):
+        if not isinstance(attn_mask, BlockMask):
+            return original(query, key, value, attn_mask=attn_mask, **kwargs)
+        zero = torch.zeros((), dtype=torch.long)
+        visible = attn_mask.mask_mod(zero, zero, torch.arange(query.shape[1])[:, None],
+                                     torch.arange(key.shape[1])[None, :])  # (Sq, Sk)
+        rows = visible.any(-1, keepdim=True)
+        scores = torch.einsum("bqhd,bkhd->bhqk", query, key) * query.shape[-1] ** -0.5
+        probs = torch.softmax(scores.masked_fill(~(visible | ~rows), float("-inf")), dim=-1) * rows
+        return torch.einsum("bhqk,bkhd->bqhd", probs, value)
+
+    with mock.patch.object(stock, "dispatch_attention_fn", dispatch):
+        yield
+
+
+def _generation_grads(model, inputs, mesh, divisor: int, reference_grad: bool) -> dict[str, torch.Tensor]:
+    """Parameter gradients of (out * w).sum() / ``divisor`` over one generation call's output, its
+    reference pass under ``no_grad`` unless ``reference_grad`` (the cache then requires a gradient);
+    ``mesh`` None: stock (``_dense_flex``), else the pass's own enabled model (the reference pass
+    run by stock when ``reference_grad``: a cache that holds every row)."""
+    cache = WanAnimate2KVCache(model.config.num_layers)
+    with eager_block_masks(), _dense_flex():
+        with torch.set_grad_enabled(reference_grad):
+            model(**inputs.extract(cache))
+        if mesh is not None:
+            ADAPTER.enable(model, mesh, "auto")
+        try:
+            out = torch.cat([o.flatten() for o in model(**inputs.cached(cache)).sample])
+        finally:
+            if mesh is not None:
+                ADAPTER.disable(model)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    params = dict(model.named_parameters())
+    grads = torch.autograd.grad((out * weight).sum() / divisor, list(params.values()), allow_unused=True)
+    return {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(params.items(), grads)}
+
+
+def _generation_gradient_case(shape: SegmentShape, mesh, reference_grad: bool = False) -> dict[str, float]:
+    """Every parameter's gradient of a generation call (each rank's loss L / P, summed over the
+    sequence group) vs one process's (Note [generation gradient])."""
+    model, inputs = _build(shape)
+    ref = _generation_grads(model, inputs, None, 1, reference_grad)
+    grads = _generation_grads(model, inputs, mesh, mesh.sequence_degree, reference_grad)
+    worst = 0.0
+    for name, g in grads.items():
+        g = g.contiguous()  # gloo reduces contiguous buffers only
+        dist.all_reduce(g, group=mesh.seq_group)
+        worst = max(worst, rel_err(g, ref[name]))
+    return {"grad": worst}
+
+
+def _cache_gradient_refused(mesh) -> dict[str, float]:
+    """The reference pass under the adapter with a gradient, then a generation call: its window would
+    come by a forward-only exchange, so NotImplementedError on every rank."""
     model, inputs = _build(SHAPES[0])
     cache = WanAnimate2KVCache(model.config.num_layers)
     ADAPTER.enable(model, mesh, "auto")
     try:
         with eager_block_masks():
-            with torch.no_grad():
-                model(**inputs.extract(cache))
+            model(**inputs.extract(cache))
             model(**inputs.cached(cache))
     except NotImplementedError as exc:
-        return {"wrong_error": float("generation pass (kv_cache_mode='cached') with a gradient" not in str(exc))}
+        return {"wrong_error": float("a gradient into the reference K/V cache" not in str(exc))}
     finally:
         ADAPTER.disable(model)
     return {"did_not_raise": 1.0}
@@ -193,7 +263,12 @@ def _run_all() -> dict[str, dict | str]:
     results = {}
     parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case, grad_shapes=GRAD_SHAPES)
     parity.record(results, "stock-cache-u2r2", lambda: _stock_cache_case(init_usp(2, 2)))
-    parity.record(results, "cached-grad-refused", lambda: _cached_gradient_refused(init_usp(1, 2)))
+    parity.record(results, "generation-grad-u1r2", lambda: _generation_gradient_case(
+        SHAPES[0], init_usp(1, 2, ring_schedule="stream")))
+    parity.record(results, "generation-grad-u2r2", lambda: _generation_gradient_case(SHAPES[1], init_usp(2, 2)))
+    parity.record(results, "generation-grad-stock-cache-u2r1",
+                  lambda: _generation_gradient_case(SHAPES[1], init_usp(2, 1), reference_grad=True))
+    parity.record(results, "cache-grad-refused", lambda: _cache_gradient_refused(init_usp(1, 2)))
     for grid in [(2, 1, 1), (2, 2, 1), (1, 2, 2)]:
         parity.record(results, f"enable_usp-u{grid[0]}r{grid[1]}cfg{grid[2]}",
                       lambda grid=grid: _enable_usp_case(init_usp(*grid)))
@@ -214,8 +289,13 @@ test_sharded_output_matches_one_process, test_parameter_gradients_match_one_proc
 )
 
 
-def test_generation_pass_with_a_gradient_is_refused(grid_results):
-    parity.assert_within(grid_results, "cached-grad-refused", 0.0)
+@pytest.mark.parametrize("key", ["generation-grad-u1r2", "generation-grad-u2r2", "generation-grad-stock-cache-u2r1"])
+def test_generation_pass_gradients_match_one_process(grid_results, key: str):
+    parity.assert_within(grid_results, key, TOL)
+
+
+def test_gradient_into_an_exchanged_cache_is_refused(grid_results):
+    parity.assert_within(grid_results, "cache-grad-refused", 0.0)
 
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):

@@ -6,8 +6,9 @@ head_dim); lse (batch, seq_q, heads), float32 (float64 for float64 inputs).
 A plan (``usp_dit.attention.masks``) is a tuple of ``SubCall``s: dense or causal-diagonal kernel calls on
 row and key ranges. ``RowMerger`` merges their partial results by log-sum-exp into the rows they
 cover; ``masked_block_grads`` is the matching backward, given the final out / LSE of the queries
-(as in ring attention, that makes each call's gradient its exact share). ``MaskedAttention`` is
-the autograd node of one block pair with no ring (one rank, or Ulysses only).
+and the final LSE's gradient, if any (as in ring attention, that makes each call's gradient its
+exact share: Note [LSE gradient] in ``usp_dit.kernels.lse_grad``). ``MaskedAttention`` is the
+autograd node of one block pair with no ring (one rank, or Ulysses only).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 
 from usp_dit.attention.masks import SubCall
 from usp_dit.attention.merge import merge_into
-from usp_dit.kernels.autograd import attend, kernel_backward, kernel_forward, refuse_lse_gradient
+from usp_dit.kernels.autograd import attend, kernel_backward, kernel_forward, needs_grad
+from usp_dit.kernels.lse_grad import lse_cotangent
 from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 
 
@@ -65,9 +67,11 @@ def attend_plan(merger: RowMerger, q, k, v, calls: tuple[SubCall, ...], backend:
         merger.add(c.q0, c.q1, out, lse)
 
 
-def masked_block_grads(backend: AttentionBackend, dout, q, k, v, out, lse, scale: float, calls: tuple[SubCall, ...]):
+def masked_block_grads(backend: AttentionBackend, dout, q, k, v, out, lse, scale: float, calls: tuple[SubCall, ...],
+                       dlse=None):
     """``(dq, dk, dv)`` of the block pair (float32, float64 for float64 inputs; zeros where the
-    mask hides everything), ``out``/``lse`` being the queries' final (merged) results."""
+    mask hides everything), ``out``/``lse`` being the queries' final (merged) results and
+    ``dlse`` the final LSE's gradient (``None``: none)."""
     acc = lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
@@ -75,7 +79,8 @@ def masked_block_grads(backend: AttentionBackend, dout, q, k, v, out, lse, scale
     for c in calls:
         rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
         g_q, g_k, g_v = kernel_backward(
-            backend, dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, rows], scale, c.causal
+            backend, dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, rows], scale, c.causal,
+            dlse=None if dlse is None else dlse[:, rows],
         )
         dq[:, rows] += g_q
         dk[:, keys] += g_k
@@ -91,37 +96,40 @@ def covers_all(calls: tuple[SubCall, ...], n_q: int, n_k: int) -> SubCall | None
 
 
 class MaskedAttention(torch.autograd.Function):
-    """One block pair under a plan, with its backward; ``lse`` is not differentiable."""
+    """One block pair under a plan, with its backward, ``out`` and ``lse`` both differentiable;
+    ``lse_grad``: the caller may read ``lse`` (as ``RingAttention``'s)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, calls: tuple[SubCall, ...], backend: AttentionBackend, scale: float):
+    def forward(ctx, q, k, v, calls: tuple[SubCall, ...], backend: AttentionBackend, scale: float,
+                lse_grad: bool = False):
         merger = RowMerger(q)
         attend_plan(merger, q, k, v, calls, backend, scale)
         out, lse = merger.result(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.calls, ctx.backend, ctx.scale = calls, backend, scale
+        ctx.calls, ctx.backend, ctx.scale, ctx.lse_grad = calls, backend, scale, lse_grad
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        refuse_lse_gradient(dlse)
         q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            return None, None, None, None, None, None
-        dq, dk, dv = masked_block_grads(ctx.backend, dout.contiguous(), q, k, v, out, lse, ctx.scale, ctx.calls)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dlse = lse_cotangent(dlse, ctx.lse_grad)
+        if dout is None and dlse is None:
+            return None, None, None, None, None, None, None
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dq, dk, dv = masked_block_grads(ctx.backend, dout, q, k, v, out, lse, ctx.scale, ctx.calls, dlse)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def masked_attend(q, k, v, calls: tuple[SubCall, ...], backend: AttentionBackend, scale: float):
+def masked_attend(q, k, v, calls: tuple[SubCall, ...], backend: AttentionBackend, scale: float, lse_grad: bool = False):
     """``(out, lse)`` of ``q`` against ``k``/``v`` under ``calls``: one plain kernel call when the
-    plan is the whole pair (causal attention on one rank: the kernel's own causal mode, no merge)."""
+    plan is the whole pair (causal attention on one rank: the kernel's own causal mode, no merge).
+    ``lse_grad``: the caller may read ``lse`` in a loss (``attend``)."""
     whole = covers_all(calls, q.shape[1], k.shape[1])
     if whole is not None:
-        return attend(q, k, v, backend, scale, whole.causal)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if needs_grad:
-        return MaskedAttention.apply(q, k, v, calls, backend, scale)
+        return attend(q, k, v, backend, scale, whole.causal, lse_grad)
+    if needs_grad(q, k, v):
+        return MaskedAttention.apply(q, k, v, calls, backend, scale, lse_grad)
     merger = RowMerger(q)
     attend_plan(merger, q, k, v, calls, backend, scale)
     return merger.result(q.dtype)

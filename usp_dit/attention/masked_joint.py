@@ -20,7 +20,8 @@ Note [masked joint tokens]
     kernel that takes one (the CPU flash kernel; on CUDA the mem-efficient one), else on the
     reference: the joint part is a few hundred keys, so it costs little beside the video part.
     Backward, as in ring attention: each part's gradient is its kernel's backward given the
-    *final* out and LSE of the queries.
+    *final* out and LSE of the queries (and the final LSE's gradient: Note [LSE gradient] in
+    ``usp_dit.kernels.lse_grad``).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from typing import NamedTuple
 import torch
 
 from usp_dit.attention.merge import LSEMerger
-from usp_dit.kernels.autograd import kernel_backward, kernel_forward, refuse_lse_gradient
+from usp_dit.kernels.autograd import kernel_backward, kernel_forward
+from usp_dit.kernels.lse_grad import lse_cotangent
 from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 from usp_dit.kernels.registry import get_backend
 
@@ -59,11 +61,11 @@ def joint_forward(q, joint: JointKV, backend: AttentionBackend, scale: float):
     return kernel_forward(joint_backend(backend, q), q, joint.k, joint.v, scale, key_mask=joint.mask)
 
 
-def joint_grads(dout, q, joint: JointKV, out, lse, backend: AttentionBackend, scale: float):
+def joint_grads(dout, q, joint: JointKV, out, lse, backend: AttentionBackend, scale: float, dlse=None):
     """``(dq, djoint_k, djoint_v)`` of the masked joint part, ``out``/``lse`` being the queries'
-    final (merged) results."""
+    final (merged) results and ``dlse`` the final LSE's gradient (``None``: none)."""
     kernel = joint_backend(backend, q)
-    return kernel_backward(kernel, dout, q, joint.k, joint.v, out, lse, scale, key_mask=joint.mask)
+    return kernel_backward(kernel, dout, q, joint.k, joint.v, out, lse, scale, key_mask=joint.mask, dlse=dlse)
 
 
 def add_masked_joint(merger: LSEMerger, q, joint: JointKV | None, backend: AttentionBackend, scale: float) -> None:
@@ -75,11 +77,13 @@ def add_masked_joint(merger: LSEMerger, q, joint: JointKV | None, backend: Atten
 class JointMaskedAttention(torch.autograd.Function):
     """``q`` against ``k``/``v`` and the masked joint K/V (no ring: one rank, or Ulysses only).
 
-    Returns ``(out, lse)``; ``lse`` is not differentiable (a gradient reaching it raises).
+    Returns ``(out, lse)``, both differentiable; ``lse_grad``: the caller may read ``lse`` (as
+    ``RingAttention``'s).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, joint_k, joint_v, joint_mask, backend: AttentionBackend, scale: float):
+    def forward(ctx, q, k, v, joint_k, joint_v, joint_mask, backend: AttentionBackend, scale: float,
+                lse_grad: bool = False):
         merger = LSEMerger()
         if q.shape[1] and k.shape[1]:
             merger.add(*kernel_forward(backend, q, k, v, scale))
@@ -89,22 +93,23 @@ class JointMaskedAttention(torch.autograd.Function):
         else:
             out, lse = merger.result(q.dtype)
         ctx.save_for_backward(q, k, v, joint_k, joint_v, joint_mask, out, lse)
-        ctx.backend, ctx.scale = backend, scale
+        ctx.backend, ctx.scale, ctx.lse_grad = backend, scale, lse_grad
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        refuse_lse_gradient(dlse)
         q, k, v, joint_k, joint_v, joint_mask, out, lse = ctx.saved_tensors
-        if dout is None or not q.shape[1]:
+        dlse = lse_cotangent(dlse, ctx.lse_grad)
+        if (dout is None and dlse is None) or not q.shape[1]:
             return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
-                    torch.zeros_like(joint_k), torch.zeros_like(joint_v), None, None, None)
-        dout = dout.contiguous()
-        dq, djk, djv = joint_grads(dout, q, JointKV(joint_k, joint_v, joint_mask), out, lse, ctx.backend, ctx.scale)
+                    torch.zeros_like(joint_k), torch.zeros_like(joint_v), None, None, None, None)
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        joint = JointKV(joint_k, joint_v, joint_mask)
+        dq, djk, djv = joint_grads(dout, q, joint, out, lse, ctx.backend, ctx.scale, dlse)
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         if k.shape[1]:
-            dq_v, dk, dv = kernel_backward(ctx.backend, dout, q, k, v, out, lse, ctx.scale)
+            dq_v, dk, dv = kernel_backward(ctx.backend, dout, q, k, v, out, lse, ctx.scale, dlse=dlse)
             acc = lse_dtype(q.dtype)  # the two shares summed once, in the dtype of the merges
             dq = (dq.to(acc) + dq_v.to(acc)).to(q.dtype)
-        return dq, dk, dv, djk, djv, None, None, None
+        return dq, dk, dv, djk, djv, None, None, None, None

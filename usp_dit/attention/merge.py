@@ -30,8 +30,11 @@ def _merge_torch(dst_out, dst_lse, src_out, src_lse, outs, lses) -> None:
 
 def merge_into(dst_out, dst_lse, src_out, src_lse, outs, lses) -> None:
     """Write the merge of ``(src_out, src_lse)`` and the stacked blocks into ``dst`` (``dst`` may be
-    ``src``): the fused kernel on CUDA for float32 LSEs, PyTorch otherwise."""
-    if dst_lse.dtype == torch.float32 and merge_triton.available(dst_out):
+    ``src``): the fused kernel on CUDA for float32 LSEs, PyTorch otherwise, and PyTorch wherever
+    autograd records the merge (a model adapter merging differentiable parts: the fused kernel
+    writes its result outside autograd)."""
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (src_out, src_lse, outs, lses))
+    if dst_lse.dtype == torch.float32 and merge_triton.available(dst_out) and not recorded:
         merge_triton.merge(dst_out, dst_lse, src_out, src_lse, outs, lses)
     else:
         _merge_torch(dst_out, dst_lse, src_out, src_lse, outs, lses)

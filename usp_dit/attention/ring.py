@@ -55,7 +55,8 @@ from usp_dit.attention.masks import SubCall
 from usp_dit.attention.merge import LSEMerger
 from usp_dit.distributed.comm import RingExchanger, start_all_gather, start_all_gather_into, wait_gathered
 from usp_dit.distributed.config import canonical_schedule
-from usp_dit.kernels.autograd import refuse_lse_gradient
+from usp_dit.kernels.autograd import kernel_backward
+from usp_dit.kernels.lse_grad import lse_cotangent
 from usp_dit.kernels.protocol import AttentionBackend, forward_stack, lse_dtype
 
 _KV_TAG, _DKV_TAG = 0, 1
@@ -378,32 +379,35 @@ def masked_schedule(requested: str) -> RingSchedule:
     return MASKED_SCHEDULES[requested]
 
 
-def _block_grads(backend, dout, q, k_t, v_t, out, lse, scale):
-    """(dq, dk, dv) of one step, zeros when the step has no work."""
+def _block_grads(backend, dout, q, k_t, v_t, out, lse, scale, dlse=None):
+    """(dq, dk, dv) of one step, zeros when the step has no work; ``dlse``: the gradient of the
+    final LSE, if any (Note [LSE gradient] in ``usp_dit.kernels.lse_grad``)."""
     if q.shape[1] and k_t.shape[1]:
-        return backend.backward(dout, q, k_t, v_t, out, lse, scale)
+        return kernel_backward(backend, dout, q, k_t, v_t, out, lse, scale, dlse=dlse)
     return torch.zeros_like(q), torch.zeros_like(k_t), torch.zeros_like(v_t)
 
 
-def ring_backward(dout, q, k, v, joint: JointKV | None, out, lse, spec: RingSpec, backend, scale):
-    """Backward of Note [ring schedule]; returns ``(dq, dk, dv, djoint_k, djoint_v)``."""
+def ring_backward(dout, q, k, v, joint: JointKV | None, out, lse, spec: RingSpec, backend, scale, dlse=None):
+    """Backward of Note [ring schedule]; returns ``(dq, dk, dv, djoint_k, djoint_v)``. ``dlse``
+    (B, Sq, H) or ``None``: the gradient of the final LSE, which every block's backward takes with
+    the final out and LSE (Note [LSE gradient] in ``usp_dit.kernels.lse_grad``)."""
     acc = lse_dtype(q.dtype)  # gradients accumulate in the dtype of the merges
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     djk = djv = None
     if joint is not None and joint.mask is not None:  # their own call (Note [masked joint tokens])
         djk, djv = torch.zeros_like(joint.k), torch.zeros_like(joint.v)
         if q.shape[1]:
-            dq_j, djk, djv = joint_grads(dout, q, joint, out, lse, backend, scale)
+            dq_j, djk, djv = joint_grads(dout, q, joint, out, lse, backend, scale, dlse)
             dq += dq_j
     receive = None
     try:
         for step, cur in _ring_blocks(k, v, spec):
             k_t, v_t = _with_joint(cur, joint, step)
             if spec.plans is None:
-                dq_t, dk_t, dv_t = _block_grads(backend, dout, q, k_t, v_t, out, lse, scale)
+                dq_t, dk_t, dv_t = _block_grads(backend, dout, q, k_t, v_t, out, lse, scale, dlse)
             else:  # under a mask (no joint tokens): the plan of this block pair
                 plan = spec.plans[spec.block_at(step)]
-                dq_t, dk_t, dv_t = masked_block_grads(backend, dout, q, k_t, v_t, out, lse, scale, plan)
+                dq_t, dk_t, dv_t = masked_block_grads(backend, dout, q, k_t, v_t, out, lse, scale, plan, dlse)
             dq += dq_t
             n = cur.shape[2]
             if step == 0 and _in_call(joint)[0] is not None:
@@ -424,23 +428,26 @@ def ring_backward(dout, q, k, v, joint: JointKV | None, out, lse, spec: RingSpec
 
 
 class RingAttention(torch.autograd.Function):
-    """Differentiable ring attention; ``lse`` is returned but not differentiable (a gradient raises)."""
+    """Differentiable ring attention, ``out`` and ``lse`` both (Note [LSE gradient] in
+    ``usp_dit.kernels.lse_grad``); ``lse_grad``: the caller may read ``lse`` in a loss (what a
+    traced backward, whose LSE gradient is zeros where unread, goes by)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, joint_k, joint_v, joint_mask, spec: RingSpec, backend: AttentionBackend, scale: float):
+    def forward(ctx, q, k, v, joint_k, joint_v, joint_mask, spec: RingSpec, backend: AttentionBackend, scale: float,
+                lse_grad: bool = False):
         joint = None if joint_k is None else JointKV(joint_k, joint_v, joint_mask)
         out, lse = ring_forward(q, k, v, joint, spec, backend, scale)
         ctx.save_for_backward(q, k, v, joint_k, joint_v, joint_mask, out, lse)
-        ctx.spec, ctx.backend, ctx.scale = spec, backend, scale
+        ctx.spec, ctx.backend, ctx.scale, ctx.lse_grad = spec, backend, scale, lse_grad
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        refuse_lse_gradient(dlse)
         q, k, v, joint_k, joint_v, joint_mask, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)  # every rank must still run the ring to serve its peers
         joint = None if joint_k is None else JointKV(joint_k, joint_v, joint_mask)
-        grads = ring_backward(dout.contiguous(), q, k, v, joint, out, lse, ctx.spec, ctx.backend, ctx.scale)
-        return (*grads, None, None, None, None)
+        dlse = lse_cotangent(dlse, ctx.lse_grad)
+        grads = ring_backward(dout.contiguous(), q, k, v, joint, out, lse, ctx.spec, ctx.backend, ctx.scale, dlse)
+        return (*grads, None, None, None, None, None)

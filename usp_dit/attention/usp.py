@@ -21,8 +21,11 @@ Note [compiled calls]
       rank). Run a first step eagerly to check a new setup (``torch.compiler.set_stance("force_eager")``);
     - so a compiled call needs ``seq_len`` to know every rank's shard (the adapters pass it): a
       call without it raises ValueError;
-    - a traced backward gets a zero LSE gradient whether or not the loss read the LSE, so
-      ``return_lse=True`` with gradients is refused (NotImplementedError);
+    - a traced backward gets an LSE gradient whether or not the loss read the LSE (zeros where it
+      did not), and cannot look at it without a sync: a compiled call with ``return_lse=True``
+      and gradients passes it to every kernel's backward, the one-call augmented backward of
+      Note [LSE gradient] in ``usp_dit.kernels.lse_grad`` (exact either way; with
+      ``return_lse=False`` the plain backward runs, as eagerly);
     - a two-call CFG pipeline's pairing (``usp_dit.pipelines.cfg_pair``) runs eagerly only; a
       compiled call with cfg_degree 2 takes the batch split.
     Shard sizes are symbolic under dynamic shapes (``partition.split_sizes`` has no branch on the
@@ -246,13 +249,6 @@ def _prepare(
     _check_lse(kernel, return_lse, mesh)
     if frame is not None and mesh.ring_degree > 1:
         masked_schedule(schedule)  # refuse a schedule that cannot run a mask before any transfer
-    if return_lse and grad and torch.compiler.is_compiling():
-        # Traced backwards get a zero LSE gradient whether or not the loss read it: refuse rather
-        # than silently drop a gradient (eager raises when one reaches the LSE).
-        raise NotImplementedError(
-            "return_lse=True with gradients under torch.compile: the LSE is not differentiable; "
-            "call with return_lse=False, or under torch.no_grad(), or eagerly"
-        )
     comm = _check_comm(comm_dtype, mesh, grad)
     return _Call(joint, joint_empty, kernel, scale, grad, schedule, return_lse, layout, frame, joint_mask, comm)
 
@@ -288,14 +284,14 @@ def _single_rank(q, k, v, joint, kernel, scale, frame: int | None = None, joint_
     merge to feed, and the LSE is ``None`` then."""
     if frame is not None:
         plan = ring_plans(_concrete(q.shape[1]), 1, 1, "contiguous", frame, 0)[0]
-        return masked_attend(q, k, v, plan, kernel, scale), None
-    dense = attend if want_lse else lambda *args: (attend_out(*args), None)
+        return masked_attend(q, k, v, plan, kernel, scale, want_lse), None
+    dense = (lambda *args: attend(*args, lse_grad=True)) if want_lse else (lambda *args: (attend_out(*args), None))
     if joint is None:
         return dense(q, k, v, kernel, scale), None
     jq, jk, jv = joint
     n = q.shape[1]
     if joint_mask is not None:
-        out, lse = JointMaskedAttention.apply(torch.cat([q, jq], 1), k, v, jk, jv, joint_mask, kernel, scale)
+        out, lse = JointMaskedAttention.apply(torch.cat([q, jq], 1), k, v, jk, jv, joint_mask, kernel, scale, want_lse)
     else:
         out, lse = dense(torch.cat([q, jq], 1), torch.cat([k, jk], 1), torch.cat([v, jv], 1), kernel, scale)
     return (out[:, :n], _rows(lse, 0, n)), (out[:, n:], _rows(lse, n, None))
@@ -370,28 +366,34 @@ def _sharded_call(q, k, v, call: _Call, mesh: USPMesh, seq_len):
         sizes = tuple(ring_block_sizes(shards, u_deg))
         schedule = choose_schedule(call.schedule, sizes, q_blk.shape[2], k_blk.shape[2])
         spec = RingSpec(mesh.ring_exchanger, sizes, schedule)
-        out_ext, lse_ext = RingAttention.apply(q_blk, k_blk, v_blk, jk, jv, call.joint_mask, spec, kernel, scale)
+        out_ext, lse_ext = RingAttention.apply(q_blk, k_blk, v_blk, jk, jv, call.joint_mask, spec, kernel, scale,
+                                               call.want_lse)
     elif jk is not None and call.joint_mask is not None:  # Note [masked joint tokens]
-        out_ext, lse_ext = JointMaskedAttention.apply(q_blk, k_blk, v_blk, jk, jv, call.joint_mask, kernel, scale)
+        out_ext, lse_ext = JointMaskedAttention.apply(q_blk, k_blk, v_blk, jk, jv, call.joint_mask, kernel, scale,
+                                                      call.want_lse)
     elif jk is not None:
-        out_ext, lse_ext = attend(q_blk, torch.cat([k_blk, jk], 1), torch.cat([v_blk, jv], 1), kernel, scale)
+        out_ext, lse_ext = attend(q_blk, torch.cat([k_blk, jk], 1), torch.cat([v_blk, jv], 1), kernel, scale,
+                                  lse_grad=call.want_lse)
     else:
-        out_ext, lse_ext = attend(q_blk, k_blk, v_blk, kernel, scale)
-    if not call.want_lse:
-        lse_ext = None
-    lse = None if lse_ext is None else gather_heads(lse_ext[:, :n_blk], layout.q_plan)
-    if joint is None:
+        out_ext, lse_ext = attend(q_blk, k_blk, v_blk, kernel, scale, lse_grad=call.want_lse)
+    return _gather_back(out_ext, lse_ext if call.want_lse else None, n_blk, layout, joint_sizes, mesh, fp8,
+                        joint is not None)
+
+
+def _gather_back(out_ext, lse_ext, n_blk: int, layout, joint_sizes: list[int], mesh: USPMesh, fp8: bool,
+                 has_joint: bool):
+    """``((out, lse), (joint_out, joint_lse) or None)`` from this rank's ring block results:
+    ``out_ext`` (B, n_blk + j_r, h_u, D), ``lse_ext`` (B, n_blk + j_r, h_u) or ``None`` (not
+    returned). Everything that moves goes through ONE autograd node (Note [joint gradient])."""
+    if not has_joint and (lse_ext is None or layout.q_plan is None):  # nothing replicated, no LSE exchange
+        lse = None if lse_ext is None else lse_ext[:, :n_blk]
         return (gather_heads(out_ext[:, :n_blk], layout.q_plan, fp8), lse), None
-    pieces = JointPieces(joint_sizes, tuple(hi - lo for lo, hi in layout.heads.q_ranges), r, layout.rank)
-    out, joint_out = _GatherBack.apply(out_ext, n_blk, layout.q_plan, pieces, mesh, fp8)
-    joint_lse = None
-    if lse_ext is not None:  # not differentiable: a plain gather
-        joint_lse = lse_ext[:, n_blk:]
-        if r_deg > 1:
-            joint_lse = gather_uneven(joint_lse, list(joint_sizes), 1, mesh.ring_group, kind="joint_gather")
-        if u_deg > 1:
-            joint_lse = gather_uneven(joint_lse, list(pieces.head_sizes), 2, mesh.ulysses_group, kind="joint_gather")
-    return (out, lse), (joint_out, joint_lse)
+    pieces = None
+    if has_joint:
+        pieces = JointPieces(joint_sizes, tuple(hi - lo for lo, hi in layout.heads.q_ranges), mesh.ring_rank,
+                             layout.rank)
+    out, joint_out, lse, joint_lse = _GatherBack.apply(out_ext, lse_ext, n_blk, layout.q_plan, pieces, mesh, fp8)
+    return (out, lse), ((joint_out, joint_lse) if has_joint else None)
 
 
 _sharded_eager = torch.compiler.disable(_sharded_call)
@@ -403,11 +405,11 @@ def _masked_blocks(q_blk, k_blk, v_blk, call: _Call, mesh: USPMesh, shards: list
     u_deg, r_deg, r = mesh.ulysses_degree, mesh.ring_degree, mesh.ring_rank
     plans = ring_plans(_concrete(sum(shards)), r_deg, u_deg, call.layout, call.frame, r)
     if r_deg == 1:
-        return masked_attend(q_blk, k_blk, v_blk, plans[0], call.kernel, call.scale)
+        return masked_attend(q_blk, k_blk, v_blk, plans[0], call.kernel, call.scale, call.want_lse)
     sizes = tuple(ring_block_sizes(shards, u_deg))
     schedule = choose_schedule(call.schedule, sizes, q_blk.shape[2], k_blk.shape[2], masked=True)
     spec = RingSpec(mesh.ring_exchanger, sizes, schedule, plans)
-    return RingAttention.apply(q_blk, k_blk, v_blk, None, None, None, spec, call.kernel, call.scale)
+    return RingAttention.apply(q_blk, k_blk, v_blk, None, None, None, spec, call.kernel, call.scale, call.want_lse)
 
 
 class JointPieces(NamedTuple):
@@ -425,43 +427,72 @@ class JointPieces(NamedTuple):
         return full[:, t0:t0 + self.token_sizes[self.ring_rank], h0:h0 + self.head_sizes[self.ulysses_rank]]
 
 
+def _rows_home(rows: torch.Tensor, q_plan, fp8: bool = False) -> torch.Tensor:
+    """This rank's query rows (B, n_blk, h_u, *rest) -> its shard (B, S_shard, H, *rest), a new tensor."""
+    if q_plan is None:
+        return rows.clone(memory_format=torch.contiguous_format)
+    # fp8: forward only (refused with gradients), so _GatherBack's backward never sees it
+    return gather_heads(rows, q_plan, fp8) if fp8 else heads_to_seq(rows, q_plan)
+
+
+def _joint_gathered(rows: torch.Tensor, pieces: JointPieces, mesh: USPMesh) -> torch.Tensor:
+    """This rank's joint rows (B, j_r, h_u, *rest) -> every joint row (B, J, H, *rest)."""
+    if mesh.ring_group is not None:
+        rows = gather_uneven(rows, list(pieces.token_sizes), 1, mesh.ring_group, kind="joint_gather")
+    if mesh.ulysses_group is not None:
+        rows = gather_uneven(rows, list(pieces.head_sizes), 2, mesh.ulysses_group, kind="joint_gather")
+    return rows
+
+
+def _joint_grad_piece(grad: torch.Tensor, pieces: JointPieces, group) -> torch.Tensor:
+    """The sum over ``group`` of every rank's gradient of a replicated joint tensor (B, J, H, *rest),
+    this rank's piece of it (Note [joint gradient])."""
+    if traffic.counting():
+        traffic.record_all_reduce("joint_grad", traffic.nbytes(grad), group.size())
+    return pieces.of(funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", group)))
+
+
 class _GatherBack(torch.autograd.Function):
     """Note [joint gradient]: the outputs of one call back to their owners, as ONE autograd node.
 
     Forward: ``out_ext`` (B, n_blk + j_r, h_u, D) -> ``out`` (B, S_shard, H, D) by the Ulysses
-    all-to-all, and ``joint_out`` (B, J, H, D), the joint rows gathered over ring and Ulysses ranks.
+    all-to-all, and (with ``pieces``) ``joint_out`` (B, J, H, D), the joint rows gathered over ring
+    and Ulysses ranks; ``lse_ext`` (B, n_blk + j_r, h_u), when given, likewise to ``lse`` and
+    ``joint_lse``. Outputs that do not apply are ``None``.
 
     ``joint_out`` is replicated, so each rank's backward holds a partial gradient of all of it and
     the owner of each piece needs their sum: one all-reduce over the sequence group. Were that
     all-reduce the backward of a separate gather node, it would run only on ranks whose loss
     reads ``joint_out``, and a loss reading it on some ranks only would leave the others waiting
-    forever. Here it runs whenever either output gets a gradient (a missing one counts as zeros),
-    so every rank that runs the backward at all runs the same collectives in the same order.
+    forever. Here it runs whenever any output gets a gradient (a missing one counts as zeros),
+    so every rank that runs the backward at all runs the same collectives in the same order. The
+    LSE's exchanges belong to the same node for the same reason: where the call returns the LSE,
+    its gradient travels home (zeros where a rank's loss did not read it) whatever each rank's
+    loss reads, so the kernels' backward then takes a (possibly zero) LSE gradient.
     """
 
     @staticmethod
-    def forward(ctx, out_ext, n_blk: int, q_plan, pieces: JointPieces, mesh: USPMesh, fp8: bool = False):
-        ctx.n_blk, ctx.q_plan, ctx.pieces, ctx.group = n_blk, q_plan, pieces, mesh.seq_group
-        main = out_ext[:, :n_blk]
-        # One copy either way: outputs of a Function must be new tensors, not views of its input.
-        if q_plan is None:
-            out = main.clone(memory_format=torch.contiguous_format)
-        else:  # fp8: forward only (refused with gradients), so the backward below never sees it
-            out = gather_heads(main, q_plan, fp8) if fp8 else heads_to_seq(main, q_plan)
-        joint = out_ext[:, n_blk:]
-        if mesh.ring_group is not None:
-            joint = gather_uneven(joint, list(pieces.token_sizes), 1, mesh.ring_group, kind="joint_gather")
-        if mesh.ulysses_group is not None:
-            joint = gather_uneven(joint, list(pieces.head_sizes), 2, mesh.ulysses_group, kind="joint_gather")
-        return out, joint
+    def forward(ctx, out_ext, lse_ext, n_blk: int, q_plan, pieces: JointPieces | None, mesh: USPMesh,
+                fp8: bool = False):
+        ctx.q_plan, ctx.pieces, ctx.group = q_plan, pieces, mesh.seq_group
+        out = _rows_home(out_ext[:, :n_blk], q_plan, fp8)
+        lse = None if lse_ext is None else _rows_home(lse_ext[:, :n_blk], q_plan)
+        joint_out = joint_lse = None
+        if pieces is not None:
+            joint_out = _joint_gathered(out_ext[:, n_blk:], pieces, mesh)
+            joint_lse = None if lse_ext is None else _joint_gathered(lse_ext[:, n_blk:], pieces, mesh)
+        return out, joint_out, lse, joint_lse
 
     @staticmethod
-    def backward(ctx, grad_out, grad_joint):
-        if traffic.counting():
-            traffic.record_all_reduce("joint_grad", traffic.nbytes(grad_joint), ctx.group.size())
-        total = funcol.wait_tensor(funcol.all_reduce(grad_joint.contiguous(), "sum", ctx.group))
-        grad_main = grad_out if ctx.q_plan is None else seq_to_heads(grad_out.contiguous(), ctx.q_plan)
-        return torch.cat([grad_main, ctx.pieces.of(total)], dim=1), None, None, None, None, None
+    def backward(ctx, grad_out, grad_joint, grad_lse, grad_joint_lse):
+        def home(grad, grad_joint):  # the adjoint of one output pair: rows back to the ring block
+            rows = grad if ctx.q_plan is None else seq_to_heads(grad.contiguous(), ctx.q_plan)
+            if ctx.pieces is None:
+                return rows
+            return torch.cat([rows, _joint_grad_piece(grad_joint, ctx.pieces, ctx.group)], dim=1)
+
+        grad_lse_ext = None if grad_lse is None else home(grad_lse, grad_joint_lse)
+        return home(grad_out, grad_joint), grad_lse_ext, None, None, None, None, None
 
 
 def one_rank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
@@ -585,7 +616,10 @@ def usp_attention(
     (q, k, v) each rank gets the gradient of its own shard. For the replicated joint inputs each
     rank gets a partial gradient; their sum over the sequence group is the full gradient (what a
     sum or mean all-reduce of parameter gradients expects). Every rank of the group must run the
-    backward. The LSE is not differentiable: a gradient reaching it raises NotImplementedError.
+    backward. ``lse`` and ``joint_lse`` are differentiable too, exactly (Note [LSE gradient] in
+    ``usp_dit.kernels.lse_grad``): a loss may read them, e.g. to merge this call's result with
+    attention over other keys; eagerly at one rank an unread LSE costs the backward nothing, on a
+    grid its (zero) gradient still travels home, so that every rank runs the same collectives.
 
     Raises:
         ValueError: inconsistent shapes/dtypes, a mesh that was not initialised, bad seq_len, or

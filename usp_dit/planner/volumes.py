@@ -15,7 +15,9 @@ Note [predicted traffic]
     ulysses_a2a (U > 1), per tensor of row bytes w = B D e (LSE: B a):
         sequence -> heads (q, k, v; grad out):  sent w s_u (sum_v hq_v - hq_u), received w hq_u (N - s_u)
         heads -> sequence (out, LSE; grad q, k, v): the reverse
-        K/V use their widths hk_v; the LSE goes forward only (it carries no gradient).
+        K/V use their widths hk_v; with return_lse the LSE goes heads -> sequence, and in the
+        backward its gradient comes in like q (it travels whatever each rank's loss read: Note
+        [joint gradient] in ``usp_dit.attention.usp``).
         With ``comm_dtype="fp8"`` (forward only) q, v and out rows are B (D + 4) bytes (Note [fp8
         wire]: e4m3 values and a float32 scale per (token, head)); k keeps w.
     ring_kv (R > 1, "stream", and every backward): R - 1 block rotations; a block of L tokens is
@@ -30,7 +32,8 @@ Note [predicted traffic]
         longest of ``split_sizes(J, R)``), then over the Ulysses ranks (padded to the widest hq):
         (R - 1) B j_max hq_u D e + (U - 1) B J hq_max D e each way; the joint LSE likewise in a
         without D when return_lse.
-    joint_grad (backward): one all-reduce of the joint output's gradient, B J H D e bytes over P.
+    joint_grad (backward): one all-reduce of the joint output's gradient, B J H D e bytes over P;
+        with return_lse one more of the joint LSE's, B J H a bytes.
 
     A causal or block-causal mask changes which keys a block attends to, never what travels, so
     ``layout`` enters only through the shard sizes. ``gather_traffic`` is the output gather of a
@@ -114,6 +117,8 @@ def _ulysses(t: _Tally, shape: CallShape, heads: HeadPlan, sizes: list[int], u: 
         t.add("ulysses_a2a", *exchange(widths, sizes, u, nbytes))
     if return_lse:
         t.add("ulysses_a2a", *_heads_to_seq(hq, sizes, u, shape.batch * shape.acc_bytes))
+        if backward:  # the LSE's gradient comes in like q's
+            t.add("ulysses_a2a", *_seq_to_heads(hq, sizes, u, shape.batch * shape.acc_bytes))
 
 
 def _ring(t: _Tally, shape: CallShape, blocks: list[int], r: int, ring_heads: int, schedule: str,
@@ -143,8 +148,10 @@ def _joint(t: _Tally, shape: CallShape, hq: list[int], r: int, u: int, ring: int
         t.add("joint_gather", over_ring + over_ulysses, over_ring + over_ulysses)
     if backward:  # over the sequence group: P = ring x ulysses ranks
         joint_out = shape.batch * shape.joint * shape.heads * shape.head_dim * shape.dtype_bytes
-        both = all_reduce_bytes(joint_out, ring * len(hq))
-        t.add("joint_grad", both, both)
+        joint_lse = shape.batch * shape.joint * shape.heads * shape.acc_bytes
+        for nbytes in (joint_out,) + ((joint_lse,) if return_lse else ()):
+            both = all_reduce_bytes(nbytes, ring * len(hq))
+            t.add("joint_grad", both, both)
 
 
 def _check(shape: CallShape, ulysses: int, ring: int, schedule: str, rank: int | None, layout: str) -> None:

@@ -46,17 +46,18 @@ Note [cached prefix]
         prefix:  attention(q_local, k_prefix, v_prefix)   local, the prefix is replicated,  (o_p, l_p)
         o = (e^{l_c - l} o_c + e^{l_p - l} o_p),  l = log(e^{l_c} + e^{l_p})
 
-    Work per rank: 1/P of each part; no communication beyond usp_attention's. Forward only: the
-    log-sum-exps usp_attention returns are not differentiable, so a gradient through a call that
-    injects a prefix is refused (the refiner pipeline runs under ``torch.no_grad``); a call without a
-    cache (``kv_cache_mode=None``, plain self-attention) trains.
+    Work per rank: 1/P of each part; no communication beyond usp_attention's. Gradients are exact:
+    both log-sum-exps are differentiable (Note [LSE gradient] in ``usp_dit.kernels.lse_grad``) and
+    the merge is plain PyTorch. The prefix is replicated, so each rank's gradient of it is the part
+    its own queries give (the sum over the sequence group is one process's, as for any replicated
+    input; a prefix captured here came through ``gather_sequence``, whose backward sums them).
 
 Refused (NotImplementedError): processors other than the three stock ones, an attention module the
 plan does not name, a Diffusers cache that cannot run on a grid, ``num_layers=0``; at the call: a
 KV-cached call whose batch ``enable_usp`` splits over ``cfg_degree`` > 1 (the cache's rows are the
 whole batch: a cfg group running half of it would store half a cache, and the pipeline's
-``sink_pe`` has the whole batch; ``CacheCfgCheck``), a gradient
-through an injected prefix, an attention mask in ``attn1`` (the stock processor passes none). A
+``sink_pe`` has the whole batch; ``CacheCfgCheck``), an attention mask in ``attn1`` (the stock
+processor passes none). A
 video RoPE table with another length than the tokens raises ValueError. CFG: ``SanaWMLTX2Refiner``
 runs no guidance (one call of batch 1 a step: its prompt is one string), which ``cfg_degree=2``
 refuses (``replica_forward`` Note [cfg parallel]); it splits a batched call without a cache. Compile: a call without a cache compiles in one graph (tests/test_compile_grid.py).
@@ -134,7 +135,7 @@ def attend_with_cached_prefix(
         (B, S_local, H, D): each query over the whole prefix and every rank's current tokens.
     Raises:
         NotImplementedError: with a prefix on a grid: a mask, dropout, causal attention, attention
-            kwargs, a gradient; a backend without a log-sum-exp.
+            kwargs; a backend without a log-sum-exp.
     """
     route = parallel_config
     prefix = key.shape[1] - query.shape[1]
@@ -145,19 +146,16 @@ def attend_with_cached_prefix(
     if attn_mask is not None or dropout_p or is_causal or attention_kwargs:
         raise NotImplementedError(
             "usp_dit's SANA-WM refiner adapter runs attn1 over a cached prefix without a mask, dropout or causal attention")
-    if needs_grad(query, key, value):
-        raise NotImplementedError(
-            "usp_dit's SANA-WM refiner adapter runs attn1 over a cached KV prefix (kv_cache_mode 'inject', "
-            "'inject_and_capture_post_rope') forward only: the log-sum-exp merge it needs is not differentiable")
     state = route.state
     cur = usp_attention(query, key[:, prefix:], value[:, prefix:], mesh=state.mesh, backend=state.backend,
                         seq_len=state.seq_len, layout=state.layout, scale=scale, return_lse=True)
-    kernel = select_backend(state.backend, query.device.type, query.dtype, query.shape[-1], False)
+    grad = needs_grad(query, key[:, :prefix], value[:, :prefix])
+    kernel = select_backend(state.backend, query.device.type, query.dtype, query.shape[-1], grad)
     if not kernel.caps.returns_lse:
         raise NotImplementedError(
             f"backend={kernel.name!r} returns no log-sum-exp, which the refiner's cached prefix is merged with")
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    out_p, lse_p = attend(query, key[:, :prefix], value[:, :prefix], kernel, scale)
+    out_p, lse_p = attend(query, key[:, :prefix], value[:, :prefix], kernel, scale, lse_grad=True)
     return _merge(cur.out, cur.lse, out_p, lse_p)
 
 

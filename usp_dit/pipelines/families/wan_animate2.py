@@ -78,13 +78,26 @@ negative prompt's embeds and ``is_uncondtion=True`` (it skips block 9): both are
 ``cfg_branch_args`` (``usp_dit.pipelines.cfg_pair`` Note [two calls a step]); the reference
 pass, a call of its own, runs whole on both cfg groups, so each group's ranks hold their cache.
 
+Note [generation gradient]
+    Both passes train. The generation pass's merge is differentiable part by part: part 1's LSE
+    (Note [LSE gradient] in ``usp_dit.kernels.lse_grad``), part 2's local kernel calls with theirs,
+    part 3 constants, the merge in PyTorch. A gradient into the reference cache itself (a cache
+    whose K/V require a gradient, the reference pass run with one) flows where the window is a
+    slice of it: on one rank, or a cache written by stock (every row). A cache the reference pass
+    wrote under this adapter on a grid reaches each window through a forward-only all-to-all,
+    which would drop that gradient, so such a call is refused; run the reference pass under
+    ``torch.no_grad()`` (or detach the cache) to train the generation pass alone. A window is
+    memoised per cache and geometry, and made again where a gradient must flow into it but the
+    memoised one carries none. (Stock cannot run the generation pass's backward on CPU: its flex
+    attention has none there.)
+
 Refused (NotImplementedError): as Wan's at enable (a foreign processor, Diffusers' context
-parallelism, FasterCache, ``num_layers=0``); at the call, a generation pass that needs a gradient
-(the merge needs the LSE's gradient, which usp_dit's core does not give: the reference pass
-trains), a batch whose samples have different grids (stock packs by sample 0's), generation
-frames beyond F0 + 1 (stock's rows there are masked out whole), a layout other than
-"contiguous", and a cache written under another grid. ValueError: grids that do not fit the
-packed buffer (stock fails there too), a reference grid of more tokens than the cache holds.
+parallelism, FasterCache, ``num_layers=0``); at the call, a gradient into a reference cache this
+adapter wrote on a grid (Note [generation gradient]), a batch whose samples have different grids
+(stock packs by sample 0's), generation frames beyond F0 + 1 (stock's rows there are masked out
+whole), a layout other than "contiguous", and a cache written under another grid. ValueError:
+grids that do not fit the packed buffer (stock fails there too), a reference grid of more tokens
+than the cache holds.
 """
 from __future__ import annotations
 
@@ -284,10 +297,7 @@ class USPWanAnimate2AttnProcessor:
 
     def _generation(self, q, k, v, kv_cache, geometry: Geometry, start: int, ref_freqs, ref_grid, ref_stride):
         """Note [generation attention as a merge]: q/k/v (B, n, H, D) rotated -> out (B, n, H, D)."""
-        if needs_grad(q, k, v):
-            raise NotImplementedError(
-                "usp_dit's Wan-Animate-2 adapter: the generation pass (kv_cache_mode='cached') with a gradient: its "
-                "log-sum-exp merge needs the LSE's gradient, which usp_dit's attention does not give")
+        self._check_cache_gradient(kv_cache)
         n = q.shape[1]
         out1, _, lse1, _ = self._attend(q, k, v, return_lse=True)
         window = self._window(kv_cache, geometry, start, n)
@@ -302,12 +312,24 @@ class USPWanAnimate2AttnProcessor:
             return merger.finish(q.dtype, torch.stack([out2, torch.zeros_like(out2)]), torch.stack([lse2, log_z]))[0]
         return merger.finish(q.dtype, out2.unsqueeze(0), lse2.unsqueeze(0))[0]
 
+    def _check_cache_gradient(self, kv_cache: WanAnimate2KVLayerCache) -> None:
+        """NotImplementedError (on every rank alike, before any transfer) where a gradient would
+        have to flow into a cache this adapter wrote on a grid (Note [generation gradient])."""
+        key, value = kv_cache.get()
+        info = getattr(kv_cache, _EXTRACTED_ATTR, None)
+        mine = info is not None and info.key() is key
+        if mine and self.state.mesh.sequence_degree > 1 and needs_grad(key, value):
+            raise NotImplementedError(
+                "usp_dit's Wan-Animate-2 adapter: a gradient into the reference K/V cache written under the adapter "
+                "on a grid (its window comes by a forward-only exchange); run the reference pass "
+                "(kv_cache_mode='extract') under torch.no_grad(), or detach the cache, to train the generation pass")
+
     def _reference_part(self, q, k_ref, v_ref, first_ref: int, geometry: Geometry, start: int):
         """Part 2: q (B, n, H, D) against k_ref/v_ref (B, frames * ref_hw, H, D), reference frames from
         ``first_ref``. Returns out (B, n, H, D), lse (B, n, H) (-inf and 0 where a frame has no key)."""
         b, n, heads, head_dim = q.shape
         scale = head_dim ** -0.5
-        kernel = select_backend(self.state.backend, q.device.type, q.dtype, head_dim, False)
+        kernel = select_backend(self.state.backend, q.device.type, q.dtype, head_dim, needs_grad(q, k_ref, v_ref))
         out = q.new_zeros(b, n, heads, head_dim)
         lse = torch.full((b, n, heads), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
         pos, hw, ref_hw = 0, geometry.hw, geometry.ref_hw
@@ -321,7 +343,7 @@ class USPWanAnimate2AttnProcessor:
                 qf = q[:, rows].unflatten(1, (fold, per)).flatten(0, 1)  # (B * frames, per, H, D)
                 kf = k_ref[:, keys].unflatten(1, (fold, ref_hw)).flatten(0, 1)
                 vf = v_ref[:, keys].unflatten(1, (fold, ref_hw)).flatten(0, 1)
-                o, l_ = attend(qf.contiguous(), kf.contiguous(), vf.contiguous(), kernel, scale)
+                o, l_ = attend(qf.contiguous(), kf.contiguous(), vf.contiguous(), kernel, scale, lse_grad=True)
                 out[:, rows] = o.unflatten(0, (b, fold)).flatten(1, 2)
                 lse[:, rows] = l_.unflatten(0, (b, fold)).flatten(1, 2).to(lse.dtype)
             pos += tokens
@@ -335,7 +357,8 @@ class USPWanAnimate2AttnProcessor:
         rank's queries [start, start + n) read, memoised per layer cache."""
         key, value = kv_cache.get()
         held = self.windows.get(kv_cache)
-        if held is not None and held.key() is key and held.geometry == geometry:
+        stale = held is not None and needs_grad(key, value) and not held.k.requires_grad  # made without a graph
+        if held is not None and held.key() is key and held.geometry == geometry and not stale:
             return held
         first, frames = frames_read(geometry, start, n)
         k_win, v_win = self._reference_rows(kv_cache, key, value, geometry)  # each (B, frames * ref_hw, H, D)
