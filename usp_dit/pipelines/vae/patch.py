@@ -122,11 +122,22 @@ def _classified(vae: torch.nn.Module, direction: str) -> tuple[Sites | None, str
     return classify(region, recipe)
 
 
+def _setting(vae: torch.nn.Module, name: str) -> int:
+    """A positive integer the VAE sets on itself or only in its config (HunyuanImage's
+    ``spatial_compression_ratio``), else 1."""
+    value = vars(vae).get(name)
+    if value is None:
+        config = getattr(vae, "config", None)
+        value = config.get(name) if hasattr(config, "get") else None
+    return value if isinstance(value, int) and value > 0 else 1
+
+
 def _alignment(vae: torch.nn.Module, sites: Sites) -> int:
-    """Rows per encode piece unit: the encoder's downsampling (its strided convolutions and, for
-    a model that also patchifies rows by reshaping, its ``spatial_compression_ratio``)."""
-    ratio = getattr(vae, "spatial_compression_ratio", None)
-    return math.lcm(sites.row_stride, ratio) if isinstance(ratio, int) and ratio > 0 else sites.row_stride
+    """Rows per encode piece unit: the encoder's downsampling: its strided convolutions times the
+    patchify (``patch_size``: rows reshaped into channels before or inside the encoder), and for a
+    model that also downsamples rows by reshaping (pixel-unshuffles), its ``spatial_compression_ratio``."""
+    stride = sites.row_stride * _setting(vae, "patch_size")
+    return math.lcm(stride, _setting(vae, "spatial_compression_ratio"))
 
 
 def enable_parallel_vae(vae: torch.nn.Module, mesh: USPMesh | None = None) -> VAEState:
