@@ -10,11 +10,13 @@ Chroma, with its mid-block attention), Flux.2, Wan 2.1, Qwen-Image, CogVideoX, M
 (reflect-padded convolutions in decoder and encoder, timestep conditioning, residual depth-to-space
 upsamplers, every downsampling kind), Wan 2.2 TI2V-5B (residual blocks, patchify), Qwen-Image 2.1,
 HunyuanImage 2.1 (GroupNorm, attention, pixel-(un)shuffles) and its refiner (attention over every
-frame), on latents whose rows and columns are odd (7 x 5, 13 x 9: no split is even; on 4 ranks 7
-rows leave the last rank one row, and an LTX-2 latent of 4 rows gives every rank one, so its
-reflecting border rows come from the neighbour) and batch 2 where the VAE is cheap, over replicas
-of 2 ranks (mesh (2, 1, 1): two replicas on the group), 4 ranks (2, 2, 1) and 4 ranks across the
-cfg axis (1, 2, 2: the replica's group is built over cfg x sequence). Each case checks:
+frame), DC-AE (Sana, PRX, SANA-Video: BatchNorm, ReLU linear attention whose token sums are
+all-reduced, in both of its processor's forms), on latents whose rows and columns are odd (7 x 5,
+9 x 5, 13 x 9: no split is even; on 4 ranks 7 rows leave the last rank one row, and an LTX-2
+latent of 4 rows gives every rank one, so its reflecting border rows come from the neighbour) and
+batch 2 where the VAE is cheap, over replicas of 2 ranks (mesh (2, 1, 1): two replicas on the
+group), 4 ranks (2, 2, 1) and 4 ranks across the cfg axis (1, 2, 2: the replica's group is built
+over cfg x sequence). Each case checks:
 - the decoded sample equals the stock decode of the whole latent on one process: max|err| /
   max|ref| <= 1e-5 (float32: the split changes only the order of GroupNorm's sums and of the
   attention's softmax sums, measured ~1e-6);
@@ -28,8 +30,9 @@ attention processor is not split) runs whole, bit for bit.
 Unit tests also check that noise injection (LTX-Video, LTX-2) and circular padding are refused and
 a timestep-conditioned LTX-Video decoder is split.
 Fallbacks (Note [parallel VAE fallback]), each equal to stock bit for bit: fewer latent rows than
-ranks, a decode needing a gradient, a VAE class without a recipe. A latent differing between the
-ranks raises ValueError on every rank. A VAE with tiling on decodes the exact untiled image.
+ranks, pieces thinner than a convolution's halo (DC-AE's 5x5: 7 rows on 4 ranks), a decode needing
+a gradient, a VAE class without a recipe. A latent differing between the ranks raises ValueError
+on every rank. A VAE with tiling on decodes the exact untiled image.
 The tiny FluxPipeline through ``pipe.enable_usp()`` (2 x 2): its VAE is split (the decoder sees a
 quarter of the rows), the image equals one process's, ``disable_usp`` and ``parallel_vae=False``
 leave the VAE whole.
@@ -121,14 +124,40 @@ def _vae_2025(family: str):
         from usp_dit.demo.tiny_hunyuan_image import tiny_hunyuan_image_refiner_vae
         vae = tiny_hunyuan_image_refiner_vae()
         return vae, (1, vae.config.latent_channels, 2, 7, 5)
+    if family == "dc_ae":
+        return _tiny_dc_ae(), (2, 4, 9, 5)
     raise ValueError(family)
+
+
+def _tiny_dc_ae():
+    """DC-AE as Sana's (ResBlocks with BatchNorm, then EfficientViT blocks with the ReLU linear
+    attention and 5x5 multiscale projections: halos of 2 rows; nearest upsampling, strided-convolution
+    downsampling), 4x. One head of 32 at the 9 x 5 latent: the image's 45 tokens take the linear
+    form, the pieces' 10-25 on 2 and 4 ranks the quadratic one (Note [DC-AE attention path]); a
+    latent of 4 rows (20 tokens) on 2 ranks takes the quadratic form whole."""
+    import diffusers
+
+    torch.manual_seed(0)
+    kinds = ("ResBlock", "ResBlock", "EfficientViTBlock")
+    vae = diffusers.AutoencoderDC(
+        in_channels=3, latent_channels=4, attention_head_dim=32, encoder_block_types=kinds, decoder_block_types=kinds,
+        encoder_block_out_channels=(8, 16, 32), decoder_block_out_channels=(8, 16, 32),
+        encoder_layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1),
+        encoder_qkv_multiscales=((), (), (5,)), decoder_qkv_multiscales=((), (), (5,)),
+        upsample_block_type="interpolate", downsample_block_type="Conv",
+        decoder_norm_types=("batch_norm", "batch_norm", "rms_norm"), decoder_act_fns=("relu", "relu", "silu"))
+    for m in vae.modules():  # running statistics that are not the identity
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.normal_()
+            m.running_var.uniform_(0.5, 2.0)
+    return vae.eval()
 
 
 # Extra positional arguments of a family's decode: LTX-2's timestep (batch,) for its conditioning.
 DECODE_ARGS = {"ltx2": lambda z: (torch.full((z.shape[0],), 0.05),)}
 
 
-FAMILIES_2025 = ["ltx2", "wan22", "qwen_image21", "hunyuan_image", "hunyuan_image_refiner"]
+FAMILIES_2025 = ["ltx2", "wan22", "qwen_image21", "hunyuan_image", "hunyuan_image_refiner", "dc_ae"]
 FAMILIES = ["kl", "flux2", "wan", "qwen_image", "cogvideox", "mochi", "hunyuan_video", "ltx_video"] + FAMILIES_2025
 # Images / videos to encode: rows not a multiple of the encoder's downsampling (but LTX's patchify
 # needs a multiple of 4; encoders that downsample by reshaping, LTX-2's, Wan 2.2's, Qwen-Image 2.1's
@@ -137,7 +166,7 @@ FAMILIES = ["kl", "flux2", "wan", "qwen_image", "cogvideox", "mochi", "hunyuan_v
 ENCODE_SHAPES = {"kl": (2, 3, 54, 36), "flux2": (2, 3, 15, 10), "wan": (1, 3, 5, 60, 40), "qwen_image": (2, 3, 1, 60, 40),
                  "cogvideox": (1, 3, 5, 60, 40), "hunyuan_video": (1, 3, 5, 60, 40), "ltx_video": (1, 3, 9, 136, 32),
                  "ltx2": (1, 3, 9, 160, 64), "wan22": (1, 3, 5, 80, 48), "qwen_image21": (2, 4, 1, 80, 48),
-                 "hunyuan_image": (2, 3, 40, 24), "hunyuan_image_refiner": (1, 3, 5, 80, 32)}
+                 "hunyuan_image": (2, 3, 40, 24), "hunyuan_image_refiner": (1, 3, 5, 80, 32), "dc_ae": (2, 3, 36, 20)}
 ENCODE_WHOLE = {"mochi": "MochiVaeAttnProcessor2_0"}  # its encoder's attention processor is not split
 # Encodes on the 4-rank grids; the 2025-26 families' also on 2 ranks.
 ENCODES = [(g, f) for g in GRIDS for f in FAMILIES if g != GRIDS[0] or f in FAMILIES_2025]
@@ -177,6 +206,8 @@ def test_every_decoder_and_encoder_module_is_known(family):
         assert sites.forwards, "the attention block must be split"
     if family == "hunyuan_image_refiner":
         assert sites.rebound, "the mid-block attention must be split"
+    if family == "dc_ae":
+        assert sites.methods, "the linear attention must be split"
     sites, reason = classify(vae.encoder, recipes()[type(vae)])
     if family in ENCODE_WHOLE:
         assert ENCODE_WHOLE[family] in reason
@@ -344,6 +375,15 @@ def _fallbacks() -> dict[str, float]:
             out["different_latents_wrong_error"] = float("differs between the ranks" not in str(exc))
     finally:
         disable_parallel_vae(vae)
+    dc = _tiny_dc_ae()  # 7 rows on 4 ranks: a piece of 1 row, thinner than its 5x5 convolutions' halo of 2
+    z_dc = torch.randn(1, 4, 7, 5, generator=torch.Generator().manual_seed(4))
+    ref_dc = _decode(dc, z_dc)
+    state = enable_parallel_vae(dc, mesh)
+    try:
+        out["thin_pieces_not_bit_identical"] = float(not torch.equal(_decode(dc, z_dc), ref_dc))
+        out["thin_pieces_no_reason"] = float(not any("reads 2 rows" in why for _, why in state.logged))
+    finally:
+        disable_parallel_vae(dc)
     tiny = AutoencoderTiny(latent_channels=4, encoder_block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
                            num_encoder_blocks=(1, 1), num_decoder_blocks=(1, 1)).eval()
     z_tiny = torch.randn(1, 4, 9, 7, generator=torch.Generator().manual_seed(3))
@@ -395,6 +435,8 @@ def _run_all() -> dict:
         record(results, f"encode-{family}-u{grid[0]}r{grid[1]}cfg{grid[2]}", lambda: _encode_case(family, grid))
     # LTX-2's reflecting border on ranks of one latent row (the border rows come from the neighbour)
     record(results, "ltx2-one-row-each-u2r2cfg1", lambda: _case("ltx2", (2, 2, 1), rows=4))
+    # DC-AE's attention in the quadratic form for the whole latent (K and V gathered)
+    record(results, "dc_ae-quadratic-u2r1cfg1", lambda: _case("dc_ae", (2, 1, 1), rows=4))
     record(results, "fallbacks", _fallbacks)
     record(results, "pipeline", _pipeline)
     return results
@@ -405,7 +447,9 @@ def per_rank():
     return run_spawned(_run_all, WORLD)
 
 
-CASES = [f"{f}-u{u}r{r}cfg{c}" for (u, r, c) in GRIDS for f in FAMILIES] + ["ltx2-one-row-each-u2r2cfg1"]
+# Extra latents: LTX-2's with one row per rank, DC-AE's whose attention takes the quadratic form.
+EXTRA_CASES = ["ltx2-one-row-each-u2r2cfg1", "dc_ae-quadratic-u2r1cfg1"]
+CASES = [f"{f}-u{u}r{r}cfg{c}" for (u, r, c) in GRIDS for f in FAMILIES] + EXTRA_CASES
 
 
 @pytest.mark.parametrize("key", CASES)

@@ -50,6 +50,7 @@ class VAEState:
     group: dist.ProcessGroup | None
     reasons: dict[str, str | None]  # "decode" / "encode" -> why it runs whole on every rank (None: split)
     row_stride: int = 1  # the encoder's downsampling of rows (encode pieces are multiples of it)
+    halo: dict[str, int] = field(default_factory=lambda: {"decode": 1, "encode": 1})  # Sites.halo per direction
     undo: list[tuple[object, str, object]] = field(default_factory=list)  # (object, attribute, saved)
     logged: set[str] = field(default_factory=set)
 
@@ -100,6 +101,9 @@ def _install(sites: Sites, state: VAEState) -> None:
     for module, attributes in sites.attributes:
         for name, value in attributes.items():
             _set(state, module, name, value)
+    for module, methods in sites.methods:
+        for name, function in methods.items():
+            _set(state, module, name, types.MethodType(function, module))
 
 
 @functools.cache
@@ -162,6 +166,7 @@ def enable_parallel_vae(vae: torch.nn.Module, mesh: USPMesh | None = None) -> VA
             state.note(direction, state.reasons[direction])
             continue
         _install(sites, state)
+        state.halo[direction] = sites.halo
         if direction == "encode":
             state.row_stride = _alignment(vae, sites)
         run = _parallel_decode if direction == "decode" else _parallel_encode
@@ -201,17 +206,30 @@ def _pieces(vae: torch.nn.Module, state: VAEState, x: torch.Tensor, direction: s
     rows, reason = x.shape[ROWS], None
     if _needs_grad(vae, x):
         reason = f"the {direction} needs a gradient (the split one is for inference: call it under torch.no_grad())"
-    elif direction == "decode":
-        sizes = row_split(rows, state.size) if can_split(rows, state.size) else None
     else:
-        sizes = aligned_split(rows, state.size, state.row_stride)
+        sizes = _sizes(state, rows, direction)
     if reason is None and sizes is None:
+        halo = state.halo[direction]
         reason = f"{rows} rows are too few for {state.size} ranks" + (
-            f" in pieces of {state.row_stride} rows" if direction == "encode" else "")
+            f" in pieces of {state.row_stride} rows" if direction == "encode" else "") + (
+            f" (a convolution reads {halo} rows of its neighbours: each piece needs {halo} at the lowest resolution)"
+            if halo > 1 else "")
     if reason is not None:
         state.note(direction, reason)
         return None
     return sizes
+
+
+def _sizes(state: VAEState, rows: int, direction: str) -> list[int] | None:
+    """Every rank's rows, each piece holding at least the widest halo at the lowest resolution (the
+    latent for decode, the encoder's output for encode: rows / ``row_stride``), else None. A halo
+    comes from the next rank only, so a thinner piece would leave its neighbour short (on that rank
+    alone: the check is here, where every rank decides the same)."""
+    halo = state.halo[direction]
+    if direction == "decode":
+        return row_split(rows, state.size) if can_split(rows, state.size, halo) else None
+    sizes = aligned_split(rows, state.size, state.row_stride)
+    return sizes if sizes is not None and min(sizes) >= halo * state.row_stride else None
 
 
 def _split_call(vae: torch.nn.Module, stock, x: torch.Tensor, direction: str, args, kwargs):

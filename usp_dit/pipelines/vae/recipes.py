@@ -46,7 +46,8 @@ class Recipe:
     encoder's and decoder's. ``forward_globals``: module class -> {global name of its forward:
     replacement} (e.g. a mask builder that must see every rank's rows). ``attributes``: module
     class -> {attribute: value} set on its instances (e.g. a static mask builder its forward reads
-    off ``self``).
+    off ``self``). ``methods``: module class -> {method name: function(module, ...)} bound to each
+    instance (e.g. a linear attention whose sums over tokens must cover every rank's tokens).
     """
 
     explicit: dict[type, Explicit] = field(default_factory=dict)
@@ -55,6 +56,7 @@ class Recipe:
     refuse: Callable[[nn.Module], str | None] = lambda module: None
     forward_globals: dict[type, dict[str, object]] = field(default_factory=dict)
     attributes: dict[type, dict[str, object]] = field(default_factory=dict)
+    methods: dict[type, dict[str, Callable]] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,7 +69,9 @@ class Sites:
     forwards: list[nn.Module] = field(default_factory=list)
     rebound: list[tuple[nn.Module, dict[str, object]]] = field(default_factory=list)
     attributes: list[tuple[nn.Module, dict[str, object]]] = field(default_factory=list)
+    methods: list[tuple[nn.Module, dict[str, Callable]]] = field(default_factory=list)
     row_stride: int = 1  # product of the row strides of the convolutions (an encoder's downsampling)
+    halo: int = 1  # the most rows a split convolution reads on one side (each piece needs at least as many)
 
 
 def _from_wrapper(pads: Callable[[nn.Module], tuple[int, int, str]], wrapper: nn.Module, conv: nn.Module):
@@ -94,6 +98,7 @@ def _classify_conv(conv: nn.Module, pads_of: PadsOf, sites: Sites) -> str | None
         return reason
     sites.convs.append((conv, pads_of))
     sites.row_stride *= conv.stride[-2]
+    sites.halo = max(sites.halo, top, bottom)
     return None
 
 
@@ -131,6 +136,8 @@ def classify(region: nn.Module, recipe: Recipe) -> tuple[Sites | None, str | Non
             sites.rebound.append((module, recipe.forward_globals[cls]))
         if cls in recipe.attributes:
             sites.attributes.append((module, recipe.attributes[cls]))
+        if cls in recipe.methods:
+            sites.methods.append((module, recipe.methods[cls]))
     return sites, None
 
 
@@ -262,10 +269,51 @@ def _hunyuan_image_recipes() -> dict[type, Recipe]:
     return {AutoencoderKLHunyuanImage: image, AutoencoderKLHunyuanImageRefiner: refiner}
 
 
+def _dc_refuse(module: nn.Module) -> str | None:
+    from diffusers.models.attention_processor import SanaMultiscaleAttnProcessor2_0, SanaMultiscaleLinearAttention
+    from diffusers.models.autoencoders.autoencoder_dc import DCUpBlock2d
+
+    if isinstance(module, DCUpBlock2d) and module.interpolate and module.interpolation_mode not in ("nearest",
+                                                                                                   "nearest-exact"):
+        return f"upsampling mode {module.interpolation_mode!r} mixes rows"
+    if isinstance(module, SanaMultiscaleLinearAttention) and type(module.processor) is not SanaMultiscaleAttnProcessor2_0:
+        return f"attention processor {type(module.processor).__name__} (SanaMultiscaleAttnProcessor2_0 splits)"
+    if isinstance(module, nn.BatchNorm2d) and (module.training or not module.track_running_stats):
+        return "a BatchNorm2d in training mode normalises with the statistics of the rows it sees (call vae.eval())"
+    return None
+
+
+def _dc_recipe() -> Recipe:
+    """DC-AE (``AutoencoderDC``: Sana, PRX, SANA-Video), 2D.
+
+    ``nn.Conv2d`` padding zeros rows itself (3x3 and the multiscale projections' depthwise 5x5: a
+    halo of 2 rows; the encoder's "Conv" downsampling is one of stride 2); RMS norms over channels
+    and BatchNorm2d with running statistics (per channel) act per pixel; up / downsampling by a
+    pixel-(un)shuffle or nearest interpolation (row r to rows 2r, 2r + 1; encode pieces are
+    multiples of ``spatial_compression_ratio`` rows). The EfficientViT blocks' ReLU linear
+    attention sums over every token once: that sum is all-reduced (``attention.linear_attention``,
+    Note [DC-AE attention path])."""
+    from diffusers.models import normalization
+    from diffusers.models.attention_processor import SanaMultiscaleAttentionProjection, SanaMultiscaleLinearAttention
+    from diffusers.models.autoencoders import autoencoder_dc as dc
+
+    from usp_dit.pipelines.vae.attention import linear_attention, quadratic_attention
+
+    return Recipe(
+        local=(dc.Encoder, dc.Decoder, dc.ResBlock, dc.EfficientViTBlock, dc.DCDownBlock2d, dc.DCUpBlock2d,
+               dc.GLUMBConv, SanaMultiscaleAttentionProjection, SanaMultiscaleLinearAttention, normalization.RMSNorm,
+               nn.BatchNorm2d, nn.ReLU6),
+        refuse=_dc_refuse,
+        methods={SanaMultiscaleLinearAttention: {"apply_linear_attention": linear_attention,
+                                                 "apply_quadratic_attention": quadratic_attention}},
+    )
+
+
 @functools.cache
 def recipes() -> dict[type, Recipe]:
     """Exact VAE class -> recipe (imports the Diffusers autoencoders on first use; built once)."""
     from diffusers import (
+        AutoencoderDC,
         AutoencoderKL,
         AutoencoderKLCogVideoX,
         AutoencoderKLFlux2,
@@ -389,5 +437,5 @@ def recipes() -> dict[type, Recipe]:
         AutoencoderKLMochi: mochi_recipe, AutoencoderKLHunyuanVideo: hunyuan_recipe,
         AutoencoderKLHunyuanVideo15: hunyuan15_recipe, AutoencoderKLLTXVideo: ltx_recipe,
         AutoencoderKLLTX2Video: _ltx2_recipe(), AutoencoderKLQwenImage21: wan_recipe(qwen21, qwen21_local),
-        **_hunyuan_image_recipes(),
+        AutoencoderDC: _dc_recipe(), **_hunyuan_image_recipes(),
     }
