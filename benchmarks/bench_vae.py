@@ -12,7 +12,8 @@ hunyuan_video (129 x 720 x 1280), mochi (163 x 480 x 848), ltx_video (121 x 512 
 sana_wm_ltx2 (LTX-2's VAE at SANA-WM's 161 x 704 x 1280), wan22 (TI2V-5B, 121 x 704 x 1280 ->
 48 x 31 x 44 x 80), hunyuan_video15 (121 x 720 x 1280 -> 32 x 31 x 45 x 80; untiled it cannot fit
 one GPU: ``--skip-stock``) and hunyuan_video15_480p (121 x 480 x 848), qwen_image21 (1024 x 1024),
-hunyuan_image (2048 x 2048 -> 64 x 64 x 64) and hunyuan_image_refiner (2048 x 2048, one frame).
+hunyuan_image (2048 x 2048 -> 64 x 64 x 64), hunyuan_image_refiner (2048 x 2048, one frame) and
+sana_dcae (Sana's DC-AE at 4096 x 4096 -> 32 x 128 x 128; also PRX's and SANA-Video's VAE).
 Kandinsky 6 decodes with HunyuanVideo's VAE, Cosmos 3, Helios, ChronoEdit and SANA-Video 480p
 with Wan 2.1's, SANA-Video 720p with LTX-2's: their cases above stand for them.
 
@@ -67,6 +68,21 @@ HUNYUAN_IMAGE_VAE = dict(
     layers_per_block=2, spatial_compression_ratio=32, sample_size=384, scaling_factor=0.75289,
 )
 
+# Sana's DC-AE (recalled from mit-han-lab/dc-ae-f32c32-sana-1.0-diffusers, unconfirmed offline): 32x,
+# 32 latent channels, ResBlocks with BatchNorm then EfficientViT blocks with ReLU linear attention.
+SANA_DC_AE = dict(
+    in_channels=3, latent_channels=32, attention_head_dim=32,
+    encoder_block_types=("ResBlock",) * 3 + ("EfficientViTBlock",) * 3,
+    decoder_block_types=("ResBlock",) * 3 + ("EfficientViTBlock",) * 3,
+    encoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
+    decoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
+    encoder_layers_per_block=(2, 2, 2, 3, 3, 3), decoder_layers_per_block=(3, 3, 3, 3, 3, 3),
+    encoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)), decoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)),
+    upsample_block_type="interpolate", downsample_block_type="Conv",
+    decoder_norm_types=("batch_norm",) * 3 + ("rms_norm",) * 3, decoder_act_fns=("relu",) * 3 + ("silu",) * 3,
+    scaling_factor=0.41407,
+)
+
 
 @dataclass(frozen=True)
 class Case:
@@ -82,8 +98,9 @@ class Case:
 def _tiny_wan22():
     import diffusers as d
 
-    return d.AutoencoderKLWan(**{**WAN22_VAE, "base_dim": 8, "decoder_base_dim": 8, "z_dim": 4, "dim_mult": [1, 1, 1, 1],
-                                 "num_res_blocks": 1, "latents_mean": [0.0] * 4, "latents_std": [1.0] * 4})
+    small = dict(base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                 latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    return d.AutoencoderKLWan(**{**WAN22_VAE, **small})
 
 
 def _tiny_qwen_image21():
@@ -91,6 +108,18 @@ def _tiny_qwen_image21():
 
     return d.AutoencoderKLQwenImage21(base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1, 1],
                                       num_res_blocks=1, latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+
+
+def _tiny_dc_ae():
+    import diffusers as d
+
+    kinds = ("ResBlock", "ResBlock", "EfficientViTBlock")
+    small = dict(latent_channels=4, encoder_block_types=kinds, decoder_block_types=kinds,
+                 encoder_block_out_channels=(8, 16, 32), decoder_block_out_channels=(8, 16, 32),
+                 encoder_layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1),
+                 encoder_qkv_multiscales=((), (), (5,)), decoder_qkv_multiscales=((), (), (5,)),
+                 decoder_norm_types=("batch_norm", "batch_norm", "rms_norm"), decoder_act_fns=("relu", "relu", "silu"))
+    return d.AutoencoderDC(**{**SANA_DC_AE, **small})
 
 
 def _demo(module: str, name: str) -> Callable[[], torch.nn.Module]:
@@ -137,6 +166,8 @@ def _case(name: str) -> Case:
         # The refiner (Diffusers' defaults: 32 channels, 16x) on the base model's 2048 x 2048 output, one frame.
         "hunyuan_image_refiner": Case(lambda: d.AutoencoderKLHunyuanImageRefiner(), (1, 32, 1, 128, 128), "2048x2048",
                                       _demo("tiny_hunyuan_image", "tiny_hunyuan_image_refiner_vae")),
+        # Sana's DC-AE (also PRX's, SANA-Video's) at Sana 4K's 4096 x 4096 (latent 32 x 128 x 128).
+        "sana_dcae": Case(lambda: d.AutoencoderDC(**SANA_DC_AE), (1, 32, 128, 128), "4096x4096", _tiny_dc_ae),
     }
     if name not in cases:
         raise ValueError(f"--model {name!r}: expected one of {', '.join(cases)}")
@@ -151,7 +182,8 @@ class Row:
     stock_peak_gib: float | None
     world1_ratio: float | None
     output_gib: float
-    shares: dict = field(default_factory=dict)  # P -> {ms, peak_gib, time_frac, mem_frac, halo_exchanges, all_reduces, gathers}
+    # P -> {ms, peak_gib, time_frac, mem_frac, halo_exchanges, all_reduces, gathers} (or skipped)
+    shares: dict = field(default_factory=dict)
 
 
 def _build(factory: Callable[[], torch.nn.Module], device: torch.device) -> torch.nn.Module:
@@ -229,13 +261,16 @@ class Simulated:
 def simulated(sim: Simulated):
     from usp_dit.pipelines.vae import attention, halo, norm
 
-    saved = (halo.neighbour_rows, norm._all_sum, norm._gather_stats, attention.gather_uneven, attention.gathered_counts)
+    saved = (halo.neighbour_rows, norm._all_sum, norm._gather_stats, attention.gather_uneven, attention.gathered_counts,
+             attention._all_sum)
     halo.neighbour_rows, norm._all_sum, norm._gather_stats = sim.neighbour_rows, sim.all_sum, sim.gather_stats
-    attention.gather_uneven, attention.gathered_counts = sim.gather_uneven, sim.gathered_counts
+    attention.gather_uneven, attention.gathered_counts, attention._all_sum = (sim.gather_uneven, sim.gathered_counts,
+                                                                              sim.all_sum)
     try:
         yield
     finally:
-        halo.neighbour_rows, norm._all_sum, norm._gather_stats, attention.gather_uneven, attention.gathered_counts = saved
+        (halo.neighbour_rows, norm._all_sum, norm._gather_stats, attention.gather_uneven, attention.gathered_counts,
+         attention._all_sum) = saved
 
 
 def _decode_rows(vae: torch.nn.Module, piece: torch.Tensor) -> torch.Tensor:
@@ -249,17 +284,21 @@ def _decode_rows(vae: torch.nn.Module, piece: torch.Tensor) -> torch.Tensor:
     return out if torch.is_tensor(out) else out[0]
 
 
-def share(vae: torch.nn.Module, z: torch.Tensor, parts: int, warmup: int, rounds: int) -> tuple[float, float, dict]:
-    """(ms, peak GiB, collective counts per decode) of rank parts // 2's rows of a P-way decode."""
+def share(vae: torch.nn.Module, z: torch.Tensor, parts: int, warmup: int,
+          rounds: int) -> tuple[float, float, dict] | None:
+    """(ms, peak GiB, collective counts per decode) of rank parts // 2's rows of a P-way decode; None
+    where the latent has too few rows for ``parts`` pieces as thick as the widest halo."""
     from usp_dit.distributed.mesh import single_rank_mesh
     from usp_dit.pipelines.vae.halo import RowGroup, decoding
     from usp_dit.pipelines.vae.patch import _STATES, VAEState, _install, _untiled, disable_parallel_vae
     from usp_dit.pipelines.vae.recipes import classify, recipes
-    from usp_dit.pipelines.vae.rows import row_offsets, row_split
+    from usp_dit.pipelines.vae.rows import can_split, row_offsets, row_split
 
     sites, reason = classify(vae.decoder, recipes()[type(vae)])
     if reason:
         raise NotImplementedError(reason)
+    if not can_split(z.shape[-2], parts, sites.halo):  # a parallel decode would run whole (patch._sizes)
+        return None
     state = VAEState(single_rank_mesh(z.device.type), None, {"decode": None, "encode": None})
     _STATES[vae] = state
     _install(sites, state)
@@ -326,12 +365,16 @@ def bench(name: str, parts: list[int], warmup: int, rounds: int, skip_stock: boo
         row = Row(name, case.label, stock_ms, stock_peak, world1, None)
         for p in parts:
             try:
-                ms, peak, counts = share(vae, z, p, warmup, rounds)
+                result = share(vae, z, p, warmup, rounds)
             except torch.cuda.OutOfMemoryError:
                 print(f"{name}: the P={p} share ran out of memory", flush=True)
                 torch.cuda.empty_cache()
-                row.shares[p] = dict(ms=None, time_frac=None, peak_gib=None, mem_frac=None, oom=True)
+                result = "out of memory"
+            if not isinstance(result, tuple):
+                row.shares[p] = dict(ms=None, time_frac=None, peak_gib=None, mem_frac=None,
+                                     skipped=result or "too few rows: decoded whole")
                 continue
+            ms, peak, counts = result
             row.shares[p] = dict(ms=round(ms, 1), time_frac=round(ms / stock_ms, 3) if stock_ms else None,
                                  time_goal=round(1.3 / p, 3), peak_gib=round(peak, 2),
                                  mem_frac=round(peak / stock_peak, 3) if stock_peak else None,
@@ -358,8 +401,8 @@ def _setting(vae: torch.nn.Module, name: str) -> int:
 
 
 def _cell(share: dict) -> str:
-    if share.get("oom"):
-        return "out of memory"
+    if share.get("skipped"):
+        return share["skipped"]
     if share["time_frac"] is None:
         return f"{share['ms']} ms / {share['peak_gib']} GiB"
     return f"{share['time_frac']:.3f} / {share['mem_frac']:.3f}"

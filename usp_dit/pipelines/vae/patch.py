@@ -6,12 +6,13 @@ decoder's channels and sizes. Rows (dim -2) are split (Note [an exact parallel V
 
 Note [parallel VAE fallback]
     The split is exact or not used. A decode (encode) runs whole on every rank (as without
-    usp_dit; logged once per reason on rank 0) when: the VAE's class has no recipe, a module of its
-    decoder (encoder) is not known to act per row (``recipes.classify``), the input has fewer rows
-    than ranks (than ranks x the encoder's downsampling), or the call needs a gradient (the halo
-    transfers are not differentiable). Every rank reaches the same decision from the same
-    information (same class, same input: checked equal on every rank), so no rank waits in a
-    collective that another skipped.
+    usp_dit; logged once per reason on rank 0) when: the VAE's class has no recipe (the message says
+    why where it is known: ``recipes.NO_RECIPE``), a module of its decoder (encoder) is not known to
+    act per row (``recipes.classify``), the input has fewer rows than ranks (than ranks x the
+    encoder's downsampling) or a piece would be thinner than the widest halo at the lowest
+    resolution, or the call needs a gradient (the halo transfers are not differentiable). Every
+    rank reaches the same decision from the same information (same class, same input: checked
+    equal on every rank), so no rank waits in a collective that another skipped.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from usp_dit.pipelines.base import restore_instance_attr, saved_instance_attr
 from usp_dit.pipelines.vae.attention import GATHERED_F
 from usp_dit.pipelines.vae.halo import ROWS, RowGroup, decoding, gathered_counts, halo_conv_forward
 from usp_dit.pipelines.vae.norm import group_norm_forward
-from usp_dit.pipelines.vae.recipes import Sites, classify, recipes
+from usp_dit.pipelines.vae.recipes import NO_RECIPE, Sites, classify, recipes
 from usp_dit.pipelines.vae.rows import aligned_split, can_split, row_offsets, row_split
 
 _log = get_logger("vae")
@@ -120,7 +121,8 @@ def _classified(vae: torch.nn.Module, direction: str) -> tuple[Sites | None, str
     recipe = recipes().get(type(vae))
     region = getattr(vae, _REGIONS[direction][0], None)
     if recipe is None:
-        return None, f"{type(vae).__name__} has no parallel recipe (supported: {', '.join(c.__name__ for c in recipes())})"
+        why = NO_RECIPE.get(type(vae).__name__, f"supported: {', '.join(c.__name__ for c in recipes())}")
+        return None, f"{type(vae).__name__} has no parallel recipe ({why})"
     if not isinstance(region, torch.nn.Module) or not hasattr(type(vae), _REGIONS[direction][1]):
         return None, f"{type(vae).__name__} has no {_REGIONS[direction][0]}"
     return classify(region, recipe)

@@ -24,6 +24,25 @@ GENERIC_LOCAL: tuple[type, ...] = (
 )
 
 
+# Why a VAE class that a supported family's pipeline uses has no recipe (the fallback's message).
+_AUDIO = "a 1-D audio VAE: no image rows to split (it decodes locally on every rank)"
+NO_RECIPE: dict[str, str] = {
+    "AutoencoderKLAllegro": "it decodes only in its own overlapping, blended 3D tiles (its untiled decode raises "
+                            "NotImplementedError), which a split by rows would change",
+    "AutoencoderKLMiniMaxH3": "its decoder is a ViT: every latent token attends to every other and to shared "
+                              "register tokens, with positions normalised by the whole latent's size (not "
+                              "convolutions over rows)",
+    "AutoencoderKLCosmos": "no recipe yet (Cosmos 1's tokenizer: its Haar wavelet (un)patcher, causal GroupNorm and "
+                           "spatial / temporal attention processors are not read for one)",
+    "AutoencoderKLMagvit": "no recipe yet (EasyAnimate's causal convolutions, interpolating upsamplers and framewise "
+                           "decode are not read for one)",
+    "Kandinsky6SRVAE": "no recipe yet (the K-VAE: causal convolutions with a frame cache and latent-conditioned "
+                       "spatial norms are not read for one)",
+    "AutoencoderOobleck": _AUDIO, "AutoencoderSAME": _AUDIO, "LongCatAudioDiTVae": _AUDIO,
+    "AutoencoderKLLTX2Audio": _AUDIO, "AutoencoderKLMiniMaxH3Audio": _AUDIO, "Cosmos3AVAEAudioTokenizer": _AUDIO,
+}
+
+
 @dataclass(frozen=True)
 class Explicit:
     """A module that pads its convolution's input with ``F.pad`` (or a padding module) before the
@@ -186,8 +205,8 @@ def _zero_pad_conv(resample) -> nn.Module | None:
 
 def _noise_injection(blocks: tuple[type, ...], module: nn.Module) -> str | None:
     """LTX-Video's and LTX-2's resnet blocks with noise injection (``decoder_inject_noise``) add
-    ``torch.randn(rows, width)`` drawn for the rows they see: a piece would draw other numbers than
-    the whole image (and every rank the same ones)."""
+    ``torch.randn(rows, width)`` drawn for the rows they see: a piece would draw a field of its own
+    shape, not its rows of the whole image's field."""
     if isinstance(module, blocks) and getattr(module, "per_channel_scale1", None) is not None:
         return "noise injection draws random numbers shaped like the whole image"
     return None
@@ -263,7 +282,8 @@ def _hunyuan_image_recipes() -> dict[type, Recipe]:
         explicit={hr.HunyuanImageRefinerCausalConv3d: Explicit(_child_conv, _causal_wrapper_pads)},
         local=(hr.HunyuanImageRefinerEncoder3D, hr.HunyuanImageRefinerDecoder3D, hr.HunyuanImageRefinerMidBlock,
                hr.HunyuanImageRefinerDownBlock3D, hr.HunyuanImageRefinerUpBlock3D, hr.HunyuanImageRefinerResnetBlock,
-               hr.HunyuanImageRefinerRMS_norm, hr.HunyuanImageRefinerUpsampleDCAE, hr.HunyuanImageRefinerDownsampleDCAE),
+               hr.HunyuanImageRefinerRMS_norm, hr.HunyuanImageRefinerUpsampleDCAE,
+               hr.HunyuanImageRefinerDownsampleDCAE),
         forward_globals={hr.HunyuanImageRefinerAttnBlock: {"nn": GATHERED_NN}},
     )
     return {AutoencoderKLHunyuanImage: image, AutoencoderKLHunyuanImageRefiner: refiner}
@@ -276,7 +296,8 @@ def _dc_refuse(module: nn.Module) -> str | None:
     if isinstance(module, DCUpBlock2d) and module.interpolate and module.interpolation_mode not in ("nearest",
                                                                                                    "nearest-exact"):
         return f"upsampling mode {module.interpolation_mode!r} mixes rows"
-    if isinstance(module, SanaMultiscaleLinearAttention) and type(module.processor) is not SanaMultiscaleAttnProcessor2_0:
+    stock_processor = SanaMultiscaleAttnProcessor2_0
+    if isinstance(module, SanaMultiscaleLinearAttention) and type(module.processor) is not stock_processor:
         return f"attention processor {type(module.processor).__name__} (SanaMultiscaleAttnProcessor2_0 splits)"
     if isinstance(module, nn.BatchNorm2d) and (module.training or not module.track_running_stats):
         return "a BatchNorm2d in training mode normalises with the statistics of the rows it sees (call vae.eval())"
