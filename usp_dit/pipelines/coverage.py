@@ -130,7 +130,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                              one_call="FLUX.2-dev (guidance-distilled) and the step-distilled Klein"),
     "Flux3": FamilyPipelines("FLUX.3 (guided; step-distilled flow map): text-, image-to-image", (),
                              whole_vae="no DiffusionPipeline: Diffusers ships FLUX.3 as modular blocks "
-                                       "(Flux3ModularPipeline, Flux3DistilledModularPipeline)"),
+                                       "(Flux3ModularPipeline, Flux3DistilledModularPipeline); "
+                                       "`usp_dit.enable_parallel_vae(vae)` splits their AutoencoderKLFlux2"),
     "Chroma": FamilyPipelines("Chroma1-HD, -Base, -Flash", ("ChromaPipeline",)),
     "LongCatImage": FamilyPipelines("LongCat-Image, -Edit", ("LongCatImagePipeline", "LongCatImageEditPipeline")),
     "OvisImage": FamilyPipelines("Ovis-Image-7B", ("OvisImagePipeline",)),
@@ -143,9 +144,9 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     ),
     "QwenImage21": FamilyPipelines("Qwen-Image 2.1; text-to-image, image-conditioned (block-causal prefix)",
                                    ("QwenImage21Pipeline",),
-                                   one_call="Qwen-Image 2.1 (true_cfg_scale=1 by default; its true-CFG calls, over prompts "
-                                            "of different lengths, return outputs of different shapes and are not paired)",
-                                   whole_vae="no recipe yet"),
+                                   one_call="Qwen-Image 2.1 (true_cfg_scale=1 by default; its true-CFG calls, over "
+                                            "prompts of different lengths, return outputs of different shapes and are "
+                                            "not paired)"),
     "SD3": FamilyPipelines("SD3 Medium; SD3.5 Large, Medium", ("StableDiffusion3Pipeline",)),
     "CogView4": FamilyPipelines("CogView4-6B; CogView4 Control", ("CogView4Pipeline", "CogView4ControlPipeline")),
     "GlmImage": FamilyPipelines("GLM-Image (its diffusion decoder; text-to-image; editing refused)",
@@ -161,9 +162,7 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                              one_call="the distilled checkpoint (guidance_scale=0)"),
     "HunyuanImage": FamilyPipelines(
         "HunyuanImage 2.1, -Distilled; the refiner", ("HunyuanImagePipeline", "HunyuanImageRefinerPipeline"),
-        one_call="a pipeline without a guider (the distilled checkpoint, guidance embedded)",
-        whole_vae="no recipe yet (an exact one looks possible: convolutions, GroupNorms, one attention, "
-                  "pixel (un)shuffles)"),
+        one_call="a pipeline without a guider (the distilled checkpoint, guidance embedded)"),
     "JoyImageEdit": FamilyPipelines("JoyImage-Edit: editing (reference frames split with the target), text-to-image",
                                     ("JoyImageEditPipeline",)),
     "JoyImageEditPlus": FamilyPipelines("JoyImage-Edit-Plus: multi-image editing (references of any size, one stream)",
@@ -176,14 +175,13 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                               ("ZImagePipeline", "ZImageImg2ImgPipeline")),
     "ErnieImage": FamilyPipelines("ERNIE-Image (prompt enhancer optional)", ("ErnieImagePipeline",)),
     "NucleusMoE": FamilyPipelines("NucleusMoE-Image (expert-choice MoE)", ("NucleusMoEImagePipeline",)),
-    "PRX": FamilyPipelines("PRX-1.2B (Flux VAE, DC-AE); PRX-7B pixel space (no VAE)", ("PRXPipeline", "PRXPixelPipeline"),
-                           whole_vae="no recipe yet (DC-AE: its own blocks and linear attention)"),
+    "PRX": FamilyPipelines("PRX-1.2B (Flux VAE, DC-AE); PRX-7B pixel space (no VAE)",
+                           ("PRXPipeline", "PRXPixelPipeline")),
     "OmniGen": FamilyPipelines("OmniGen v1 (text-to-image; editing: cfg_degree 1)", ("OmniGenPipeline",)),
     "AuraFlow": FamilyPipelines("AuraFlow v0.1 - v0.3", ("AuraFlowPipeline",)),
     "Sana": FamilyPipelines("Sana 600M, 1600M; Sana 1.5; Sana-Sprint (linear attention)",
                             ("SanaPipeline", "SanaSprintPipeline"),
-                            one_call="Sana-Sprint (guidance embedded, step-distilled)",
-                            whole_vae="no recipe yet (DC-AE: its own blocks and linear attention)"),
+                            one_call="Sana-Sprint (guidance embedded, step-distilled)"),
     "PixArt": FamilyPipelines("PixArt-Alpha 512, 1024; PixArt-Sigma 512, 1024, 2K",
                               ("PixArtAlphaPipeline", "PixArtSigmaPipeline")),
     "DiT": FamilyPipelines("DiT-XL/2 256, 512 (class-conditional, ImageNet)", ("DiTPipeline",)),
@@ -196,13 +194,14 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "Mochi": FamilyPipelines("Mochi 1", ("MochiPipeline",)),
     "Latte": FamilyPipelines("Latte-1 text-to-video (spatial and temporal blocks)", ("LattePipeline",)),
     "Allegro": FamilyPipelines("Allegro T2V (88 frames, 720p)", ("AllegroPipeline",),
-                               whole_vae="no recipe yet: it decodes in its own overlapping 3D tiles"),
+                               whole_vae="it decodes only in its own overlapping, blended 3D tiles"),
     "Wan": FamilyPipelines("Wan 2.1 T2V, I2V, FLF2V; Wan 2.2 A14B (both experts on one mesh), TI2V-5B",
                            ("WanPipeline", "WanImageToVideoPipeline")),
     "WanAnimate": FamilyPipelines("Wan 2.2 Animate-14B (animation, replacement)", ("WanAnimatePipeline",)),
     "WanAnimate2": FamilyPipelines("Wan-Animate-2 (in-context reference: extract pass, then cached generation)", (),
                                    whole_vae="no DiffusionPipeline: Diffusers ships Wan-Animate-2 as modular blocks "
-                                             "(WanAnimate2ModularPipeline, WanAnimate2DistilledModularPipeline)"),
+                                             "(WanAnimate2ModularPipeline, WanAnimate2DistilledModularPipeline); "
+                                             "`usp_dit.enable_parallel_vae(vae)` splits their AutoencoderKLWan"),
     "WanVACE": FamilyPipelines("Wan 2.1 VACE 1.3B, 14B; Wan 2.2 VACE-Fun A14B", ("WanVACEPipeline",)),
     "Kandinsky5": FamilyPipelines("Kandinsky 5.0 T2V / I2V Lite 5 s, T2I, I2I (dense attention), Lite 10 s "
                                   "and Pro (NABLA: grids without a ring)",
@@ -214,7 +213,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                     ("Kandinsky6SRPipeline",),
                                     cfg="none: no guidance, one call a step; `cfg_degree=2` splits a batch of tiles "
                                         "(`tiles_batch_size` >= 2; a batch of one refused)",
-                                    whole_vae="no recipe yet (the K-VAE: its own blocks)"),
+                                    whole_vae="no recipe yet (the K-VAE: causal convolutions with a frame cache, "
+                                              "latent-conditioned spatial norms)"),
     "HunyuanVideo": FamilyPipelines("T2V; I2V (latent_concat, token_replace)",
                                     ("HunyuanVideoPipeline", "HunyuanVideoImageToVideoPipeline"),
                                     one_call="T2V without true CFG (guidance-distilled)"),
@@ -227,9 +227,7 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "LTX-Video": FamilyPipelines("text-, image-to-video, condition",
                                  ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline")),
     "LTX-2": FamilyPipelines("LTX-2, LTX-2.3; text-, image-to-video, condition (video and audio)",
-                             ("LTX2Pipeline", "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline"),
-                             whole_vae="no recipe yet: its decoder is built of LTX-2's own modules, unlike "
-                                       "LTX-Video's; the audio VAE and vocoder decode whole too"),
+                             ("LTX2Pipeline", "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline")),
     "SkyReels-V2": FamilyPipelines(
         "T2V, I2V; diffusion forcing (block-causal attention)",
         ("SkyReelsV2Pipeline", "SkyReelsV2ImageToVideoPipeline", "SkyReelsV2DiffusionForcingPipeline"),
@@ -244,13 +242,11 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                               ("HeliosPipeline", "HeliosPyramidPipeline"),
                               one_call="Helios-Distilled (step-wise distilled, run at guidance_scale=1)"),
     "SanaVideo": FamilyPipelines("SANA-Video 2B 480p, 720p; text-, image-to-video (linear attention)",
-                                 ("SanaVideoPipeline", "SanaImageToVideoPipeline"),
-                                 whole_vae="no recipe yet; the 480p release decodes with Wan 2.1's VAE, which has one"),
+                                 ("SanaVideoPipeline", "SanaImageToVideoPipeline")),
     "SanaWM": FamilyPipelines("SANA-WM 1600M bidirectional camera-controlled world model (GDN + softmax)",
-                              ("SanaWMPipeline",), whole_vae="no recipe yet for the LTX-2 video VAE"),
+                              ("SanaWMPipeline",)),
     "SANA-WM refiner": FamilyPipelines("SANA-WM stage 2: LTX-2 chunk-causal AR refiner (KV-cached sliding window; "
                                        "no guidance: cfg_degree=1)", ("SanaWMLTX2Refiner",),
-                                       whole_vae="no recipe yet for the LTX-2 video VAE",
                                        cfg="none: no guidance, one call a step at batch 1 (`cfg_degree=2` refused)"),
     "Cosmos3": FamilyPipelines("Cosmos 3 Omni: text/image/video-to-video, sound and action streams",
                                ("Cosmos3OmniPipeline",)),
@@ -265,7 +261,9 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                    whole_vae="no recipe yet"),
     "MiniMax-H3": FamilyPipelines("MiniMax-H3 (33B): text-, first-last-frame-, reference-to-video with audio", (),
                                   whole_vae="no DiffusionPipeline: Diffusers ships MiniMax-H3 as modular blocks, "
-                                            "which `pipe.enable_usp()` does not wrap (enable the transformer)"),
+                                            "which `pipe.enable_usp()` does not wrap (enable the transformer); its "
+                                            "AutoencoderKLMiniMaxH3 has no recipe: a ViT decoder (every latent token "
+                                            "attends to all, with shared register tokens)"),
     "StableAudio": FamilyPipelines("Stable Audio Open 1.0 (text-to-audio; audio latents, 1025 tokens)",
                                    ("StableAudioPipeline",), whole_vae="no recipe yet (a 1-D convolutional decoder)"),
     "StableAudio3": FamilyPipelines(

@@ -96,13 +96,16 @@ splits it); its spatio-temporal and modality-isolation guidance are extra calls 
 cfg_degree=2 refuses (``replica_forward`` Note [cfg parallel]): use cfg_degree=1 with them, or
 ``stg_scale=0, audio_stg_scale=0, modality_scale=1, audio_modality_scale=1``.
 
-VAEs: every rank decodes the whole latent with the stock decoders (exact; no faster). The video
-VAE, ``AutoencoderKLLTX2Video``, has no parallel-VAE recipe (``usp_dit.pipelines.vae.recipes``):
-LTX-Video's recipe is keyed on ``AutoencoderKLLTXVideo`` and lists its ``LTXVideo*`` modules, while
-LTX-2's decoder is built of its own ``LTX2Video*`` classes (reflect-padded causal convolutions,
-per-channel RMS norms), which no recipe has been read and written for; so ``enable_usp`` leaves it
-to decode whole (``usp_dit.pipelines.vae.patch`` Note [parallel VAE fallback]). The audio VAE and
-the vocoder decode a short mel spectrogram (about 500 frames for 5 s) locally on every rank.
+VAEs: the video VAE, ``AutoencoderKLLTX2Video``, decodes (and for image-to-video encodes) split by
+rows over the replica through its parallel-VAE recipe (``usp_dit.pipelines.vae.recipes``; equal
+to one process, tests/test_parallel_vae.py): its ``LTX2Video*`` modules pad time themselves and
+leave the rows to their ``nn.Conv3d`` (reflect-padded in the released decoder: the first and last
+ranks reflect the image's border from their rows and the neighbour's, so a piece of one latent row
+works), normalise per pixel (``PerChannelRMSNorm``) and up / downsample by depth-to-space reshapes
+that keep rows apart; the decoder's timestep conditioning scales channels. A config with
+``decoder_inject_noise`` decodes whole on every rank (the noise is drawn for the whole image:
+``usp_dit.pipelines.vae.patch`` Note [parallel VAE fallback]). The audio VAE and the vocoder decode
+a short mel spectrogram (about 500 frames for 5 s: 1-D, no rows to split) locally on every rank.
 
 Compile: the transformer compiles in one graph on the grid (tests/test_compile_grid.py); a
 perturbed (spatio-temporal guidance) call breaks the graph in the stock processor itself

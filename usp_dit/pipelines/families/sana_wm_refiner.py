@@ -62,8 +62,8 @@ video RoPE table with another length than the tokens raises ValueError. CFG: ``S
 runs no guidance (one call of batch 1 a step: its prompt is one string), which ``cfg_degree=2``
 refuses (``replica_forward`` Note [cfg parallel]); it splits a batched call without a cache. Compile: a call without a cache compiles in one graph (tests/test_compile_grid.py).
 
-VAE: ``AutoencoderKLLTX2Video`` (optional in the refiner) decodes whole on every rank, as LTX-2's
-(``usp_dit.pipelines.families.ltx2``).
+VAE: ``AutoencoderKLLTX2Video`` (optional in the refiner) decodes split by rows over the replica,
+as LTX-2's (``usp_dit.pipelines.families.ltx2``).
 """
 from __future__ import annotations
 

@@ -9,6 +9,12 @@ unchanged with its ``F`` bound to ``GATHERED_F`` (``_routing.with_global``): its
 ``scaled_dot_product_attention`` gathers K and V over the ranks (pieces of unequal length allowed)
 and attends this rank's queries to all of them. The mid-block attention runs at the decoder's
 lowest resolution, so the gathered K/V are small next to the activations of the upper levels.
+
+DC-AE's ReLU linear attention (``SanaMultiscaleLinearAttention``; layout (batch, heads, head_dim,
+tokens)) needs no K/V: its one sum over tokens, V' K^T ((batch, heads, head_dim + 1, head_dim)),
+is all-reduced (``linear_attention``). Its processor picks the quadratic form for a piece of at
+most ``attention_head_dim`` tokens; ``quadratic_attention`` decides on every rank's tokens instead,
+as the whole image does (Note [DC-AE attention path]).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional
 
 from usp_dit.distributed.comm import gather_uneven
@@ -95,3 +102,55 @@ class _GatheredNN:
 
 
 GATHERED_NN = _GatheredNN()
+
+
+# ---- DC-AE's linear attention --------------------------------------------------------------------
+
+def _all_sum(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def _linear(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows) -> torch.Tensor:
+    """The stock ``apply_linear_attention`` with its sum over tokens (V' K^T, V' = V with a row of
+    ones for the normaliser) taken over every rank's tokens: (batch, heads, head_dim, local tokens)."""
+    value = torch.nn.functional.pad(value, (0, 0, 0, 1), mode="constant", value=1)
+    scores = _all_sum(torch.matmul(value, key.transpose(-1, -2)), rows.group)  # (B, h, d + 1, d)
+    out = torch.matmul(scores, query).to(dtype=torch.float32)
+    return out[:, :, :-1] / (out[:, :, -1:] + attn.eps)
+
+
+def _whole_tokens(key: torch.Tensor, rows) -> tuple[list[int], int]:
+    sizes = gathered_counts(key.shape[-1], rows, key.device)
+    return sizes, sum(sizes)
+
+
+def linear_attention(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``SanaMultiscaleLinearAttention.apply_linear_attention`` over row pieces (bound to the module).
+
+    Note [DC-AE attention path]
+        The stock processor takes the linear form when the (piece's) height x width exceeds
+        ``attention_head_dim``, else the quadratic one, in float32 only for the linear form. Both
+        replaced methods first count every rank's tokens (one small all-gather, on every rank, so
+        the collectives match whichever form a rank's processor picked) and then compute the form
+        the whole image takes: linear (sums all-reduced; the quadratic entry upcasts to float32 as
+        the stock linear path does) or quadratic (K and V gathered). A piece can have few tokens
+        while the image has many, never the other way round."""
+    rows = active()
+    if rows is None:
+        return type(attn).apply_linear_attention(attn, query, key, value)
+    _whole_tokens(key, rows)  # the same collectives as quadratic_attention (the Note)
+    return _linear(attn, query, key, value, rows)
+
+
+def quadratic_attention(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``SanaMultiscaleLinearAttention.apply_quadratic_attention`` over row pieces (Note [DC-AE attention path])."""
+    rows = active()
+    if rows is None:
+        return type(attn).apply_quadratic_attention(attn, query, key, value)
+    sizes, tokens = _whole_tokens(key, rows)
+    if tokens > attn.attention_head_dim:  # the whole image's form: linear, in float32, back in the input's dtype
+        return _linear(attn, query.float(), key.float(), value.float(), rows).to(query.dtype)
+    key = gather_uneven(key.contiguous(), sizes, -1, rows.group)
+    value = gather_uneven(value.contiguous(), sizes, -1, rows.group)
+    return type(attn).apply_quadratic_attention(attn, query, key, value)

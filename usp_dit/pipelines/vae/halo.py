@@ -8,7 +8,8 @@ the instance while the parallel VAE is enabled; it behaves as stock outside a pa
 
     "module"    the convolution pads itself (``conv.padding``): the halo is added here, and the
                 convolution runs without row padding (the image border keeps the stock padding
-                mode on the first and last ranks);
+                mode, zeros, replicate or reflect, on the first and last ranks; circular, which
+                wraps the image's rows, is refused);
     "explicit"  the stock code padded the input before the call (``F.pad`` in a causal
                 convolution wrapper, with zeros or by replicating): the pad rows on the sides
                 facing another rank are replaced by that rank's rows.
@@ -116,23 +117,32 @@ def _border(x: torch.Tensor, count: int, at_top: bool, mode: str) -> torch.Tenso
 
 def add_halo(x: torch.Tensor, top: int, bottom: int, rows: RowGroup, mode: str) -> torch.Tensor:
     """``x`` with ``top`` rows above and ``bottom`` below: the neighbours' rows, or the image's
-    border padded with ``mode`` on the first / last rank."""
+    border padded with ``mode`` on the first / last rank.
+
+    The border is padded from the piece extended by the neighbour's rows on its other side: a
+    reflecting pad reads the rows next to the edge row (rows 1..top of the image at the top), which
+    a piece of one row (P not dividing the rows) only has together with the next rank's first rows.
+    Zeros and replicate read at most the edge row itself, which is the piece's own."""
     above, below = neighbour_rows(x, top, bottom, rows)
     if top and above is None:
-        above = _border(x, top, True, mode)
+        above = _border(x if below is None else torch.cat([x, below], dim=ROWS), top, True, mode)
     if bottom and below is None:
-        below = _border(x, bottom, False, mode)
+        below = _border(x if above is None else torch.cat([above, x], dim=ROWS), bottom, False, mode)
     return torch.cat([t for t in (above, x, below) if t is not None], dim=ROWS)
 
 
 def replace_pad_rows(x: torch.Tensor, top: int, bottom: int, rows: RowGroup) -> torch.Tensor:
     """``x`` padded by the stock code with ``top`` / ``bottom`` rows: those facing another rank
-    become that rank's rows (the image border keeps the stock padding)."""
+    become that rank's rows (the image border keeps the stock padding). Written into ``x`` in
+    place: it is the tensor the stock code's ``F.pad`` (or padding module) just made for this call,
+    so no copy of the padded piece is needed (one fewer activation-sized tensor per convolution)."""
     n = x.shape[ROWS] - top - bottom
     above, below = neighbour_rows(x.narrow(ROWS, top, n), top, bottom, rows)
-    parts = [above if above is not None else x.narrow(ROWS, 0, top), x.narrow(ROWS, top, n),
-             below if below is not None else x.narrow(ROWS, top + n, bottom)]
-    return torch.cat([p for p in parts if p.shape[ROWS]], dim=ROWS)
+    if above is not None:
+        x.narrow(ROWS, 0, top).copy_(above)
+    if below is not None:
+        x.narrow(ROWS, top + n, bottom).copy_(below)
+    return x
 
 
 # ---- convolutions -----------------------------------------------------------------------------
@@ -154,6 +164,8 @@ def conv_reason(conv: torch.nn.Module, top: int, bottom: int, where: str) -> str
     Depends on the convolution alone, so every rank finds the same answer."""
     k, d, s = conv.kernel_size[-2], conv.dilation[-2], conv.stride[-2]
     e = top + bottom - d * (k - 1)
+    if where == "module" and (top or bottom) and conv.padding_mode == "circular":
+        return f"a {type(conv).__name__} pads circularly: its first rows read the image's last rows"
     if isinstance(conv.padding, str) or (where == "explicit" and conv.padding[-2]) or not (1 - s <= e <= 0) or (s == 1 and e):
         return (f"a {type(conv).__name__} with kernel {conv.kernel_size}, stride {conv.stride}, padding {conv.padding} "
                 f"and row padding ({top}, {bottom}) does not map row pieces to row pieces")

@@ -6,12 +6,13 @@ decoder's channels and sizes. Rows (dim -2) are split (Note [an exact parallel V
 
 Note [parallel VAE fallback]
     The split is exact or not used. A decode (encode) runs whole on every rank (as without
-    usp_dit; logged once per reason on rank 0) when: the VAE's class has no recipe, a module of its
-    decoder (encoder) is not known to act per row (``recipes.classify``), the input has fewer rows
-    than ranks (than ranks x the encoder's downsampling), or the call needs a gradient (the halo
-    transfers are not differentiable). Every rank reaches the same decision from the same
-    information (same class, same input: checked equal on every rank), so no rank waits in a
-    collective that another skipped.
+    usp_dit; logged once per reason on rank 0) when: the VAE's class has no recipe (the message says
+    why where it is known: ``recipes.NO_RECIPE``), a module of its decoder (encoder) is not known to
+    act per row (``recipes.classify``), the input has fewer rows than ranks (than ranks x the
+    encoder's downsampling) or a piece would be thinner than the widest halo at the lowest
+    resolution, or the call needs a gradient (the halo transfers are not differentiable). Every
+    rank reaches the same decision from the same information (same class, same input: checked
+    equal on every rank), so no rank waits in a collective that another skipped.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from usp_dit.pipelines.base import restore_instance_attr, saved_instance_attr
 from usp_dit.pipelines.vae.attention import GATHERED_F
 from usp_dit.pipelines.vae.halo import ROWS, RowGroup, decoding, gathered_counts, halo_conv_forward
 from usp_dit.pipelines.vae.norm import group_norm_forward
-from usp_dit.pipelines.vae.recipes import Sites, classify, recipes
+from usp_dit.pipelines.vae.recipes import NO_RECIPE, Sites, classify, recipes
 from usp_dit.pipelines.vae.rows import aligned_split, can_split, row_offsets, row_split
 
 _log = get_logger("vae")
@@ -50,6 +51,7 @@ class VAEState:
     group: dist.ProcessGroup | None
     reasons: dict[str, str | None]  # "decode" / "encode" -> why it runs whole on every rank (None: split)
     row_stride: int = 1  # the encoder's downsampling of rows (encode pieces are multiples of it)
+    halo: dict[str, int] = field(default_factory=lambda: {"decode": 1, "encode": 1})  # Sites.halo per direction
     undo: list[tuple[object, str, object]] = field(default_factory=list)  # (object, attribute, saved)
     logged: set[str] = field(default_factory=set)
 
@@ -100,6 +102,9 @@ def _install(sites: Sites, state: VAEState) -> None:
     for module, attributes in sites.attributes:
         for name, value in attributes.items():
             _set(state, module, name, value)
+    for module, methods in sites.methods:
+        for name, function in methods.items():
+            _set(state, module, name, types.MethodType(function, module))
 
 
 @functools.cache
@@ -116,17 +121,29 @@ def _classified(vae: torch.nn.Module, direction: str) -> tuple[Sites | None, str
     recipe = recipes().get(type(vae))
     region = getattr(vae, _REGIONS[direction][0], None)
     if recipe is None:
-        return None, f"{type(vae).__name__} has no parallel recipe (supported: {', '.join(c.__name__ for c in recipes())})"
+        why = NO_RECIPE.get(type(vae).__name__, f"supported: {', '.join(c.__name__ for c in recipes())}")
+        return None, f"{type(vae).__name__} has no parallel recipe ({why})"
     if not isinstance(region, torch.nn.Module) or not hasattr(type(vae), _REGIONS[direction][1]):
         return None, f"{type(vae).__name__} has no {_REGIONS[direction][0]}"
     return classify(region, recipe)
 
 
+def _setting(vae: torch.nn.Module, name: str) -> int:
+    """A positive integer the VAE sets on itself or only in its config (HunyuanImage's
+    ``spatial_compression_ratio``), else 1."""
+    value = vars(vae).get(name)
+    if value is None:
+        config = getattr(vae, "config", None)
+        value = config.get(name) if hasattr(config, "get") else None
+    return value if isinstance(value, int) and value > 0 else 1
+
+
 def _alignment(vae: torch.nn.Module, sites: Sites) -> int:
-    """Rows per encode piece unit: the encoder's downsampling (its strided convolutions and, for
-    a model that also patchifies rows by reshaping, its ``spatial_compression_ratio``)."""
-    ratio = getattr(vae, "spatial_compression_ratio", None)
-    return math.lcm(sites.row_stride, ratio) if isinstance(ratio, int) and ratio > 0 else sites.row_stride
+    """Rows per encode piece unit: the encoder's downsampling: its strided convolutions times the
+    patchify (``patch_size``: rows reshaped into channels before or inside the encoder), and for a
+    model that also downsamples rows by reshaping (pixel-unshuffles), its ``spatial_compression_ratio``."""
+    stride = sites.row_stride * _setting(vae, "patch_size")
+    return math.lcm(stride, _setting(vae, "spatial_compression_ratio"))
 
 
 def enable_parallel_vae(vae: torch.nn.Module, mesh: USPMesh | None = None) -> VAEState:
@@ -151,6 +168,7 @@ def enable_parallel_vae(vae: torch.nn.Module, mesh: USPMesh | None = None) -> VA
             state.note(direction, state.reasons[direction])
             continue
         _install(sites, state)
+        state.halo[direction] = sites.halo
         if direction == "encode":
             state.row_stride = _alignment(vae, sites)
         run = _parallel_decode if direction == "decode" else _parallel_encode
@@ -190,17 +208,30 @@ def _pieces(vae: torch.nn.Module, state: VAEState, x: torch.Tensor, direction: s
     rows, reason = x.shape[ROWS], None
     if _needs_grad(vae, x):
         reason = f"the {direction} needs a gradient (the split one is for inference: call it under torch.no_grad())"
-    elif direction == "decode":
-        sizes = row_split(rows, state.size) if can_split(rows, state.size) else None
     else:
-        sizes = aligned_split(rows, state.size, state.row_stride)
+        sizes = _sizes(state, rows, direction)
     if reason is None and sizes is None:
+        halo = state.halo[direction]
         reason = f"{rows} rows are too few for {state.size} ranks" + (
-            f" in pieces of {state.row_stride} rows" if direction == "encode" else "")
+            f" in pieces of {state.row_stride} rows" if direction == "encode" else "") + (
+            f" (a convolution reads {halo} rows of its neighbours: each piece needs {halo} at the lowest resolution)"
+            if halo > 1 else "")
     if reason is not None:
         state.note(direction, reason)
         return None
     return sizes
+
+
+def _sizes(state: VAEState, rows: int, direction: str) -> list[int] | None:
+    """Every rank's rows, each piece holding at least the widest halo at the lowest resolution (the
+    latent for decode, the encoder's output for encode: rows / ``row_stride``), else None. A halo
+    comes from the next rank only, so a thinner piece would leave its neighbour short (on that rank
+    alone: the check is here, where every rank decides the same)."""
+    halo = state.halo[direction]
+    if direction == "decode":
+        return row_split(rows, state.size) if can_split(rows, state.size, halo) else None
+    sizes = aligned_split(rows, state.size, state.row_stride)
+    return sizes if sizes is not None and min(sizes) >= halo * state.row_stride else None
 
 
 def _split_call(vae: torch.nn.Module, stock, x: torch.Tensor, direction: str, args, kwargs):

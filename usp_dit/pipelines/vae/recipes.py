@@ -24,6 +24,25 @@ GENERIC_LOCAL: tuple[type, ...] = (
 )
 
 
+# Why a VAE class that a supported family's pipeline uses has no recipe (the fallback's message).
+_AUDIO = "a 1-D audio VAE: no image rows to split (it decodes locally on every rank)"
+NO_RECIPE: dict[str, str] = {
+    "AutoencoderKLAllegro": "it decodes only in its own overlapping, blended 3D tiles (its untiled decode raises "
+                            "NotImplementedError), which a split by rows would change",
+    "AutoencoderKLMiniMaxH3": "its decoder is a ViT: every latent token attends to every other and to shared "
+                              "register tokens, with positions normalised by the whole latent's size (not "
+                              "convolutions over rows)",
+    "AutoencoderKLCosmos": "no recipe yet (Cosmos 1's tokenizer: its Haar wavelet (un)patcher, causal GroupNorm and "
+                           "spatial / temporal attention processors are not read for one)",
+    "AutoencoderKLMagvit": "no recipe yet (EasyAnimate's causal convolutions, interpolating upsamplers and framewise "
+                           "decode are not read for one)",
+    "Kandinsky6SRVAE": "no recipe yet (the K-VAE: causal convolutions with a frame cache and latent-conditioned "
+                       "spatial norms are not read for one)",
+    "AutoencoderOobleck": _AUDIO, "AutoencoderSAME": _AUDIO, "LongCatAudioDiTVae": _AUDIO,
+    "AutoencoderKLLTX2Audio": _AUDIO, "AutoencoderKLMiniMaxH3Audio": _AUDIO, "Cosmos3AVAEAudioTokenizer": _AUDIO,
+}
+
+
 @dataclass(frozen=True)
 class Explicit:
     """A module that pads its convolution's input with ``F.pad`` (or a padding module) before the
@@ -46,7 +65,8 @@ class Recipe:
     encoder's and decoder's. ``forward_globals``: module class -> {global name of its forward:
     replacement} (e.g. a mask builder that must see every rank's rows). ``attributes``: module
     class -> {attribute: value} set on its instances (e.g. a static mask builder its forward reads
-    off ``self``).
+    off ``self``). ``methods``: module class -> {method name: function(module, ...)} bound to each
+    instance (e.g. a linear attention whose sums over tokens must cover every rank's tokens).
     """
 
     explicit: dict[type, Explicit] = field(default_factory=dict)
@@ -55,6 +75,7 @@ class Recipe:
     refuse: Callable[[nn.Module], str | None] = lambda module: None
     forward_globals: dict[type, dict[str, object]] = field(default_factory=dict)
     attributes: dict[type, dict[str, object]] = field(default_factory=dict)
+    methods: dict[type, dict[str, Callable]] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,7 +88,9 @@ class Sites:
     forwards: list[nn.Module] = field(default_factory=list)
     rebound: list[tuple[nn.Module, dict[str, object]]] = field(default_factory=list)
     attributes: list[tuple[nn.Module, dict[str, object]]] = field(default_factory=list)
+    methods: list[tuple[nn.Module, dict[str, Callable]]] = field(default_factory=list)
     row_stride: int = 1  # product of the row strides of the convolutions (an encoder's downsampling)
+    halo: int = 1  # the most rows a split convolution reads on one side (each piece needs at least as many)
 
 
 def _from_wrapper(pads: Callable[[nn.Module], tuple[int, int, str]], wrapper: nn.Module, conv: nn.Module):
@@ -94,6 +117,7 @@ def _classify_conv(conv: nn.Module, pads_of: PadsOf, sites: Sites) -> str | None
         return reason
     sites.convs.append((conv, pads_of))
     sites.row_stride *= conv.stride[-2]
+    sites.halo = max(sites.halo, top, bottom)
     return None
 
 
@@ -131,6 +155,8 @@ def classify(region: nn.Module, recipe: Recipe) -> tuple[Sites | None, str | Non
             sites.rebound.append((module, recipe.forward_globals[cls]))
         if cls in recipe.attributes:
             sites.attributes.append((module, recipe.attributes[cls]))
+        if cls in recipe.methods:
+            sites.methods.append((module, recipe.methods[cls]))
     return sites, None
 
 
@@ -177,26 +203,148 @@ def _zero_pad_conv(resample) -> nn.Module | None:
     return None
 
 
+def _noise_injection(blocks: tuple[type, ...], module: nn.Module) -> str | None:
+    """LTX-Video's and LTX-2's resnet blocks with noise injection (``decoder_inject_noise``) add
+    ``torch.randn(rows, width)`` drawn for the rows they see: a piece would draw a field of its own
+    shape, not its rows of the whole image's field."""
+    if isinstance(module, blocks) and getattr(module, "per_channel_scale1", None) is not None:
+        return "noise injection draws random numbers shaped like the whole image"
+    return None
+
+
 def _ltx_refuse(module: nn.Module) -> str | None:
     from diffusers.models.autoencoders.autoencoder_kl_ltx import LTXVideoResnetBlock3d
 
-    if isinstance(module, LTXVideoResnetBlock3d) and getattr(module, "per_channel_scale1", None) is not None:
-        return "noise injection draws random numbers shaped like the whole image"
+    return _noise_injection((LTXVideoResnetBlock3d,), module)
+
+
+def _ltx2_refuse(module: nn.Module) -> str | None:
+    from diffusers.models.autoencoders.autoencoder_kl_ltx2 import LTX2VideoResnetBlock3d
+
+    return _noise_injection((LTX2VideoResnetBlock3d,), module)
+
+
+def _timestep_local() -> tuple[type, ...]:
+    """The timestep embedders of a timestep-conditioned decoder (LTX-Video 0.9.1+, LTX-2): they act
+    on the (batch,) timestep only; its per-channel scale and shift then act per pixel."""
+    from diffusers.models.embeddings import PixArtAlphaCombinedTimestepSizeEmbeddings, TimestepEmbedding, Timesteps
+
+    return PixArtAlphaCombinedTimestepSizeEmbeddings, TimestepEmbedding, Timesteps
+
+
+def _ltx2_recipe() -> Recipe:
+    """LTX-2's video VAE (``AutoencoderKLLTX2Video``; also SANA-Video 720p's and SANA-WM's).
+
+    ``LTX2VideoCausalConv3d`` pads time itself (repeating the first / last frame: per row) and
+    leaves the rows to its ``nn.Conv3d`` (``padding`` (0, 1, 1) in ``spatial_padding_mode``,
+    reflect in the released decoder, zeros in its encoder): a "module" halo, the reflecting border
+    read from the piece and its neighbour's rows (``halo.add_halo``). ``PerChannelRMSNorm`` and the
+    shortcut's ``nn.LayerNorm`` normalise over channels (per pixel); the up / downsamplers are a
+    3x3x3 convolution followed by a depth-to-space (space-to-depth) reshape that maps latent row r
+    to rows 2r, 2r + 1 (and back: encode pieces are multiples of ``spatial_compression_ratio``
+    rows); the decoder's unpatchify maps row r to rows 4r .. 4r + 3. The timestep conditioning
+    scales and shifts channels by the (batch,) timestep's embedding. Noise injection is refused."""
+    from diffusers.models.autoencoders import autoencoder_kl_ltx2 as ltx2
+
+    return Recipe(
+        local=(ltx2.LTX2VideoDecoder3d, ltx2.LTX2VideoEncoder3d, ltx2.LTX2VideoMidBlock3d, ltx2.LTX2VideoUpBlock3d,
+               ltx2.LTX2VideoDownBlock3D, ltx2.LTX2VideoResnetBlock3d, ltx2.LTX2VideoUpsampler3d,
+               ltx2.LTX2VideoDownsampler3d, ltx2.LTX2VideoCausalConv3d, ltx2.PerChannelRMSNorm, nn.LayerNorm)
+        + _timestep_local(),
+        refuse=_ltx2_refuse,
+    )
+
+
+def _hunyuan_image_recipes() -> dict[type, Recipe]:
+    """HunyuanImage 2.1's VAE and its refiner's.
+
+    ``AutoencoderKLHunyuanImage`` (2D): ``nn.Conv2d`` padding zeros rows itself, ``nn.GroupNorm``,
+    a one-head mid-block attention calling ``F.scaled_dot_product_attention`` on (batch, rows x
+    columns, channels) tokens, up / downsampling by a convolution and a pixel-(un)shuffle (row r to
+    rows 2r, 2r + 1; its encoder has no strided convolution: encode pieces are multiples of
+    ``spatial_compression_ratio`` rows). ``AutoencoderKLHunyuanImageRefiner`` (3D, HunyuanVideo
+    1.5-like): causal convolutions padding rows by replicating (``F.pad`` before the call), RMS
+    norms over channels, the same (un)shuffles, and a mid-block attention over every frame's
+    tokens without a mask (``nn.functional.scaled_dot_product_attention``): the keys' order does not
+    matter to it, so the gathered (rank, frame, row, column) order needs no mask."""
+    from diffusers import AutoencoderKLHunyuanImage, AutoencoderKLHunyuanImageRefiner
+    from diffusers.models.autoencoders import autoencoder_kl_hunyuanimage as hi
+    from diffusers.models.autoencoders import autoencoder_kl_hunyuanimage_refiner as hr
+
+    from usp_dit.pipelines.vae.attention import GATHERED_NN
+
+    image = Recipe(
+        attention={hi.HunyuanImageAttentionBlock: "forward"},
+        local=(hi.HunyuanImageEncoder2D, hi.HunyuanImageDecoder2D, hi.HunyuanImageMidBlock, hi.HunyuanImageResnetBlock,
+               hi.HunyuanImageDownsample, hi.HunyuanImageUpsample),
+    )
+    refiner = Recipe(
+        explicit={hr.HunyuanImageRefinerCausalConv3d: Explicit(_child_conv, _causal_wrapper_pads)},
+        local=(hr.HunyuanImageRefinerEncoder3D, hr.HunyuanImageRefinerDecoder3D, hr.HunyuanImageRefinerMidBlock,
+               hr.HunyuanImageRefinerDownBlock3D, hr.HunyuanImageRefinerUpBlock3D, hr.HunyuanImageRefinerResnetBlock,
+               hr.HunyuanImageRefinerRMS_norm, hr.HunyuanImageRefinerUpsampleDCAE,
+               hr.HunyuanImageRefinerDownsampleDCAE),
+        forward_globals={hr.HunyuanImageRefinerAttnBlock: {"nn": GATHERED_NN}},
+    )
+    return {AutoencoderKLHunyuanImage: image, AutoencoderKLHunyuanImageRefiner: refiner}
+
+
+def _dc_refuse(module: nn.Module) -> str | None:
+    from diffusers.models.attention_processor import SanaMultiscaleAttnProcessor2_0, SanaMultiscaleLinearAttention
+    from diffusers.models.autoencoders.autoencoder_dc import DCUpBlock2d
+
+    if isinstance(module, DCUpBlock2d) and module.interpolate and module.interpolation_mode not in ("nearest",
+                                                                                                   "nearest-exact"):
+        return f"upsampling mode {module.interpolation_mode!r} mixes rows"
+    stock_processor = SanaMultiscaleAttnProcessor2_0
+    if isinstance(module, SanaMultiscaleLinearAttention) and type(module.processor) is not stock_processor:
+        return f"attention processor {type(module.processor).__name__} (SanaMultiscaleAttnProcessor2_0 splits)"
+    if isinstance(module, nn.BatchNorm2d) and (module.training or not module.track_running_stats):
+        return "a BatchNorm2d in training mode normalises with the statistics of the rows it sees (call vae.eval())"
     return None
+
+
+def _dc_recipe() -> Recipe:
+    """DC-AE (``AutoencoderDC``: Sana, PRX, SANA-Video), 2D.
+
+    ``nn.Conv2d`` padding zeros rows itself (3x3 and the multiscale projections' depthwise 5x5: a
+    halo of 2 rows; the encoder's "Conv" downsampling is one of stride 2); RMS norms over channels
+    and BatchNorm2d with running statistics (per channel) act per pixel; up / downsampling by a
+    pixel-(un)shuffle or nearest interpolation (row r to rows 2r, 2r + 1; encode pieces are
+    multiples of ``spatial_compression_ratio`` rows). The EfficientViT blocks' ReLU linear
+    attention sums over every token once: that sum is all-reduced (``attention.linear_attention``,
+    Note [DC-AE attention path])."""
+    from diffusers.models import normalization
+    from diffusers.models.attention_processor import SanaMultiscaleAttentionProjection, SanaMultiscaleLinearAttention
+    from diffusers.models.autoencoders import autoencoder_dc as dc
+
+    from usp_dit.pipelines.vae.attention import linear_attention, quadratic_attention
+
+    return Recipe(
+        local=(dc.Encoder, dc.Decoder, dc.ResBlock, dc.EfficientViTBlock, dc.DCDownBlock2d, dc.DCUpBlock2d,
+               dc.GLUMBConv, SanaMultiscaleAttentionProjection, SanaMultiscaleLinearAttention, normalization.RMSNorm,
+               nn.BatchNorm2d, nn.ReLU6),
+        refuse=_dc_refuse,
+        methods={SanaMultiscaleLinearAttention: {"apply_linear_attention": linear_attention,
+                                                 "apply_quadratic_attention": quadratic_attention}},
+    )
 
 
 @functools.cache
 def recipes() -> dict[type, Recipe]:
     """Exact VAE class -> recipe (imports the Diffusers autoencoders on first use; built once)."""
     from diffusers import (
+        AutoencoderDC,
         AutoencoderKL,
         AutoencoderKLCogVideoX,
         AutoencoderKLFlux2,
         AutoencoderKLHunyuanVideo,
         AutoencoderKLHunyuanVideo15,
+        AutoencoderKLLTX2Video,
         AutoencoderKLLTXVideo,
         AutoencoderKLMochi,
         AutoencoderKLQwenImage,
+        AutoencoderKLQwenImage21,
         AutoencoderKLWan,
     )
     from diffusers.models import downsampling, normalization, resnet, upsampling
@@ -220,6 +368,9 @@ def recipes() -> dict[type, Recipe]:
         autoencoder_kl_qwenimage as qwen,
     )
     from diffusers.models.autoencoders import (
+        autoencoder_kl_qwenimage21 as qwen21,
+    )
+    from diffusers.models.autoencoders import (
         autoencoder_kl_wan as wan,
     )
     from diffusers.models.autoencoders import (
@@ -239,6 +390,9 @@ def recipes() -> dict[type, Recipe]:
     wan_like = {
         wan: (wan.WanCausalConv3d, wan.WanAttentionBlock, wan.WanResample),
         qwen: (qwen.QwenImageCausalConv3d, qwen.QwenImageAttentionBlock, qwen.QwenImageResample),
+        # Qwen-Image 2.1: Wan 2.2's blocks (residual up / down blocks, DupUp3D / AvgDown3D
+        # pixel-(un)shuffles, patchify) with 2D convolutions padding rows by F.pad before the call
+        qwen21: (qwen21.QwenImage21CausalConv3d, qwen21.QwenImage21AttentionBlock, qwen21.QwenImage21Resample),
     }
 
     def wan_recipe(module, local: tuple[type, ...]) -> Recipe:
@@ -251,6 +405,9 @@ def recipes() -> dict[type, Recipe]:
     wan_local = tuple(getattr(wan, n) for n in (
         "WanDecoder3d", "WanEncoder3d", "WanMidBlock", "WanResidualBlock", "WanUpBlock", "WanResidualUpBlock",
         "WanResidualDownBlock", "WanUpsample", "WanRMS_norm", "DupUp3D", "AvgDown3D") if hasattr(wan, n))
+    qwen21_local = tuple(getattr(qwen21, f"QwenImage21{n}") for n in (
+        "Decoder3d", "Encoder3d", "MidBlock", "ResidualBlock", "UpBlock", "ResidualUpBlock", "ResidualDownBlock",
+        "Upsample", "RMS_norm", "DupUp3D", "AvgDown3D"))
     qwen_local = (qwen.QwenImageDecoder3d, qwen.QwenImageEncoder3d, qwen.QwenImageMidBlock, qwen.QwenImageResidualBlock,
                   qwen.QwenImageUpBlock, qwen.QwenImageUpsample, qwen.QwenImageRMS_norm)
     cog_recipe = Recipe(
@@ -291,7 +448,8 @@ def recipes() -> dict[type, Recipe]:
     ltx_recipe = Recipe(
         local=(ltx.LTXVideoDecoder3d, ltx.LTXVideoEncoder3d, ltx.LTXVideoMidBlock3d, ltx.LTXVideoUpBlock3d,
                ltx.LTXVideoDownBlock3D, ltx.LTXVideoResnetBlock3d, ltx.LTXVideoUpsampler3d, ltx.LTXVideoCausalConv3d,
-               normalization.RMSNorm, nn.LayerNorm),  # both over channels moved last (per pixel)
+               normalization.RMSNorm, nn.LayerNorm)  # both over channels moved last (per pixel)
+        + _timestep_local(),
         refuse=_ltx_refuse,
     )
     return {
@@ -299,4 +457,6 @@ def recipes() -> dict[type, Recipe]:
         AutoencoderKLQwenImage: wan_recipe(qwen, qwen_local), AutoencoderKLCogVideoX: cog_recipe,
         AutoencoderKLMochi: mochi_recipe, AutoencoderKLHunyuanVideo: hunyuan_recipe,
         AutoencoderKLHunyuanVideo15: hunyuan15_recipe, AutoencoderKLLTXVideo: ltx_recipe,
+        AutoencoderKLLTX2Video: _ltx2_recipe(), AutoencoderKLQwenImage21: wan_recipe(qwen21, qwen21_local),
+        AutoencoderDC: _dc_recipe(), **_hunyuan_image_recipes(),
     }

@@ -18,7 +18,8 @@ Note [an exact parallel VAE]
     * convolutions whose kernel spans k > 1 rows: they read ``top`` rows above and ``bottom``
       rows below each output row (their padding, top + bottom = dilation * (k - 1), stride 1).
       Each rank receives those rows from its neighbours (its "halo") before the convolution; the
-      first and last ranks pad the image's own border as the stock code does (zeros or replicate);
+      first and last ranks pad the image's own border as the stock code does (zeros, replicate or
+      reflect);
     * ops over the whole image: GroupNorm statistics (sums over rows all-reduced), and attention
       (the keys and values of all rows gathered).
 
