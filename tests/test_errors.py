@@ -85,11 +85,18 @@ def test_missing_package_raises_runtime_error_with_install_line(monkeypatch):
         usp_attention(q, k, v, backend="test_missing")
 
 
-def test_lse_is_not_differentiable_loudly():
-    q, k, v = _qkv(grad=True)
+def test_lse_gradient_is_exact_not_dropped():
+    """Once refused, now exact (Note [LSE gradient]): a loss that reads the LSE gets its gradient,
+    against float64 autograd through the scores (tests/test_lse_grad.py covers the grids)."""
+    q, k, v = _qkv(dtype=torch.float64, grad=True)
     out, _, lse, _ = usp_attention(q, k, v, return_lse=True)
-    with pytest.raises(NotImplementedError, match="log-sum-exp"):
-        (out.sum() + lse.sum()).backward()
+    got = torch.autograd.grad(out.sum() + 3.0 * lse.sum(), (q, k, v))
+    scores = torch.einsum("bshd,bthd->bhst", q, k) * q.shape[-1] ** -0.5
+    ref_out = torch.einsum("bhst,bthd->bshd", scores.softmax(-1), v)
+    ref_lse = scores.logsumexp(-1).transpose(1, 2)  # (B, S, H)
+    ref = torch.autograd.grad(ref_out.sum() + 3.0 * ref_lse.sum(), (q, k, v))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)  # float64: rounding only
 
 
 def test_world_size_one_joint_and_empty_joint():
