@@ -21,7 +21,9 @@ would see them, without spending minutes compiling C++ on two cores, and counts 
   ``AOT_FAMILIES``, Dynamo alone for the rest unless ``--full``): tiny Flux (2 x 2 and
   the cfg grid (1,2,2)), CogVideoX, Flux.2, Wan, LTX-Video, SD3, and the prompt-masked families
   Mochi, HunyuanVideo, Qwen-Image and Chroma with padded prompts (Mochi's parameter gradients
-  too, summed over the group), SkyReels-V2 diffusion forcing (block-causal)
+  too, summed over the group), SkyReels-V2 diffusion forcing (block-causal), AnyFlow-FAR's cached
+  (denoising) call on (2,1) (two steps behind an eagerly filled KV cache: one graph, no recompile,
+  output vs one process; its cache call is not traced)
   (Wan's and LTX's attn2 run the stock processor beside the routed attn1: the two must not be
   mixed up by the tracer), output vs the eager enabled model. (docs/COMPILE.md lists the
   families that do not trace yet, and why.)
@@ -344,6 +346,15 @@ def _skyreels_case() -> dict[str, float]:
     return compile_case(init_usp(ulysses_degree=2, ring_degree=2))
 
 
+def _anyflow_far_case() -> dict[str, float]:
+    """AnyFlow-FAR's cached (denoising) call on (2,1): [current tokens by usp_attention; the whole
+    cache attended locally; stock's zero padding keys] merged by log-sum-exp, one graph over two
+    steps of the same shapes, output equal to one process (its cache calls run eagerly)."""
+    from tests.test_pipeline_anyflow_far import compile_case
+
+    return compile_case(init_usp(ulysses_degree=2, ring_degree=1))
+
+
 def _run_all() -> dict[str, dict | str]:
     results: dict[str, dict | str] = {}
     seconds: dict[str, float] = {}  # per case, for whoever trims this file's CI time
@@ -390,6 +401,7 @@ def _run_two_rank_adapters() -> dict[str, dict | str]:
     for family, grid, shape in ADAPTER_CASES:
         if math.prod(grid) == 2:  # a failed case is recorded as its error, reported by its own test
             record_case(results, f"{family}-{grid}-{shape}", lambda: _adapter_case(family, grid, shape))
+    record_case(results, "anyflow_far-cached", _anyflow_far_case)
     torch._dynamo.reset()
     return results
 
@@ -547,6 +559,10 @@ def test_compiled_parameter_gradients_equal_eager(results):
     # Mochi with padded prompts: its joint text stream, the masked joint tokens and the video
     # tokens all carry gradients (Flux's path is the same without the mask; dropped for CI time).
     _assert_case(results, "mochi-gradients", "missing")
+
+
+def test_anyflow_far_cached_call_compiles_fullgraph_without_recompiling_and_equals_one_process(results):
+    _assert_case(results, "anyflow_far-cached", "graphs_not_1")
 
 
 def test_block_causal_skyreels_compiles_fullgraph_and_equals_eager(results):

@@ -35,7 +35,7 @@ usp_dit.pipelines.families.anyflow_far; stock's flex kernel against usp_dit's). 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -45,6 +45,7 @@ from tests import adapter_parity as parity
 from tests import family_checks
 from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
 from usp_dit.demo.tiny_anyflow_far import (
+    far_kv_cache,
     far_rollout,
     far_rollout_inputs,
     far_tokens_per_frame,
@@ -218,6 +219,57 @@ def _clean_mask_refused(mesh) -> dict[str, float]:
             return _refused(lambda: model(**kwargs), "prefix of the keys")
     finally:
         ADAPTER.disable(model)
+
+
+def _cached_step_kwargs(inputs, chunk: int, step: int) -> dict:
+    """Denoising step ``step`` of chunk ``chunk``'s cached call, as the pipeline makes it (a fresh
+    copy of the flag each call; contiguous latents and timesteps): the step's latents, ``t`` and
+    ``r <= t`` drawn from ``step``."""
+    cp = list(inputs.chunk_partition)
+    lo, hi = sum(cp[:chunk]), sum(cp[:chunk + 1])
+    g = torch.Generator().manual_seed(100 + step)
+    latents = torch.randn(inputs.latents[:, lo:hi].shape, generator=g)
+    t = torch.rand(inputs.t[:, lo:hi].shape, generator=g) * 1000
+    r = t * torch.rand(t.shape, generator=g)
+    return dict(hidden_states=latents, timestep=t, r_timestep=r, encoder_hidden_states=inputs.text,
+                chunk_partition=cp[:chunk + 1], kv_cache=None,
+                kv_cache_flag={"num_cached_chunks": chunk, "is_cache_step": False}, return_dict=False)
+
+
+COMPILE_CHUNK = 2  # SHAPES[0]'s chunk 2: 21 tokens (11 + 10 on 2 ranks) behind 3 compressed + 42 full cache rows
+
+
+def _cached_steps(model, inputs, call) -> list[torch.Tensor]:
+    """Two denoising steps of chunk ``COMPILE_CHUNK`` through ``call`` (same shapes, new values),
+    behind the cache that ``model``'s eager rollout of the chunks before it filled."""
+    cp = list(inputs.chunk_partition)
+    cache = far_kv_cache(model, inputs.latents.shape[0], cp, inputs.latents.shape[3], inputs.latents.shape[4])
+    far_rollout(model, replace(inputs, chunk_partition=tuple(cp[:COMPILE_CHUNK + 1])), cache)  # fills the cache
+    outs = []
+    with torch.no_grad():
+        for step in range(2):
+            outs.append(call(**{**_cached_step_kwargs(inputs, COMPILE_CHUNK, step), "kv_cache": cache})[0])
+    return outs
+
+
+def compile_case(mesh) -> dict[str, float]:
+    """The cached (denoising) call compiled with ``fullgraph=True`` on ``mesh`` (Dynamo's graph
+    through a counter, backend "eager"), two steps of the same shapes: one graph (no recompile),
+    each output vs one process's (stock). The cache calls before it run eagerly (their mask is read
+    on the host: Note [compiling FAR] in usp_dit.pipelines.families.anyflow_far). Called on
+    spawned ranks (tests/test_compile_grid.py)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model, inputs = _build(SHAPES[0])
+    ref = _cached_steps(model, inputs, model)
+    enable_usp(model, mesh=mesh)
+    try:
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("eager")
+        got = _cached_steps(model, inputs, torch.compile(model, backend=counter, fullgraph=True))
+    finally:
+        disable_usp(model)
+    return {"err": max(rel_err(a, b) for a, b in zip(got, ref)), "graphs_not_1": float(counter.frame_count != 1)}
 
 
 PIPELINE_GRIDS = parity.pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])

@@ -110,8 +110,22 @@ BlockMask, is built per batch row or head, or gives a row keys that are not a pr
 Diffusers cache that cannot run on a grid; ``num_layers=0``. ValueError: a RoPE table of another
 length than the call's keys, a cache-call mask of another length than the call's padded tokens, a
 KV cache whose batch is neither the call's nor ``cfg_degree`` times it. One rank: the same merges
-(not stock's flex kernel), equal to stock within float32 rounding. Compile: not traced in one
-graph (the cache call reads its mask on the host; not tested under torch.compile).
+(not stock's flex kernel), equal to stock within float32 rounding. Compile: Note [compiling FAR].
+
+Note [compiling FAR]
+    The cached call (the one the pipeline makes every denoising step) traces in one graph with
+    ``fullgraph=True``: everything its ``attn1`` decides on is a Python int fixed by the call's
+    shapes and flag (nc, nf, S, the rank's start, Z), the three parts are ``usp_attention``'s
+    traced path, a kernel call and a constant, and the merge is tensor code. Tested on (2,1)
+    (tests/test_compile_grid.py): two steps of the same shapes behind an eagerly filled cache, one
+    graph, no recompile, output equal to one process. A new chunk (another ``chunk_partition``,
+    ``num_cached_chunks``, cache length) is another graph, as in stock (its sizes are Python ints).
+    The cache call does not trace in one graph: it reads its BlockMask's ``mask_mod`` on the host
+    and runs one kernel call per run of rows (``prefix_runs``: ``tolist``), data-dependent sizes.
+    Compile the transformer without ``fullgraph`` (the cache call, once per chunk, breaks into
+    pieces; measured once on (2,1): the tiny rollout equal to one process, 45 graphs over 4
+    chunks) or call the compiled module for the denoising steps and the plain one for the cache
+    calls.
 """
 from __future__ import annotations
 
