@@ -32,8 +32,9 @@ NO_RECIPE: dict[str, str] = {
     "AutoencoderKLMiniMaxH3": "its decoder is a ViT: every latent token attends to every other and to shared "
                               "register tokens, with positions normalised by the whole latent's size (not "
                               "convolutions over rows)",
-    "Kandinsky6SRVAE": "no recipe yet (the K-VAE: causal convolutions with a frame cache and latent-conditioned "
-                       "spatial norms are not read for one)",
+    "Kandinsky6SRVAE": "no recipe yet: it has no _decode / _encode to split (its decode runs time segments "
+                       "through one cache dict), and its Kandinsky6SRSafeConv3d chunks time by the input's element "
+                       "count, so ranks holding different rows would make different numbers of halo exchanges",
     "AutoencoderOobleck": _AUDIO, "AutoencoderSAME": _AUDIO, "LongCatAudioDiTVae": _AUDIO,
     "AutoencoderKLLTX2Audio": _AUDIO, "AutoencoderKLMiniMaxH3Audio": _AUDIO, "Cosmos3AVAEAudioTokenizer": _AUDIO,
 }
