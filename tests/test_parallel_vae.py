@@ -11,7 +11,10 @@ Chroma, with its mid-block attention), Flux.2, Wan 2.1, Qwen-Image, CogVideoX, M
 upsamplers, every downsampling kind), Wan 2.2 TI2V-5B (residual blocks, patchify), Qwen-Image 2.1,
 HunyuanImage 2.1 (GroupNorm, attention, pixel-(un)shuffles) and its refiner (attention over every
 frame), DC-AE (Sana, PRX, SANA-Video: BatchNorm, ReLU linear attention whose token sums are
-all-reduced, in both of its processor's forms), on latents whose rows and columns are odd (7 x 5,
+all-reduced, in both of its processor's forms), Cosmos 1's tokenizer (Haar wavelet patcher, causal
+GroupNorm, spatial attention with K/V gathered and temporal attention per pixel) and EasyAnimate's
+Magvit VAE (framewise decode through the causal convolutions' frame caches; with and without
+spatial_group_norm: nearest or trilinear frame interpolation), on latents whose rows and columns are odd (7 x 5,
 9 x 5, 13 x 9: no split is even; on 4 ranks 7 rows leave the last rank one row, and an LTX-2
 latent of 4 rows gives every rank one, so its reflecting border rows come from the neighbour) and
 batch 2 where the VAE is cheap, over replicas of 2 ranks (mesh (2, 1, 1): two replicas on the
