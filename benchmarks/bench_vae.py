@@ -20,7 +20,9 @@ sana_wm_ltx2 (LTX-2's VAE at SANA-WM's 161 x 704 x 1280), wan22 (TI2V-5B, 121 x 
 48 x 31 x 44 x 80), hunyuan_video15 (121 x 720 x 1280 -> 32 x 31 x 45 x 80; untiled it cannot fit
 one GPU: ``--skip-stock``) and hunyuan_video15_480p (121 x 480 x 848), qwen_image21 (1024 x 1024),
 hunyuan_image (2048 x 2048 -> 64 x 64 x 64), hunyuan_image_refiner (2048 x 2048, one frame) and
-sana_dcae (Sana's DC-AE at 4096 x 4096 -> 32 x 128 x 128; also PRX's and SANA-Video's VAE).
+sana_dcae (Sana's DC-AE at 4096 x 4096 -> 32 x 128 x 128; also PRX's and SANA-Video's VAE),
+cosmos1 (Cosmos 1's tokenizer, 121 x 704 x 1280 -> 16 x 16 x 88 x 160) and easyanimate (EasyAnimate
+V5.1's Magvit VAE, 49 x 512 x 512 -> 16 x 13 x 64 x 64).
 Kandinsky 6 decodes with HunyuanVideo's VAE, Cosmos 3, Helios, ChronoEdit and SANA-Video 480p
 with Wan 2.1's, SANA-Video 720p with LTX-2's: their cases above stand for them.
 
@@ -200,6 +202,16 @@ def _case(name: str) -> Case:
                                       _demo("tiny_hunyuan_image", "tiny_hunyuan_image_refiner_vae")),
         # Sana's DC-AE (also PRX's, SANA-Video's) at Sana 4K's 4096 x 4096 (latent 32 x 128 x 128).
         "sana_dcae": Case(lambda: d.AutoencoderDC(**SANA_DC_AE), (1, 32, 128, 128), "4096x4096", _tiny_dc_ae),
+        # Cosmos 1's tokenizer: Diffusers' defaults are CV8x8x8-1.0 (its source says so of its latents'
+        # statistics; the block widths recalled as the release's); CosmosTextToWorldPipeline's default
+        # 121 x 704 x 1280 (8x in time and space, 16 channels).
+        "cosmos1": Case(lambda: d.AutoencoderKLCosmos(), (1, 16, 16, 88, 160), "121x704x1280",
+                        _demo("tiny_cosmos", "tiny_cosmos_vae")),
+        # EasyAnimate V5.1's Magvit VAE: Diffusers' defaults (recalled as the release's: 16 channels, 8x /
+        # 4x, spatial_group_norm); EasyAnimatePipeline's default 49 x 512 x 512. Its decode is framewise
+        # (one latent frame a decoder call, the causal convolutions' frame caches between calls).
+        "easyanimate": Case(lambda: d.AutoencoderKLMagvit(), (1, 16, 13, 64, 64), "49x512x512",
+                            _demo("tiny_easyanimate", "tiny_magvit_vae")),
     }
     if name not in cases:
         raise ValueError(f"--model {name!r}: expected one of {', '.join(cases)}")
@@ -307,12 +319,15 @@ def simulated(sim: Simulated):
 
 def _decode_rows(vae: torch.nn.Module, piece: torch.Tensor) -> torch.Tensor:
     """The stock ``_decode`` of ``piece``: a tensor, whatever the class returns (HunyuanVideo 1.5's and
-    the HunyuanImage refiner's ``_decode`` take no ``return_dict`` and return the tensor)."""
+    the HunyuanImage refiner's ``_decode`` take no ``return_dict`` and return the tensor), with the
+    frame caches cleared after it as the class's ``decode`` does."""
     import inspect
 
     decode = type(vae)._decode
     out = decode(vae, piece, return_dict=False) if "return_dict" in inspect.signature(decode).parameters else decode(
         vae, piece)
+    if hasattr(vae, "_clear_conv_cache"):  # EasyAnimate's frame caches: its ``decode`` clears them after ``_decode``
+        vae._clear_conv_cache()
     return out if torch.is_tensor(out) else out[0]
 
 

@@ -11,7 +11,10 @@ Chroma, with its mid-block attention), Flux.2, Wan 2.1, Qwen-Image, CogVideoX, M
 upsamplers, every downsampling kind), Wan 2.2 TI2V-5B (residual blocks, patchify), Qwen-Image 2.1,
 HunyuanImage 2.1 (GroupNorm, attention, pixel-(un)shuffles) and its refiner (attention over every
 frame), DC-AE (Sana, PRX, SANA-Video: BatchNorm, ReLU linear attention whose token sums are
-all-reduced, in both of its processor's forms), on latents whose rows and columns are odd (7 x 5,
+all-reduced, in both of its processor's forms), Cosmos 1's tokenizer (Haar wavelet patcher, causal
+GroupNorm, spatial attention with K/V gathered and temporal attention per pixel) and EasyAnimate's
+Magvit VAE (framewise decode through the causal convolutions' frame caches; with and without
+spatial_group_norm: nearest or trilinear frame interpolation), on latents whose rows and columns are odd (7 x 5,
 9 x 5, 13 x 9: no split is even; on 4 ranks 7 rows leave the last rank one row, and an LTX-2
 latent of 4 rows gives every rank one, so its reflecting border rows come from the neighbour) and
 batch 2 where the VAE is cheap, over replicas of 2 ranks (mesh (2, 1, 1): two replicas on the
@@ -126,6 +129,26 @@ def _vae_2025(family: str):
         return vae, (1, vae.config.latent_channels, 2, 7, 5)
     if family == "dc_ae":
         return _tiny_dc_ae(), (2, 4, 9, 5)
+    return _vae_vae3(family)
+
+
+def _vae_vae3(family: str):
+    """Cosmos 1's tokenizer (Haar wavelet patcher, causal GroupNorm, spatial and temporal attention;
+    two latent frames: the temporal upsampler runs) and EasyAnimate's Magvit VAE (two latent frames:
+    the framewise decode's second call reads every convolution's frame cache and interpolates
+    frames; ``magvit_trilinear``: ``spatial_group_norm=False``, norms over the frames and the
+    trilinear frame interpolation)."""
+    if family == "cosmos":
+        from usp_dit.demo.tiny_cosmos import tiny_cosmos_vae
+        return tiny_cosmos_vae(), (1, 4, 2, 7, 5)
+    if family in ("magvit", "magvit_trilinear"):
+        from diffusers import AutoencoderKLMagvit
+        torch.manual_seed(0)
+        vae = AutoencoderKLMagvit(latent_channels=4, block_out_channels=[8, 8, 8], layers_per_block=1, norm_num_groups=2,
+                                  down_block_types=["SpatialDownBlock3D"] + ["SpatialTemporalDownBlock3D"] * 2,
+                                  up_block_types=["SpatialUpBlock3D"] + ["SpatialTemporalUpBlock3D"] * 2,
+                                  spatial_group_norm=family == "magvit")
+        return vae.eval(), (1, 4, 2, 9, 3)
     raise ValueError(family)
 
 
@@ -158,7 +181,9 @@ DECODE_ARGS = {"ltx2": lambda z: (torch.full((z.shape[0],), 0.05),)}
 
 
 FAMILIES_2025 = ["ltx2", "wan22", "qwen_image21", "hunyuan_image", "hunyuan_image_refiner", "dc_ae"]
-FAMILIES = ["kl", "flux2", "wan", "qwen_image", "cogvideox", "mochi", "hunyuan_video", "ltx_video"] + FAMILIES_2025
+FAMILIES_VAE3 = ["cosmos", "magvit"]
+FAMILIES = (["kl", "flux2", "wan", "qwen_image", "cogvideox", "mochi", "hunyuan_video", "ltx_video"] + FAMILIES_2025
+            + FAMILIES_VAE3)
 # Images / videos to encode: rows not a multiple of the encoder's downsampling (but LTX's patchify
 # needs a multiple of 4; encoders that downsample by reshaping, LTX-2's, Wan 2.2's, Qwen-Image 2.1's
 # and HunyuanImage's, need a multiple of it, so their pieces are uneven units instead: 5 units over
@@ -166,13 +191,14 @@ FAMILIES = ["kl", "flux2", "wan", "qwen_image", "cogvideox", "mochi", "hunyuan_v
 ENCODE_SHAPES = {"kl": (2, 3, 54, 36), "flux2": (2, 3, 15, 10), "wan": (1, 3, 5, 60, 40), "qwen_image": (2, 3, 1, 60, 40),
                  "cogvideox": (1, 3, 5, 60, 40), "hunyuan_video": (1, 3, 5, 60, 40), "ltx_video": (1, 3, 9, 136, 32),
                  "ltx2": (1, 3, 9, 160, 64), "wan22": (1, 3, 5, 80, 48), "qwen_image21": (2, 4, 1, 80, 48),
-                 "hunyuan_image": (2, 3, 40, 24), "hunyuan_image_refiner": (1, 3, 5, 80, 32), "dc_ae": (2, 3, 36, 20)}
+                 "hunyuan_image": (2, 3, 40, 24), "hunyuan_image_refiner": (1, 3, 5, 80, 32), "dc_ae": (2, 3, 36, 20),
+                 "cosmos": (1, 3, 9, 40, 24), "magvit": (1, 3, 5, 20, 12)}
 ENCODE_WHOLE = {"mochi": "MochiVaeAttnProcessor2_0"}  # its encoder's attention processor is not split
 # Encodes on the 4-rank grids; the 2025-26 families' also on 2 ranks.
-ENCODES = [(g, f) for g in GRIDS for f in FAMILIES if g != GRIDS[0] or f in FAMILIES_2025]
+ENCODES = [(g, f) for g in GRIDS for f in FAMILIES if g != GRIDS[0] or f in FAMILIES_2025 + FAMILIES_VAE3]
 # Encode pieces' unit where it is not the strided convolutions' product: a patchify (Wan 2.2's 2,
 # LTX's 4 inside the encoder) or downsampling by reshaping (LTX-2's, HunyuanImage's).
-ENCODE_ALIGN = {"ltx_video": 32, "ltx2": 32, "wan22": 16, "hunyuan_image": 8, "hunyuan_image_refiner": 16}
+ENCODE_ALIGN = {"ltx_video": 32, "ltx2": 32, "wan22": 16, "hunyuan_image": 8, "hunyuan_image_refiner": 16, "cosmos": 8}
 
 
 # ---- without processes ------------------------------------------------------------------------------
@@ -208,6 +234,8 @@ def test_every_decoder_and_encoder_module_is_known(family):
         assert sites.rebound, "the mid-block attention must be split"
     if family == "dc_ae":
         assert sites.methods, "the linear attention must be split"
+    if family == "cosmos":
+        assert len(sites.methods) == 6, "every spatial and temporal attention takes the recipe's forward"
     sites, reason = classify(vae.encoder, recipes()[type(vae)])
     if family in ENCODE_WHOLE:
         assert ENCODE_WHOLE[family] in reason
@@ -263,6 +291,18 @@ def test_timestep_conditioned_ltx_video_decoder_splits():
     assert reason is None
 
 
+def test_cosmos_unknown_processor_or_reflecting_rows_are_not_split():
+    vae, _ = _vae("cosmos")
+    attention = vae.decoder.mid_block.attentions[0]
+    attention.processor = type("MyProcessor", (), {"__call__": attention.processor.__call__})()
+    _, reason = classify(vae.decoder, recipes()[type(vae)])
+    assert reason.startswith("mid_block.attentions.0") and "MyProcessor" in reason
+    vae, _ = _vae("cosmos")
+    vae.decoder.conv_in.conv_s.pad_mode = "reflect"
+    _, reason = classify(vae.decoder, recipes()[type(vae)])
+    assert "mode 'reflect'" in reason
+
+
 def test_circular_padding_is_not_split():
     from usp_dit.pipelines.vae.halo import conv_reason
 
@@ -278,15 +318,17 @@ def _decode(vae, z, *args):
         return vae.decode(z, *args).sample
 
 
-def _rows_seen(vae, z, *args) -> int:
-    """Latent rows the decoder's first convolution saw in one decode."""
+def _decode_seen(vae, z, *args) -> tuple[torch.Tensor, int]:
+    """The decoded sample and the most latent rows the decoder's first convolution saw in that decode."""
     seen = []
     hook = vae.decoder.conv_in.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[-2]))
     try:
-        _decode(vae, z, *args)
+        return _decode(vae, z, *args), max(seen)
     finally:
         hook.remove()
-    return max(seen)
+
+
+_REFS: dict = {}  # (family, rows) -> the one-process decode, shared by the grids (the same VAE and latent)
 
 
 def _case(family: str, grid, rows: int | None = None) -> dict[str, float]:
@@ -298,12 +340,13 @@ def _case(family: str, grid, rows: int | None = None) -> dict[str, float]:
         shape = shape[:-2] + (rows, shape[-1])
     z = torch.randn(shape, generator=torch.Generator().manual_seed(len(family)))
     args = DECODE_ARGS.get(family, lambda z: ())(z)
-    ref = _decode(vae, z, *args)
+    if (family, rows) not in _REFS:
+        _REFS[family, rows] = _decode(vae, z, *args)
+    ref = _REFS[family, rows]
     mesh = init_usp(*grid)
     state = enable_parallel_vae(vae, mesh)
     try:
-        out = _decode(vae, z, *args)
-        seen = _rows_seen(vae, z, *args)
+        out, seen = _decode_seen(vae, z, *args)
     finally:
         disable_parallel_vae(vae)
     parts = grid[0] * grid[1] * grid[2]
@@ -437,6 +480,8 @@ def _run_all() -> dict:
     record(results, "ltx2-one-row-each-u2r2cfg1", lambda: _case("ltx2", (2, 2, 1), rows=4))
     # DC-AE's attention in the quadratic form for the whole latent (K and V gathered)
     record(results, "dc_ae-quadratic-u2r1cfg1", lambda: _case("dc_ae", (2, 1, 1), rows=4))
+    # EasyAnimate without spatial_group_norm: trilinear frame interpolation, norms over frames
+    record(results, "magvit_trilinear-u2r2cfg1", lambda: _case("magvit_trilinear", (2, 2, 1)))
     record(results, "fallbacks", _fallbacks)
     record(results, "pipeline", _pipeline)
     return results
@@ -447,8 +492,9 @@ def per_rank():
     return run_spawned(_run_all, WORLD)
 
 
-# Extra latents: LTX-2's with one row per rank, DC-AE's whose attention takes the quadratic form.
-EXTRA_CASES = ["ltx2-one-row-each-u2r2cfg1", "dc_ae-quadratic-u2r1cfg1"]
+# Extra latents: LTX-2's with one row per rank, DC-AE's whose attention takes the quadratic form;
+# EasyAnimate's VAE without spatial_group_norm.
+EXTRA_CASES = ["ltx2-one-row-each-u2r2cfg1", "dc_ae-quadratic-u2r1cfg1", "magvit_trilinear-u2r2cfg1"]
 CASES = [f"{f}-u{u}r{r}cfg{c}" for (u, r, c) in GRIDS for f in FAMILIES] + EXTRA_CASES
 
 

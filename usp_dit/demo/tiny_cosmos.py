@@ -124,6 +124,21 @@ class PassingSafetyChecker(torch.nn.Module):
         return video
 
 
+def tiny_cosmos_vae(seed: int = 0):
+    """Cosmos 1's tokenizer (``AutoencoderKLCosmos``) as released (CV8x8x8: Haar patch 4, 8x
+    spatial and temporal, four levels, one up / downsampler), with 8 channels a level and 4
+    latent channels; ``resolution=64`` with ``attention_resolutions=(4,)`` puts spatial and
+    temporal attention in the encoder's last down block and the decoder's first two up blocks
+    (besides the mid blocks)."""
+    from diffusers import AutoencoderKLCosmos
+
+    torch.manual_seed(seed)
+    return AutoencoderKLCosmos(
+        latent_channels=LATENT_CHANNELS, encoder_block_out_channels=(8, 8, 8, 8), decode_block_out_channels=(8, 8, 8, 8),
+        attention_resolutions=(4,), resolution=64, num_layers=1, latents_mean=None, latents_std=None,
+    ).eval()
+
+
 def tiny_cosmos2_text2image_pipeline(max_text_len: int = 16, seed: int = 0):
     """A ``Cosmos2TextToImagePipeline`` (Predict2-like) of tiny random models, float32: character T5,
     Wan VAE (8x spatial), the "cosmos1"-shaped transformer without its learnable table. ``height x

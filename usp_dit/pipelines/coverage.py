@@ -213,8 +213,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                     ("Kandinsky6SRPipeline",),
                                     cfg="none: no guidance, one call a step; `cfg_degree=2` splits a batch of tiles "
                                         "(`tiles_batch_size` >= 2; a batch of one refused)",
-                                    whole_vae="no recipe yet (the K-VAE: causal convolutions with a frame cache, "
-                                              "latent-conditioned spatial norms)"),
+                                    whole_vae="no recipe yet (the K-VAE has no _decode to split, and its chunked "
+                                              "convolutions chunk by each rank's element count)"),
     "HunyuanVideo": FamilyPipelines("T2V; I2V (latent_concat, token_replace)",
                                     ("HunyuanVideoPipeline", "HunyuanVideoImageToVideoPipeline"),
                                     one_call="T2V without true CFG (guidance-distilled)"),
@@ -255,10 +255,9 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
         "video-to-world calls of a step may differ in their latents too: those are not paired)",
         ("CosmosTextToWorldPipeline", "CosmosVideoToWorldPipeline", "Cosmos2TextToImagePipeline",
          "Cosmos2VideoToWorldPipeline", "Cosmos2_5_PredictBasePipeline"),
-        whole_vae="no recipe yet for Cosmos 1's tokenizer; Predict2 and 2.5 decode with Wan 2.1's VAE, which has one"),
+    ),
     "EasyAnimate": FamilyPipelines("EasyAnimate V5.1; text-, image- (inpaint), control-to-video",
-                                   ("EasyAnimatePipeline", "EasyAnimateInpaintPipeline", "EasyAnimateControlPipeline"),
-                                   whole_vae="no recipe yet"),
+                                   ("EasyAnimatePipeline", "EasyAnimateInpaintPipeline", "EasyAnimateControlPipeline")),
     "MiniMax-H3": FamilyPipelines("MiniMax-H3 (33B): text-, first-last-frame-, reference-to-video with audio", (),
                                   whole_vae="no DiffusionPipeline: Diffusers ships MiniMax-H3 as modular blocks, "
                                             "which `pipe.enable_usp()` does not wrap (enable the transformer); its "

@@ -15,11 +15,17 @@ tokens)) needs no K/V: its one sum over tokens, V' K^T ((batch, heads, head_dim 
 is all-reduced (``linear_attention``). Its processor picks the quadratic form for a piece of at
 most ``attention_head_dim`` tokens; ``quadratic_attention`` decides on every rank's tokens instead,
 as the whole image does (Note [DC-AE attention path]).
+
+Cosmos 1's tokenizer (``CosmosCausalAttention``) attends over space with its spatial processor
+(keys and values gathered: ``cosmos_attention_forward``) and over one pixel's frames with its
+temporal one (per row: unchanged).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -154,3 +160,28 @@ def quadratic_attention(attn, query: torch.Tensor, key: torch.Tensor, value: tor
     key = gather_uneven(key.contiguous(), sizes, -1, rows.group)
     value = gather_uneven(value.contiguous(), sizes, -1, rows.group)
     return type(attn).apply_quadratic_attention(attn, query, key, value)
+
+
+# ---- Cosmos 1's tokenizer ---------------------------------------------------------------------------
+
+@functools.cache
+def _cosmos_spatial_call() -> Callable:
+    """``CosmosSpatialAttentionProcessor2_0.__call__`` with its ``F`` bound to ``GATHERED_F`` (built once)."""
+    from diffusers.models.autoencoders.autoencoder_kl_cosmos import CosmosSpatialAttentionProcessor2_0
+
+    from usp_dit.pipelines._routing import with_global
+
+    return with_global(CosmosSpatialAttentionProcessor2_0.__call__, "F", GATHERED_F)
+
+
+def cosmos_attention_forward(attn, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    """``CosmosCausalAttention.forward`` over row pieces (bound to the module; hidden_states
+    (batch, channels, frames, local rows, width)). The spatial processor attends each frame's
+    tokens (rows x width, row-major) to every rank's: its code runs with K/V gathered (it is called
+    without a mask). The temporal processor attends each pixel to its own frames: per row, stock.
+    The recipe admits only these two stock processors (``recipes._cosmos_refuse``)."""
+    from diffusers.models.autoencoders.autoencoder_kl_cosmos import CosmosSpatialAttentionProcessor2_0
+
+    if type(attn.processor) is CosmosSpatialAttentionProcessor2_0:
+        return _cosmos_spatial_call()(attn.processor, attn, hidden_states=hidden_states, attention_mask=attention_mask)
+    return attn.processor(attn, hidden_states=hidden_states, attention_mask=attention_mask)

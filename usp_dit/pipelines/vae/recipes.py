@@ -32,12 +32,9 @@ NO_RECIPE: dict[str, str] = {
     "AutoencoderKLMiniMaxH3": "its decoder is a ViT: every latent token attends to every other and to shared "
                               "register tokens, with positions normalised by the whole latent's size (not "
                               "convolutions over rows)",
-    "AutoencoderKLCosmos": "no recipe yet (Cosmos 1's tokenizer: its Haar wavelet (un)patcher, causal GroupNorm and "
-                           "spatial / temporal attention processors are not read for one)",
-    "AutoencoderKLMagvit": "no recipe yet (EasyAnimate's causal convolutions, interpolating upsamplers and framewise "
-                           "decode are not read for one)",
-    "Kandinsky6SRVAE": "no recipe yet (the K-VAE: causal convolutions with a frame cache and latent-conditioned "
-                       "spatial norms are not read for one)",
+    "Kandinsky6SRVAE": "no recipe yet: it has no _decode / _encode to split (its decode runs time segments "
+                       "through one cache dict), and its Kandinsky6SRSafeConv3d chunks time by the input's element "
+                       "count, so ranks holding different rows would make different numbers of halo exchanges",
     "AutoencoderOobleck": _AUDIO, "AutoencoderSAME": _AUDIO, "LongCatAudioDiTVae": _AUDIO,
     "AutoencoderKLLTX2Audio": _AUDIO, "AutoencoderKLMiniMaxH3Audio": _AUDIO, "Cosmos3AVAEAudioTokenizer": _AUDIO,
 }
@@ -330,6 +327,93 @@ def _dc_recipe() -> Recipe:
     )
 
 
+def _cosmos_conv(conv: nn.Module) -> nn.Module | None:
+    """A ``CosmosCausalConv3d`` that pads rows itself (``F.pad(x, spatial_pad)`` before its own call)."""
+    return conv if conv.spatial_pad[2] or conv.spatial_pad[3] else None
+
+
+def _cosmos_pads(conv) -> tuple[int, int, str]:
+    return conv.spatial_pad[2], conv.spatial_pad[3], "explicit"
+
+
+def _cosmos_downsample_conv(module) -> nn.Module | None:
+    """``CosmosDownsample3d``: ``F.pad(x, (0, 1, 0, 1, 0, 0))`` (one zero row below) before its
+    stride-2 (1, 3, 3) convolution without padding."""
+    return module.conv1 if module.spatial_downsample else None
+
+
+def _cosmos_refuse(module: nn.Module) -> str | None:
+    from diffusers.models.autoencoders import autoencoder_kl_cosmos as cosmos
+
+    stock = (cosmos.CosmosSpatialAttentionProcessor2_0, cosmos.CosmosTemporalAttentionProcessor2_0)
+    if isinstance(module, cosmos.CosmosCausalAttention) and type(module.processor) not in stock:
+        return f"attention processor {type(module.processor).__name__} (Cosmos' spatial and temporal 2.0 ones split)"
+    if isinstance(module, cosmos.CosmosCausalConv3d) and any(module.spatial_pad) and module.pad_mode not in (
+            "constant", "replicate"):
+        return f"a CosmosCausalConv3d padding rows with mode {module.pad_mode!r} (its border reads rows of the piece)"
+    if isinstance(module, (cosmos.CosmosPatchEmbed3d, cosmos.CosmosUnpatcher3d)) and module.patch_method not in (
+            "haar", "rearrange"):
+        return f"patch method {module.patch_method!r}"
+    return None
+
+
+def _cosmos_recipe() -> Recipe:
+    """Cosmos 1's tokenizer (``AutoencoderKLCosmos``: the Cosmos 1 Diffusion pipelines; Predict2
+    and 2.5 decode with Wan 2.1's VAE).
+
+    ``CosmosCausalConv3d`` pads time by repeating the first frame (per row) and rows with
+    ``F.pad(x, spatial_pad)`` (zeros) before its own call: an "explicit" halo; the encoder's
+    ``CosmosDownsample3d`` pads one zero row below before its stride-2 convolution, and its
+    average pool (2x2, stride 2) on a piece of an even number of rows never reads that row.
+    ``CosmosCausalGroupNorm`` is an ``nn.GroupNorm`` (over each frame's channels and pixels, or
+    over every frame): all-reduced statistics. The upsampler repeats each row twice (row r to rows
+    2r, 2r + 1). The Haar wavelet (un)patcher: the inverse transform is a transposed convolution
+    with kernel = stride = 2 per level (row r to rows 2r, 2r + 1, no overlap); the forward one
+    reflect-pads one row below and convolves with kernel = stride = 2, which on a piece of an even
+    number of rows never reads the pad (encode pieces are multiples of ``patch_size`` times the
+    downsampling: ``patch.py``'s alignment); "rearrange" is a reshape. Attention: the spatial
+    processor over every rank's rows (``attention.cosmos_attention_forward``), the temporal one
+    over one pixel's frames (per row)."""
+    from diffusers.models.autoencoders import autoencoder_kl_cosmos as cosmos
+
+    from usp_dit.pipelines.vae.attention import cosmos_attention_forward
+
+    return Recipe(
+        explicit={cosmos.CosmosCausalConv3d: Explicit(_cosmos_conv, _cosmos_pads),
+                  cosmos.CosmosDownsample3d: Explicit(_cosmos_downsample_conv, _bottom_row_pads)},
+        local=(cosmos.CosmosEncoder3d, cosmos.CosmosDecoder3d, cosmos.CosmosMidBlock3d, cosmos.CosmosUpBlock3d,
+               cosmos.CosmosDownBlock3d, cosmos.CosmosResnetBlock3d, cosmos.CosmosConvProjection3d,
+               cosmos.CosmosCausalGroupNorm, cosmos.CosmosUpsample3d, cosmos.CosmosPatchEmbed3d,
+               cosmos.CosmosUnpatcher3d, cosmos.CosmosCausalAttention),
+        refuse=_cosmos_refuse,
+        methods={cosmos.CosmosCausalAttention: {"forward": cosmos_attention_forward}},
+    )
+
+
+def _magvit_recipe() -> Recipe:
+    """EasyAnimate's VAE (``AutoencoderKLMagvit``).
+
+    ``EasyAnimateCausalConv3d`` is an ``nn.Conv3d`` padding rows itself (zeros: a "module" halo);
+    its causal time padding and frame cache (``prev_features``, the framewise decode's previous
+    frames) hold each rank's own rows of earlier frames, and it convolves one window of frames a
+    call (every rank the same windows: the halo exchanges pair up). The downsampler pads one zero
+    row below (``F.pad(x, (0, 1, 0, 1))``) before its stride-2 convolution. ``nn.GroupNorm``
+    (per frame with ``spatial_group_norm``, else over the frames of a call): all-reduced
+    statistics. The upsampler interpolates rows by "nearest" x2 (row r to rows 2r, 2r + 1) and
+    frames by "nearest" or "trilinear" x2 with the rows' scale 1: row r's source is r itself
+    (align_corners=False: (r + 0.5) - 0.5) with weight 1 and row r + 1 with weight 0, so a piece's
+    last row (whose r + 1 the kernel clamps to itself) gets the same value for finite
+    activations. No attention."""
+    from diffusers.models.autoencoders import autoencoder_kl_magvit as magvit
+
+    return Recipe(
+        explicit={magvit.EasyAnimateDownsampler3D: Explicit(_child_conv, _bottom_row_pads)},
+        local=(magvit.EasyAnimateEncoder, magvit.EasyAnimateDecoder, magvit.EasyAnimateMidBlock3d,
+               magvit.EasyAnimateUpBlock3d, magvit.EasyAnimateDownBlock3D, magvit.EasyAnimateResidualBlock3D,
+               magvit.EasyAnimateUpsampler3D),
+    )
+
+
 @functools.cache
 def recipes() -> dict[type, Recipe]:
     """Exact VAE class -> recipe (imports the Diffusers autoencoders on first use; built once)."""
@@ -337,11 +421,13 @@ def recipes() -> dict[type, Recipe]:
         AutoencoderDC,
         AutoencoderKL,
         AutoencoderKLCogVideoX,
+        AutoencoderKLCosmos,
         AutoencoderKLFlux2,
         AutoencoderKLHunyuanVideo,
         AutoencoderKLHunyuanVideo15,
         AutoencoderKLLTX2Video,
         AutoencoderKLLTXVideo,
+        AutoencoderKLMagvit,
         AutoencoderKLMochi,
         AutoencoderKLQwenImage,
         AutoencoderKLQwenImage21,
@@ -459,4 +545,5 @@ def recipes() -> dict[type, Recipe]:
         AutoencoderKLHunyuanVideo15: hunyuan15_recipe, AutoencoderKLLTXVideo: ltx_recipe,
         AutoencoderKLLTX2Video: _ltx2_recipe(), AutoencoderKLQwenImage21: wan_recipe(qwen21, qwen21_local),
         AutoencoderDC: _dc_recipe(), **_hunyuan_image_recipes(),
+        AutoencoderKLCosmos: _cosmos_recipe(), AutoencoderKLMagvit: _magvit_recipe(),
     }
