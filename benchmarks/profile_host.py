@@ -66,15 +66,12 @@ def main() -> int:
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
     device = torch.device(args.device)
-    if args.tiny:
+    if args.tiny:  # float32 on the CPU (bf16 matmuls there are not host-bound), as check_cases builds
         import pipeline_cases as pc
+        from check_cases import as_float32, build_tiny
 
-        def build(cls, config, dev):  # float32 on the CPU: bf16 matmuls there are not host-bound
-            return cls(**config).eval().to(dev)
-
-        model, inputs, shape = getattr(pc, f"{args.model}_case")(build, device, 64, 64, config=_TINY[args.model])
-        model = model.float()
-        inputs = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+        model, inputs, shape = getattr(pc, f"{args.model}_case")(build_tiny, device, 64, 64, config=_TINY[args.model])
+        inputs = {k: as_float32(v) for k, v in inputs.items()}
     else:
         model, inputs, shape = bp.CASES[args.model](device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

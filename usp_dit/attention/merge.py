@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from usp_dit.kernels import merge_triton
+from usp_dit.kernels.autograd import needs_grad
 
 
 def _merge_torch(dst_out, dst_lse, src_out, src_lse, outs, lses) -> None:
@@ -33,7 +34,7 @@ def merge_into(dst_out, dst_lse, src_out, src_lse, outs, lses) -> None:
     ``src``): the fused kernel on CUDA for float32 LSEs, PyTorch otherwise, and PyTorch wherever
     autograd records the merge (a model adapter merging differentiable parts: the fused kernel
     writes its result outside autograd)."""
-    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (src_out, src_lse, outs, lses))
+    recorded = needs_grad(src_out, src_lse, outs, lses)
     if dst_lse.dtype == torch.float32 and merge_triton.available(dst_out) and not recorded:
         merge_triton.merge(dst_out, dst_lse, src_out, src_lse, outs, lses)
     else:

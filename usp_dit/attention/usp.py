@@ -507,16 +507,11 @@ def one_rank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sca
     """
     if torch.compiler.is_compiling():
         return usp_attention(q, k, v, scale=scale, backend=backend, mesh=resolve_mesh(None)).out
-    head_dim, grad = q.shape[3], needs_grad(q, k, v)
+    head_dim = q.shape[3]
     # "auto" weighs the call size (as _call_flops does for one rank: every key in one call)
     flops = 4.0 * q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2] * head_dim if backend == "auto" else None
-    kernel = select_backend(backend, q.device.type, q.dtype, head_dim, grad, flops)
-    scale = head_dim ** -0.5 if scale is None else float(scale)
-    # attend_out's choice, with what is known here not asked again (a few us of a host-bound call)
-    forward_out = None if grad else getattr(kernel, "forward_out", None)
-    if forward_out is not None:
-        return forward_out(q, k, v, scale)
-    return attend(q, k, v, kernel, scale)[0]
+    kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad(q, k, v), flops)
+    return attend_out(q, k, v, kernel, head_dim ** -0.5 if scale is None else float(scale))
 
 
 def one_rank_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, *,
