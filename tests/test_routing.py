@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from usp_dit import single_rank_mesh
-from usp_dit.pipelines._routing import Route, route_attention, routed_processor_class
+from usp_dit.pipelines._routing import Route, route_attention, route_sdpa, routed_processor_class
 from usp_dit.pipelines._token_sharding import ShardState
 
 B, S, T, H, D = 2, 7, 5, 3, 8
@@ -115,6 +115,46 @@ def test_one_rank_bool_key_mask_equals_stock_on_every_row(backend, kv_heads):
     out = route_attention(q, k, v, attn_mask=keys[:, None, None, :], parallel_config=_route("first", backend))
     ref = _reference(q, k.repeat_interleave(H // kv_heads, 2), v.repeat_interleave(H // kv_heads, 2), keys)
     assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+class _CountSDPA:
+    """Wraps ``F.scaled_dot_product_attention`` (monkeypatched in), counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls, self.stock = 0, F.scaled_dot_product_attention
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.stock(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kv_heads", [H, 1])
+@pytest.mark.parametrize("text", ["none", "last"])
+def test_small_one_rank_calls_are_stocks_own_call(monkeypatch, kv_heads, text):
+    """Note [small calls on one rank go to PyTorch's dispatcher]: with "auto", a plain one-rank
+    call under ``TORCH_DISPATCH_FLOPS`` is stock's own SDPA call on stock's tensors, bit for bit
+    (float64, GQA too); over it (the threshold set to 0) the kernels run it, equal to the float64
+    reference to 1e-12; a named backend is never handed to PyTorch; the length check holds in both."""
+    import usp_dit.kernels.policy as policy
+
+    q, k, v = (t.transpose(1, 2) for t in _qkv(7))  # (B, H, L, D), stock's layout; L = S + T
+    k, v = k[:, :kv_heads], v[:, :kv_heads]
+    if text == "none":
+        q, k, v = q[:, :, :S], k[:, :, :S], v[:, :, :S]
+    stock = F.scaled_dot_product_attention(q, k, v, scale=0.3, enable_gqa=kv_heads != H)
+    spy = _CountSDPA()
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    out = route_sdpa(q, k, v, None, 0.0, False, 0.3, _route(text, "auto"))
+    assert spy.calls == 1 and torch.equal(out, stock)
+    for backend, threshold in (("auto", 0.0), ("reference", policy.TORCH_DISPATCH_FLOPS)):
+        monkeypatch.setattr(policy, "TORCH_DISPATCH_FLOPS", threshold)
+        spy.calls = 0
+        out = route_sdpa(q, k, v, None, 0.0, False, 0.3, _route(text, backend))
+        assert spy.calls == 0, backend
+        assert torch.allclose(out, stock, atol=1e-12, rtol=0), backend
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="shard has 7"):
+        route_sdpa(q[:, :, :5], k[:, :, :5], v[:, :, :5], None, 0.0, False, None, _route(text, "auto"))
 
 
 def test_refusals():

@@ -242,3 +242,27 @@ def test_one_rank_attention_is_usp_attentions_output():
     assert max(rel_err(a, b) for a, b in zip(grads, ref_grads)) < 1e-10
     with torch.no_grad():
         assert rel_err(one_rank_attention(q, k, v, backend="reference"), attention_ref(q, k, v, 8 ** -0.5)[0]) < 1e-10
+
+
+def test_one_rank_attention_hands_small_auto_calls_to_pytorch(monkeypatch):
+    """Note [small calls on one rank go to PyTorch's dispatcher]: ``backend="auto"`` under
+    ``TORCH_DISPATCH_FLOPS`` is PyTorch's SDPA on the (B, H, S, D) views, bit for bit (GQA, odd
+    lengths, float64); gradients through it equal the float64 reference's (1e-10); over the
+    threshold the kernels run it (the reference's output to 1e-10)."""
+    import usp_dit.kernels.policy as policy
+    from usp_dit.attention.usp import one_rank_attention
+
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(2, 13, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 9, 2, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = one_rank_attention(q, k, v, scale=0.3)
+    stock = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.3, enable_gqa=True).transpose(1, 2)
+    assert torch.equal(out, stock)
+    ref = attention_ref(q, k, v, 0.3)[0]
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    assert max(rel_err(a, b) for a, b in zip(grads, ref_grads)) < 1e-10
+    monkeypatch.setattr(policy, "TORCH_DISPATCH_FLOPS", 0.0)
+    with torch.no_grad():
+        assert rel_err(one_rank_attention(q, k, v, scale=0.3), ref) < 1e-10

@@ -57,6 +57,7 @@ from usp_dit.distributed.handshake import agree, calls_verified
 from usp_dit.distributed.mesh import USPMesh, resolve_mesh
 from usp_dit.kernels import attend, attend_out, select_backend
 from usp_dit.kernels.autograd import kernel_forward, needs_grad
+from usp_dit.kernels.policy import auto_uses_torch_dispatch
 from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 from usp_dit.kernels.registry import backends_with_lse
 from usp_dit.sharding.layouts import check_layout
@@ -508,8 +509,13 @@ def one_rank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sca
     if torch.compiler.is_compiling():
         return usp_attention(q, k, v, scale=scale, backend=backend, mesh=resolve_mesh(None)).out
     head_dim = q.shape[3]
-    # "auto" weighs the call size (as _call_flops does for one rank: every key in one call)
-    flops = 4.0 * q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2] * head_dim if backend == "auto" else None
+    flops = None
+    if backend == "auto":  # it weighs the call size (as _call_flops does for one rank: every key in one call)
+        flops = 4.0 * q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2] * head_dim
+        if auto_uses_torch_dispatch(flops):  # stock's own call (Note [small calls on one rank go to ...])
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, enable_gqa=k.shape[2] != q.shape[2])
+            return out.transpose(1, 2)
     kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad(q, k, v), flops)
     return attend_out(q, k, v, kernel, head_dim ** -0.5 if scale is None else float(scale))
 

@@ -55,6 +55,25 @@ AUTO_TABLE: dict[str, tuple[AutoRule, ...]] = {
     "cpu": (AutoRule("sdpa_cpu"), AutoRule("reference")),
 }
 
+# Note [small calls on one rank go to PyTorch's dispatcher]
+#     A one-rank call with no mask, joint tokens, LSE or merge is the call a stock processor makes,
+#     and PyTorch's ``F.scaled_dot_product_attention`` runs it with about 11 us less host time than
+#     our chain (the backend choice, the adapter's layout, its binding: 17.0 against 28.2 us a call
+#     at PixArt's shape on an H100, docs/PERFORMANCE.md "One rank, host time"). Below
+#     ``TORCH_DISPATCH_FLOPS`` a call's kernel is short (4096 tokens x 16 heads x 72: 7.7e10 flops,
+#     ~0.2 ms), its block's host time is of its order, and the models making such calls (PixArt,
+#     DiT, DreamLite) are host-bound: the host microseconds are the step's. Above it a kernel of
+#     ours that beats PyTorch's pick (FA3 over cuDNN: 672 against 562 TF/s at Wan's shape) gains
+#     more than the host time costs. Same maths either way (both are exact attention kernels).
+TORCH_DISPATCH_FLOPS = 1e11
+
+
+def auto_uses_torch_dispatch(call_flops: float) -> bool:
+    """``backend="auto"`` runs a plain one-rank call of ``call_flops`` (4 B S_q S_k H D) through
+    PyTorch's own SDPA dispatcher (Note [small calls on one rank go to PyTorch's dispatcher])."""
+    return call_flops < TORCH_DISPATCH_FLOPS
+
+
 # Resolved selections, so that the per-call cost of ``select_backend`` is one dict lookup.
 _SELECTED: dict[tuple, AttentionBackend] = {}
 

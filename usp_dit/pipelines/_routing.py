@@ -45,10 +45,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 
 from usp_dit.attention.ulysses import gather_heads, scatter_heads, ulysses_layout
 from usp_dit.attention.usp import one_rank_attention, one_rank_masked_attention, usp_attention
 from usp_dit.kernels.autograd import needs_grad
+from usp_dit.kernels.policy import auto_uses_torch_dispatch
 from usp_dit.pipelines._checks import require
 from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.sharding.shard import layout_sizes
@@ -308,11 +310,40 @@ def _one_rank_unmasked(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
     query (B, L, H, D), key/value (B, L_k, H_k, D) -> (B, L, H, D).
     """
-    state, length = route.state, query.shape[1]
-    if (route.text == "none" and length != state.seq_len) or length < state.seq_len:
+    _check_one_rank_length(query.shape[1], route)
+    return one_rank_attention(query, key, value, scale=scale, backend=route.state.backend)
+
+
+def _check_one_rank_length(length: int, route: Route) -> None:
+    """Raises ValueError unless a one-rank routed call's ``length`` tokens are the shard's (plus text)."""
+    seq_len = route.state.seq_len
+    if (route.text == "none" and length != seq_len) or length < seq_len:
         what = "self-attention" if route.text == "none" else "joint attention"
-        raise ValueError(f"a routed {what} call got {length} tokens, but this rank's shard has {state.seq_len}")
-    return one_rank_attention(query, key, value, scale=scale, backend=state.backend)
+        raise ValueError(f"a routed {what} call got {length} tokens, but this rank's shard has {seq_len}")
+
+
+def route_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+               dropout_p: float, is_causal: bool, scale: float | None, route: Route) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``'s call routed, for a stock processor whose code calls it
+    (the ``F`` stand-ins of SD3, PixArt, DiT, Lumina 2, CogView4 ...): ``route_attention`` on
+    (B, L, H, D) views.
+
+    A small plain call on one rank with ``backend="auto"`` is stock's own call, on stock's tensors
+    (Note [small calls on one rank go to PyTorch's dispatcher] in ``usp_dit.kernels.policy``): no
+    layout views, no backend choice; the length check is kept.
+
+    query (B, H, L, D), key/value (B, H_k, L_k, D) -> (B, H, L, D).
+    """
+    state = route.state
+    if (attn_mask is None and state.mesh.sequence_degree == 1 and state.backend == "auto" and not dropout_p
+            and not is_causal and route.block_causal is None and not torch.compiler.is_compiling()):
+        batch, heads, length, head_dim = query.shape
+        _check_one_rank_length(length, route)
+        if auto_uses_torch_dispatch(4.0 * batch * length * key.shape[2] * heads * head_dim):
+            return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=key.shape[1] != heads)
+    out = route_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask, dropout_p,
+                          is_causal, scale, parallel_config=route)
+    return out.transpose(1, 2)
 
 
 def route_attention(

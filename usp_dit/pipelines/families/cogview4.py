@@ -72,7 +72,7 @@ from diffusers.models.attention_processor import Attention, CogVideoXAttnProcess
 from diffusers.models.transformers.transformer_cogview4 import CogView4AttnProcessor
 
 from usp_dit.pipelines._checks import require
-from usp_dit.pipelines._routing import Route, route_attention, with_global
+from usp_dit.pipelines._routing import Route, route_attention, route_sdpa, with_global
 from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.families.cogvideox import USPCogVideoXAttnProcessor
@@ -133,15 +133,13 @@ class _RoutedFunctional:
         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
     ) -> torch.Tensor:
         """(B, H, L, D) in and out, L = T + S_local (text first)."""
-        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         if attn_mask is None:
-            out = route_attention(q, k, v, None, dropout_p, is_causal, scale, parallel_config=self.route)
-        else:
-            if dropout_p or is_causal:
-                raise NotImplementedError(f"usp_dit routes plain attention only, got dropout_p={dropout_p}, "
-                                          f"is_causal={is_causal}")
-            out = biased_attention(q, k, v, _key_weights(attn_mask), scale, self.route)
-        return out.transpose(1, 2)
+            return route_sdpa(query, key, value, None, dropout_p, is_causal, scale, self.route)
+        if dropout_p or is_causal:
+            raise NotImplementedError(f"usp_dit routes plain attention only, got dropout_p={dropout_p}, "
+                                      f"is_causal={is_causal}")
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        return biased_attention(q, k, v, _key_weights(attn_mask), scale, self.route).transpose(1, 2)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.nn.functional, name)

@@ -92,7 +92,7 @@ from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_lumina2 import Lumina2AttnProcessor2_0
 from torch.utils.hooks import RemovableHandle
 
-from usp_dit.pipelines._routing import Route, route_attention, with_global
+from usp_dit.pipelines._routing import Route, route_sdpa, with_global
 from usp_dit.pipelines._token_sharding import ShardState, _get_arg, _set_arg
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import Local, ModelPlan, Parallel, PlanAdapter, Table
@@ -125,9 +125,7 @@ class _RoutedFunctional:
         k, v = key, value  # sequence degree 1: no K/V moves, and the kernel takes stock's heads as they are
         if self.route.state.mesh.sequence_degree > 1:
             k, v = key[:, :: self.n_rep], value[:, :: self.n_rep]  # (B, H_kv, L, D): the copies dropped
-        out = route_attention(query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask, dropout_p,
-                              is_causal, scale, parallel_config=self.route)
-        return out.transpose(1, 2)
+        return route_sdpa(query, k, v, attn_mask, dropout_p, is_causal, scale, self.route)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.nn.functional, name)

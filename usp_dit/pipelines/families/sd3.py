@@ -61,7 +61,7 @@ import torch.nn.functional
 from diffusers import SD3Transformer2DModel
 from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
 
-from usp_dit.pipelines._routing import Route, route_attention, with_global
+from usp_dit.pipelines._routing import Route, route_sdpa, with_global
 from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter
@@ -81,11 +81,7 @@ class _RoutedFunctional:
         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
     ) -> torch.Tensor:
         """(B, H, L, D) in and out, L = S_local (+ T, text last): ``route_attention`` on (B, L, H, D) views."""
-        out = route_attention(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask, dropout_p, is_causal,
-            scale, parallel_config=self.route,
-        )
-        return out.transpose(1, 2)
+        return route_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, self.route)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.nn.functional, name)
