@@ -120,6 +120,18 @@ def test_augmented_width_follows_the_caps():
     assert augmented_width(_Stub(max_head_dim=64), q, 1) is None
 
 
+def test_a_gpu_takes_the_augmented_call_within_the_tile_class():
+    """Note [LSE gradient], which: off the CPU (here the meta device stands for a GPU) the augmented
+    width must stay in the head dim's tile class (64, 128, 256): head_dim 72 -> 80 and 120 -> 128
+    augmented; 64 -> 72 and 128 -> 136 cross a class (measured 2-5x on an H100) and take two calls."""
+    stub = _Stub(max_head_dim=256)
+    stub.caps = BackendCaps(devices=frozenset({"meta"}), dtypes=frozenset({torch.bfloat16}), supports_backward=True,
+                            max_head_dim=256)
+    width = {d: augmented_width(stub, torch.zeros(1, 1, 1, d, dtype=torch.bfloat16, device="meta"), 2)
+             for d in (64, 72, 120, 128, 200)}
+    assert width == {64: None, 72: 80, 120: 128, 128: None, 200: 208}
+
+
 def test_two_calls_where_no_width_fits():
     """A backend with no wider head dim (cuDNN's backward stops at 128) takes two calls through
     ``kernel_backward``, exactly (float64, 1e-10)."""

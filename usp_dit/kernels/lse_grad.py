@@ -30,6 +30,15 @@ Note [LSE gradient]
       dS = P dL, exactly the term the LSE adds to dq and dk (its dv is dropped). About twice
       the backward's work, against the augmented call's (head_dim + pad) / head_dim.
 
+    Which, on a GPU: the augmented call costs (head_dim + pad) / head_dim only while the wider
+    head dim stays in the kernel's tile class (GPU kernels are built for head dims up to 64, 128
+    and 256 and pad up to the next). Crossing one costs more than a second call: measured on an
+    H100 at head_dim 128 (width 136), augmented / plain 1.92-2.03x on PyTorch's flash kernel and
+    4.4-5.1x on its mem-efficient one (its generic-width path), two calls 2.0-2.2x on both
+    (docs/PERFORMANCE.md, "Sixth session's GPU figures"). So a GPU takes the augmented call only
+    within the class (e.g. head_dim 72 at width 80), two calls otherwise; the CPU kernels have no
+    such classes.
+
     Precision: -dL travels in ``out``'s dtype. In float32 / float64 one column holds it exactly.
     In bfloat16 / float16 it is split in two columns, hi = dL rounded and lo = (dL - hi) rounded,
     which the kernel sums in float32 with the rest of D: about 16 bits of dL, finer than D
@@ -49,6 +58,12 @@ import torch.nn.functional as F
 from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 
 _GPU_ALIGN = 8  # GPU kernels work in head_dim multiples of 8 (the SDPA adapters pad to it themselves)
+_GPU_TILE_CLASSES = (64, 128, 256)  # the head dims GPU attention kernels are built for (Note [LSE gradient])
+
+
+def _tile_class(head_dim: int) -> int:
+    """The smallest of ``_GPU_TILE_CLASSES`` holding ``head_dim`` (larger: itself)."""
+    return next((c for c in _GPU_TILE_CLASSES if head_dim <= c), head_dim)
 
 
 def lse_columns(dtype: torch.dtype) -> int:
@@ -67,6 +82,8 @@ def augmented_width(backend: AttentionBackend, q: torch.Tensor, columns: int, ca
     else:
         align = caps.head_dim_multiple if q.device.type == "cpu" else max(_GPU_ALIGN, caps.head_dim_multiple)
         candidates = [-(-need // align) * align]
+    if q.device.type != "cpu":  # within the kernel's tile class, or two calls (Note [LSE gradient], which)
+        candidates = [w for w in candidates if _tile_class(w) == _tile_class(head_dim)]
     for width in candidates:
         if caps.why_not(q.device.type, q.dtype, width, True, causal) is None:
             return width
