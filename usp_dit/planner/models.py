@@ -452,7 +452,7 @@ def _estimated(key: str, name: str, params: int, nbytes: int, like: str, width: 
 
 
 _FULL = "128 channels at full resolution"
-VAES.update({
+VAE_ESTIMATES = {  # the rule's figures (Note [VAE estimates]); VAES takes the measured ones below where there are
     key: _estimated(key, *args) for key, args in {
         "sd": ("AutoencoderKL", 83653863, loaded_bytes(83653863), "flux", 128, (1, 1024, 1024), 3, True,
                "Flux.1's decoder with a 4-channel latent"),
@@ -481,7 +481,33 @@ VAES.update({
         "music3_vocoder": ("MiniMaxMusic3Vocoder", 54170722, loaded_bytes(54170722), "flux", 96, (352768, 1, 1), 2,
                            False, "96 channels at the sample rate"),
     }.items()
-})
+}
+VAES.update(VAE_ESTIMATES)
+
+# Measured at each entry's reference size, one H100, 2026-12-06 (docs/PERFORMANCE.md "The planner's VAE
+# figures measured", docs/results/2026-12-06-h100-vae-2025.json): key -> (stock peak GiB, fractions); the
+# output's size stays the rule's (channels x positions x 2 bytes: arithmetic, not an estimate). How far the
+# rule was off, estimate / measured: docs/PERFORMANCE.md's table (tests/test_planner_memory.py checks it).
+_VAE_RUN_20261206 = ("measured (docs/PERFORMANCE.md 'The planner's VAE figures measured', one H100, 2026-12-06: "
+                     "python benchmarks/bench_vae.py --vae KEY)")
+_MEASURED_20261206 = {
+    "sd": (2.38, {2: 0.605, 4: 0.303, 8: 0.152}),
+    "cogview4": (4.75, {2: 0.607, 4: 0.304, 8: 0.153}),
+    "hunyuan_image": (5.0, {2: 0.601, 4: 0.3, 8: 0.15}),
+    "sana": (1.25, {2: 0.853, 4: 0.277, 8: 0.14}),
+    "qwen_image21": (11.03, {2: 0.494, 4: 0.253, 8: 0.121}),
+    "wan22": (10.55, {2: 0.49, 4: 0.248, 8: 0.137}),
+    "ltx2": (5.23, {2: 0.502, 4: 0.253, 8: 0.129}),
+    "minimax_h3": (1.63, None),
+    "oobleck": (2.75, None),
+    "oobleck_48k": (3.78, None),
+    "same": (0.4, None),
+    "longcat_audio": (0.02, None),
+    "music3_vocoder": (0.76, None),
+}
+VAES.update({key: replace(VAE_ESTIMATES[key], stock_peak_gib=peak, fractions=fractions,
+                          source=_VAE_RUN_20261206.replace("KEY", key))
+             for key, (peak, fractions) in _MEASURED_20261206.items()})
 
 
 # ---------------------------------------------------------------------------------------------
