@@ -270,6 +270,8 @@ def bench(name: str, args: argparse.Namespace, device: torch.device) -> Row:
     params = sum(p.numel() for p in model.parameters()) / 1e9
     print(f"# {name}: {params:.2f} B parameters built in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     compiled = ""
+    if name in flex_cases.COMPILE:
+        flex_cases.pin_flex_tiles()
     if args.compile or name in flex_cases.COMPILE:
         compiled = compile_blocks(model, flex_cases.COMPILE.get(name, False))
 

@@ -240,6 +240,7 @@ def check_compiled(name: str, model: torch.nn.Module, inputs: dict, eager_stock:
     """``bench_pipelines``' compiled mode at tiny scale (module docstring): the worst of compiled
     stock vs eager stock and compiled usp vs compiled stock, over two switch cycles."""
     torch._dynamo.reset()
+    fc.pin_flex_tiles()  # as bench_pipelines runs these cases: the wrapper traced too
     how = bench_pipelines.compile_blocks(model, fc.COMPILE[name], backend="aot_eager")
     outs: dict[tuple[str, int], torch.Tensor] = {}
     start = bench_pipelines._graphs_compiled()  # a process-wide counter: the graphs before this check

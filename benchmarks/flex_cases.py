@@ -71,6 +71,34 @@ COMPILE: dict[str, bool] = {
 }
 
 
+def pin_flex_tiles() -> None:
+    """Make every ``flex_attention`` call with a ``BlockMask`` of blocks under 128 tokens name its
+    tile sizes (Note [flex tiles and a 64-token BlockMask]); both variants alike. Idempotent.
+
+    Note [flex tiles and a 64-token BlockMask]
+        NABLA's BlockMasks (Kandinsky 5's, Kandinsky 6 SR's) have 64-token blocks. Diffusers'
+        ``_native_flex_attention`` sets ``BLOCK_M`` to 64 there and leaves ``BLOCK_N`` to torch,
+        assuming torch's default is 64; torch 2.11's inductor on an H100 picks 128 and refuses to
+        lower the call ("Q and KV block size must be divisible by BLOCK_M and BLOCK_N. We got
+        Q_BLOCK_SIZE=64 and KV_BLOCK_SIZE=64": the first GPU run of these cases, 2026-12-06). So
+        the bench names both tiles as the mask's block sizes wherever the call leaves one out.
+    """
+    import torch.nn.attention.flex_attention as flex
+
+    if getattr(flex.flex_attention, "_tiles_pinned", False):
+        return
+    stock = flex.flex_attention
+
+    def flex_attention(*args, block_mask=None, kernel_options=None, **kwargs):
+        if block_mask is not None and min(block_mask.BLOCK_SIZE) < 128:
+            q_block, kv_block = block_mask.BLOCK_SIZE
+            kernel_options = {"BLOCK_M": q_block, "BLOCK_N": kv_block, **(kernel_options or {})}
+        return stock(*args, block_mask=block_mask, kernel_options=kernel_options, **kwargs)
+
+    flex_attention._tiles_pinned = True
+    flex.flex_attention = flex_attention
+
+
 def _as_loaded(model: torch.nn.Module) -> torch.nn.Module:
     """``from_pretrained(torch_dtype=bf16)``'s dtypes: modules named in ``_keep_in_fp32_modules`` float32."""
     keep = set(model._keep_in_fp32_modules or ())

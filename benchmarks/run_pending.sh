@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Runs named items of benchmarks/GPU_PENDING.md on the lent GPU, each under its own time limit, so
+# that one item running over loses only itself. Usage (one device `run`, carry [".whl"]):
+#     bash benchmarks/run_pending.sh N:150 sana_video:90 V1:150
+# Each ITEM:SECONDS runs ITEM's command under `timeout SECONDS`; its stdout+stderr go to
+# $OUT/ITEM.log and any JSON it writes to $OUT/ITEM.json. The wheels are installed once (diffusers,
+# torchao, FlashInfer's) into /tmp/site.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/site
+if [ ! -e /tmp/site/.done ]; then
+    for d in .whl/diff .whl/tao .whl/fi; do
+        [ -d "$d" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl
+    done
+    touch /tmp/site/.done
+fi
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+
+cmd_for() {  # ITEM -> its command line (the command each GPU_PENDING.md item names)
+    local j="$OUT/$1.json"
+    case "$1" in
+        N) echo "python3 -m pytest -q --noconftest tests/gpu/test_lse_grad_gpu.py && python3 benchmarks/bench_lse_grad.py" ;;
+        sana_video) echo "python3 benchmarks/bench_pipelines.py --model sana_video --warmup 2 --iters 2 --rounds 3 --json $j" ;;
+        hostbound) echo "python3 benchmarks/bench_pipelines.py --model pixart,dit,dreamlite,ovis_image --warmup 2 --iters 3 --rounds 5 --json $j" ;;
+        dit_host) echo "python3 benchmarks/profile_host.py --model dit" ;;
+        ditdiag) echo "python3 benchmarks/check_syncs.py --model dit,pixart; python3 benchmarks/profile_step.py --model dit --top 15; python3 benchmarks/bench_pipelines.py --model dit,pixart --warmup 3 --iters 10 --rounds 7 --json $j" ;;
+        k6sr) echo "python3 benchmarks/bench_pipelines.py --model kandinsky6_sr --warmup 2 --iters 2 --rounds 3 --json $j" ;;
+        k5nabla) echo "python3 benchmarks/bench_pipelines.py --model kandinsky5_nabla --warmup 1 --iters 1 --rounds 2 --json $j" ;;
+        k5pro) echo "python3 benchmarks/bench_pipelines.py --model kandinsky5_nabla_pro --warmup 1 --iters 1 --rounds 1 --json $j" ;;
+        wa2) echo "python3 benchmarks/bench_pipelines.py --model wan_animate2 --warmup 1 --iters 1 --rounds 2 --json $j" ;;
+        V1) echo "python3 benchmarks/bench_vae.py --model ltx2,sana_wm_ltx2,qwen_image21,hunyuan_image,hunyuan_image_refiner,sana_dcae --parts 2,4,8 --warmup 1 --rounds 3 --json $j" ;;
+        V2) echo "python3 benchmarks/bench_vae.py --model wan22 --parts 2,4,8 --warmup 1 --rounds 1 --json $j" ;;
+        V4a) echo "python3 benchmarks/bench_vae.py --model hunyuan_video15_480p --parts 2,4,8 --warmup 1 --rounds 1 --json $j" ;;
+        V4b) echo "python3 benchmarks/bench_vae.py --model hunyuan_video15 --parts 2 --skip-stock --warmup 1 --rounds 1 --json $j" ;;
+        V5) echo "python3 benchmarks/bench_vae.py --model cosmos1,easyanimate --parts 2,4,8 --warmup 1 --rounds 1 --json $j" ;;
+        vaepeaks) echo "python3 benchmarks/bench_vae.py --vae sd,cogview4,hunyuan_image,sana,qwen_image21,wan22,ltx2,minimax_h3,oobleck,oobleck_48k,same,longcat_audio,music3_vocoder --json $j" ;;
+        K) echo "python3 benchmarks/bench_fp8_step.py --model hunyuan_video --compile --warmup 1 --rounds 2" ;;
+        *) return 1 ;;
+    esac
+}
+
+for spec in "$@"; do
+    item=${spec%%:*}; limit=${spec#*:}
+    cmd=$(cmd_for "$item") || { echo "unknown item $item" >&2; continue; }
+    echo "=== $item (limit ${limit}s): $cmd"
+    start=$(date +%s)
+    timeout "$limit" bash -c "$cmd" >"$OUT/$item.log" 2>&1
+    rc=$?
+    echo "=== $item rc=$rc in $(( $(date +%s) - start ))s"
+    tail -n 25 "$OUT/$item.log"
+done
