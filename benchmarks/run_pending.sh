@@ -21,6 +21,7 @@ cmd_for() {  # ITEM -> its command line (the command each GPU_PENDING.md item na
     local j="$OUT/$1.json"
     case "$1" in
         N) echo "python3 -m pytest -q --noconftest tests/gpu/test_lse_grad_gpu.py && python3 benchmarks/bench_lse_grad.py" ;;
+        compgpu) echo "python3 -m pytest -q -s --noconftest tests/gpu/test_memory_composition_gpu.py" ;;
         sana_video) echo "python3 benchmarks/bench_pipelines.py --model sana_video --warmup 2 --iters 2 --rounds 3 --json $j" ;;
         hostbound) echo "python3 benchmarks/bench_pipelines.py --model pixart,dit,dreamlite,ovis_image --warmup 2 --iters 3 --rounds 5 --json $j" ;;
         dit_host) echo "python3 benchmarks/profile_host.py --model dit" ;;

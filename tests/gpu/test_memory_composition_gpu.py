@@ -1,5 +1,6 @@
 """The compositions of tests/test_memory_composition.py that need CUDA, on 2 GPUs (NCCL, one rank
-per GPU; skipped with fewer): sequential CPU offload, group offload with ``use_stream=True``,
+per GPU; skipped with fewer) and at world size 1 on one GPU (the hooks, streams and quantized
+kernels on CUDA under ``enable_usp`` with nothing split: equal to stock): sequential CPU offload, group offload with ``use_stream=True``,
 model offload to a GPU, torchao float8 dynamic activation (per-row scales: works; per-tensor:
 refused), bitsandbytes 4-bit. Each in both orders where both exist, against the same offloaded or
 quantized run on one process (rank 0 of the job runs it alone first).
@@ -10,6 +11,7 @@ a value at a boundary may move one step where the attention summed in another or
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 
@@ -17,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 TOL = 1e-5
 TOL_STEP = 3e-2
@@ -37,7 +39,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     torch.cuda.set_device(rank)
     os.environ["LOCAL_RANK"] = str(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
-    mesh = init_usp(2, 1, 1)
+    mesh = init_usp(world, 1, 1)
     device = torch.device("cuda", rank)
     results: dict = {}
 
@@ -81,7 +83,8 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
             disable_usp(model)
         except NotImplementedError as err:
             results[name] = f"refused: {err}"
-    results["bnb4"] = _bnb_case(mesh, device)
+    # bitsandbytes is not carried to the lent GPU (its wheel alone is over the carry limit): skipped there
+    results["bnb4"] = _bnb_case(mesh, device) if importlib.util.find_spec("bitsandbytes") else None
     torch.save(results, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -117,14 +120,21 @@ def _bnb_case(mesh, device) -> float | str:
     return rel_err(out, reference)
 
 
-def test_gpu_compositions_equal_one_process():
+@pytest.mark.parametrize("world", [1, 2])
+def test_gpu_compositions_equal_one_process(world):
+    """At world size 2 a per-tensor float8 scale is refused; at 1 nothing is split, so it runs."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "results")
-        mp.spawn(_worker, args=(2, f"file://{folder}/init", out), nprocs=2, join=True)
-        per_rank = [torch.load(f"{out}.{rank}") for rank in range(2)]
+        mp.spawn(_worker, args=(world, f"file://{folder}/init", out), nprocs=world, join=True)
+        per_rank = [torch.load(f"{out}.{rank}") for rank in range(world)]
     for results in per_rank:
+        print(f"world {world}:", results)
         for key, value in results.items():
-            if key == "float8dyn-pertensor":
+            if key == "bnb4" and value is None:
+                continue  # bitsandbytes not installed
+            if key == "float8dyn-pertensor" and world > 1:
                 assert isinstance(value, str) and "PerTensor" in value, (key, value)
                 continue
             assert not isinstance(value, str), (key, value)
