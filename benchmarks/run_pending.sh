@@ -4,7 +4,11 @@
 #     bash benchmarks/run_pending.sh N:150 sana_video:90 V1:150
 # Each ITEM:SECONDS runs ITEM's command under `timeout SECONDS`; its stdout+stderr go to
 # $OUT/ITEM.log and any JSON it writes to $OUT/ITEM.json. The wheels are installed once (diffusers,
-# torchao, FlashInfer's) into /tmp/site.
+# accelerate, torchao, FlashInfer's) into /tmp/site. On a fresh checkout, fill .whl first (here):
+#     pip download -q --no-deps -d .whl/diff diffusers==0.42.1 accelerate==1.16.0
+#     pip download -q --no-deps -d .whl/tao --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux_2_28_x86_64 torchao==0.17.0
+#     bash scripts/gpu_backends/prepare_fp8_flashinfer.sh        # .whl/fi (item K only)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site
