@@ -29,7 +29,7 @@ cmd_for() {  # ITEM -> its command line (the command each GPU_PENDING.md item na
         sana_video) echo "python3 benchmarks/bench_pipelines.py --model sana_video --warmup 2 --iters 2 --rounds 3 --json $j" ;;
         hostbound) echo "python3 benchmarks/bench_pipelines.py --model pixart,dit,dreamlite,ovis_image --warmup 2 --iters 3 --rounds 5 --json $j" ;;
         dit_host) echo "python3 benchmarks/profile_host.py --model dit" ;;
-        ditdiag) echo "python3 benchmarks/check_syncs.py --model dit,pixart; python3 benchmarks/profile_step.py --model dit --top 15; python3 benchmarks/bench_pipelines.py --model dit,pixart --warmup 3 --iters 10 --rounds 7 --json $j" ;;
+        ditdiag) echo "python3 benchmarks/diag_host_gap.py --model dit; python3 benchmarks/check_syncs.py --model dit" ;;
         k6sr) echo "python3 benchmarks/bench_pipelines.py --model kandinsky6_sr --warmup 2 --iters 2 --rounds 3 --json $j" ;;
         k5nabla) echo "python3 benchmarks/bench_pipelines.py --model kandinsky5_nabla --warmup 1 --iters 1 --rounds 2 --json $j" ;;
         k5pro) echo "python3 benchmarks/bench_pipelines.py --model kandinsky5_nabla_pro --warmup 1 --iters 1 --rounds 1 --json $j" ;;
