@@ -217,7 +217,32 @@ def check_plan(plan: ModelPlan, transformer: torch.nn.Module) -> None:
             raise NotImplementedError(f"usp_dit's {plan.name} adapter: {reason}")
 
 
-class CallChecks:
+class TransformerPreHook:
+    """A plan ``hooks`` entry (or part of one) whose work is one forward pre-hook of the transformer,
+    run at each call before any token is split: subclasses write ``_check(module, args, kwargs)``
+    (raise to refuse the call) and may narrow ``wanted`` (install only on some grids)."""
+
+    def __init__(self, transformer: torch.nn.Module, state: Any = None) -> None:
+        self.transformer, self.state = transformer, state
+        self.handle: RemovableHandle | None = None
+
+    def wanted(self) -> bool:
+        return True
+
+    def install(self) -> None:
+        if self.wanted():
+            self.handle = self.transformer.register_forward_pre_hook(self._check, with_kwargs=True)
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+    def _check(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define _check")
+
+
+class CallChecks(TransformerPreHook):
     """Note [checks at the call]: a forward pre-hook of the transformer, raising NotImplementedError
     for what would otherwise run wrongly on a shard:
 
@@ -234,17 +259,9 @@ class CallChecks:
     def __init__(
         self, plan: ModelPlan, transformer: torch.nn.Module, swaps: list[tuple[str, torch.nn.Module, Any]],
     ) -> None:
-        self.plan, self.transformer, self.swaps = plan, transformer, swaps
+        super().__init__(transformer)
+        self.plan, self.swaps = plan, swaps
         self.signature = inspect.signature(type(transformer).forward)
-        self.handle: RemovableHandle | None = None
-
-    def install(self) -> None:
-        self.handle = self.transformer.register_forward_pre_hook(self._check, with_kwargs=True)
-
-    def remove(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
 
     def _check(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self.plan.refuse_args:

@@ -143,7 +143,6 @@ from diffusers.models.transformers.transformer_anyflow_far import (
     apply_rotary_emb,
 )
 from torch.nn.attention.flex_attention import BlockMask
-from torch.utils.hooks import RemovableHandle
 
 from usp_dit.attention.merge import LSEMerger
 from usp_dit.attention.usp import usp_attention
@@ -154,7 +153,7 @@ from usp_dit.kernels import attend, select_backend
 from usp_dit.kernels.autograd import needs_grad
 from usp_dit.pipelines._token_sharding import ShardState, _get_arg
 from usp_dit.pipelines.base import register_adapter
-from usp_dit.pipelines.plan import Local, ModelPlan, Parallel, PlanAdapter, Table
+from usp_dit.pipelines.plan import Local, ModelPlan, Parallel, PlanAdapter, Table, TransformerPreHook
 from usp_dit.sharding.partition import offsets, split_sizes
 from usp_dit.sharding.shard import gather_sequence
 
@@ -430,20 +429,8 @@ _TRAINING = (
     "context (noise attends its own chunk only, clean never noise) it is no staircase")
 
 
-class TrainingRolloutCheck:
+class TrainingRolloutCheck(TransformerPreHook):
     """Refuses the training rollout at the call (a transformer pre-hook, before any token is split)."""
-
-    def __init__(self, transformer: AnyFlowFARTransformer3DModel, state: ShardState) -> None:
-        self.transformer = transformer
-        self.handle: RemovableHandle | None = None
-
-    def install(self) -> None:
-        self.handle = self.transformer.register_forward_pre_hook(self._check, with_kwargs=True)
-
-    def remove(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
 
     def _check(self, module, args: tuple, kwargs: dict) -> None:
         if _get_arg(args, kwargs, "kv_cache", 8) is None:

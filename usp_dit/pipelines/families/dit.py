@@ -39,12 +39,11 @@ from diffusers import DiTTransformer2DModel
 from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.attention_processor import AttnProcessor2_0
 from diffusers.models.embeddings import LabelEmbedding
-from torch.utils.hooks import RemovableHandle
 
 import usp_dit.pipelines.families.pixart as pixart  # noqa: PLR0402  (its routed AttnProcessor2_0)
 from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.pipelines.base import register_adapter
-from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter
+from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter, TransformerPreHook
 from usp_dit.pipelines.tensor import BlockCuts, Split, TensorPlan
 
 
@@ -60,23 +59,11 @@ def _blocks_reason(model: DiTTransformer2DModel) -> str | None:
     return None
 
 
-class LabelDropCheck:
+class LabelDropCheck(TransformerPreHook):
     """A forward pre-hook of the transformer (a plan ``hooks`` factory): NotImplementedError for a
     call in training mode where a class embedding drops labels at random (see the module docstring)."""
 
-    def __init__(self, transformer: DiTTransformer2DModel, state: ShardState) -> None:
-        self.transformer = transformer
-        self.handle: RemovableHandle | None = None
-
-    def install(self) -> None:
-        self.handle = self.transformer.register_forward_pre_hook(self._check)
-
-    def remove(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-
-    def _check(self, module: torch.nn.Module, args: tuple) -> None:
+    def _check(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not module.training:
             return
         for name, sub in module.named_modules():

@@ -46,13 +46,12 @@ from typing import Any
 import torch
 from diffusers import GlmImageTransformer2DModel
 from diffusers.models.transformers.transformer_glm_image import GlmImageAttnProcessor
-from torch.utils.hooks import RemovableHandle
 
 from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, route_attention, with_global
 from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.pipelines.base import register_adapter
 from usp_dit.pipelines.families.cogview4 import _key_weights, biased_attention
-from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter, Table
+from usp_dit.pipelines.plan import ModelPlan, Parallel, PlanAdapter, Table, TransformerPreHook
 
 
 def route_glm_attention(
@@ -96,22 +95,13 @@ class USPGlmImageAttnProcessor(RoutedProcessor):
                             kv_cache)
 
 
-class GlmImageKVCacheCheck:
+class GlmImageKVCacheCheck(TransformerPreHook):
     """A forward pre-hook refusing ``kv_caches`` in "write" or "read" mode (the condition images'
     K/V of image-to-image: this rank's shard of them alone would be stored and prepended)."""
 
     def __init__(self, transformer: GlmImageTransformer2DModel, state: ShardState) -> None:
-        self.transformer = transformer
+        super().__init__(transformer, state)
         self.signature = inspect.signature(type(transformer).forward)
-        self.handle: RemovableHandle | None = None
-
-    def install(self) -> None:
-        self.handle = self.transformer.register_forward_pre_hook(self._check, with_kwargs=True)
-
-    def remove(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
 
     def _check(self, module, args: tuple, kwargs: dict) -> None:
         caches = self.signature.bind_partial(module, *args, **kwargs).arguments.get("kv_caches")

@@ -76,13 +76,12 @@ import torch
 from diffusers import HunyuanVideo15Transformer3DModel
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
-from torch.utils.hooks import RemovableHandle
 
 from usp_dit.pipelines._checks import require
 from usp_dit.pipelines._routing import ROUTED_NAME, RoutedProcessor, routed_processor_class
 from usp_dit.pipelines._token_sharding import ShardState, _get_arg
 from usp_dit.pipelines.base import register_adapter
-from usp_dit.pipelines.plan import Local, ModelPlan, Parallel, PlanAdapter, Table
+from usp_dit.pipelines.plan import Local, ModelPlan, Parallel, PlanAdapter, Table, TransformerPreHook
 
 # Note [routing a stock processor's attention call] (usp_dit.pipelines._routing): the stock code,
 # its one dispatch_attention_fn call routed. None if this diffusers' processor makes no such call.
@@ -123,24 +122,14 @@ class USPHunyuanVideo15AttnProcessor(_RoutedProcessor or RoutedProcessor):
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
 
-class MixedImageCheck:
+class MixedImageCheck(TransformerPreHook):
     """Note [HunyuanVideo 1.5's text-to-video test]: at cfg degree 2, a forward pre-hook of the
     transformer (it runs before ``enable_usp``'s wrapper splits the batch, so it sees the whole
     batch) refuses a batch whose cfg halves differ in ``all(image_embeds == 0)``. Every rank sees
     the same arguments, so every rank raises."""
 
-    def __init__(self, transformer: HunyuanVideo15Transformer3DModel, state: ShardState) -> None:
-        self.transformer, self.state = transformer, state
-        self.handle: RemovableHandle | None = None
-
-    def install(self) -> None:
-        if self.state.mesh.cfg_degree > 1:
-            self.handle = self.transformer.register_forward_pre_hook(self._check, with_kwargs=True)
-
-    def remove(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
+    def wanted(self) -> bool:
+        return self.state.mesh.cfg_degree > 1
 
     def _check(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Raises NotImplementedError when the batch's cfg halves differ in being text-to-video."""
