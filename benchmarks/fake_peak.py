@@ -21,7 +21,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import bench_vae as bv
+try:
+    import bench_vae as bv  # run from benchmarks/: this folder is on sys.path
+except ImportError:
+    from benchmarks import bench_vae as bv
 
 
 class LiveBytes(TorchDispatchMode):
