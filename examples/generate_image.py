@@ -169,6 +169,11 @@ FAMILIES = {
                                negative_prompt=True),
     "krea2": ImageFamily("Krea2Pipeline", "Krea 2", (80, 112), 16, "guidance_scale", two_call_cfg=True,
                          negative_prompt=True),
+    # Qwen-Image 2.1: a 16x VAE (the tiny one too) read unpatched, its target in vision slots of 2 x 2
+    # tokens, so sides come in multiples of 32 (one "token" below is a slot); two-call CFG with a
+    # KV cache of the prompt; RGBA output (the first three channels are saved).
+    "qwen_image21": ImageFamily("QwenImage21Pipeline", "Qwen-Image 2.1", (64, 96), 32, "true_cfg_scale",
+                                two_call_cfg=True, negative_prompt=True, real_pixels_per_token=32),
     # HunyuanImage 2.1: a 32x VAE and patch 1 (the tiny one: 8x); CFG by the pipeline's guider (its
     # own scale), --guidance the distilled checkpoint's embedded scale.
     "hunyuan_image": ImageFamily("HunyuanImagePipeline", "HunyuanImage", (40, 56), 8, "distilled_guidance_scale",
@@ -414,7 +419,7 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         height=args.height, width=args.width, num_inference_steps=args.steps, output_type="np",
         generator=torch.Generator("cpu").manual_seed(args.seed), **kwargs,
     )
-    return np.asarray(out.images, dtype=np.float32)
+    return np.asarray(out.images, dtype=np.float32)[..., :3]  # Qwen-Image 2.1's images are RGBA
 
 
 def _generate_dit(pipe, args: argparse.Namespace) -> np.ndarray:

@@ -18,6 +18,10 @@ ranks: every parameter's gradient (tests/adapter_parity.gradient_errors), and on
 checkpointing. The KV cache (``"extract"`` then ``"cached"``, as QwenImage21Pipeline runs it) on
 (2,2) through the adapter and on (1,2,2) through ``enable_usp`` (the batch split over cfg, each
 group's cache its rows). Tensor parallel (T2) on (1,2,1,2). Ulysses above the heads raises.
+The stock ``QwenImage21Pipeline`` (tiny processor, Qwen3-VL, VAE and transformer:
+``tiny_qwen_image21_pipeline``) through ``pipe.enable_usp()``: its KV cache, two-call CFG (on the cfg
+axis at cfg 2), no CFG, and an edit call with a condition image, on (2,1,1), (2,2,1), (1,2,2), (1,4,1);
+``disable_usp`` gives the bit-identical image back.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs and gradients: sharding only reorders
 float32 sums (attention blocks merged by log-sum-exp, gradients summed over ranks; masked prompt
@@ -149,6 +153,71 @@ def _tensor_case() -> dict[str, float]:
             "disable_not_bit_identical": float(not torch.equal(parity.forward(model, inputs), ref))}
 
 
+PROMPTS = ["a red fox jumps", "a cat"]  # of different lengths: different valid prompt tokens per element
+TOL_IMAGES = 1e-4  # decoded images: an untrained random VAE's gain (as tests/test_pipeline_qwen_image.py)
+
+
+def _condition_image():
+    """A 64 x 64 condition image (RGB noise, seeded): 4 x 4 latent tokens, 2 x 2 vision tokens."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(3).rand(64, 64, 3) * 255).astype("uint8"))
+
+
+def _generate(pipe, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final latents, images) at 64 x 96 (4 x 6 = 24 target tokens), 2 steps, seed 0; the prefix
+    (the prompt's valid tokens, a condition image's 16 latent tokens) replicated, the target split."""
+    return parity.latents_and(pipe, prompt=list(PROMPTS), height=64, width=96, num_inference_steps=2,
+                              generator=torch.Generator().manual_seed(0), output_type="pt", **kwargs)
+
+
+_CFG = {"negative_prompt": ["blurry", "dark and dim"], "true_cfg_scale": 4.0}  # two transformer calls a step
+# (U, R, cfg, pipeline arguments): QwenImage21Pipeline's KV cache (extract, then cached calls) on every
+# grid; two-call CFG on the cfg axis; an edit call with a condition image (its tokens in the prefix).
+PIPELINE_RUNS = {
+    "u2r1cfg1": (2, 1, 1, _CFG),
+    "u2r2cfg1": (2, 2, 1, _CFG),
+    "u1r2cfg2": (1, 2, 2, _CFG),
+    "u1r4cfg1-no-cfg": (1, 4, 1, {}),
+    "edit-u2r2cfg1": (2, 2, 1, {"image": "condition", "output_resolution": 64}),
+}
+
+
+def _pipeline_cases() -> dict[str, dict[str, float]]:
+    """``QwenImage21Pipeline`` (tiny: ``tiny_qwen_image21_pipeline``) through ``pipe.enable_usp()``
+    on each run's grid, against the same pipeline on one process."""
+    from usp_dit.demo.tiny_qwen_image21 import tiny_qwen_image21_pipeline
+    from usp_dit.pipelines import is_usp_enabled
+
+    pipe = tiny_qwen_image21_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    results, refs = {}, {}
+    for key, (u, r, c, kwargs) in PIPELINE_RUNS.items():
+        kwargs = {k: (_condition_image() if v == "condition" else v) for k, v in kwargs.items()}
+        kwargs = {k: ([v] if k == "image" else v) for k, v in kwargs.items()}
+        ref_key = str(sorted((k, str(v)) for k, v in PIPELINE_RUNS[key][3].items()))
+        if ref_key not in refs:
+            refs[ref_key] = _generate(pipe, **kwargs)
+        ref_latents, ref_images = refs[ref_key]
+        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
+        enabled = is_usp_enabled(pipe.transformer)
+        try:
+            latents, images = _generate(pipe, **kwargs)
+        finally:
+            pipe.disable_usp()
+        results[f"pipeline-{key}"] = {
+            "not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer)),
+            "latents": rel_err(latents, ref_latents),
+            "images": rel_err(images, ref_images),
+        }
+    again = _generate(pipe, **_CFG)
+    ref = refs[str(sorted((k, str(v)) for k, v in _CFG.items()))]
+    results["pipeline-after-disable"] = {"not_bit_identical": float(not (torch.equal(again[0], ref[0])
+                                                                         and torch.equal(again[1], ref[1])))}
+    return results
+
+
 def _run_all() -> dict[str, dict | str]:
     results = {}
     parity.run_grid_cases(results, SHAPES, _output_case,
@@ -157,6 +226,7 @@ def _run_all() -> dict[str, dict | str]:
     parity.record(results, "kv-cache", lambda: _kv_cache_case(init_usp(2, 2), False))
     parity.record(results, "kv-cache-cfg", lambda: _kv_cache_case(init_usp(1, 2, 2), True))
     parity.record(results, "tensor-t2", _tensor_case)
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     two_heads = tiny_qwen_image21(num_heads=2, head_dim=32)
     parity.record(results, "ulysses-above-heads",
                   lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
@@ -209,3 +279,24 @@ def test_img_shapes_with_more_target_tokens_than_the_sequence_are_refused():
             parity.forward(model, inputs)
     finally:
         ADAPTER.disable(model)
+
+
+@pytest.mark.parametrize("key", list(PIPELINE_RUNS))
+def test_pipeline_matches_one_process(grid_results, key: str):
+    """Latents within TOL, decoded images within TOL_IMAGES, on every rank."""
+    parity.assert_within(grid_results, f"pipeline-{key}", TOL, {"images": TOL_IMAGES}, fallback="pipeline")
+
+
+def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
+
+
+def test_the_image_example_builds_and_runs_the_tiny_qwen_image21():
+    """examples/generate_image.py --family qwen_image21: its tiny default pipeline on one process
+    (1 step, two-call CFG with the default negative prompt), RGB in [0, 1]."""
+    from tests.test_examples_cli import _example
+
+    ex = _example("generate_image")
+    args = ex.parse_args(["--family", "qwen_image21", "--steps", "1", "--height", "32", "--width", "96"])
+    images = ex.generate(ex.load_pipeline(args, torch.device("cpu")), args)
+    assert images.shape == (1, 32, 96, 3) and bool((images >= 0).all() and (images <= 1).all())

@@ -117,10 +117,10 @@ def tiny_qwen_image_vae(seed: int = 0):
     ).eval()
 
 
-def tiny_qwen_tokenizer():
+def tiny_qwen_tokenizer(special: tuple[str, ...] | list[str] = ("<|im_start|>", "<|im_end|>")):
     """A tokenizer over single characters (a unigram vocabulary of printable characters, written
-    here, no file) with Qwen's chat tokens as special tokens: what ``QwenImagePipeline`` needs of
-    Qwen2.5-VL's tokenizer (its prompt template tokenized, padded and masked). Built as a
+    here, no file) with Qwen's chat tokens (``special``) as special tokens: what ``QwenImagePipeline``
+    needs of Qwen2.5-VL's tokenizer (its prompt template tokenized, padded and masked). Built as a
     ``T5TokenizerFast`` (transformers builds it from the vocabulary alone)."""
     import string
 
@@ -128,7 +128,7 @@ def tiny_qwen_tokenizer():
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
     pieces += [(c, -2.0) for c in string.ascii_letters + string.digits + string.punctuation + "\n"]
-    return T5TokenizerFast(vocab=pieces, extra_ids=0, additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    return T5TokenizerFast(vocab=pieces, extra_ids=0, additional_special_tokens=list(special))
 
 
 def tiny_qwen_text_encoder(vocab_size: int, seed: int = 0):

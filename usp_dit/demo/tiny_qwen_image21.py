@@ -98,3 +98,85 @@ def qwen_image21_lengths(images: list[tuple[int, int, int]], text_len: int) -> t
     plus the condition images' tokens, and the target's tokens."""
     cond = sum(prod(s) for s in images[:-1])
     return text_len - cond // 4 + cond, prod(images[-1])
+
+
+# Qwen3-VL's chat and vision tokens that QwenImage21Pipeline's prompt template and processor use.
+_VL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# A chat template of the shape Qwen3-VL's has for text messages: the pipeline tokenizes its system
+# message with it to know how many leading tokens to drop.
+_CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                  "{% for part in message['content'] %}{{ part['text'] }}{% endfor %}<|im_end|>\n{% endfor %}")
+
+
+def tiny_qwen3_vl_processor():
+    """A ``Qwen3VLProcessor`` over single characters (``tiny_qwen_image.tiny_qwen_tokenizer``, with
+    Qwen3-VL's chat and vision tokens as special tokens) and the PIL image processor, with no video
+    processor (text-to-image and image conditions need none; transformers' video processor needs
+    torchvision). Built in code: no download."""
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLProcessor
+
+    from usp_dit.demo.tiny_qwen_image import tiny_qwen_tokenizer
+
+    class _ImageOnlyProcessor(Qwen3VLProcessor):
+        def check_argument_for_proper_class(self, attribute_name, arg):  # video_processor=None allowed
+            if attribute_name == "video_processor" and arg is None:
+                return None
+            return super().check_argument_for_proper_class(attribute_name, arg)
+
+    # Qwen3-VL's vision patches (16 pixels, 2 x 2 merged, 2 frames); condition images of at most 64 x 64.
+    images = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                      size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64})
+    return _ImageOnlyProcessor(image_processor=images, tokenizer=tiny_qwen_tokenizer(_VL_TOKENS), video_processor=None,
+                               chat_template=_CHAT_TEMPLATE)
+
+
+def tiny_qwen3_vl(tokenizer, seed: int = 0):
+    """A 2-layer ``Qwen3VLForConditionalGeneration`` of width ``CONTEXT_DIM`` (the tiny transformer's
+    ``context_in_dim``; 2 heads x 16, one K/V head, interleaved M-RoPE 2:3:3) and a 1-block vision
+    tower, float32, every parameter perturbed; its vocabulary and vision token ids are ``tokenizer``'s."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image", "<|image_pad|>"), ("video", "<|video_pad|>"), ("vision_start", "<|vision_start|>"),
+        ("vision_end", "<|vision_end|>"))}
+    vocab_size = len(tokenizer)
+    config = Qwen3VLConfig(**ids,
+        text_config=dict(vocab_size=vocab_size, hidden_size=CONTEXT_DIM, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+                         rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=CONTEXT_DIM,
+                           deepstack_visual_indexes=[0], patch_size=16, spatial_merge_size=2, temporal_patch_size=2),
+    )
+    torch.manual_seed(seed)
+    encoder = Qwen3VLForConditionalGeneration(config)
+    _perturb(encoder, seed + 1)
+    return encoder.eval()
+
+
+def tiny_qwen_image21_vae(seed: int = 0):
+    """A small ``AutoencoderKLQwenImage21``: 16x (four halvings, as the pipeline assumes), RGBA,
+    ``LATENT_CHANNELS`` latent channels, float32, every parameter perturbed."""
+    from diffusers import AutoencoderKLQwenImage21
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLQwenImage21(base_dim=8, decoder_base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, 1, 1, 1, 1],
+                                   num_res_blocks=1, latents_mean=[0.0] * LATENT_CHANNELS,
+                                   latents_std=[1.0] * LATENT_CHANNELS)
+    _perturb(vae, seed + 1)
+    return vae.eval()
+
+
+def tiny_qwen_image21_pipeline(seed: int = 0):
+    """A ``QwenImage21Pipeline`` of tiny random models (processor, Qwen3-VL, VAE, transformer), float32.
+
+    ``height x width`` (multiples of 32) gives ``(height / 16) * (width / 16)`` target tokens (the
+    VAE's 16x, no patchify), a multiple of 4 as the model needs; 64 x 96 gives 4 x 6 = 24.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
+
+    processor = tiny_qwen3_vl_processor()
+    return QwenImage21Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=tiny_qwen_image21_vae(seed + 20),
+        text_encoder=tiny_qwen3_vl(processor.tokenizer, seed + 10), processor=processor,
+        transformer=tiny_qwen_image21(seed=seed + 30),
+    )
