@@ -173,48 +173,28 @@ def _generate(pipe, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _CFG = {"negative_prompt": ["blurry", "dark and dim"], "true_cfg_scale": 4.0}  # two transformer calls a step
-# (U, R, cfg, pipeline arguments): QwenImage21Pipeline's KV cache (extract, then cached calls) on every
-# grid; two-call CFG on the cfg axis; an edit call with a condition image (its tokens in the prefix).
+# (pipeline arguments, grids): QwenImage21Pipeline's KV cache (extract, then cached calls) on every
+# grid; two-call CFG on the cfg axis; no CFG; an edit call with a condition image (its tokens in the prefix).
 PIPELINE_RUNS = {
-    "u2r1cfg1": (2, 1, 1, _CFG),
-    "u2r2cfg1": (2, 2, 1, _CFG),
-    "u1r2cfg2": (1, 2, 2, _CFG),
-    "u1r4cfg1-no-cfg": (1, 4, 1, {}),
-    "edit-u2r2cfg1": (2, 2, 1, {"image": "condition", "output_resolution": 64}),
+    "pipeline": (_CFG, [(2, 1, 1), (2, 2, 1), (1, 2, 2)]),
+    "pipeline-no-cfg": ({}, [(1, 4, 1)]),
+    "pipeline-edit": ({"image": "condition", "output_resolution": 64}, [(2, 2, 1)]),
 }
+PIPELINE_KEYS = [key for prefix, (_, grids) in PIPELINE_RUNS.items() for key in parity.pipeline_grids(grids, prefix)]
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:
     """``QwenImage21Pipeline`` (tiny: ``tiny_qwen_image21_pipeline``) through ``pipe.enable_usp()``
-    on each run's grid, against the same pipeline on one process."""
+    on each run's grids, against the same pipeline on one process (``adapter_parity.pipeline_cases``)."""
     from usp_dit.demo.tiny_qwen_image21 import tiny_qwen_image21_pipeline
-    from usp_dit.pipelines import is_usp_enabled
 
     pipe = tiny_qwen_image21_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    results, refs = {}, {}
-    for key, (u, r, c, kwargs) in PIPELINE_RUNS.items():
-        kwargs = {k: (_condition_image() if v == "condition" else v) for k, v in kwargs.items()}
-        kwargs = {k: ([v] if k == "image" else v) for k, v in kwargs.items()}
-        ref_key = str(sorted((k, str(v)) for k, v in PIPELINE_RUNS[key][3].items()))
-        if ref_key not in refs:
-            refs[ref_key] = _generate(pipe, **kwargs)
-        ref_latents, ref_images = refs[ref_key]
-        pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
-        enabled = is_usp_enabled(pipe.transformer)
-        try:
-            latents, images = _generate(pipe, **kwargs)
-        finally:
-            pipe.disable_usp()
-        results[f"pipeline-{key}"] = {
-            "not_enabled_then_restored": float(not enabled or is_usp_enabled(pipe.transformer)),
-            "latents": rel_err(latents, ref_latents),
-            "images": rel_err(images, ref_images),
-        }
-    again = _generate(pipe, **_CFG)
-    ref = refs[str(sorted((k, str(v)) for k, v in _CFG.items()))]
-    results["pipeline-after-disable"] = {"not_bit_identical": float(not (torch.equal(again[0], ref[0])
-                                                                         and torch.equal(again[1], ref[1])))}
+    results = {}
+    for prefix, (kwargs, grids) in PIPELINE_RUNS.items():
+        kwargs = {k: ([_condition_image()] if v == "condition" else v) for k, v in kwargs.items()}
+        results.update(parity.pipeline_cases(
+            pipe, lambda p, kwargs=kwargs: _generate(p, **kwargs), parity.pipeline_grids(grids, prefix),
+            after_disable="pipeline-after-disable" if prefix == "pipeline" else None))
     return results
 
 
@@ -281,10 +261,10 @@ def test_img_shapes_with_more_target_tokens_than_the_sequence_are_refused():
         ADAPTER.disable(model)
 
 
-@pytest.mark.parametrize("key", list(PIPELINE_RUNS))
+@pytest.mark.parametrize("key", PIPELINE_KEYS)
 def test_pipeline_matches_one_process(grid_results, key: str):
     """Latents within TOL, decoded images within TOL_IMAGES, on every rank."""
-    parity.assert_within(grid_results, f"pipeline-{key}", TOL, {"images": TOL_IMAGES}, fallback="pipeline")
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
 
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
