@@ -52,8 +52,10 @@ def _profile(forward, top: int) -> None:
     runtime = sorted((e for e in events if e.key.startswith("cuda")), key=lambda e: -e.count)
     print("    CUDA runtime calls: " + ", ".join(f"{e.key} {e.count}" for e in runtime[:8]))
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    print(f"    kernels: {sum(e.count for e in kernels)} launches, {sum(e.self_device_time_total for e in kernels) / 1e3:.2f} ms")
-    cpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU), key=lambda e: -e.self_cpu_time_total)
+    device_ms = sum(e.self_device_time_total for e in kernels) / 1e3
+    print(f"    kernels: {sum(e.count for e in kernels)} launches, {device_ms:.2f} ms")
+    cpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
+                 key=lambda e: -e.self_cpu_time_total)
     for e in cpu[:top]:
         print(f"    {e.self_cpu_time_total / 1e3:8.2f} ms self CPU  {e.count:5d}x  {e.key[:70]}")
 
@@ -82,8 +84,9 @@ def main() -> int:
                 micros[variant].append(_micro_us())
         for variant in ("stock", "usp"):
             bp.set_variant(model, variant, args.backend)
-            print(f"{variant}: {statistics.median(walls[variant]):.2f} ms a forward (rounds "
-                  f"{', '.join(f'{w:.1f}' for w in walls[variant])}); a small op {statistics.median(micros[variant]):.2f} us")
+            rounds = ", ".join(f"{w:.1f}" for w in walls[variant])
+            print(f"{variant}: {statistics.median(walls[variant]):.2f} ms a forward (rounds {rounds}); "
+                  f"a small op {statistics.median(micros[variant]):.2f} us")
             _profile(forward, args.top)
         bp.set_variant(model, "stock", args.backend)
     return 0

@@ -55,14 +55,15 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _peak_gib(fn, before: list[torch.Tensor]) -> float:
-    """Peak bytes (GiB) of the storages ``fn()`` creates, those of ``before`` (weights, input) left out."""
+def _peak_gib(fn, before: list[torch.Tensor]) -> tuple[float, object]:
+    """(peak GiB of the storages ``fn()`` creates, those of ``before`` (weights, input) left out;
+    ``fn()``'s result)."""
     tracker = LiveBytes()
     for t in before:
         tracker.seen[t.untyped_storage()] = True
     with tracker:
-        fn()
-    return tracker.peak / 2**30
+        result = fn()
+    return tracker.peak / 2**30, result
 
 
 def run(name: str, parts: list[int]) -> dict:
@@ -72,16 +73,11 @@ def run(name: str, parts: list[int]) -> dict:
         z = torch.randn(case.latent, dtype=torch.bfloat16)
         before = [*vae.parameters(), *vae.buffers(), z]
         with torch.no_grad():
-            stock = _peak_gib(lambda: bv._decode_rows(vae, z), before)
+            stock, _ = _peak_gib(lambda: bv._decode_rows(vae, z), before)
             shares = {}
-            for p in parts:
-                holder = {}
-
-                def one(p=p, holder=holder):
-                    holder["r"] = bv.share(vae, z, p, warmup=0, rounds=1)
-
-                peak = _peak_gib(one, before)
-                shares[p] = None if holder.get("r") is None else round(peak / stock, 3)
+            for p in parts:  # share() is None where the latent is too short for p pieces
+                peak, measured = _peak_gib(lambda p=p: bv.share(vae, z, p, warmup=0, rounds=1), before)
+                shares[p] = None if measured is None else round(peak / stock, 3)
     return {"model": name, "shape": case.label, "stock_peak_gib": round(stock, 2), "share_fractions": shares}
 
 

@@ -1,8 +1,8 @@
 """The compositions of tests/test_memory_composition.py that need CUDA, on 2 GPUs (NCCL, one rank
 per GPU; skipped with fewer) and at world size 1 on one GPU (the hooks, streams and quantized
-kernels on CUDA under ``enable_usp`` with nothing split: equal to stock): sequential CPU offload, group offload with ``use_stream=True``,
-model offload to a GPU, torchao float8 dynamic activation (per-row scales: works; per-tensor:
-refused), bitsandbytes 4-bit. Each in both orders where both exist, against the same offloaded or
+kernels on CUDA under ``enable_usp`` with nothing split: equal to stock): sequential CPU offload,
+group offload with ``use_stream=True``, model offload to a GPU, torchao float8 dynamic activation
+(per-row scales: works; per-tensor: refused on 2 ranks, runs at world size 1), bitsandbytes 4-bit. Each in both orders where both exist, against the same offloaded or
 quantized run on one process (rank 0 of the job runs it alone first).
 
 Tolerance: float32 latents / outputs max|err| / max|ref| <= 1e-5 (TF32 off: sharding only

@@ -57,7 +57,7 @@ from usp_dit.distributed.handshake import agree, calls_verified
 from usp_dit.distributed.mesh import USPMesh, resolve_mesh
 from usp_dit.kernels import attend, attend_out, select_backend
 from usp_dit.kernels.autograd import kernel_forward, needs_grad
-from usp_dit.kernels.policy import auto_uses_torch_dispatch
+from usp_dit.kernels.policy import attention_flops, auto_uses_torch_dispatch
 from usp_dit.kernels.protocol import AttentionBackend, lse_dtype
 from usp_dit.kernels.registry import backends_with_lse
 from usp_dit.sharding.layouts import check_layout
@@ -329,7 +329,7 @@ def _call_flops(q, k, joint, mesh: USPMesh, needs_grad: bool = False, schedule: 
     else:
         block = max(1, s // r)
         k_len = choose_schedule(schedule, (block,) * r, heads, kv_heads).keys_per_call(block, r, joint_len)
-    return 4.0 * b * (s / r) * k_len * heads * d
+    return attention_flops(b, s / r, k_len, heads, d)
 
 
 def _sharded(q, k, v, call: _Call, mesh: USPMesh, seq_len):
@@ -511,10 +511,10 @@ def one_rank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sca
     head_dim = q.shape[3]
     flops = None
     if backend == "auto":  # it weighs the call size (as _call_flops does for one rank: every key in one call)
-        flops = 4.0 * q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2] * head_dim
+        flops = attention_flops(q.shape[0], q.shape[1], k.shape[1], q.shape[2], head_dim)
         if auto_uses_torch_dispatch(flops):  # stock's own call (Note [small calls on one rank go to ...])
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, enable_gqa=k.shape[2] != q.shape[2])
+            out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                                   scale=scale, enable_gqa=k.shape[2] != q.shape[2])
             return out.transpose(1, 2)
     kernel = select_backend(backend, q.device.type, q.dtype, head_dim, needs_grad(q, k, v), flops)
     return attend_out(q, k, v, kernel, head_dim ** -0.5 if scale is None else float(scale))

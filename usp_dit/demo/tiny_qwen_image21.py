@@ -139,9 +139,9 @@ def tiny_qwen3_vl(tokenizer, seed: int = 0):
     ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in (
         ("image", "<|image_pad|>"), ("video", "<|video_pad|>"), ("vision_start", "<|vision_start|>"),
         ("vision_end", "<|vision_end|>"))}
-    vocab_size = len(tokenizer)
-    config = Qwen3VLConfig(**ids,
-        text_config=dict(vocab_size=vocab_size, hidden_size=CONTEXT_DIM, intermediate_size=48, num_hidden_layers=2,
+    config = Qwen3VLConfig(
+        **ids,
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=CONTEXT_DIM, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
                          rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=CONTEXT_DIM,

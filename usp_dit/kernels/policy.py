@@ -68,6 +68,12 @@ AUTO_TABLE: dict[str, tuple[AutoRule, ...]] = {
 TORCH_DISPATCH_FLOPS = 1e11
 
 
+def attention_flops(batch: int, queries: float, keys: float, heads: int, head_dim: int) -> float:
+    """Dense flops of one attention call, 4 B S_q S_k H D: the call size "auto" weighs (and the
+    planner prices)."""
+    return 4.0 * batch * queries * keys * heads * head_dim
+
+
 def auto_uses_torch_dispatch(call_flops: float) -> bool:
     """``backend="auto"`` runs a plain one-rank call of ``call_flops`` (4 B S_q S_k H D) through
     PyTorch's own SDPA dispatcher (Note [small calls on one rank go to PyTorch's dispatcher])."""

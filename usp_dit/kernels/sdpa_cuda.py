@@ -37,7 +37,8 @@ from usp_dit.kernels.registry import register_backend
 # The forward ops are called through their generated Python bindings (``torch._scaled_dot_product_*``,
 # the same aten functions): less host time than ``torch.ops.aten``'s schema-driven argument parsing
 # (2.7 us a call on an H100's host, benchmarks/bench_call_host.py), which a host-bound model pays on
-# every attention call (PixArt: 28 a forward, docs/PERFORMANCE.md). The backward ops have no such binding and go through ``torch.ops.aten``.
+# every attention call (PixArt: 28 a forward, docs/PERFORMANCE.md). The backward ops have no such
+# binding and go through ``torch.ops.aten``.
 _aten = torch.ops.aten
 _HALF = frozenset({torch.float16, torch.bfloat16})
 

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from usp_dit.attention.ulysses import gather_heads, scatter_heads, ulysses_layout
 from usp_dit.attention.usp import one_rank_attention, one_rank_masked_attention, usp_attention
 from usp_dit.kernels.autograd import needs_grad
-from usp_dit.kernels.policy import auto_uses_torch_dispatch
+from usp_dit.kernels.policy import attention_flops, auto_uses_torch_dispatch
 from usp_dit.pipelines._checks import require
 from usp_dit.pipelines._token_sharding import ShardState
 from usp_dit.sharding.shard import layout_sizes
@@ -339,7 +339,7 @@ def route_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
             and not is_causal and route.block_causal is None and not torch.compiler.is_compiling()):
         batch, heads, length, head_dim = query.shape
         _check_one_rank_length(length, route)
-        if auto_uses_torch_dispatch(4.0 * batch * length * key.shape[2] * heads * head_dim):
+        if auto_uses_torch_dispatch(attention_flops(batch, length, key.shape[2], heads, head_dim)):
             return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=key.shape[1] != heads)
     out = route_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask, dropout_p,
                           is_causal, scale, parallel_config=route)

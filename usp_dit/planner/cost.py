@@ -83,6 +83,7 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
+from usp_dit.kernels.policy import attention_flops
 from usp_dit.planner import kernels
 from usp_dit.planner import memory as memory_model
 from usp_dit.planner.hardware import GPU, Link, group_link
@@ -175,7 +176,7 @@ def _attention_seconds(spec: ModelSpec, grid: Grid, schedule: str, b: int, gpu: 
     rows = block + math.ceil(joint / r)
 
     def call(keys: int, queries: int = rows) -> float:
-        return kernels.call_seconds(kernels.attention_flops(b, queries, keys, h, d), d, backend=backend)
+        return kernels.call_seconds(attention_flops(b, queries, keys, h, d), d, backend=backend)
 
     if r == 1:
         return call(seq + joint, seq + joint), 0.0
@@ -326,8 +327,8 @@ def predict(spec: ModelSpec, grid: Grid, schedule: str, *, batch: int = 1, cfg: 
     joint_comm = s_link.seconds(max(traffic.get("joint_gather", (0, 0))), calls=2) if joint and grid.sequence > 1 else 0.0
     cross = 0.0
     if spec.text_mode == "cross":
-        cross = kernels.call_seconds(kernels.attention_flops(b, math.ceil(seq / grid.sequence), spec.text, heads,
-                                                             spec.head_dim), spec.head_dim, backend=backend)
+        cross = kernels.call_seconds(attention_flops(b, math.ceil(seq / grid.sequence), spec.text, heads,
+                                                     spec.head_dim), spec.head_dim, backend=backend)
     tokens_here = math.ceil(seq / grid.sequence) + joint
     other = 2 * spec.params * b * tokens_here / spec.other_rate
     if t > 1:  # the cut Linears' share of the per-token work runs on a tensor rank's share of them

@@ -70,5 +70,3 @@ def call_seconds(flops: float, head_dim: int, *, backward: bool = False, causal:
     return seconds * (_nearest(BACKWARD_FACTOR, head_dim) if backward else 1.0)
 
 
-def attention_flops(batch: int, queries: int, keys: int, heads: int, head_dim: int) -> float:
-    return 4.0 * batch * queries * keys * heads * head_dim
