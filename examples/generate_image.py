@@ -1,4 +1,4 @@
-"""torchrun: generate an image with Flux, Flux.2, Qwen-Image, SD3, Chroma, CogView4, Lumina2, Krea 2, HunyuanImage, Z-Image,
+"""torchrun: generate an image with Flux, Flux.2, FLUX.3, Qwen-Image, SD3, Chroma, CogView4, Lumina2, Krea 2, HunyuanImage, Z-Image,
 Sana, HiDream or PixArt-Sigma on a Ulysses x Ring (x CFG) grid,
 checked against one rank.
 
@@ -76,6 +76,12 @@ tokenizer as ``text_encoder_4`` / ``tokenizer_4``, which HiDream's own repositor
                                                                     transformers (asymmetric CFG), each whole
     prx         20 x 28 -> 5 x 7 = 35               1024 x 1024     [uncond, cond] (batched CFG)
     dit         20 x 20 -> 5 x 5 = 25               512 x 512       [cond, null class] (batched CFG)
+    flux3       36 x 52 -> 9 x 13 = 117             1024 x 1024     the two calls of a step (its CFG guider)
+
+(FLUX.3 ships as Diffusers' modular ``Flux3ModularPipeline``, which ``pipe.enable_usp()`` takes like
+any pipeline; ``--model`` loads its blocks and components from the folder. The tiny one drops the
+9 B prompt upsampler, as Diffusers' docstring says to encode a prompt as given; ``--guidance`` sets
+its guider's scale.)
 
 (DiT is class-conditional: ``--prompt`` names an ImageNet class (default: goldfish), and its size is
 square and fixed by the checkpoint's latent size (256 or 512 for DiT-XL/2; the tiny one's follows
@@ -218,6 +224,10 @@ FAMILIES = {
                              real_size=(2048, 2048)),
     # PRX-1.2B: the Flux VAE (8x; the tiny one 2x), patch 2; image queries over [text; image] keys.
     "prx": ImageFamily("PRXPipeline", "PRX", (20, 28), 4, "guidance_scale", batched_cfg=True, negative_prompt=True),
+    # FLUX.3: Diffusers' modular pipeline (Flux3ModularPipeline: text encoder, denoise with a CFG
+    # guider, decode); the FLUX.2 VAE (8x; the tiny one 2x), 2x2 packed; --guidance the guider's scale.
+    "flux3": ImageFamily("Flux3ModularPipeline", "FLUX.3", (36, 52), 4, "guider", two_call_cfg=True,
+                         negative_prompt=True),
     # DiT-XL/2: class-conditional (no text), square, the SD VAE (8x; the tiny one 2x), patch 2.
     "dit": ImageFamily("DiTPipeline", "DiT", (20, 20), 4, "guidance_scale", batched_cfg=True, real_size=(512, 512)),
 }
@@ -363,6 +373,10 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
 
     cls = getattr(diffusers, FAMILIES[args.family].pipeline)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.family == "flux3":  # a modular pipeline: its blocks from the folder, then its components
+        pipe = cls.from_pretrained(args.model)
+        pipe.load_components(torch_dtype=dtype)
+        return pipe.to(device)
     return cls.from_pretrained(args.model, torch_dtype=dtype).to(device)
 
 
@@ -411,6 +425,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         kwargs["negative_prompt"] = args.negative_prompt
     if args.family == "dit":
         return _generate_dit(pipe, args)
+    if args.family == "flux3":
+        return _generate_flux3(pipe, args)
     if args.family == "joyimage_plus":  # its pipeline takes no num_images_per_prompt
         kwargs["prompt"] = [args.prompt] * args.num_images
     else:
@@ -436,6 +452,20 @@ def _generate_dit(pipe, args: argparse.Namespace) -> np.ndarray:
     out = pipe(class_labels=labels, num_inference_steps=args.steps, output_type="np",
                generator=torch.Generator("cpu").manual_seed(args.seed), **kwargs)
     return np.asarray(out.images, dtype=np.float32)
+
+
+def _generate_flux3(pipe, args: argparse.Namespace) -> np.ndarray:
+    """FLUX.3's modular pipeline: its guider carries the scale (a component, not a call argument);
+    the tiny Qwen3-VL has 2 layers where the release stacks 8 of its 36 (``text_encoder_out_layers``)."""
+    from diffusers import ClassifierFreeGuidance
+
+    if args.guidance is not None and getattr(pipe, "guider", None) is not None:
+        pipe.update_components(guider=ClassifierFreeGuidance(guidance_scale=args.guidance))
+    kwargs = {"text_encoder_out_layers": (2,)} if args.model is None else {}
+    out = pipe(prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
+               num_inference_steps=args.steps, num_images_per_prompt=args.num_images, output_type="np",
+               generator=torch.Generator("cpu").manual_seed(args.seed), output="images", **kwargs)
+    return np.asarray(out, dtype=np.float32)
 
 
 def save_png(images: np.ndarray, path: str) -> None:

@@ -146,13 +146,17 @@ def test_pipe_enable_usp_after_import_usp_dit_with_diffusers_imported_first():
 
 def test_pipe_enable_usp_after_import_usp_dit_with_diffusers_imported_after():
     """``import usp_dit`` first (no Diffusers loaded by it), then Diffusers: the one-shot import hook
-    gives ``DiffusionPipeline`` the methods as Diffusers defines it, and then leaves ``sys.meta_path``."""
+    gives ``DiffusionPipeline`` and ``ModularPipeline`` the methods as Diffusers defines each, and
+    then leaves ``sys.meta_path``."""
     out = _fresh(
         "import sys, usp_dit; print('diffusers' in sys.modules); from diffusers import FluxPipeline; "
-        "print(FluxPipeline.enable_usp.__module__, any('PipelineUtilsFinder' in type(f).__name__ for f in sys.meta_path)); "
+        "from diffusers.modular_pipelines import Flux3ModularPipeline; "
+        "print(FluxPipeline.enable_usp.__module__, Flux3ModularPipeline.enable_usp.__module__, "
+        "any('PipelineUtilsFinder' in type(f).__name__ for f in sys.meta_path)); "
         "from usp_dit.demo.tiny_flux import tiny_flux_pipeline; " + _ENABLE_TWICE
     )
-    assert out.splitlines() == ["False", "usp_dit._pipeline_methods False", "USPMesh True False _pipe_enable_usp"], out
+    assert out.splitlines() == ["False", "usp_dit._pipeline_methods usp_dit._pipeline_methods False",
+                                "USPMesh True False _pipe_enable_usp"], out
 
 
 @pytest.mark.parametrize("path", _modules("usp_dit.pipelines"), ids=lambda p: _module_name(p))

@@ -91,12 +91,95 @@ def _cfg_split_case(mesh) -> dict[str, float]:
     return parity.cfg_split_case(*_build(SHAPES[1]), mesh)
 
 
+PROMPT, NEGATIVE = "a red fox jumps", "blurry"
+STEPS = 2
+TOL_IMAGES = 1e-4  # decoded images: an untrained random VAE's gain (as tests/test_pipeline_qwen_image.py)
+
+
+def _condition_image():
+    """A 20 x 28 reference image (RGB noise, seeded): padded by FLUX.3's image processor to its
+    4-pixel grid canvas, whose size the generation then takes."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(3).rand(20, 28, 3) * 255).astype("uint8"))
+
+
+def _generate(pipe, seed: int = 0, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final latents, images) of one modular pipeline call, 2 steps; 36 x 52 (9 x 13 = 117 image
+    tokens, 80 text tokens: the prompt window's pad multiple) unless a reference image sets the size."""
+    size = {} if "image" in kwargs else {"height": 36, "width": 52}
+    out = pipe(prompt=PROMPT, num_inference_steps=STEPS, text_encoder_out_layers=(2,), output_type="pt",
+               generator=torch.Generator().manual_seed(seed), output=["latents", "images"], **size, **kwargs)
+    return out["latents"], out["images"]
+
+
+# (distilled, pipeline arguments, grids): the guider's two calls a step (on the cfg axis at cfg 2);
+# two images per prompt (batch 2 in each call); an edit with a reference image (VAE-encoded
+# reference tokens, the image-conditioned denoise blocks); the step-distilled flow map (one call a step).
+PIPELINE_RUNS = {
+    "pipeline": (False, {"negative_prompt": NEGATIVE}, [(2, 1, 1), (2, 2, 1), (1, 2, 2)]),
+    "pipeline-batch2": (False, {"negative_prompt": NEGATIVE, "num_images_per_prompt": 2}, [(1, 2, 2)]),
+    "pipeline-edit": (False, {"image": "condition"}, [(2, 2, 1)]),
+    "pipeline-distilled": (True, {}, [(1, 4, 1)]),
+}
+PIPELINE_KEYS = [key for prefix, (_, _, grids) in PIPELINE_RUNS.items() for key in parity.pipeline_grids(grids, prefix)]
+
+
+def _pipeline_cases() -> dict[str, dict[str, float]]:
+    """FLUX.3's stock modular pipelines (tiny: ``tiny_flux3_pipeline``) through ``pipe.enable_usp()``
+    on each run's grids, against the same pipeline on one process (``adapter_parity.pipeline_cases``);
+    at cfg 2, block 0 of the single blocks runs ``steps + 1`` times a rank (``cfg_pair``)."""
+    from usp_dit.demo.tiny_flux3 import tiny_flux3_pipeline
+
+    pipes = {distilled: tiny_flux3_pipeline(distilled=distilled) for distilled in (False, True)}
+    results = {}
+    for prefix, (distilled, kwargs, grids) in PIPELINE_RUNS.items():
+        kwargs = {k: (_condition_image() if v == "condition" else v) for k, v in kwargs.items()}
+        probe = None if distilled or "image" in kwargs else (
+            lambda pipe, grid: parity.cfg_pair_computations(pipe, grid, STEPS, "single_transformer_blocks"))
+        results.update(parity.pipeline_cases(
+            pipes[distilled], lambda p, kwargs=kwargs: _generate(p, **kwargs), parity.pipeline_grids(grids, prefix),
+            after_disable="pipeline-after-disable" if prefix == "pipeline" else None, probe=probe))
+    return results
+
+
+def _rank_seeded_case() -> dict[str, float]:
+    """Note [modular pipelines]: each rank draws its noise from its own seed; under
+    ``pipe.enable_usp()`` on (2,2,1) every rank's latents and image equal one process's with rank
+    0's seed. Ranks > 0 show no progress bar (every loop block's, however deep) while enabled, and
+    ``disable_usp`` gives back the pipeline's own blocks object and each bar's config."""
+    import torch.distributed as dist
+
+    from usp_dit.demo.tiny_flux3 import tiny_flux3_pipeline
+    from usp_dit.pipelines.modular import _loop_blocks
+
+    pipe = tiny_flux3_pipeline()
+    rank = dist.get_rank()
+    ref = _generate(pipe, seed=0, negative_prompt=NEGATIVE)
+    blocks, loops = pipe._blocks, list(_loop_blocks(pipe._blocks))
+    before = [dict(getattr(b, "_progress_bar_config", {})) for b in loops]
+    pipe.enable_usp(ulysses_degree=2, ring_degree=2)
+    try:
+        quiet = all(getattr(b, "_progress_bar_config", {}).get("disable") for b in loops)
+        synced_copy = pipe._blocks is not blocks and type(pipe._blocks).__name__ == type(blocks).__name__
+        got = _generate(pipe, seed=rank, negative_prompt=NEGATIVE)
+    finally:
+        pipe.disable_usp()
+    return {"latents": rel_err(got[0], ref[0]), "images": rel_err(got[1], ref[1]),
+            "bars_not_quiet": float(bool(loops) and rank > 0 and not quiet),
+            "blocks_not_a_synced_copy": float(not synced_copy), "blocks_not_restored": float(pipe._blocks is not blocks),
+            "bars_not_restored": float([dict(getattr(b, "_progress_bar_config", {})) for b in loops] != before)}
+
+
 def _run_all() -> dict[str, dict | str]:
     results = {}
     parity.run_grid_cases(results, SHAPES, _output_case,
                           lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
     parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
     parity.record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "pipeline-rank-seeded", _rank_seeded_case)
     two_heads = tiny_flux3(num_heads=2, head_dim=32)
     parity.record(results, "ulysses-above-heads",
                   lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
@@ -121,6 +204,21 @@ def test_ulysses_above_heads_raises_at_enable(grid_results):
     parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
 
 
+@pytest.mark.parametrize("key", PIPELINE_KEYS)
+def test_modular_pipeline_matches_one_process(grid_results, key: str):
+    """Latents within TOL, decoded images within TOL_IMAGES, on every rank; at cfg 2 the guider's
+    two calls of a step ran on the two cfg groups (steps + 1 computations a rank)."""
+    parity.assert_within(grid_results, key, TOL, {"images": TOL_IMAGES}, fallback="pipeline")
+
+
+def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
+
+
+def test_rank_seeded_noise_is_the_first_ranks(grid_results):
+    parity.assert_within(grid_results, "pipeline-rank-seeded", TOL, {"images": TOL_IMAGES})
+
+
 # ---- single process: registration, refusals ---------------------------------------------------
 
 
@@ -138,3 +236,14 @@ def test_ids_unlike_the_tokens_are_refused():
     finally:
         ADAPTER.disable(model)
 
+
+
+def test_the_image_example_builds_and_runs_the_tiny_flux3():
+    """examples/generate_image.py --family flux3: its tiny modular pipeline on one process (1 step,
+    the guider's two calls with the default negative prompt, scale 4), RGB in [0, 1]."""
+    from tests.test_examples_cli import _example
+
+    ex = _example("generate_image")
+    args = ex.parse_args(["--family", "flux3", "--steps", "1", "--guidance", "4"])
+    images = ex.generate(ex.load_pipeline(args, torch.device("cpu")), args)
+    assert images.shape == (1, 36, 52, 3) and bool((images >= 0).all() and (images <= 1).all())

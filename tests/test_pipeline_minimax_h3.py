@@ -19,8 +19,7 @@ gradient checkpointing. ``enable_usp(shard_weights=True)`` (FSDP2 over ``transfo
 (2,2): the output equals the unsharded grid's exactly.
 
 The stock pipeline: MiniMax-H3 ships only as Diffusers modular blocks
-(``diffusers.modular_pipelines.minimax_h3``), which ``pipe.enable_usp()`` does not wrap, so the
-transformer is enabled itself (``usp_dit.enable_usp(pipe.transformer, ...)``). The stock
+(``diffusers.modular_pipelines.minimax_h3``): ``pipe.enable_usp()`` on the modular pipeline of the stock
 ``MiniMaxH3CoreDenoiseStep`` (the packed layout, noise, per-row timesteps, denoising loop) around
 a tiny transformer, 64 x 64 x 124 frames (148 video + 414 audio + 7 text = 569 rows), 3 steps, on
 (2,1), (2,2) and (1,2,2) (guidance-distilled: one call a step, so the cfg groups each run the
@@ -166,11 +165,11 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
         ref = _denoise(pipe)
         results = {}
         for key, grid in PIPELINE_GRIDS.items():
-            enable_usp(pipe.transformer, mesh=init_usp(*grid))
+            pipe.enable_usp(mesh=init_usp(*grid))  # a ModularPipeline (Note [modular pipelines])
             try:
                 video, audio = _denoise(pipe)
             finally:
-                disable_usp(pipe.transformer)
+                pipe.disable_usp()
             results[key] = {"video": rel_err(video, ref[0]), "audio": rel_err(audio, ref[1])}
         again = _denoise(pipe)
     results["pipeline-after-disable"] = {"not_bit_identical": float(not all(map(torch.equal, again, ref)))}

@@ -7,12 +7,12 @@ Note [pipeline methods on import]
     ``usp_attention`` or the LLM drop-in may not have it, and importing it costs seconds). But a
     user who writes ``import usp_dit`` and then ``pipe.enable_usp(...)`` must not get Diffusers'
     bare "object has no attribute enable_usp". So ``import usp_dit`` gives ``DiffusionPipeline``
-    two thin methods, ``enable_usp`` and ``disable_usp``, that import the integration
+    (and ``ModularPipeline``, the same way) two thin methods, ``enable_usp`` and ``disable_usp``, that import the integration
     (``usp_dit.pipelines``) on their first call and then run its own methods, which replace them:
       * Diffusers' ``pipeline_utils`` (where ``DiffusionPipeline`` lives) already imported: the
         methods are set at once;
-      * not yet imported: a one-shot import hook (a ``sys.meta_path`` finder for that one module)
-        sets them right after Diffusers executes it, and removes itself. Nothing else of
+      * not yet imported: a one-shot import hook (a ``sys.meta_path`` finder for those modules)
+        sets them right after Diffusers executes each, and removes itself after the last. Nothing else of
         Diffusers is imported early; ``import usp_dit`` alone still loads no Diffusers.
     ``import usp_dit.pipelines`` (what the quick start shows) attaches the full methods directly.
 """
@@ -24,7 +24,12 @@ import sys
 from types import ModuleType
 from typing import Any
 
-_PIPELINE_UTILS = "diffusers.pipelines.pipeline_utils"
+# The modules that define the pipeline classes, and the class each defines: a ``DiffusionPipeline``
+# and a modular one (``ModularPipeline``: FLUX.3, Wan-Animate-2, ...; Note [modular pipelines]).
+_TARGETS = {
+    "diffusers.pipelines.pipeline_utils": "DiffusionPipeline",
+    "diffusers.modular_pipelines.modular_pipeline": "ModularPipeline",
+}
 
 
 def _enable_usp(self, *args: Any, **kwargs: Any) -> Any:
@@ -42,8 +47,9 @@ def _disable_usp(self) -> None:
 
 
 def _attach(module: ModuleType) -> None:
-    """Give ``module.DiffusionPipeline`` the thin methods, unless the integration already gave it its own."""
-    cls = getattr(module, "DiffusionPipeline", None)
+    """Give the module's pipeline class (``_TARGETS``) the thin methods, unless the integration
+    already gave it its own."""
+    cls = getattr(module, _TARGETS.get(module.__name__, ""), None)
     if cls is None:
         return
     for name, method in (("enable_usp", _enable_usp), ("disable_usp", _disable_usp)):
@@ -52,7 +58,7 @@ def _attach(module: ModuleType) -> None:
 
 
 class _AttachAfterExec(importlib.abc.Loader):
-    """Wraps Diffusers' own loader of ``pipeline_utils``: runs it, then attaches the methods."""
+    """Wraps Diffusers' own loader of a ``_TARGETS`` module: runs it, then attaches the methods."""
 
     def __init__(self, inner: importlib.abc.Loader) -> None:
         self.inner = inner
@@ -66,12 +72,17 @@ class _AttachAfterExec(importlib.abc.Loader):
 
 
 class _PipelineUtilsFinder(importlib.abc.MetaPathFinder):
-    """Finds ``diffusers.pipelines.pipeline_utils`` as the path finder would, with its loader wrapped."""
+    """Finds the ``_TARGETS`` modules as the path finder would, with their loaders wrapped."""
+
+    def __init__(self) -> None:
+        self.pending = set(_TARGETS)
 
     def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _PIPELINE_UTILS:
+        if fullname not in self.pending:
             return None
-        _remove_finder()  # one shot: later imports (a reload) go the usual way
+        self.pending.discard(fullname)
+        if not self.pending:
+            _remove_finder()  # one shot per module: later imports (a reload) go the usual way
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
         if spec is not None and spec.loader is not None:
             spec.loader = _AttachAfterExec(spec.loader)
@@ -83,9 +94,11 @@ def _remove_finder() -> None:
 
 
 def install() -> None:
-    """Note [pipeline methods on import]: attach now, or once Diffusers loads ``DiffusionPipeline``."""
-    module = sys.modules.get(_PIPELINE_UTILS)
-    if module is not None:
+    """Note [pipeline methods on import]: attach now, or once Diffusers loads each pipeline class."""
+    loaded = [sys.modules[name] for name in _TARGETS if name in sys.modules]
+    for module in loaded:
         _attach(module)
-    elif not any(isinstance(f, _PipelineUtilsFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PipelineUtilsFinder())
+    if len(loaded) < len(_TARGETS) and not any(isinstance(f, _PipelineUtilsFinder) for f in sys.meta_path):
+        finder = _PipelineUtilsFinder()
+        finder.pending -= {module.__name__ for module in loaded}
+        sys.meta_path.insert(0, finder)

@@ -103,8 +103,8 @@ def flux2_inputs(
 # ---- the whole pipeline ---------------------------------------------------------------------------
 
 
-def tiny_flux2_vae(seed: int = 0):
-    """An ``AutoencoderKLFlux2`` of ``LATENT_CHANNELS``, 2x spatial compression, its batch-norm
+def tiny_flux2_vae(seed: int = 0, latent_channels: int = LATENT_CHANNELS):
+    """An ``AutoencoderKLFlux2`` of ``latent_channels``, 2x spatial compression, its batch-norm
     statistics (which the pipeline un-normalises latents with) set away from 0 / 1."""
     from diffusers import AutoencoderKLFlux2
 
@@ -112,7 +112,7 @@ def tiny_flux2_vae(seed: int = 0):
     vae = AutoencoderKLFlux2(
         in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
         up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
-        latent_channels=LATENT_CHANNELS, norm_num_groups=4, sample_size=32,
+        latent_channels=latent_channels, norm_num_groups=4, sample_size=32,
     )
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

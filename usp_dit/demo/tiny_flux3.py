@@ -76,3 +76,45 @@ def flux3_inputs(model: Flux3Transformer2DModel, batch: int, h: int, w: int, tex
     if model.config.flow_map:
         inputs.target_timestep = inputs.timestep * torch.rand(batch, generator=g)
     return inputs
+
+
+def tiny_flux3_pipeline(distilled: bool = False, guidance_scale: float = 4.0, seed: int = 0):
+    """FLUX.3's stock modular pipeline of tiny random models, float32: ``Flux3ModularPipeline``
+    (``Flux3AutoBlocks``: Qwen3-VL text encoder, VAE encode of reference images, the denoise loop
+    with a ``ClassifierFreeGuidance`` guider, decode), or with ``distilled`` the step-distilled
+    ``Flux3DistilledModularPipeline`` (a flow-map transformer, no guider).
+
+    Diffusers' prompt upsampler (a 9 B Qwen3.5 that rewrites the prompt) is popped from the blocks,
+    as its docstring says to encode the prompt as given. The text encoder is the 2-layer Qwen3-VL
+    of ``usp_dit.demo.tiny_qwen_image21`` (width ``TEXT_DIM``): call the pipeline with
+    ``text_encoder_out_layers=(2,)`` (the release stacks 8 of its 36 layers into 20480 channels).
+    The VAE compresses 2x and the pipeline packs 2 x 2 latents: ``height`` and ``width`` multiples
+    of 4 give ``(height / 4) * (width / 4)`` image tokens (36 x 52: 9 x 13 = 117)."""
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
+    from diffusers.modular_pipelines.flux3.image_processor import Flux3ImageProcessor
+    from diffusers.modular_pipelines.flux3.modular_blocks_flux3 import Flux3AutoBlocks
+    from diffusers.modular_pipelines.flux3.modular_blocks_flux3_distilled import Flux3DistilledAutoBlocks
+    from diffusers.utils import logging as diffusers_logging
+
+    from usp_dit.demo.tiny_flux2 import tiny_flux2_vae
+    from usp_dit.demo.tiny_qwen_image21 import tiny_qwen3_vl, tiny_qwen3_vl_processor
+
+    blocks = Flux3DistilledAutoBlocks() if distilled else Flux3AutoBlocks()
+    blocks.sub_blocks.pop("prompt_upsampler", None)
+    pipe = blocks.init_pipeline()
+    processor = tiny_qwen3_vl_processor()
+    components = dict(
+        text_encoder=tiny_qwen3_vl(processor.tokenizer, seed=seed), tokenizer=processor,
+        image_processor=Flux3ImageProcessor(vae_scale_factor=4, vae_latent_channels=CHANNELS // 4),
+        vae=tiny_flux2_vae(seed=seed, latent_channels=CHANNELS // 4),
+        transformer=tiny_flux3(flow_map=distilled, seed=seed), scheduler=FlowMatchEulerDiscreteScheduler(),
+    )
+    if not distilled:
+        components["guider"] = ClassifierFreeGuidance(guidance_scale=guidance_scale)
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # "not created using ComponentSpec": true of every tiny part
+    try:
+        pipe.update_components(**components)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+    return pipe

@@ -102,10 +102,13 @@ def qwen_image21_lengths(images: list[tuple[int, int, int]], text_len: int) -> t
 
 # Qwen3-VL's chat and vision tokens that QwenImage21Pipeline's prompt template and processor use.
 _VL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-# A chat template of the shape Qwen3-VL's has for text messages: the pipeline tokenizes its system
-# message with it to know how many leading tokens to drop.
+# A chat template of the shape Qwen3-VL's has for text messages, whose content is a string (FLUX.3's
+# text encoder step) or a list of text parts (QwenImage21Pipeline: it tokenizes its system message
+# with it to know how many leading tokens to drop); the assistant's turn opened on request.
 _CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-                  "{% for part in message['content'] %}{{ part['text'] }}{% endfor %}<|im_end|>\n{% endfor %}")
+                  "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+                  "{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}<|im_end|>\n"
+                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def tiny_qwen3_vl_processor():

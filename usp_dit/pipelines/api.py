@@ -9,7 +9,8 @@ Layout: the transformer's own arguments; the batch dimension is dim 0 of every b
       │             ``usp_dit.pipelines.replica_forward`` (Notes [model handshake], [same inputs
       │             everywhere], [cfg parallel]):
       │               transformer(args) ─► agree ─► sync inputs ─► cfg split ─► adapter forward ─► cfg gather
-      ├─ pipeline:  progress bars on rank 0 only; ``prepare_latents`` synced (``SyncedLatents``)
+      ├─ pipeline:  progress bars on rank 0 only; ``prepare_latents`` synced (``SyncedLatents``); a
+      │             ``ModularPipeline``'s first latents synced in its state (Note [modular pipelines])
       └─ failures:  at world size > 1, ``usp_dit.pipelines.failure.install_failure_handler``
                     (Note [a failing rank])
 
@@ -28,6 +29,7 @@ from diffusers import DiffusionPipeline
 
 import usp_dit.pipelines.composition as composition
 import usp_dit.pipelines.encoders as encoders
+import usp_dit.pipelines.modular as modular
 import usp_dit.pipelines.tensor as tensor
 import usp_dit.pipelines.weights as weights
 from usp_dit.distributed.mesh import USPMesh, init_usp
@@ -95,7 +97,7 @@ def _transformers_of(target: Any) -> tuple[list[torch.nn.Module], Any]:
     """
     if isinstance(target, torch.nn.Module):
         return [target], None
-    if isinstance(target, DiffusionPipeline):
+    if isinstance(target, DiffusionPipeline) or modular.is_modular_pipeline(target):
         found = [getattr(target, name, None) for name in _TRANSFORMER_COMPONENTS]
         transformers = [t for t in found if isinstance(t, torch.nn.Module)]
         if not transformers:
@@ -105,7 +107,8 @@ def _transformers_of(target: Any) -> tuple[list[torch.nn.Module], Any]:
             )
         return transformers, target
     raise ValueError(
-        f"pipe_or_transformer must be a diffusers DiffusionPipeline or a torch.nn.Module transformer, "
+        f"pipe_or_transformer must be a diffusers DiffusionPipeline, a ModularPipeline or a torch.nn.Module "
+        f"transformer, "
         f"got {type(target).__name__}"
     )
 
@@ -191,6 +194,10 @@ def _patch_pipeline(pipe: Any, state: USPState) -> None:
     if pipe is None:
         return
     state.pipe_ref = weakref.ref(pipe)
+    if modular.is_modular_pipeline(pipe):  # Note [modular pipelines]: no prepare_latents, bars in its blocks
+        sync = state.sync_inputs and state.mesh.config.model_degree > 1
+        state.modular = modular.patch_modular(pipe, state.mesh, sync_latents=sync, quiet=_global_rank() != 0)
+        return
     _quiet_progress_bar(pipe, state)
     _sync_pipeline_latents(pipe, state)
 
@@ -227,6 +234,10 @@ def _unpatch_pipeline(state: USPState) -> None:
         state.vae = None
     pipe = state.pipe_ref() if state.pipe_ref is not None else None
     if pipe is None:
+        return
+    if state.modular is not None:
+        modular.unpatch_modular(pipe, state.modular)
+        state.modular = None
         return
     _restore_progress_bar(pipe, state)
     _restore_pipeline_latents(pipe, state)
@@ -267,8 +278,9 @@ def enable_usp(
 
     Args:
         pipe_or_transformer: a ``DiffusionPipeline`` with a ``transformer`` component (and Wan
-            2.2's ``transformer_2``: both are enabled on one mesh), or the transformer itself
-            (e.g. for fine-tuning).
+            2.2's ``transformer_2``: both are enabled on one mesh), a ``ModularPipeline`` with
+            one (FLUX.3's, Wan-Animate-2's: Note [modular pipelines] in
+            ``usp_dit.pipelines.modular``), or the transformer itself (e.g. for fine-tuning).
         ulysses_degree, ring_degree, cfg_degree: the grid; their product must divide the world size
             (the remaining factor is data parallel). Ignored when ``mesh`` is given.
         backend: attention kernel, "auto" or a name from ``usp_dit.kernels.list_backends()``.
@@ -487,6 +499,9 @@ _pipe_disable_usp.__doc__ = "``usp_dit.disable_usp(pipe)`` as a pipeline method.
 
 
 def attach_pipeline_methods() -> None:
-    """Give every ``DiffusionPipeline`` ``.enable_usp(...)`` and ``.disable_usp()`` (done at import)."""
-    DiffusionPipeline.enable_usp = _pipe_enable_usp
-    DiffusionPipeline.disable_usp = _pipe_disable_usp
+    """Give every ``DiffusionPipeline`` and ``ModularPipeline`` ``.enable_usp(...)`` and ``.disable_usp()``
+    (done at import)."""
+    for cls in (DiffusionPipeline, modular.modular_pipeline_class()):
+        if cls is not None:
+            cls.enable_usp = _pipe_enable_usp
+            cls.disable_usp = _pipe_disable_usp

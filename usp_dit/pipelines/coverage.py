@@ -19,7 +19,8 @@ README's copy between its ``<!-- families:begin -->`` / ``<!-- families:end -->`
     calls of a step at once, ``usp_dit.pipelines.cfg_pair`` Note [two calls a step]; else the
     pipeline batches [uncond, cond] and ``cfg_batch_args`` splits it);
   * parallel VAE: the ``vae`` annotation of each listed pipeline's ``__init__`` (read from
-    Diffusers), looked up in ``usp_dit.pipelines.vae.recipes.recipes()``;
+    Diffusers; for a modular pipeline, its default blocks' ``vae`` spec), looked up in
+    ``usp_dit.pipelines.vae.recipes.recipes()``;
   * what no plan says, kept in ``FAMILY_PIPELINES`` below: the variants and Diffusers pipelines a
     family is for (as its module docstring names them), and its one-call-a-step
     (guidance-distilled) variants. Each listed pipeline's ``transformer`` annotation must name the
@@ -128,10 +129,9 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                             one_call="Flux.1-dev without true CFG (guidance-distilled)"),
     "Flux2": FamilyPipelines("FLUX.2-dev, FLUX.2-klein", ("Flux2Pipeline", "Flux2KleinPipeline"),
                              one_call="FLUX.2-dev (guidance-distilled) and the step-distilled Klein"),
-    "Flux3": FamilyPipelines("FLUX.3 (guided; step-distilled flow map): text-, image-to-image", (),
-                             whole_vae="no DiffusionPipeline: Diffusers ships FLUX.3 as modular blocks "
-                                       "(Flux3ModularPipeline, Flux3DistilledModularPipeline); "
-                                       "`usp_dit.enable_parallel_vae(vae)` splits their AutoencoderKLFlux2"),
+    "Flux3": FamilyPipelines("FLUX.3 (guided; step-distilled flow map): text-, image-to-image",
+                             ("Flux3ModularPipeline", "Flux3DistilledModularPipeline"),
+                             one_call="the step-distilled flow map"),
     "Chroma": FamilyPipelines("Chroma1-HD, -Base, -Flash", ("ChromaPipeline",)),
     "LongCatImage": FamilyPipelines("LongCat-Image, -Edit", ("LongCatImagePipeline", "LongCatImageEditPipeline")),
     "OvisImage": FamilyPipelines("Ovis-Image-7B", ("OvisImagePipeline",)),
@@ -258,11 +258,10 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     ),
     "EasyAnimate": FamilyPipelines("EasyAnimate V5.1; text-, image- (inpaint), control-to-video",
                                    ("EasyAnimatePipeline", "EasyAnimateInpaintPipeline", "EasyAnimateControlPipeline")),
-    "MiniMax-H3": FamilyPipelines("MiniMax-H3 (33B): text-, first-last-frame-, reference-to-video with audio", (),
-                                  whole_vae="no DiffusionPipeline: Diffusers ships MiniMax-H3 as modular blocks, "
-                                            "which `pipe.enable_usp()` does not wrap (enable the transformer); its "
-                                            "AutoencoderKLMiniMaxH3 has no recipe: a ViT decoder (every latent token "
-                                            "attends to all, with shared register tokens)"),
+    "MiniMax-H3": FamilyPipelines("MiniMax-H3 (33B): text-, first-last-frame-, reference-to-video with audio",
+                                  ("MiniMaxH3ModularPipeline",),
+                                  whole_vae="a ViT decoder (every latent token attends to all, with shared register "
+                                            "tokens)"),
     "StableAudio": FamilyPipelines("Stable Audio Open 1.0 (text-to-audio; audio latents, 1025 tokens)",
                                    ("StableAudioPipeline",), whole_vae="no recipe yet (a 1-D convolutional decoder)"),
     "StableAudio3": FamilyPipelines(
@@ -278,7 +277,7 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                         whole_vae="no recipe yet (a 1-D convolutional audio decoder)"),
     "MiniMax-Music3": FamilyPipelines("MiniMax Music 3 (its flow-matching DiT)", (),
                                       whole_vae="no DiffusionPipeline: Diffusers ships MiniMax Music 3 as modular "
-                                                "blocks, which `pipe.enable_usp()` does not wrap (enable the transformer)"),
+                                                "blocks, tested here at the transformer (its two guidance calls a step)"),
 }
 
 
@@ -303,7 +302,20 @@ def _classes(annotation: typing.Any) -> list[type]:
     return [c for arg in typing.get_args(annotation) for c in _classes(arg)]
 
 
+def _modular_components(pipeline: type, *names: str) -> list[type]:
+    """The classes a modular pipeline's default blocks expect for ``names`` (its ``ComponentSpec`` s)."""
+    import diffusers.modular_pipelines as modular_pipelines
+
+    blocks = getattr(modular_pipelines, pipeline.default_blocks_name)()
+    specs = {spec.name: spec.type_hint for spec in blocks.expected_components}
+    return [c for name in names if name in specs for c in _classes(specs[name])]
+
+
 def _components(pipeline: type, *names: str) -> list[type]:
+    """The classes ``pipeline`` takes for the components ``names``: its ``__init__`` annotations, or
+    a modular pipeline's blocks' specs (Note [modular pipelines] in ``usp_dit.pipelines.modular``)."""
+    if getattr(pipeline, "default_blocks_name", None):
+        return _modular_components(pipeline, *names)
     try:  # a pipeline module with ``from __future__ import annotations`` (HunyuanImage's) has string annotations
         params = inspect.signature(pipeline.__init__, eval_str=True).parameters
     except (NameError, TypeError, SyntaxError):  # an annotation its module cannot resolve: read them as written

@@ -26,6 +26,7 @@ class USPState:
     progress_config: Any = MISSING  # that pipeline's progress-bar config before enable (ranks > 0)
     latents_attr: Any = MISSING  # its instance attribute ``prepare_latents`` before enable, if any
     latents_wrapped: bool = False
+    modular: Any = None  # modular.ModularPatch on a ModularPipeline (Note [modular pipelines])
     vae: Any = None  # the pipeline's VAE when enable_usp split its decode (usp_dit.pipelines.vae)
     tensor: Any = None  # tensor.TensorRecord with tensor_degree > 1 (Note [tensor plans])
     sharded: Any = None  # weights.ShardedWeights with shard_weights=True (Note [sharded weights])
