@@ -17,7 +17,8 @@ Variants, timed on one model in this order (the linears are quantized in place, 
 - ``fp8-linear``: the quantized linears with usp_dit's bf16 ``auto`` attention.
 
 With ``--compile`` the blocks of the enabled model are ``torch.compile``d for the FP8 variants
-(stock stays Diffusers' eager call), and ``fp8-linear`` is skipped.
+(stock stays Diffusers' eager call), and ``fp8-linear`` is skipped; ``--recipe-only`` skips
+``fp8-attn`` and ``fp8-linear`` too (the blocks then compile once, for the recipe).
 
 Each variant: ``--warmup`` untimed forwards, then the median of ``--rounds`` rounds of ``--iters``
 forwards between CUDA events (ms per forward). Error of each variant's output against ``stock``'s:
@@ -90,12 +91,13 @@ def run(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     usp_dit.enable_usp(model, backend=args.backend)
     if args.compile:
         compile_blocks(model)
-    variant("fp8-attn")
+    if not args.recipe_only:
+        variant("fp8-attn")
     with torch.no_grad():  # outside inference mode: the quantized weights are ordinary parameters
         quantized = usp_dit.quantize_fp8_linears(model)
     variant("fp8-attn+linear")
     usp_dit.disable_usp(model)
-    if not args.compile:  # compiled, the recipe's parts are the two rows above
+    if not args.compile and not args.recipe_only:  # compiled, the recipe's parts are the two rows above
         usp_dit.enable_usp(model)
         variant("fp8-linear")
         usp_dit.disable_usp(model)
@@ -116,6 +118,9 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--compile", action="store_true", help="torch.compile the blocks for the FP8 variants (stock stays eager)")
+    p.add_argument("--recipe-only", action="store_true",
+                   help="time stock and fp8-attn+linear alone (one compile of the blocks: what fits one call "
+                        "at HunyuanVideo 720p)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())

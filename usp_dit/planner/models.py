@@ -408,17 +408,14 @@ VAES = {
     "hunyuan_video": VAEDecode("AutoencoderKLHunyuanVideo", 246478803, loaded_bytes(246478803), **_HV_VAE,
                                source=_VAE_RUN),
     # Its decoder works on the whole video at once (no temporal pieces): about 3.7x HunyuanVideo's
-    # peak at the same size. ``benchmarks/fake_peak.py`` (the decode and one rank's shares on fake
-    # tensors, the live bytes its ops create) gives 82.4 GiB at 121 x 480 x 848 and shares 0.502 /
-    # 0.234 / 0.134; that count is a lower bound of the GPU's peak (no kernel workspaces): measured /
-    # counted was 1.00-1.59 over thirteen VAEs measured on GPUs, median 1.11, which is applied.
+    # peak at the same size. Measured on an H200 (it does not fit an 80 GB card); the count on fake
+    # tensors (``benchmarks/fake_peak.py``: 82.38 GiB, shares 0.502 / 0.234 / 0.134) was within
+    # 0.5 % of it, the shares within 0.001.
     "hunyuan_video15": VAEDecode(
-        "AutoencoderKLHunyuanVideo15", 1260634115, loaded_bytes(1260634115), round(82.38 * 1.11, 2), 0.275,
-        (121, 480, 848), {2: 0.502, 4: 0.234, 8: 0.134},
-        source="estimate: its own decode on fake tensors (python benchmarks/fake_peak.py --model "
-               "hunyuan_video15_480p: 82.4 GiB of live activations) x 1.11, the median GPU / fake ratio of "
-               "thirteen measured VAEs; measure: python benchmarks/bench_vae.py --model hunyuan_video15_480p "
-               "(an H200)"),
+        "AutoencoderKLHunyuanVideo15", 1260634115, loaded_bytes(1260634115), 82.74, 0.275,
+        (121, 480, 848), {2: 0.501, 4: 0.234, 8: 0.134},
+        source="measured (docs/PERFORMANCE.md 'Seventh session's GPU figures', one H200, 2026-12-06: "
+               "python benchmarks/bench_vae.py --model hunyuan_video15_480p --parts 2,4,8)"),
     "ltx_video": VAEDecode("AutoencoderKLLTXVideo", 419193649, loaded_bytes(419193649), 4.47, 0.27, (121, 512, 768),
                            {2: 0.586, 4: 0.296, 8: 0.150}, _VAE_RUN),
     "kandinsky6": VAEDecode("AutoencoderKLHunyuanVideo", 246478803, loaded_bytes(246478803), **_HV_VAE,
