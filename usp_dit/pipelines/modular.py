@@ -40,7 +40,7 @@ from typing import Any
 
 from usp_dit.distributed.mesh import USPMesh
 from usp_dit.pipelines.base import MISSING
-from usp_dit.pipelines.replica_forward import _sync_value
+from usp_dit.pipelines.replica_forward import sync_value
 
 _LATENTS_SUFFIX = "latents"
 _SYNCED_CLASSES: dict[type, type] = {}
@@ -78,7 +78,7 @@ def _synced_call(self, pipeline: Any, state: Any) -> Any:
     def set_synced(key: str, value: Any, kwargs_type: str | None = None) -> None:
         if key.endswith(_LATENTS_SUFFIX) and value is not None:
             if key not in synced:
-                synced[key] = (value, _sync_value(value, key, mesh))
+                synced[key] = (value, sync_value(value, key, mesh))
             if value is synced[key][0]:  # a block writes its inputs back too: the same object again
                 value = synced[key][1]
         original_set(key, value, kwargs_type)
@@ -109,6 +109,8 @@ def _loop_blocks(blocks: Any) -> Iterator[Any]:
 def patch_modular(pipe: Any, mesh: USPMesh, sync_latents: bool, quiet: bool) -> ModularPatch:
     """Note [modular pipelines] on ``pipe``: latents synced (``sync_latents``), bars off (``quiet``)."""
     patch = ModularPatch()
+    if getattr(pipe, "_blocks", None) is None:  # components alone, no blocks to run: nothing to patch
+        return patch
     if quiet:
         for block in _loop_blocks(pipe._blocks):
             patch.progress.append((block, block.__dict__.get("_progress_bar_config", MISSING)))

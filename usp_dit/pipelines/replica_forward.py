@@ -102,7 +102,10 @@ def _check_same(t: torch.Tensor, name: str, mesh: USPMesh) -> None:
         )
 
 
-def _sync_value(value: Any, name: str, mesh: USPMesh) -> Any:
+def sync_value(value: Any, name: str, mesh: USPMesh) -> Any:
+    """Note [same inputs everywhere] for one value: a tensor (or a list/tuple of them) becomes the
+    replica's first rank's; one that requires grad is checked equal instead (``name`` for the error);
+    anything else is returned as is. Collective: every rank of the replica calls it."""
     if torch.is_tensor(value):
         if value.requires_grad:
             if not torch.compiler.is_compiling():  # a data-dependent check: Note [compiled calls]
@@ -110,14 +113,14 @@ def _sync_value(value: Any, name: str, mesh: USPMesh) -> Any:
             return value
         return broadcast_from_first_rank(value, mesh)
     if isinstance(value, (list, tuple)) and any(torch.is_tensor(v) for v in value):
-        return type(value)(_sync_value(v, name, mesh) for v in value)
+        return type(value)(sync_value(v, name, mesh) for v in value)
     return value
 
 
 def sync_arguments(arguments: dict[str, Any], mesh: USPMesh) -> None:
     """Note [same inputs everywhere]: make every tensor argument the replica's first rank's, in place."""
     for name, value in arguments.items():
-        arguments[name] = _sync_value(value, name, mesh)
+        arguments[name] = sync_value(value, name, mesh)
 
 
 class SyncedLatents(MethodWrapper):
@@ -129,7 +132,7 @@ class SyncedLatents(MethodWrapper):
         self.mesh = mesh
 
     def __call__(self, *args, **kwargs):
-        return _sync_value(self.inner(*args, **kwargs), "latents", self.mesh)
+        return sync_value(self.inner(*args, **kwargs), "latents", self.mesh)
 
 
 # ---------------------------------------------------------------------------------------------
