@@ -105,12 +105,14 @@ def _condition_image():
     return Image.fromarray((np.random.RandomState(3).rand(20, 28, 3) * 255).astype("uint8"))
 
 
-def _generate(pipe, seed: int = 0, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def _generate(pipe, seed: int = 0, generator: torch.Generator | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """(final latents, images) of one modular pipeline call, 2 steps; 36 x 52 (9 x 13 = 117 image
-    tokens, 80 text tokens: the prompt window's pad multiple) unless a reference image sets the size."""
+    tokens, 80 text tokens: the prompt window's pad multiple) unless a reference image sets the size.
+    ``generator``: the call's (default: a fresh one seeded ``seed``)."""
     size = {} if "image" in kwargs else {"height": 36, "width": 52}
+    generator = generator if generator is not None else torch.Generator().manual_seed(seed)
     out = pipe(prompt=PROMPT, num_inference_steps=STEPS, text_encoder_out_layers=(2,), output_type="pt",
-               generator=torch.Generator().manual_seed(seed), output=["latents", "images"], **size, **kwargs)
+               generator=generator, output=["latents", "images"], **size, **kwargs)
     return out["latents"], out["images"]
 
 
@@ -145,9 +147,11 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 
 
 def _rank_seeded_case() -> dict[str, float]:
-    """Note [modular pipelines]: each rank draws its noise from its own seed; under
+    """Note [modular pipelines]: each rank passes a generator of its own seed; under
     ``pipe.enable_usp()`` on (2,2,1) every rank's latents and image equal one process's with rank
-    0's seed. Ranks > 0 show no progress bar (every loop block's, however deep) while enabled, and
+    0's seed, and every rank's generator ends in the state rank 0's one-process call left its own
+    in. A call where rank 0 passes a generator and the others none raises ValueError on every rank.
+    Ranks > 0 show no progress bar (every loop block's, however deep) while enabled, and
     ``disable_usp`` gives back the pipeline's own blocks object and each bar's config."""
     import torch.distributed as dist
 
@@ -156,18 +160,28 @@ def _rank_seeded_case() -> dict[str, float]:
 
     pipe = tiny_flux3_pipeline()
     rank = dist.get_rank()
-    ref = _generate(pipe, seed=0, negative_prompt=NEGATIVE)
+    ref_generator = torch.Generator().manual_seed(0)
+    ref = _generate(pipe, generator=ref_generator, negative_prompt=NEGATIVE)
+    generator = torch.Generator().manual_seed(rank)
     blocks, loops = pipe._blocks, list(_loop_blocks(pipe._blocks))
     before = [dict(getattr(b, "_progress_bar_config", {})) for b in loops]
     pipe.enable_usp(ulysses_degree=2, ring_degree=2)
     try:
         quiet = all(getattr(b, "_progress_bar_config", {}).get("disable") for b in loops)
         synced_copy = pipe._blocks is not blocks and type(pipe._blocks).__name__ == type(blocks).__name__
-        got = _generate(pipe, seed=rank, negative_prompt=NEGATIVE)
+        got = _generate(pipe, generator=generator, negative_prompt=NEGATIVE)
+        try:
+            pipe(prompt=PROMPT, num_inference_steps=1, text_encoder_out_layers=(2,), height=36, width=52,
+                 generator=generator if rank == 0 else None, output="latents")  # rank 0 passes one, the others none
+            refused = False
+        except ValueError as exc:
+            refused = "different numbers or kinds of torch.Generator" in str(exc)
     finally:
         pipe.disable_usp()
     return {"latents": rel_err(got[0], ref[0]), "images": rel_err(got[1], ref[1]),
             "bars_not_quiet": float(bool(loops) and rank > 0 and not quiet),
+            "generator_not_rank0s": float(not torch.equal(generator.get_state(), ref_generator.get_state())),
+            "mismatch_not_refused": float(not refused),
             "blocks_not_a_synced_copy": float(not synced_copy), "blocks_not_restored": float(pipe._blocks is not blocks),
             "bars_not_restored": float([dict(getattr(b, "_progress_bar_config", {})) for b in loops] != before)}
 

@@ -27,6 +27,14 @@ Note [modular pipelines]
                 running the pipeline's blocks as a shallow copy whose class adds that around
                 ``__call__`` (same class name, same sub-blocks): ``disable_usp`` puts the
                 original blocks object back.
+      noise in  a block inside a loop may draw noise of its own (MiniMax Music 3's per-window noise,
+      loops     a segment's): no state key shows it. So before the blocks run, each
+                ``torch.Generator`` the call passes (``generator=``, or a list of them) takes the
+                replica's first rank's state: every draw from it, anywhere in the blocks, is then
+                the same on every rank (the user's generators on ranks > 0 are left in rank 0's
+                state). Ranks that pass different kinds or counts of generators are refused on
+                every rank (``ValueError``) before any broadcast. Noise from the global RNG
+                (``generator=None``) is synced only where it reaches a ``*latents`` key.
       progress  the bars belong to the loop blocks (``LoopSequentialPipelineBlocks``), anywhere in
                 the tree, and ``ModularPipeline.set_progress_bar_config`` reaches the top level
                 only: ranks > 0 disable every loop block's bar and restore each config after.
@@ -38,7 +46,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from usp_dit.distributed.mesh import USPMesh
+from usp_dit.distributed.replica import broadcast_from_first_rank, same_on_replica
 from usp_dit.pipelines.base import MISSING
 from usp_dit.pipelines.replica_forward import sync_value
 
@@ -69,8 +80,9 @@ class ModularPatch:
 
 
 def _synced_call(self, pipeline: Any, state: Any) -> Any:
-    """The blocks' ``__call__`` with Note [modular pipelines]'s latents: the first value written to
-    each ``*latents`` key in this run is the replica's first rank's."""
+    """The blocks' ``__call__`` under Note [modular pipelines]: the call's generators take the
+    replica's first rank's state, and the first value written to each ``*latents`` key in this run
+    is the replica's first rank's."""
     mesh: USPMesh = self._usp_mesh
     original_set = state.set
     synced: dict[str, tuple[Any, Any]] = {}  # key -> (the rank's own first value, the first rank's)
@@ -83,11 +95,25 @@ def _synced_call(self, pipeline: Any, state: Any) -> Any:
                 value = synced[key][1]
         original_set(key, value, kwargs_type)
 
+    _sync_generators(state.get("generator"), mesh)
     state.set = set_synced  # an instance attribute: the state's blocks call ``state.set(...)``
     try:
         return super(type(self), self).__call__(pipeline, state)
     finally:
         del state.set  # the returned state is a plain ``PipelineState`` again
+
+
+def _sync_generators(value: Any, mesh: USPMesh) -> None:
+    """Note [modular pipelines], noise in loops: each ``torch.Generator`` in ``value`` (one, a list,
+    or None) takes the replica's first rank's state. Collective on every rank of the replica."""
+    generators = [g for g in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(g, torch.Generator)]
+    states = [g.get_state() for g in generators]
+    shape = torch.tensor([len(states), sum(s.numel() for s in states)], dtype=torch.float64)
+    if not same_on_replica(shape, mesh):  # before any broadcast: mismatched ones would hang
+        raise ValueError(f"generator={value!r}: the ranks of a replica pass different numbers or kinds of "
+                         "torch.Generator (pass the same on every rank; their seeds may differ)")
+    for generator, generator_state in zip(generators, states):
+        generator.set_state(broadcast_from_first_rank(generator_state, mesh))
 
 
 def _synced_class(cls: type) -> type:
