@@ -18,16 +18,23 @@ model in one Dynamo graph on (2,2) equals eager (backend "eager": a graph break 
 inductor, at half the time of "aot_eager").
 
 Pipeline: Diffusers ships MiniMax Music 3 as modular blocks around an autoregressive language model
-and an RVQ depth decoder, not built tiny here: the guider's two calls a step (condition, then zeros)
+and an RVQ depth decoder (not built tiny here). The guider's two calls a step (condition, then zeros)
 are made directly on the transformer enabled with ``usp_dit.enable_usp(model, mesh=...)`` on the cfg
 grid (1,2,2), equal one process's, with ``steps + 1`` computations per rank (the two calls of a step
-on the two cfg groups at once: ``usp_dit.pipelines.cfg_pair``).
+on the two cfg groups at once: ``usp_dit.pipelines.cfg_pair``). The stock modular core denoise step
+(``MiniMaxMusic3CoreDenoiseStep``: two 200-frame windows of 689 and 447 latent frames, each from
+its own noise, blended; tiny condition encoder: ``tiny_minimax_music3_denoise``) runs through
+``pipe.enable_usp()`` on (2,1,1), (2,2,1) and (1,2,2) (there ``steps + 1`` computations a window),
+equal to one process's, ``disable_usp`` bit for bit; with each rank's generator seeded by its rank
+the windows' noise is rank 0's (Note [modular pipelines]).
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32, the issue's bar) on outputs, every parameter's
 gradient and the rotated Q/K. Sharding only reorders float32 sums (attention in blocks merged by
 log-sum-exp, gradients summed over ranks).
 """
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -37,7 +44,14 @@ import usp_dit
 from tests import adapter_parity as parity
 from tests import family_checks
 from usp_dit import init_usp
-from usp_dit.demo.tiny_minimax_music3 import MiniMaxMusic3Inputs, minimax_music3_inputs, tiny_minimax_music3
+from usp_dit.demo.tiny_minimax_music3 import (
+    FRAME_DIM,
+    FRAME_LAYERS,
+    MiniMaxMusic3Inputs,
+    minimax_music3_inputs,
+    tiny_minimax_music3,
+    tiny_minimax_music3_denoise,
+)
 from usp_dit.pipelines.families import minimax_music3
 from usp_dit.pipelines.families.minimax_music3 import ADAPTER
 from usp_dit.testing import rel_err
@@ -97,6 +111,59 @@ def _two_call_cfg_case(mesh) -> dict[str, float]:
     return {**errors, "computations_not_steps_plus_1": float(len(computed) != STEPS + 1)}
 
 
+# The stock modular core denoise step (tiny_minimax_music3_denoise): 230 frames make two windows,
+# [0, 200) and [100, 230): 689 and 447 latent frames (+ the time token: 690 and 448 tokens, neither
+# divides 4), each flow-matched from its own noise in STEPS steps of the guider's two calls.
+PIPELINE_FRAMES, WINDOWS = 230, 2
+PIPELINE_GRIDS = {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipeline-u1r2cfg2": (1, 2, 2)}
+
+
+def _denoise(pipe, generator: torch.Generator | None = None) -> tuple[torch.Tensor]:
+    """The windows' denoised latents side by side (1, IN_CHANNELS, 689 + 447), seed 0 by default."""
+    frames = torch.randn(1, PIPELINE_FRAMES, FRAME_LAYERS * FRAME_DIM, generator=torch.Generator().manual_seed(5))
+    chunks = pipe(frame_hiddens=frames, num_inference_steps=STEPS, output="latent_chunks",
+                  generator=generator if generator is not None else torch.Generator().manual_seed(0))
+    return (torch.cat(chunks, dim=-1),)
+
+
+@contextlib.contextmanager
+def _window_computations(pipe, grid: tuple[int, int, int]):
+    """A ``pipeline_cases`` probe: at cfg 2, 1.0 unless block 0 ran ``steps + 1`` times a window on
+    this rank (each window's condition is new: its first step's two calls teach the pair again,
+    ``cfg_pair`` Note [two calls a step])."""
+    computed = []
+    hook = pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda m, a: computed.append(1))
+    try:
+        yield lambda: {"computations_not_windows_x_steps_plus_1": float(
+            len(computed) != WINDOWS * (STEPS + 1))} if grid[2] == 2 else {}
+    finally:
+        hook.remove()
+
+
+def _pipeline_cases() -> dict[str, dict[str, float]]:
+    """The core denoise pipeline through ``pipe.enable_usp()`` on each grid vs one process."""
+    pipe = tiny_minimax_music3_denoise()
+    pipe.set_progress_bar_config(disable=True)
+    return parity.pipeline_cases(pipe, _denoise, PIPELINE_GRIDS, names=("latents",), probe=_window_computations)
+
+
+def _rank_seeded_case() -> dict[str, float]:
+    """Note [modular pipelines], noise in loops: each window draws its noise inside the loop from
+    the call's generator; with each rank's generator seeded by its rank, ``pipe.enable_usp()`` on
+    (2,2,1) gives every rank one process's latents with rank 0's seed."""
+    import torch.distributed as dist
+
+    pipe = tiny_minimax_music3_denoise()
+    pipe.set_progress_bar_config(disable=True)
+    (ref,) = _denoise(pipe)
+    pipe.enable_usp(ulysses_degree=2, ring_degree=2)
+    try:
+        (got,) = _denoise(pipe, torch.Generator().manual_seed(dist.get_rank()))
+    finally:
+        pipe.disable_usp()
+    return {"latents": rel_err(got, ref)}
+
+
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each rank of the 4-rank group (2-rank grids run as two data-parallel replicas)."""
     results = {}
@@ -112,6 +179,8 @@ def _run_all() -> dict[str, dict | str]:
     parity.record(results, "ulysses-above-heads",
                   lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
     parity.record(results, "compiled", lambda: parity.compiled_case(*_build(), init_usp(2, 2), backend="eager"))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "pipeline-rank-seeded", _rank_seeded_case)
     return results
 
 
@@ -141,6 +210,19 @@ def test_ulysses_above_heads_raises_at_enable(grid_results):
 
 def test_whole_model_compiles_fullgraph_in_one_graph(grid_results):
     parity.assert_within(grid_results, "compiled", TOL)
+
+
+@pytest.mark.parametrize("key", list(PIPELINE_GRIDS))
+def test_core_denoise_pipeline_matches_one_process(grid_results, key: str):
+    parity.assert_within(grid_results, key, TOL, fallback="pipeline")
+
+
+def test_disable_usp_gives_back_the_bit_identical_latents(grid_results):
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
+
+
+def test_rank_seeded_noise_in_each_window_is_the_first_ranks(grid_results):
+    parity.assert_within(grid_results, "pipeline-rank-seeded", TOL)
 
 
 # ---- single process: loud failures ----------------------------------------------------------------

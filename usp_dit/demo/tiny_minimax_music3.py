@@ -5,7 +5,9 @@ CONDITION_DIM); timesteps (batch,) in [0, 1]. ``frames`` latent frames give ``1 
 (the time token first).
 
 Built from a seed, in code, with no download: every rank gets bit-identical weights and inputs.
-The stock pipeline is modular blocks around an autoregressive language model (not built here).
+The stock pipeline is modular blocks around an autoregressive language model (not built here);
+its core denoise step (the windows, the guider) is, around the tiny transformer
+(``tiny_minimax_music3_denoise``).
 """
 from __future__ import annotations
 
@@ -53,3 +55,33 @@ def minimax_music3_inputs(frames: int, batch: int = 2, seed: int = 0) -> MiniMax
         timestep=torch.rand(batch, generator=g),
         encoder_hidden_states=torch.randn(batch, frames, CONDITION_DIM, generator=g),
     )
+
+
+FRAME_LAYERS, FRAME_DIM = 2, 8  # the condition encoder's hidden states a frame (the release's 8 x 4096)
+
+
+def tiny_minimax_music3_denoise(guidance_scale: float = 3.0, seed: int = 0):
+    """The stock modular ``MiniMaxMusic3CoreDenoiseStep`` (200-frame windows, each flow-matched from
+    its own noise and blended into the previous one, a ``ClassifierFreeGuidance`` guider: two
+    transformer calls a step) as a pipeline of a tiny condition encoder (``FRAME_LAYERS`` x
+    ``FRAME_DIM`` per frame onto ``CONDITION_DIM``), the tiny transformer and the stock scheduler.
+    Call it with ``frame_hiddens`` (1, frames, FRAME_LAYERS * FRAME_DIM): 200 frames make one window
+    of 689 latent frames; more make another every 100."""
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, MiniMaxMusic3ConditionEncoder
+    from diffusers.modular_pipelines.minimax_music3.modular_blocks_minimax_music3 import MiniMaxMusic3CoreDenoiseStep
+    from diffusers.utils import logging as diffusers_logging
+
+    torch.manual_seed(seed)
+    encoder = MiniMaxMusic3ConditionEncoder(condition_hidden_dim=FRAME_DIM, num_condition_layers=FRAME_LAYERS,
+                                            out_dim=CONDITION_DIM)
+    _perturb(encoder, seed + 2)
+    pipe = MiniMaxMusic3CoreDenoiseStep().init_pipeline()
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # "not created using ComponentSpec", guiders "experimental"
+    try:
+        pipe.update_components(condition_encoder=encoder.eval(), transformer=tiny_minimax_music3(seed=seed),
+                               scheduler=FlowMatchEulerDiscreteScheduler(),
+                               guider=ClassifierFreeGuidance(guidance_scale=guidance_scale))
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+    return pipe

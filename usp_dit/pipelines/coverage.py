@@ -275,9 +275,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                 whole_vae="no recipe yet (a 1-D convolutional audio decoder)"),
     "LongCat-AudioDiT": FamilyPipelines("LongCat-AudioDiT 1B text-to-audio", ("LongCatAudioDiTPipeline",),
                                         whole_vae="no recipe yet (a 1-D convolutional audio decoder)"),
-    "MiniMax-Music3": FamilyPipelines("MiniMax Music 3 (its flow-matching DiT)", (),
-                                      whole_vae="no DiffusionPipeline: Diffusers ships MiniMax Music 3 as modular "
-                                                "blocks, tested here at the transformer (its two guidance calls a step)"),
+    "MiniMax-Music3": FamilyPipelines("MiniMax Music 3 (its flow-matching DiT)", ("MiniMaxMusic3ModularPipeline",),
+                                      whole_vae="its decoder is a vocoder, `MiniMaxMusic3Vocoder`, run whole on every rank"),
 }
 
 
