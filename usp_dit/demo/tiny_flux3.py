@@ -109,11 +109,11 @@ def tiny_flux3_pipeline(distilled: bool = False, guidance_scale: float = 4.0, se
         vae=tiny_flux2_vae(seed=seed, latent_channels=CHANNELS // 4),
         transformer=tiny_flux3(flow_map=distilled, seed=seed), scheduler=FlowMatchEulerDiscreteScheduler(),
     )
-    if not distilled:
-        components["guider"] = ClassifierFreeGuidance(guidance_scale=guidance_scale)
     verbosity = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()  # "not created using ComponentSpec": true of every tiny part
+    diffusers_logging.set_verbosity_error()  # "not created using ComponentSpec", guiders "experimental"
     try:
+        if not distilled:
+            components["guider"] = ClassifierFreeGuidance(guidance_scale=guidance_scale)
         pipe.update_components(**components)
     finally:
         diffusers_logging.set_verbosity(verbosity)
