@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from diffusers import Flux3Transformer2DModel
 
-from usp_dit.demo.tiny_video import _perturb
+from usp_dit.demo.tiny_video import _perturb, quiet_diffusers_log
 
 TEXT_DIM = 32  # joint_attention_dim of the tiny transformers (the real one: 20480, stacked Qwen3-VL states)
 CHANNELS = 8  # in_channels / cond_in_channels (the real ones: 128, packed latents)
@@ -94,14 +94,10 @@ def tiny_flux3_pipeline(distilled: bool = False, guidance_scale: float = 4.0, se
     from diffusers.modular_pipelines.flux3.image_processor import Flux3ImageProcessor
     from diffusers.modular_pipelines.flux3.modular_blocks_flux3 import Flux3AutoBlocks
     from diffusers.modular_pipelines.flux3.modular_blocks_flux3_distilled import Flux3DistilledAutoBlocks
-    from diffusers.utils import logging as diffusers_logging
 
     from usp_dit.demo.tiny_flux2 import tiny_flux2_vae
     from usp_dit.demo.tiny_qwen_image21 import tiny_qwen3_vl, tiny_qwen3_vl_processor
 
-    blocks = Flux3DistilledAutoBlocks() if distilled else Flux3AutoBlocks()
-    blocks.sub_blocks.pop("prompt_upsampler", None)
-    pipe = blocks.init_pipeline()
     processor = tiny_qwen3_vl_processor()
     components = dict(
         text_encoder=tiny_qwen3_vl(processor.tokenizer, seed=seed), tokenizer=processor,
@@ -109,12 +105,11 @@ def tiny_flux3_pipeline(distilled: bool = False, guidance_scale: float = 4.0, se
         vae=tiny_flux2_vae(seed=seed, latent_channels=CHANNELS // 4),
         transformer=tiny_flux3(flow_map=distilled, seed=seed), scheduler=FlowMatchEulerDiscreteScheduler(),
     )
-    verbosity = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()  # "not created using ComponentSpec", guiders "experimental"
-    try:
+    with quiet_diffusers_log():
+        blocks = Flux3DistilledAutoBlocks() if distilled else Flux3AutoBlocks()
+        blocks.sub_blocks.pop("prompt_upsampler", None)
+        pipe = blocks.init_pipeline()
         if not distilled:
             components["guider"] = ClassifierFreeGuidance(guidance_scale=guidance_scale)
         pipe.update_components(**components)
-    finally:
-        diffusers_logging.set_verbosity(verbosity)
     return pipe

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from diffusers import MiniMaxMusic3Transformer1DModel
 
-from usp_dit.demo.tiny_video import _perturb
+from usp_dit.demo.tiny_video import _perturb, quiet_diffusers_log
 
 IN_CHANNELS = 8  # the release's 128
 CONDITION_DIM = 24  # the release's 2048
@@ -69,19 +69,14 @@ def tiny_minimax_music3_denoise(guidance_scale: float = 3.0, seed: int = 0):
     of 689 latent frames; more make another every 100."""
     from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, MiniMaxMusic3ConditionEncoder
     from diffusers.modular_pipelines.minimax_music3.modular_blocks_minimax_music3 import MiniMaxMusic3CoreDenoiseStep
-    from diffusers.utils import logging as diffusers_logging
 
     torch.manual_seed(seed)
     encoder = MiniMaxMusic3ConditionEncoder(condition_hidden_dim=FRAME_DIM, num_condition_layers=FRAME_LAYERS,
                                             out_dim=CONDITION_DIM)
     _perturb(encoder, seed + 2)
-    pipe = MiniMaxMusic3CoreDenoiseStep().init_pipeline()
-    verbosity = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()  # "not created using ComponentSpec", guiders "experimental"
-    try:
+    with quiet_diffusers_log():
+        pipe = MiniMaxMusic3CoreDenoiseStep().init_pipeline()
         pipe.update_components(condition_encoder=encoder.eval(), transformer=tiny_minimax_music3(seed=seed),
                                scheduler=FlowMatchEulerDiscreteScheduler(),
                                guider=ClassifierFreeGuidance(guidance_scale=guidance_scale))
-    finally:
-        diffusers_logging.set_verbosity(verbosity)
     return pipe

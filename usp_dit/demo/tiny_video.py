@@ -8,6 +8,8 @@ the same arguments gets bit-identical weights and inputs.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,21 @@ def _perturb(model: torch.nn.Module, seed: int, std: float = 0.1) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * std)
+
+
+@contextlib.contextmanager
+def quiet_diffusers_log() -> Iterator[None]:
+    """Diffusers' log at ERROR while tiny modular pipelines are built: its warnings then (a component
+    "not created using ComponentSpec", guiders "experimental") are true of every tiny build and
+    would print once a rank."""
+    from diffusers.utils import logging as diffusers_logging
+
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
 
 
 def tiny_cogvideox(
