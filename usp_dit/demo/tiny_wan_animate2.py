@@ -1,4 +1,6 @@
-"""Tiny randomly initialised Wan-Animate-2 transformers and one segment's inputs, for tests.
+"""Tiny randomly initialised Wan-Animate-2 transformers and one segment's inputs, for tests; and
+Diffusers' stock modular core denoise step around them (``tiny_wan_animate2_denoise``) with the
+inputs of its call (``wan_animate2_denoise_inputs``: pixels (1, 3, frames, height, width)).
 
 Layout: per-sample latents in Python lists, each (channels, frames, height, width) (latent sizes;
 patches of 1 x 2 x 2): the reference pass's driving-video latents (LATENT_CHANNELS, F_r, H, W)
