@@ -38,14 +38,33 @@ on a grid refused (NotImplementedError on every rank); through
 the two cfg groups (``cfg_pair``), with the branch arguments ``encoder_hidden_states`` and
 ``is_uncondtion``.
 
-Not here, and why: the stock pipeline is a modular pipeline (``WanAnimate2ModularPipeline``: VAE,
-UMT5, CLIP vision, pose/face video preprocessing) with no tiny build in code, so its denoise loop
-is reproduced by ``run_segment`` (the same calls, the same arguments); no compiled case: stock's
-forward reads grids with ``.tolist()`` / ``.item()`` (a graph break), so no fullgraph compile of
-this transformer exists, enabled or not.
+The stock pipeline: ``pipe.enable_usp()`` on the modular pipeline of Diffusers'
+``WanAnimate2CoreDenoiseStep`` (``tiny_wan_animate2_denoise``: the segment loop as the release
+runs it -- VAE-encode the driving slice and the previous segment's tail, noise, the reference pass
+into a fresh cache, guided denoising with a ``ClassifierFreeGuidance`` guider at 3.0, decode)
+around the tiny transformer and a tiny ``AutoencoderKLWan``, 48 x 80 pixels, two segments of 5
+frames (the second conditioned on the first's decoded last frame), 2 steps each: 45 generation
+and 30 reference tokens a call (``wan_animate2_denoise_inputs``, seeded, the same seed on every
+rank), on (2,1), (2,2) and (1,2,2) against one process: every segment's denoised latents (as the
+VAE decodes them) and the ``segment_frames``; the transformer enabled, then restored; every VAE
+encode and decode of the loop split over the replica's ranks (the parallel VAE); at cfg 2
+block 0 ran S (steps + 1) + 1 = 7 times a rank, not 10 (the guidance calls paired by ``cfg_pair``
+from the first segment's first step on, the reference pass run whole by both cfg groups); after
+``disable_usp`` bit-identical.
+
+Not here, and why: the encoder steps (UMT5, CLIP vision, pose/face video preprocessing) and the
+final decode step: they run before and after the core step, untouched by ``enable_usp`` but for
+the parallel VAE, which the core step's in-loop decode already runs; the text and CLIP inputs are
+seeded tensors. Noise drawn from a different seed on each rank: the segment loop draws it into its
+block state, which Note [modular pipelines]' latents sync does not see (only ``PipelineState``
+writes), so the ranks' latents differ and the parallel VAE refuses the first decode (ValueError).
+No compiled case: stock's forward reads grids with ``.tolist()`` / ``.item()`` (a graph break), so
+no fullgraph compile of this transformer exists, enabled or not.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32): sharding only reorders float32 sums (attention
-merged by log-sum-exp against stock's one masked softmax; gradients summed over ranks).
+merged by log-sum-exp against stock's one masked softmax; gradients summed over ranks). Decoded
+frames: 1e-4, an untrained random VAE's gain on the latents' rounding (measured: frames 2.4e-6
+for latents 8.6e-7), as tests/test_pipeline_flux3.py's images.
 """
 from __future__ import annotations
 
@@ -69,12 +88,15 @@ from usp_dit.demo.tiny_wan_animate2 import (
     run_segment,
     segment_inputs,
     tiny_wan_animate2,
+    tiny_wan_animate2_denoise,
+    wan_animate2_denoise_inputs,
 )
 from usp_dit.pipelines.families.wan_animate2 import ADAPTER, Geometry, rope_rows
 from usp_dit.sharding.partition import split_sizes
 from usp_dit.testing import rel_err
 
 TOL = 1e-5
+TOL_FRAMES = 1e-4  # decoded frames: an untrained random VAE's gain (as tests/test_pipeline_flux3.py's images)
 WORLD = 4
 SHAPES = [SegmentShape(2, 3, 3, 5, 2, 15), SegmentShape(3, 5, 1, 3, 4, 5)]
 GRAD_SHAPES = {2: SHAPES[:1], 4: SHAPES[1:]}  # the reference pass's gradients: one shape per world size
@@ -259,6 +281,56 @@ def _enable_usp_case(mesh) -> dict[str, float]:
     return {"out": rel_err(out, ref)}
 
 
+# ---- the stock modular pipeline ------------------------------------------------------------------
+
+PIPELINE_STEPS, PIPELINE_SEGMENTS = 2, 2
+PIPELINE_GRIDS = parity.pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
+
+
+def _denoise(pipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """(every segment's denoised latents as its VAE decodes them, (1, C, 2 per segment, 6, 10);
+    the ``segment_frames``, (1, 3, 5 + 4, 48, 80)) of a seeded run of the core denoise step."""
+    seen = []
+    decode = pipe.vae.decode
+
+    def spy(z: torch.Tensor, **kwargs):
+        seen.append(z.clone())
+        return decode(z, **kwargs)
+
+    with mock.patch.object(pipe.vae, "decode", spy), eager_block_masks():
+        frames = pipe(**wan_animate2_denoise_inputs(PIPELINE_SEGMENTS), num_inference_steps=PIPELINE_STEPS,
+                      generator=torch.Generator().manual_seed(0), output="segment_frames")
+    return torch.cat(seen, dim=2), torch.cat(frames, dim=2)
+
+
+@contextlib.contextmanager
+def _probe(pipe, grid: tuple[int, int, int]):
+    """The ``pipeline_cases`` probe. 1.0 under "vae_not_split" unless every VAE encode and decode of
+    the run (a segment's: the driving slice and the previous tail encoded, the segment decoded)
+    was split over the replica's ranks (no reason to run one whole noted). At cfg 2: block 0 runs
+    once a segment for the reference pass (a batch of one: both cfg groups run it whole) and once
+    a step for the paired guidance calls (``cfg_pair``), but for the first step of the first
+    segment, whose two calls teach the pair: S (STEPS + 1) + 1 computations a rank, not
+    S (2 STEPS + 1) (``parity.cfg_pair_computations``' steps + 1 with steps := S (STEPS + 1))."""
+    from usp_dit.pipelines.vae.patch import _STATES
+
+    with parity.cfg_pair_computations(pipe, grid, PIPELINE_SEGMENTS * (PIPELINE_STEPS + 1), "blocks") as measure:
+        def quantities() -> dict[str, float]:
+            state = _STATES.get(pipe.vae)  # made by enable, dropped by disable: this grid's
+            split = state is not None and not state.logged and not any(state.reasons.values())
+            return {"vae_not_split": float(not split), **measure()}
+
+        yield quantities
+
+
+def _pipeline_cases() -> dict[str, dict[str, float]]:
+    """The stock ``WanAnimate2CoreDenoiseStep`` pipeline (``tiny_wan_animate2_denoise``: two segments,
+    the second conditioned on the first's decoded last frame) through ``pipe.enable_usp()`` on each
+    grid, against the same pipeline on one process (``adapter_parity.pipeline_cases``)."""
+    return parity.pipeline_cases(tiny_wan_animate2_denoise(), _denoise, PIPELINE_GRIDS, names=("latents", "frames"),
+                                 probe=_probe)
+
+
 def _run_all() -> dict[str, dict | str]:
     results = {}
     parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case, grad_shapes=GRAD_SHAPES)
@@ -274,6 +346,7 @@ def _run_all() -> dict[str, dict | str]:
                       lambda grid=grid: _enable_usp_case(init_usp(*grid)))
     parity.record(results, "ulysses-above-heads", lambda: parity.ulysses_above_heads_case(
         tiny_wan_animate2(num_heads=2, head_dim=32), ADAPTER, init_usp(4, 1)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     return results
 
 
@@ -300,6 +373,18 @@ def test_gradient_into_an_exchanged_cache_is_refused(grid_results):
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
     parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
+
+
+@pytest.mark.parametrize("key", list(PIPELINE_GRIDS))
+def test_modular_pipeline_matches_one_process(grid_results, key: str):
+    """Latents within TOL, decoded frames within TOL_FRAMES, on every rank; the transformer enabled
+    and restored; every VAE encode and decode split; at cfg 2 the guider's two calls of a step ran
+    on the two cfg groups."""
+    parity.assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
+
+
+def test_disable_usp_gives_back_the_bit_identical_frames(grid_results):
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0, fallback="pipeline")
 
 
 # ---- single process -------------------------------------------------------------------------------

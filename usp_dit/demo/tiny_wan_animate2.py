@@ -1,4 +1,6 @@
-"""Tiny randomly initialised Wan-Animate-2 transformers and one segment's inputs, for tests.
+"""Tiny randomly initialised Wan-Animate-2 transformers and one segment's inputs, for tests; and
+Diffusers' stock modular core denoise step around them (``tiny_wan_animate2_denoise``) with the
+inputs of its call (``wan_animate2_denoise_inputs``: pixels (1, 3, frames, height, width)).
 
 Layout: per-sample latents in Python lists, each (channels, frames, height, width) (latent sizes;
 patches of 1 x 2 x 2): the reference pass's driving-video latents (LATENT_CHANNELS, F_r, H, W)
@@ -141,3 +143,77 @@ def run_segment(model: WanAnimate2Transformer3DModel, inputs: SegmentInputs, cal
         for i in range(calls):
             outs += model(**inputs.cached(cache, is_uncondtion=bool(i % 2))).sample
     return torch.cat([o.flatten() for o in outs])
+
+
+# ---- the stock modular core denoise step ----------------------------------------------------------
+
+SEGMENT_FRAMES = 5  # frames of a segment (81 in the release): (5 - 1) / 4 + 1 = 2 latent frames
+PIPELINE_SIZE = (48, 80)  # pixels: latents 6 x 10, patches 3 x 5 = 15 a frame
+
+
+def tiny_wan_animate2_denoise(seed: int = 0, guidance_scale: float = 3.0):
+    """The stock modular ``WanAnimate2CoreDenoiseStep`` as a pipeline (``WanAnimate2ModularPipeline``:
+    the segment loop of VAE-encoding the driving slice and the previous segment's tail, noise,
+    reference pass, guided denoising, decode) around tiny random models, float32: the transformer
+    of ``tiny_wan_animate2``, the ``AutoencoderKLWan`` of ``tiny_wan.tiny_wan_vae`` (8x spatial,
+    4x temporal, ``LATENT_CHANNELS`` latents: 4 + 4 mask channels make ``COND_CHANNELS``), a
+    flow-matching Euler scheduler (the blocks pass ``generator=`` to ``scheduler.step``, which
+    Wan's UniPC does not take; Euler takes it and, without stochastic sampling, draws nothing) and
+    a ``ClassifierFreeGuidance`` guider (``guidance_scale`` > 1: two transformer calls a step, the
+    unconditional one with ``is_uncondtion=True``). Call it with ``wan_animate2_denoise_inputs()``."""
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
+    from diffusers.modular_pipelines.wan_animate_2.modular_blocks_wan_animate_2 import WanAnimate2CoreDenoiseStep
+    from diffusers.utils import logging as diffusers_logging
+
+    from usp_dit.demo.tiny_wan import tiny_wan_vae
+
+    pipe = WanAnimate2CoreDenoiseStep().init_pipeline()
+    components = dict(
+        transformer=tiny_wan_animate2(seed=seed), vae=tiny_wan_vae(LATENT_CHANNELS, seed=seed + 20),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        guider=ClassifierFreeGuidance(guidance_scale=guidance_scale),
+    )
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # "not created using ComponentSpec": true of every tiny part
+    try:
+        pipe.update_components(**components)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+    return pipe
+
+
+def wan_animate2_denoise_inputs(num_segments: int = 2, seed: int = 0) -> dict:
+    """Seeded keyword arguments of ``tiny_wan_animate2_denoise()``'s call, as the stock encoder
+    steps would hand them over, at ``PIPELINE_SIZE`` with ``SEGMENT_FRAMES``-frame segments that
+    carry one frame over (so ``num_segments`` segments span 4 * num_segments + 1 driving frames, and
+    each segment after the first conditions on the previous one's decoded last frame):
+
+      reference_image_latents   (4 + LATENT_CHANNELS, 1, 6, 10): the i2v mask of one frame over
+                                random reference-image latents;
+      driving_video_pixels      (1, 3, 4 * num_segments + 1, 48, 80) in [-1, 1];
+      condition_clip_context    (1, 5, CLIP_DIM): the reference pass's CLIP tokens (the driving
+                                video's first frame); ``denoiser_input_fields`` carries the
+                                generation calls' (the reference image's, 7 tokens);
+      prompt_ref_embeds, prompt_embeds, negative_prompt_embeds: (1, 6 | 9 | 4, TEXT_DIM).
+
+    Generation grid 3 x 3 x 5 = 45 tokens, reference grid 2 x 3 x 5 = 30 (the video geometry of
+    the block mask equal to both: F0 = 2, HW0 = 15)."""
+    from diffusers.modular_pipelines.wan_animate_2.encoders import get_i2v_mask
+
+    g = torch.Generator().manual_seed(seed)
+    height, width = PIPELINE_SIZE
+    latent_h, latent_w = height // 8, width // 8
+    carried = 1
+    effective = SEGMENT_FRAMES - carried
+    mask = get_i2v_mask(1, latent_h, latent_w, 1, device="cpu")  # (4, 1, h, w)
+    return dict(
+        reference_image_latents=torch.cat([mask, torch.randn(LATENT_CHANNELS, 1, latent_h, latent_w, generator=g)]),
+        driving_video_pixels=torch.rand(1, 3, effective * num_segments + carried, height, width, generator=g) * 2 - 1,
+        num_segments=num_segments, effective_segment=effective, prev_segment_conditioning_frames=carried,
+        segment_frame_length=SEGMENT_FRAMES, height=height, width=width,
+        condition_clip_context=torch.randn(1, 5, CLIP_DIM, generator=g),
+        denoiser_input_fields={"encoder_hidden_states_image": torch.randn(1, 7, CLIP_DIM, generator=g)},
+        prompt_ref_embeds=torch.randn(1, 6, TEXT_DIM, generator=g),
+        prompt_embeds=torch.randn(1, 9, TEXT_DIM, generator=g),
+        negative_prompt_embeds=torch.randn(1, 4, TEXT_DIM, generator=g),
+    )

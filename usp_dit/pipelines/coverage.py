@@ -198,10 +198,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "Wan": FamilyPipelines("Wan 2.1 T2V, I2V, FLF2V; Wan 2.2 A14B (both experts on one mesh), TI2V-5B",
                            ("WanPipeline", "WanImageToVideoPipeline")),
     "WanAnimate": FamilyPipelines("Wan 2.2 Animate-14B (animation, replacement)", ("WanAnimatePipeline",)),
-    "WanAnimate2": FamilyPipelines("Wan-Animate-2 (in-context reference: extract pass, then cached generation)", (),
-                                   whole_vae="no DiffusionPipeline: Diffusers ships Wan-Animate-2 as modular blocks "
-                                             "(WanAnimate2ModularPipeline, WanAnimate2DistilledModularPipeline); "
-                                             "`usp_dit.enable_parallel_vae(vae)` splits their AutoencoderKLWan"),
+    "WanAnimate2": FamilyPipelines("Wan-Animate-2 (in-context reference: extract pass, then cached generation)",
+                                   ("WanAnimate2ModularPipeline",)),
     "WanVACE": FamilyPipelines("Wan 2.1 VACE 1.3B, 14B; Wan 2.2 VACE-Fun A14B", ("WanVACEPipeline",)),
     "Kandinsky5": FamilyPipelines("Kandinsky 5.0 T2V / I2V Lite 5 s, T2I, I2I (dense attention), Lite 10 s "
                                   "and Pro (NABLA: grids without a ring)",
