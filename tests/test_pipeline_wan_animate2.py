@@ -45,7 +45,7 @@ into a fresh cache, guided denoising with a ``ClassifierFreeGuidance`` guider at
 around the tiny transformer and a tiny ``AutoencoderKLWan``, 48 x 80 pixels, two segments of 5
 frames (the second conditioned on the first's decoded last frame), 2 steps each: 45 generation
 and 30 reference tokens a call (``wan_animate2_denoise_inputs``, seeded, the same seed on every
-rank), on (2,1), (2,2) and (1,2,2) against one process: every segment's denoised latents (as the
+rank, and once seeded by each rank's rank on (2,2)), on (2,1), (2,2) and (1,2,2) against one process: every segment's denoised latents (as the
 VAE decodes them) and the ``segment_frames``; the transformer enabled, then restored; every VAE
 encode and decode of the loop split over the replica's ranks (the parallel VAE); at cfg 2
 block 0 ran S (steps + 1) + 1 = 7 times a rank, not 10 (the guidance calls paired by ``cfg_pair``
@@ -55,10 +55,9 @@ from the first segment's first step on, the reference pass run whole by both cfg
 Not here, and why: the encoder steps (UMT5, CLIP vision, pose/face video preprocessing) and the
 final decode step: they run before and after the core step, untouched by ``enable_usp`` but for
 the parallel VAE, which the core step's in-loop decode already runs; the text and CLIP inputs are
-seeded tensors. Noise drawn from a different seed on each rank: the segment loop draws it into its
-block state, which Note [modular pipelines]' latents sync does not see (only ``PipelineState``
-writes), so the ranks' latents differ and the parallel VAE refuses the first decode (ValueError).
-No compiled case: stock's forward reads grids with ``.tolist()`` / ``.item()`` (a graph break), so
+seeded tensors. (Noise from a generator seeded differently on each rank is tested: the segment
+loop draws it inside its block state, and the call's generators take rank 0's state first, Note
+[modular pipelines].) No compiled case: stock's forward reads grids with ``.tolist()`` / ``.item()`` (a graph break), so
 no fullgraph compile of this transformer exists, enabled or not.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32): sharding only reorders float32 sums (attention
@@ -287,9 +286,10 @@ PIPELINE_STEPS, PIPELINE_SEGMENTS = 2, 2
 PIPELINE_GRIDS = parity.pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
 
 
-def _denoise(pipe) -> tuple[torch.Tensor, torch.Tensor]:
+def _denoise(pipe, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(every segment's denoised latents as its VAE decodes them, (1, C, 2 per segment, 6, 10);
-    the ``segment_frames``, (1, 3, 5 + 4, 48, 80)) of a seeded run of the core denoise step."""
+    the ``segment_frames``, (1, 3, 5 + 4, 48, 80)) of a run of the core denoise step whose
+    generator is seeded ``seed``."""
     seen = []
     decode = pipe.vae.decode
 
@@ -299,7 +299,7 @@ def _denoise(pipe) -> tuple[torch.Tensor, torch.Tensor]:
 
     with mock.patch.object(pipe.vae, "decode", spy), eager_block_masks():
         frames = pipe(**wan_animate2_denoise_inputs(PIPELINE_SEGMENTS), num_inference_steps=PIPELINE_STEPS,
-                      generator=torch.Generator().manual_seed(0), output="segment_frames")
+                      generator=torch.Generator().manual_seed(seed), output="segment_frames")
     return torch.cat(seen, dim=2), torch.cat(frames, dim=2)
 
 
@@ -331,6 +331,23 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
                                  probe=_probe)
 
 
+def _rank_seeded_case() -> dict[str, float]:
+    """Note [modular pipelines], noise in loops: each segment draws its noise inside the loop from
+    the call's generator; seeded by each rank's rank, ``pipe.enable_usp()`` on (2,2,1) gives every
+    rank one process's latents and frames with rank 0's seed (without the generator sync the
+    parallel VAE refuses the first decode: the ranks' latents differ)."""
+    import torch.distributed as dist
+
+    pipe = tiny_wan_animate2_denoise()
+    ref = _denoise(pipe)
+    pipe.enable_usp(ulysses_degree=2, ring_degree=2)
+    try:
+        got = _denoise(pipe, seed=dist.get_rank())
+    finally:
+        pipe.disable_usp()
+    return {"latents": rel_err(got[0], ref[0]), "frames": rel_err(got[1], ref[1])}
+
+
 def _run_all() -> dict[str, dict | str]:
     results = {}
     parity.run_grid_cases(results, SHAPES, _output_case, _gradient_case, grad_shapes=GRAD_SHAPES)
@@ -347,6 +364,7 @@ def _run_all() -> dict[str, dict | str]:
     parity.record(results, "ulysses-above-heads", lambda: parity.ulysses_above_heads_case(
         tiny_wan_animate2(num_heads=2, head_dim=32), ADAPTER, init_usp(4, 1)))
     parity.record(results, "pipeline", _pipeline_cases, many=True)
+    parity.record(results, "pipeline-rank-seeded", _rank_seeded_case)
     return results
 
 
@@ -385,6 +403,10 @@ def test_modular_pipeline_matches_one_process(grid_results, key: str):
 
 def test_disable_usp_gives_back_the_bit_identical_frames(grid_results):
     parity.assert_within(grid_results, "pipeline-after-disable", 0.0, fallback="pipeline")
+
+
+def test_rank_seeded_noise_in_each_segment_is_the_first_ranks(grid_results):
+    parity.assert_within(grid_results, "pipeline-rank-seeded", TOL, {"frames": TOL_FRAMES})
 
 
 # ---- single process -------------------------------------------------------------------------------

@@ -163,22 +163,17 @@ def tiny_wan_animate2_denoise(seed: int = 0, guidance_scale: float = 3.0):
     unconditional one with ``is_uncondtion=True``). Call it with ``wan_animate2_denoise_inputs()``."""
     from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
     from diffusers.modular_pipelines.wan_animate_2.modular_blocks_wan_animate_2 import WanAnimate2CoreDenoiseStep
-    from diffusers.utils import logging as diffusers_logging
 
+    from usp_dit.demo.tiny_video import quiet_diffusers_log
     from usp_dit.demo.tiny_wan import tiny_wan_vae
 
-    pipe = WanAnimate2CoreDenoiseStep().init_pipeline()
-    components = dict(
-        transformer=tiny_wan_animate2(seed=seed), vae=tiny_wan_vae(LATENT_CHANNELS, seed=seed + 20),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
-        guider=ClassifierFreeGuidance(guidance_scale=guidance_scale),
-    )
-    verbosity = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()  # "not created using ComponentSpec": true of every tiny part
-    try:
-        pipe.update_components(**components)
-    finally:
-        diffusers_logging.set_verbosity(verbosity)
+    with quiet_diffusers_log():
+        pipe = WanAnimate2CoreDenoiseStep().init_pipeline()
+        pipe.update_components(
+            transformer=tiny_wan_animate2(seed=seed), vae=tiny_wan_vae(LATENT_CHANNELS, seed=seed + 20),
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+            guider=ClassifierFreeGuidance(guidance_scale=guidance_scale),
+        )
     return pipe
 
 
