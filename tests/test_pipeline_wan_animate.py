@@ -23,12 +23,12 @@ The stock ``WanAnimatePipeline`` (tiny T5, CLIP vision tower, Wan VAE and transf
 ``tiny_wan_animate_pipeline``) through ``pipe.enable_usp()``, batch 2 (two prompts), seeded PIL
 reference image, pose and face videos at 48 x 80 in segments of 5 frames (45 tokens a call):
 "animate" mode with true CFG (two transformer calls a step, the negative prompt's and a blanked
-face video's) on (2,1,1), (2,2,1) and (1,2,2), where the cfg groups run a step's two calls at
-once (block 0 runs steps + 1 times a rank); "replace" mode (background and mask videos) over 9
+face video's) on (2,1,1), (2,2,1) and (1,2,2); on (1,2,2) the two cfg groups run a step's two
+calls at once (block 0 runs steps + 1 times a rank); "replace" mode (background and mask videos) over 9
 frames, two segments (the second conditioned on the first's last decoded frame), on (1,4,1). Final
 latents and decoded frames vs one process's; the transformer enabled, then restored; after
 ``disable_usp`` the video is bit-identical. The example's tiny default (examples/generate_video.py
---model wan_animate) builds and runs on one process.
+--model wan_animate) builds and runs on one process. Latents: 1e-5 as above.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs and every parameter's gradient:
 sharding only reorders float32 sums (attention merged by log-sum-exp; the face attention of a
