@@ -1,8 +1,7 @@
-"""torchrun: generate a video with any video family of usp_dit (CogVideoX, Mochi, Wan, Wan VACE, HunyuanVideo,
-HunyuanVideo 1.5, FramePack, Kandinsky 5, LTX-Video, LTX-2, ChronoEdit, Helios, Cosmos 3, Sana-Video, ConsisID, Latte, Allegro,
-AnyFlow, SANA-WM) on a Ulysses x Ring
-(x CFG) grid,
-checked against one rank.
+"""torchrun: generate a video with any video family of usp_dit (CogVideoX, Mochi, Wan, Wan VACE, Wan Animate,
+HunyuanVideo, HunyuanVideo 1.5, FramePack, Kandinsky 5, LTX-Video, LTX-2, ChronoEdit, Helios, Cosmos 3,
+Sana-Video, ConsisID, Latte, Allegro, AnyFlow, SANA-WM) on a Ulysses x Ring (x CFG) grid, checked
+against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cogvideox --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model mochi --ring 2 --cfg 2
@@ -20,21 +19,22 @@ checked against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model consisid --ulysses 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model latte --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model allegro --ring 2 --cfg 2
+    torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model wan_animate --ring 2 --cfg 2 \
+        --guidance 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model cogvideox \
         --model-path THUDM/CogVideoX-5b --height 480 --width 720 --frames 49 --steps 50 --ulysses 2 --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model ltx_video \
         --model-path Lightricks/LTX-Video --height 480 --width 704 --frames 161 --steps 50 --ulysses 4 --cfg 2
 
 With no ``--model-path`` it builds a tiny randomly initialised pipeline in code
-(``usp_dit.demo.tiny_video``, ``tiny_wan``, ``tiny_wan_vace``, ``tiny_hunyuan_video``, ``tiny_ltx_video``: tiny
-(``usp_dit.demo.tiny_video``, ``tiny_wan``, ``tiny_hunyuan_video``, ``tiny_ltx_video``, ``tiny_ltx2``: tiny
-transformer, VAE, scheduler and text encoders with character tokenizers, T5 or, for HunyuanVideo,
-Llama and CLIP, for LTX-2 Gemma 3; nothing is downloaded; the tiny Wan is a Wan 2.2 A14B-like pair of experts, the
-tiny HunyuanVideo the guidance-distilled text-to-video model) and runs it in float32 on CPU with
-gloo. With ``--model-path`` it loads ``CogVideoXPipeline``, ``MochiPipeline``, ``WanPipeline``, ``WanVACEPipeline``,
-``HunyuanVideoPipeline`` or ``LTXPipeline`` (bf16 on GPUs, VAE tiling on). Every rank runs the
-gloo. With ``--model-path`` it loads ``CogVideoXPipeline``, ``MochiPipeline``, ``WanPipeline``,
-``HunyuanVideoPipeline``, ``LTXPipeline`` or ``LTX2Pipeline`` (bf16 on GPUs, VAE tiling on). Every rank runs the
+(``usp_dit.demo.tiny_video``, ``tiny_wan``, ``tiny_wan_vace``, ``tiny_wan_animate``, ``tiny_hunyuan_video``,
+``tiny_ltx_video``, ``tiny_ltx2``, ...: tiny transformer, VAE, scheduler and text encoders with
+character tokenizers, T5 or, for HunyuanVideo, Llama and CLIP, for LTX-2 Gemma 3; nothing is
+downloaded; the tiny Wan is a Wan 2.2 A14B-like pair of experts, the tiny HunyuanVideo the
+guidance-distilled text-to-video model) and runs it in float32 on CPU with
+gloo. With ``--model-path`` it loads the family's pipeline class (``FAMILIES``: ``CogVideoXPipeline``,
+``MochiPipeline``, ``WanPipeline``, ``WanVACEPipeline``, ``WanAnimatePipeline``, ``HunyuanVideoPipeline``,
+``LTXPipeline``, ``LTX2Pipeline``, ...; bf16 on GPUs, VAE tiling on). Every rank runs the
 pipeline's real ``__call__`` (text encoding, denoising with guidance, VAE decode); the
 transformer's tokens are split over the grid (``pipe.enable_usp``) and, with ``--cfg 2``, the
 guidance's two branches over two groups of ranks. Rank 0 alone shows the progress bar and writes the
@@ -52,6 +52,7 @@ pipelines compress as the real ones do):
     mochi          16            6k + 1    96 x 144, 13 -> 3 x 6 x 9 = 162          yes (batched CFG)
     wan            16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     wan_vace       16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
+    wan_animate    16            4k + 1    80 x 144, 13 -> (1 + 4) x 5 x 9 = 225    with --guidance > 1 (two calls)
     hunyuan_video  16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          with --true-cfg (two calls)
     kandinsky5     16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     kandinsky6     16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162 (+11 audio) yes (two calls a step)
@@ -82,6 +83,21 @@ the first half of the steps (``enable_temporal_reasoning``), then keeps the firs
 frames. Its stock processor takes the last 512 text tokens for the prompt, so the tiny pipeline
 encodes 512; its Diffusers pipeline cleans prompts with ftfy unconditionally, so without ftfy the
 example encodes them with Wan's identical T5 encoding (which uses ftfy only when installed).
+
+Wan Animate (``tiny_wan_animate``: T5, a CLIP vision tower, Wan's VAE) animates a character image
+(``--image``, default seeded RGB noise) with the motion of a pose video and a face video
+(``--pose-video``, ``--face-video``: animated GIF/WebP, or MP4 with imageio-ffmpeg; default seeded
+RGB noise of ``--frames`` frames, the face video at the motion encoder's size), in "animate" mode
+(the pipeline's "replace" mode, which also takes a background and a mask video, is not exposed
+here). ``--model-path`` (e.g. Wan-AI/Wan2.2-Animate-14B-Diffusers) needs ``--pose-video`` and
+``--face-video``: the pose renderings and face crops that Wan-Animate's preprocessing extracts
+from a driving video (512 x 512 faces); noise would run but animate nothing. The video comes in
+segments of ``min(--frames, 77)`` frames (the release's 77), each conditioned on the last frame
+of the one before, and is cropped to ``--frames``; the reference image takes one more latent frame
+in every call (the 1 + in the table). Its guidance scale defaults to 1 (the release runs without
+CFG): ``--cfg 2`` needs ``--guidance`` above 1 (two calls a step, the negative prompt's with a
+blanked face video). Its stock processor takes the last 512 text tokens for the prompt, so the
+tiny pipeline encodes 512; its pipeline cleans prompts with ftfy unconditionally (as VACE's).
 
 ConsisID (CogVideoX's transformer with face conditioning) animates an image (``--image``, default a
 colour gradient) keeping a face's identity; the tiny pipeline takes seeded random face embeddings
@@ -182,6 +198,7 @@ class VideoFamily:
     size: tuple[int, int] = (96, 144)  # default --height, --width
     size_multiple: int = 0  # --height/--width multiple when the pipeline needs more than pixels_per_token
     min_steps: tuple[int, str] = (1, "")  # (minimum --steps, why)
+    reference_latent_frames: int = 0  # latent frames a conditioning image adds to every transformer call
     # How the pipeline runs classifier-free guidance, which --cfg 2 spreads over two groups of ranks:
     # "batched" ([uncond, cond] in one call of batch 2: the cfg axis splits it) or "two calls" (one
     # call per guidance branch, batch 1 each: the two groups run a step's two calls at once,
@@ -189,6 +206,7 @@ class VideoFamily:
     cfg: str = "batched"
     cfg_flag: str = "--guidance"  # the scale that turns that guidance on above 1
     guided_by_default: bool = True  # the pipeline guides when cfg_flag is not given (its default > 1)
+    unguided_why: str = "guidance-distilled"  # why, when not guided_by_default: "<pipeline> is <this>"
 
 
 FAMILIES = {
@@ -200,6 +218,11 @@ FAMILIES = {
         min_steps=(2, "Mochi's linear-quadratic sigma schedule divides by steps // 2")),
     "wan": VideoFamily(
         "WanPipeline", 9, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, cfg="two calls"),
+    # Character animation from pose and face videos; the reference image's latent frame leads each call.
+    "wan_animate": VideoFamily(
+        "WanAnimatePipeline", 13, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, size=(80, 144),
+        reference_latent_frames=1, cfg="two calls", guided_by_default=False,
+        unguided_why="unguided by default, at guidance_scale 1 as released"),
     # With no control video: the pipeline's all-zero video and all-ones mask (VACE text-to-video).
     "wan_vace": VideoFamily(
         "WanVACEPipeline", 9, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, cfg="two calls"),
@@ -266,11 +289,12 @@ FAMILIES = {
 }
 # Families whose pipeline cleans prompts with ftfy unconditionally (diffusers 0.42): without ftfy
 # the example passes embeds made by Wan's T5 encoding (ftfy only when installed) instead.
-EMBEDS_FAMILIES = ("wan_vace", "chronoedit", "helios")
-IMAGE_FAMILIES = ("chronoedit", "consisid", "hunyuan_video_framepack", "sana_wm")  # conditioned on --image
+EMBEDS_FAMILIES = ("wan_vace", "wan_animate", "chronoedit", "helios")
+IMAGE_FAMILIES = ("chronoedit", "consisid", "hunyuan_video_framepack", "sana_wm", "wan_animate")  # on --image
 TRUE_CFG_FAMILIES = ("hunyuan_video", "hunyuan_video_framepack")  # guidance-distilled: --true-cfg adds a negative call
 PLANNED = ("cogvideox", "mochi", "wan", "hunyuan_video", "ltx_video")  # families usp_dit.plan has a cost model for
-TINY_TEXT_LENS = {"chronoedit": 512}  # the stock processor's fixed text length (image tokens come first)
+TINY_TEXT_LENS = {"chronoedit": 512, "wan_animate": 512}  # the stock processor's fixed text length
+WAN_ANIMATE_SEGMENT = 77  # WanAnimatePipeline's segment_frame_length (the release's)
 TINY_HELIOS_CHUNKS = {"history_sizes": [4, 2, 1], "num_latent_frames_per_chunk": 3}  # the release's: [16, 2, 1], 9
 # LTX-2 with --cfg 2: its batch-1 guidance calls (spatio-temporal, modality isolation) off.
 LTX2_CFG_ONLY = {"stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0, "audio_modality_scale": 1.0}
@@ -286,7 +310,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", default=None, help="checkpoint path or hub id (default: a tiny random pipeline)")
     p.add_argument("--prompt", default="a paper boat drifting down a rainy street, cinematic")
     p.add_argument("--negative-prompt", default="blurry, low quality")
-    p.add_argument("--image", default=None, help="ChronoEdit: the image to edit (default: a colour gradient)")
+    p.add_argument("--image", default=None,
+                   help="the image to edit or animate (ChronoEdit, ConsisID, FramePack, SANA-WM: default a colour "
+                        "gradient; Wan Animate: the character, default seeded noise)")
+    p.add_argument("--pose-video", default=None,
+                   help="Wan Animate: the pose video (GIF/WebP/MP4; needed with --model-path, else seeded noise)")
+    p.add_argument("--face-video", default=None,
+                   help="Wan Animate: the face video (GIF/WebP/MP4; needed with --model-path, else seeded noise)")
     p.add_argument("--height", type=int, default=None, help="default: 96 (a multiple of 16; LTX-Video: of 32)")
     p.add_argument("--width", type=int, default=None, help="default: 144 (LTX-Video: 160)")
     p.add_argument("--frames", type=int, default=None,
@@ -339,6 +369,7 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         raise launch.UsageError(f"--image with --model {args.model}: only {', '.join(IMAGE_FAMILIES)} take an image")
     if args.image is not None and not os.path.isfile(args.image):
         raise launch.UsageError(f"--image {args.image}: no such file")
+    check_motion_videos(args)
     if args.model == "consisid" and args.model_path is not None:
         raise launch.UsageError("--model-path with --model consisid: the example has no face models (InsightFace, "
                                 "EVA-CLIP) to embed a face with; it runs the tiny pipeline only")
@@ -369,12 +400,27 @@ def check_cfg(args: argparse.Namespace, family: VideoFamily) -> None:
             else "second call a step for the other cfg group")
     if scale is None and not family.guided_by_default:
         raise launch.UsageError(f"--cfg {args.cfg} with --model {args.model} and no {flag}: {family.pipeline} is "
-                                f"guidance-distilled (one transformer call a step), so there is no {what}; use "
+                                f"{family.unguided_why} (one transformer call a step), so there is no {what}; use "
                                 f"--cfg 1 or {flag} above 1")
     if scale is not None and scale <= 1:
         # The pipelines skip CFG at a scale of 1 or less: one call of batch 1 a step.
         raise launch.UsageError(f"--cfg {args.cfg} with {flag} {scale}: at a guidance scale <= 1 the pipeline runs "
                                 f"no classifier-free guidance, so there is no {what}; use --cfg 1 or {flag} above 1")
+
+
+def check_motion_videos(args: argparse.Namespace) -> None:
+    """``--pose-video`` / ``--face-video``: Wan Animate's only, existing files, both given with
+    ``--model-path`` (a checkpoint animated by noise would run but show nothing)."""
+    videos = {"--pose-video": args.pose_video, "--face-video": args.face_video}
+    for flag, path in videos.items():
+        if path is not None and args.model != "wan_animate":
+            raise launch.UsageError(f"{flag} with --model {args.model}: only wan_animate takes pose and face videos")
+        if path is not None and not os.path.isfile(path):
+            raise launch.UsageError(f"{flag} {path}: no such file")
+    missing = [flag for flag, path in videos.items() if path is None]
+    if args.model == "wan_animate" and args.model_path is not None and missing:
+        raise launch.UsageError(f"--model wan_animate with --model-path needs {' and '.join(missing)}: the pose "
+                                f"renderings and face crops of a driving video (Wan-Animate's preprocessing)")
 
 
 def ltx2_guidance(args: argparse.Namespace) -> dict[str, float]:
@@ -410,6 +456,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             tiny_sana_wm,
             tiny_video,
             tiny_wan,
+            tiny_wan_animate,
             tiny_wan_vace,
         )
 
@@ -417,6 +464,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             "cogvideox": tiny_video.tiny_cogvideox_pipeline, "mochi": tiny_video.tiny_mochi_pipeline,
             "wan": lambda **kw: tiny_wan.tiny_wan_pipeline(two_experts=True, **kw),
             "wan_vace": tiny_wan_vace.tiny_wan_vace_pipeline,
+            "wan_animate": tiny_wan_animate.tiny_wan_animate_pipeline,
             "hunyuan_video": tiny_hunyuan_video.tiny_hunyuan_video_pipeline,
             "hunyuan_video15": tiny_hunyuan_video15.tiny_hunyuan_video15_pipeline,
             "hunyuan_video_framepack": tiny_hunyuan_video_framepack.tiny_framepack_pipeline,
@@ -485,11 +533,14 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         kwargs.update(framepack_kwargs(args))
     if args.model == "sana_wm":
         kwargs.update(sana_wm_kwargs(args))
+    if args.model == "wan_animate":
+        kwargs.update(wan_animate_kwargs(pipe, args))
     prompts = dict(prompt=args.prompt, negative_prompt=args.negative_prompt)
     if args.model in EMBEDS_FAMILIES and importlib.util.find_spec("ftfy") is None:
         prompts = embedded_prompts(pipe, args, kwargs.get("max_sequence_length", 512))
     frames_arg = {"sana_video": "frames", "latte": "video_length"}.get(args.model, "num_frames")  # the pipelines' names
-    kwargs[frames_arg] = args.frames
+    if args.model != "wan_animate":  # Wan Animate's frame count is its pose video's
+        kwargs[frames_arg] = args.frames
     out = pipe(
         **prompts, height=args.height, width=args.width, num_inference_steps=args.steps, output_type="np",
         generator=torch.Generator("cpu").manual_seed(args.seed), **kwargs,
@@ -542,6 +593,27 @@ def sana_wm_kwargs(args: argparse.Namespace) -> dict:
 
         kwargs["chi_prompt"] = TINY_CHI_PROMPT
     return kwargs
+
+
+def wan_animate_kwargs(pipe, args: argparse.Namespace) -> dict:
+    """The character image, pose and face videos (``--image``, ``--pose-video``, ``--face-video``:
+    the first ``--frames`` frames of each; for each one not given, seeded RGB noise of ``--frames``
+    frames of the output's size, the face video's at the motion encoder's size:
+    ``tiny_wan_animate.wan_animate_videos``) and the segment length (``min(--frames,
+    WAN_ANIMATE_SEGMENT)``)."""
+    from diffusers.utils import load_video
+
+    from usp_dit.demo.tiny_wan_animate import wan_animate_videos
+
+    videos = wan_animate_videos(args.frames, args.height, args.width, seed=args.seed,
+                                face_size=pipe.transformer.config.motion_encoder_size)
+    if args.image is not None:
+        videos["image"] = Image.open(args.image).convert("RGB")
+    for key, path in (("pose_video", args.pose_video), ("face_video", args.face_video)):
+        if path is not None:  # the first --frames frames (a shorter pose video gives a shorter output)
+            # RGB each (load_video leaves a GIF's first frame in palette mode, which the pipeline cannot stack)
+            videos[key] = [frame.convert("RGB") for frame in load_video(path)[: args.frames]]
+    return {**videos, "segment_frame_length": min(args.frames, WAN_ANIMATE_SEGMENT)}
 
 
 def consisid_kwargs(args: argparse.Namespace) -> dict:
@@ -619,8 +691,10 @@ def video_tokens(args: argparse.Namespace, pipe) -> int:
     p = cfg.latent_patch_size if args.model == "cosmos3" else cfg.patch_size
     p = p[-1] if isinstance(p, (tuple, list)) else p  # Wan: (t, h, w); spatial patches are square
     side = family.latent_pixels * p
+    frames = min(args.frames, WAN_ANIMATE_SEGMENT) if args.model == "wan_animate" else args.frames  # a call's
+    latent_frames = (frames - 1) // family.frames_per_latent + 1 + family.reference_latent_frames
     # Cosmos 3 pads an odd latent size to its patch: a partial patch is a token (a no-op elsewhere).
-    return ((args.frames - 1) // family.frames_per_latent + 1) * -(-args.height // side) * -(-args.width // side)
+    return latent_frames * -(-args.height // side) * -(-args.width // side)
 
 
 @record  # torchrun's error file for any other exception

@@ -347,8 +347,18 @@ def two_ranks(monkeypatch):
      "--cfg 2 with --guidance 1.0: at a guidance scale <= 1 the pipeline runs no classifier-free guidance"),
     (["--model", "ltx_video", "--true-cfg", "4"], "--true-cfg with --model ltx_video: only HunyuanVideo"),
     (["--model", "ltx_video", "--model-path", "/nonexistent"], "--model-path /nonexistent: no such file or folder"),
+    (["--model", "wan_animate", "--cfg", "2"],
+     "--cfg 2 with --model wan_animate and no --guidance: WanAnimatePipeline is unguided by default, at "
+     "guidance_scale 1 as released (one transformer call a step), so there is no second call a step"),
+    (["--model", "wan_animate", "--model-path", "Wan-AI/Wan2.2-Animate-14B-Diffusers", "--face-video", __file__],
+     "--model wan_animate with --model-path needs --pose-video: the pose renderings and face crops"),
+    (["--model", "wan_animate", "--pose-video", "/nonexistent.gif"], "--pose-video /nonexistent.gif: no such file"),
+    (["--model", "wan", "--face-video", __file__], "--face-video with --model wan: only wan_animate takes pose and"),
+    (["--model", "wan_animate", "--frames", "11"], "--frames 11 must be 4k + 1"),
 ], ids=["hunyuan-cfg2-distilled", "hunyuan-cfg2-true-cfg-1", "wan-cfg2-unguided", "cfg4", "hunyuan-frames",
-        "hunyuan-size", "ltx-frames", "ltx-size", "ltx-cfg2-unguided", "ltx-true-cfg", "ltx-model-path"])
+        "hunyuan-size", "ltx-frames", "ltx-size", "ltx-cfg2-unguided", "ltx-true-cfg", "ltx-model-path",
+        "wan-animate-cfg2-unguided", "wan-animate-model-path-no-pose", "wan-animate-no-pose-file",
+        "wan-face-video", "wan-animate-frames"])
 def test_video_example_rejects_what_the_new_families_cannot_take(argv, message, two_ranks):
     with pytest.raises(UsageError, match=re.escape(message)):
         _example("generate_video").parse_args(argv)
@@ -373,6 +383,8 @@ def test_video_example_rejects_what_the_new_families_cannot_take(argv, message, 
     (["--model", "motif_video", "--cfg", "2"], (9, 96, 144, (1, 1, 2))),
     (["--model", "latte", "--cfg", "2", "--frames", "4"], (4, 96, 144, (1, 1, 2))),  # any frame count: an image VAE
     (["--model", "allegro", "--cfg", "2", "--frames", "8"], (8, 96, 144, (1, 1, 2))),  # rounded up to latent frames
+    (["--model", "wan_animate"], (13, 80, 144, (2, 1, 1))),
+    (["--model", "wan_animate", "--cfg", "2", "--guidance", "2"], (13, 80, 144, (1, 1, 2))),
 ])
 def test_video_example_fills_each_familys_defaults(argv, expected, two_ranks):
     args = _example("generate_video").parse_args(argv)

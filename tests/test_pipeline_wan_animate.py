@@ -1,4 +1,4 @@
-"""Wan Animate adapter: sharded transformer outputs and gradients equal one process's, on CPU gloo grids.
+"""Wan Animate adapter and pipeline: sharded outputs and gradients equal one process's, on CPU gloo grids.
 
 One spawned group of 4 ranks runs every case (the 2-rank grids run on it as two data-parallel
 replicas of 2 ranks). Model: a tiny 2-layer ``WanAnimateTransformer3DModel`` with a face adapter
@@ -19,9 +19,21 @@ tokens; after ``disable`` the output is bit-identical. On 2 and 4 ranks every pa
 process's, and once with gradient checkpointing. ``frame_runs`` is checked against a direct
 per-token frame count on one process.
 
+The stock ``WanAnimatePipeline`` (tiny T5, CLIP vision tower, Wan VAE and transformer:
+``tiny_wan_animate_pipeline``) through ``pipe.enable_usp()``, batch 2 (two prompts), seeded PIL
+reference image, pose and face videos at 48 x 80 in segments of 5 frames (45 tokens a call):
+"animate" mode with true CFG (two transformer calls a step, the negative prompt's and a blanked
+face video's) on (2,1,1), (2,2,1) and (1,2,2); on (1,2,2) the two cfg groups run a step's two
+calls at once (block 0 runs steps + 1 times a rank); "replace" mode (background and mask videos) over 9
+frames, two segments (the second conditioned on the first's last decoded frame), on (1,4,1). Final
+latents and decoded frames vs one process's; the transformer enabled, then restored; after
+``disable_usp`` the video is bit-identical. The example's tiny default (examples/generate_video.py
+--model wan_animate) builds and runs on one process. Latents: 1e-5 as above.
+
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs and every parameter's gradient:
 sharding only reorders float32 sums (attention merged by log-sum-exp; the face attention of a
-partial frame is its own kernel call over the same keys; gradients summed over ranks).
+partial frame is its own kernel call over the same keys; gradients summed over ranks). Decoded
+frames: 1e-4 (the untrained random VAE's gain on the latents' float32 rounding).
 """
 from __future__ import annotations
 
@@ -33,7 +45,14 @@ import torch
 
 from tests import adapter_parity as parity
 from usp_dit import init_usp, single_rank_mesh
-from usp_dit.demo.tiny_wan_animate import tiny_wan_animate, wan_animate_inputs
+from usp_dit.demo.tiny_wan import I2V_TEXT_LEN
+from usp_dit.demo.tiny_wan_animate import (
+    tiny_wan_animate,
+    tiny_wan_animate_pipeline,
+    wan_animate_inputs,
+    wan_animate_videos,
+)
+from usp_dit.demo.tiny_wan_vace import wan_prompt_embeds
 from usp_dit.pipelines.families.wan_animate import ADAPTER, frame_runs
 from usp_dit.testing import rel_err
 
@@ -92,11 +111,56 @@ def _checkpointed_gradient_case(mesh) -> dict[str, float]:
     return parity.gradient_errors(model, inputs, ADAPTER, mesh)
 
 
+STEPS = 2
+TOL_FRAMES = 1e-4  # decoded frames: an untrained random VAE's gain (as tests/test_pipeline_chronoedit.py)
+HEIGHT, WIDTH = 48, 80  # 3 x 5 tokens a latent frame
+
+
+def _generate(pipe, frames: int = 5, mode: str = "animate", **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final latents of the last segment, frames) of one ``WanAnimatePipeline`` call at 48 x 80 in
+    segments of 5 frames (the reference latent frame + 2: 45 tokens, 5 face frames: 3 face
+    positions of 15 tokens), 2 steps, batch 2 (two prompts' T5 embeds: the pipeline's prompt
+    cleaning needs ftfy, which the tests do not), seeded PIL reference image, pose and face videos."""
+    prompts = wan_prompt_embeds(pipe, ["a dancer spins", "a robot waves"], I2V_TEXT_LEN)
+    negative = wan_prompt_embeds(pipe, ["blurry", "dark and dim"], I2V_TEXT_LEN)
+    return parity.latents_and(
+        pipe, "frames", **wan_animate_videos(frames, HEIGHT, WIDTH, replace=mode == "replace"), mode=mode,
+        prompt_embeds=prompts, negative_prompt_embeds=negative, height=HEIGHT, width=WIDTH, segment_frame_length=5,
+        num_inference_steps=STEPS, generator=torch.Generator().manual_seed(0), output_type="pt", **kwargs)
+
+
+# (pipeline arguments, grids): "animate" with true CFG (two transformer calls a step: the negative
+# prompt and a blanked face video, on the cfg axis at cfg 2); "replace" over 9 frames, no CFG: two
+# segments, the second conditioned on the first's last decoded frame and the background video.
+PIPELINE_RUNS = {
+    "pipeline": ({"guidance_scale": 2.0}, [(2, 1, 1), (2, 2, 1), (1, 2, 2)]),
+    "pipeline-replace": ({"mode": "replace", "frames": 9}, [(1, 4, 1)]),
+}
+PIPELINE_KEYS = [key for prefix, (_, grids) in PIPELINE_RUNS.items() for key in parity.pipeline_grids(grids, prefix)]
+
+
+def _pipeline_cases() -> dict[str, dict[str, float]]:
+    """``WanAnimatePipeline`` (tiny: ``tiny_wan_animate_pipeline``) through ``pipe.enable_usp()`` on
+    each run's grids, against the same pipeline on one process (``adapter_parity.pipeline_cases``);
+    at cfg 2, block 0 runs ``steps + 1`` times a rank (``cfg_pair``)."""
+    pipe = tiny_wan_animate_pipeline()
+    results = {}
+    for prefix, (kwargs, grids) in PIPELINE_RUNS.items():
+        probe = (lambda p, grid: parity.cfg_pair_computations(p, grid, STEPS, "blocks")) if prefix == "pipeline" \
+            else None
+        results.update(parity.pipeline_cases(
+            pipe, lambda p, kwargs=kwargs: _generate(p, **kwargs), parity.pipeline_grids(grids, prefix),
+            names=("latents", "frames"), probe=probe,
+            after_disable="pipeline-after-disable" if prefix == "pipeline" else None))
+    return results
+
+
 def _run_all() -> dict[str, dict | str]:
     results = {}
     parity.run_grid_cases(results, SHAPES, _output_case,
                           lambda shape, mesh: parity.gradient_errors(*_build(shape), ADAPTER, mesh))
     parity.record(results, "grad-ckpt-p4", lambda: _checkpointed_gradient_case(init_usp(2, 2)))
+    parity.record(results, "pipeline", _pipeline_cases, many=True)
     parity.record(results, "ulysses-above-heads",
                   lambda: parity.ulysses_above_heads_case(tiny_wan_animate(num_heads=2, head_dim=32), ADAPTER,
                                                           init_usp(4, 1)))
@@ -115,6 +179,35 @@ test_sharded_output_matches_one_process, test_parameter_gradients_match_one_proc
 
 def test_ulysses_above_heads_raises_at_enable(grid_results):
     parity.assert_within(grid_results, "ulysses-above-heads", 0.0)
+
+
+@pytest.mark.parametrize("key", PIPELINE_KEYS)
+def test_pipeline_matches_one_process(grid_results, key: str):
+    """Latents within TOL, decoded frames within TOL_FRAMES, on every rank; the transformer enabled,
+    then restored; at cfg 2 the two calls a step run at once (steps + 1 block-0 runs a rank)."""
+    parity.assert_within(grid_results, key, TOL, {"frames": TOL_FRAMES}, fallback="pipeline")
+
+
+def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
+    parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
+
+
+def test_the_video_example_builds_and_runs_the_tiny_wan_animate(monkeypatch):
+    """examples/generate_video.py --model wan_animate: its tiny default pipeline on one process (1
+    step, 5 frames: one segment, 3 x 3 x 5 = 45 tokens a call with the reference frame), seeded
+    reference image, pose and face videos, RGB frames in [0, 1]."""
+    from tests.test_examples_cli import _example
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    ex = _example("generate_video")
+    args = ex.parse_args(["--model", "wan_animate", "--steps", "1", "--frames", "5", "--height", "48",
+                          "--width", "80"])
+    pipe = ex.load_pipeline(args, torch.device("cpu"))
+    pipe.set_progress_bar_config(disable=True)
+    frames = ex.generate(pipe, args)
+    assert frames.shape == (5, 48, 80, 3) and bool((frames >= 0).all() and (frames <= 1).all())
+    assert ex.video_tokens(args, pipe) == 45
 
 
 # ---- single process -------------------------------------------------------------------------------

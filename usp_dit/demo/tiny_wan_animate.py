@@ -1,4 +1,4 @@
-"""Tiny randomly initialised Wan Animate transformers, for tests.
+"""Tiny randomly initialised Wan Animate transformers and pipelines, for tests and the video example.
 
 Layout: latents (batch, 2 * latent_channels + 4, frames, height, width), frame 0 the reference
 image's; pose latents (batch, latent_channels, frames - 1, height, width); face video in pixels
@@ -78,3 +78,58 @@ def wan_animate_inputs(
     face = torch.rand(batch, 3, face_frames_for(frames), FACE_SIZE, FACE_SIZE, generator=g) * 2 - 1
     timestep = torch.randint(0, 1000, (batch,), generator=g)
     return WanAnimateInputs(x, timestep, text, image, pose, face)
+
+
+# ---- whole pipeline ------------------------------------------------------------------------------
+
+
+def tiny_wan_animate_pipeline(max_text_len: int = I2V_TEXT_LEN, seed: int = 0):
+    """A ``WanAnimatePipeline`` of tiny random models, float32: a T5 encoder (character tokenizer),
+    the tiny CLIP vision tower (``tiny_chronoedit.tiny_clip_vision``: 17 image tokens of width 24,
+    the transformer's ``image_dim``), the tiny Wan VAE (8x spatial, 4x temporal compression, 4
+    latent channels) and a ``tiny_wan_animate`` transformer (face video of ``FACE_SIZE`` pixels).
+
+    Call it with ``max_sequence_length=512`` (the stock processor's fixed text length). Without ftfy
+    (the pipeline's prompt cleaning calls it unconditionally) pass ``prompt_embeds`` made by
+    ``tiny_wan_vace.wan_prompt_embeds``. One segment of ``segment_frame_length = 4k + 1`` frames
+    at ``height x width`` gives ``(k + 2) * (height / 16) * (width / 16)`` video tokens (the
+    reference image's latent frame first), e.g. 5 frames of 48 x 80: 3 * 3 * 5 = 45.
+    """
+    from diffusers import UniPCMultistepScheduler, WanAnimatePipeline
+
+    from usp_dit.demo.tiny_chronoedit import tiny_clip_vision
+    from usp_dit.demo.tiny_video import tiny_t5
+    from usp_dit.demo.tiny_wan import tiny_wan_vae
+
+    tokenizer, text_encoder = tiny_t5(max_text_len, seed + 10)
+    image_encoder, image_processor = tiny_clip_vision(seed + 50)
+    return WanAnimatePipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=tiny_wan_vae(LATENT_CHANNELS, seed=seed + 20),
+        # The release's scheduler class (UniPC on flow sigmas).
+        scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0),
+        image_processor=image_processor, image_encoder=image_encoder, transformer=tiny_wan_animate(seed=seed + 30),
+    )
+
+
+def wan_animate_videos(frames: int, height: int, width: int, replace: bool = False, seed: int = 0,
+                       face_size: int = FACE_SIZE) -> dict:
+    """Seeded ``WanAnimatePipeline`` conditioning in PIL (RGB noise; no preprocessing models):
+    ``image`` (the character, ``height x width``), ``pose_video`` (``frames`` of ``height x width``),
+    ``face_video`` (``frames`` of ``face_size`` squared: the motion encoder's size, which the
+    pipeline resizes to) and, with ``replace``, ``background_video`` and a binary ``mask_video``
+    (white: generate, black: keep)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+
+    def noise(h: int, w: int) -> Image.Image:
+        return Image.fromarray((rng.rand(h, w, 3) * 255).astype("uint8"))
+
+    videos = {"image": noise(height, width), "pose_video": [noise(height, width) for _ in range(frames)],
+              "face_video": [noise(face_size, face_size) for _ in range(frames)]}
+    if replace:
+        videos["background_video"] = [noise(height, width) for _ in range(frames)]
+        videos["mask_video"] = [Image.fromarray(((rng.rand(height, width) > 0.5) * 255).astype("uint8")).convert("RGB")
+                                for _ in range(frames)]
+    return videos
