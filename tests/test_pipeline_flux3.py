@@ -13,10 +13,24 @@ the "stream" and "gather_merge" schedules forced. Each case: output vs stock, bl
 single blocks sees at most ceil(T / P) + ceil(N / P) + ceil(M / P) tokens, bit-identical output
 after ``disable``. Per shape, on 2 and on 4 ranks: every parameter's gradient
 (tests/adapter_parity.gradient_errors), and once with gradient checkpointing. The transformer
-enabled with cfg_degree=2 (the batch split over cfg) equals stock.
+enabled with cfg_degree=2 (the batch split over cfg) equals stock. Fullgraph compile (Dynamo) on
+(2,2) with every mode split evenly: one graph, equal to eager.
+
+The stock pipelines: Diffusers ships FLUX.3 as modular pipelines (``Flux3ModularPipeline``,
+``Flux3DistilledModularPipeline``), built tiny in code (``tiny_flux3_pipeline``: Qwen3-VL text
+encoder, VAE, the tiny transformer; the prompt upsampler popped) and run through
+``pipe.enable_usp()`` (Note [modular pipelines]) against one process, 36 x 52 (117 image tokens,
+80 text), 2 steps: the guider's two calls a step on (2,1,1), (2,2,1) and (1,2,2) (there block 0
+of the single blocks runs steps + 1 times a rank: ``cfg_pair``), two images a prompt on (1,2,2),
+an edit with a 20 x 28 reference image on (2,2,1), the distilled flow map on (1,4,1); latents and
+images, ``disable_usp`` bit for bit. Each rank's generator seeded by its rank gives rank 0's image
+(and leaves each generator in rank 0's state); ranks passing different numbers of generators are
+refused on every rank; ranks > 0 show no progress bar. ``examples/generate_image.py --family
+flux3`` on one process.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs and gradients: sharding only reorders
-float32 sums (attention blocks merged by log-sum-exp, gradients summed over ranks).
+float32 sums (attention blocks merged by log-sum-exp, gradients summed over ranks). Decoded
+images: 1e-4 (an untrained random VAE's gain on the latents' rounding).
 """
 from __future__ import annotations
 
@@ -186,6 +200,18 @@ def _rank_seeded_case() -> dict[str, float]:
             "bars_not_restored": float([dict(getattr(b, "_progress_bar_config", {})) for b in loops] != before)}
 
 
+def _compiled_case() -> dict[str, float]:
+    """``enable_usp`` then ``torch.compile(fullgraph=True)`` (Dynamo, backend "eager") on (2,2): one
+    graph, output equal to the eager enabled model. Each mode splits evenly here (8 text and 4 x 5
+    = 20 image tokens on 4 ranks): the single blocks' pieces are then the standard split of the
+    joint length, which the call passes (Note [FLUX.3's per-mode split]); on a grid where they are
+    not, the call passes no length and ``usp_attention`` refuses to be traced (it would gather the
+    lengths), as docs/COMPILE.md says."""
+    model = tiny_flux3()
+    inputs = flux3_inputs(model, 2, 4, 5, 8)
+    return parity.compiled_case(model, inputs, init_usp(2, 2), backend="eager")
+
+
 def _run_all() -> dict[str, dict | str]:
     results = {}
     parity.run_grid_cases(results, SHAPES, _output_case,
@@ -194,6 +220,7 @@ def _run_all() -> dict[str, dict | str]:
     parity.record(results, "cfg-split", lambda: _cfg_split_case(init_usp(1, 2, 2)))
     parity.record(results, "pipeline", _pipeline_cases, many=True)
     parity.record(results, "pipeline-rank-seeded", _rank_seeded_case)
+    parity.record(results, "compiled", _compiled_case)
     two_heads = tiny_flux3(num_heads=2, head_dim=32)
     parity.record(results, "ulysses-above-heads",
                   lambda: parity.ulysses_above_heads_case(two_heads, ADAPTER, init_usp(ulysses_degree=4)))
@@ -202,7 +229,9 @@ def _run_all() -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def grid_results() -> list[dict]:
-    return parity.spawn_grid(_run_all, WORLD)
+    # check_groups=False: the compiled case's torch compile caches (functional collectives' graphs)
+    # keep references to the process groups past the job, as in tests/test_compile_grid.py.
+    return parity.spawn_grid(_run_all, WORLD, check_groups=False)
 
 
 test_sharded_output_matches_one_process, test_parameter_gradients_match_one_process = parity.grid_tests(
@@ -227,6 +256,10 @@ def test_modular_pipeline_matches_one_process(grid_results, key: str):
 
 def test_disable_usp_gives_back_the_bit_identical_image(grid_results):
     parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
+
+
+def test_enabled_model_compiles_fullgraph_in_one_graph(grid_results):
+    parity.assert_within(grid_results, "compiled", TOL)
 
 
 def test_rank_seeded_noise_is_the_first_ranks(grid_results):

@@ -22,6 +22,9 @@ latent: the token mask re-cut on recompute). The transformer enabled with cfg_de
 in one call) through ``pipe.enable_usp()`` on (U, R, cfg) = (2,1,1), (2,2,1) and (1,2,2), 2 steps,
 square (25 tokens), and non-square (padded to 39) on (2,2,1), equal to one process's.
 
+Not compiled: the stock MoE feed-forward reads its tokens per expert on the host
+(``bincount().cpu().numpy()``, a graph break in stock too), as NucleusMoE-Image's does.
+
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs, gradients and the pipeline's final
 latents: sharding only reorders float32 sums (attention blocks merged by log-sum-exp, gradients
 summed over ranks); MoE routing is per token, so every token takes the same experts as in stock.

@@ -23,6 +23,9 @@ The stock ``QwenImage21Pipeline`` (tiny processor, Qwen3-VL, VAE and transformer
 axis at cfg 2), no CFG, and an edit call with a condition image, on (2,1,1), (2,2,1), (1,2,2), (1,4,1);
 ``disable_usp`` gives the bit-identical image back.
 
+Not compiled: the stock forward reads the image slots' mask with ``.tolist()`` to lay out its RoPE
+positions (a graph break in stock too: ``torch.compile(fullgraph=True)`` of the stock model fails there).
+
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs and gradients: sharding only reorders
 float32 sums (attention blocks merged by log-sum-exp, gradients summed over ranks; masked prompt
 keys handled per element as separate calls).
