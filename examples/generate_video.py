@@ -1,4 +1,4 @@
-"""torchrun: generate a video with any video family of usp_dit (CogVideoX, Mochi, Wan, Wan VACE, Wan Animate,
+"""torchrun: generate a video with any video family of usp_dit (CogVideoX, Mochi, Wan, Wan VACE, Wan Animate (2),
 HunyuanVideo, HunyuanVideo 1.5, FramePack, Kandinsky 5, LTX-Video, LTX-2, ChronoEdit, Helios, Cosmos 3,
 Sana-Video, ConsisID, Latte, Allegro, AnyFlow, SANA-WM) on a Ulysses x Ring (x CFG) grid, checked
 against one rank.
@@ -53,6 +53,7 @@ pipelines compress as the real ones do):
     wan            16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     wan_vace       16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     wan_animate    16            4k + 1    80 x 144, 13 -> (1 + 4) x 5 x 9 = 225    with --guidance > 1 (two calls)
+    wan_animate2   16            4k + 1    48 x 80, 9   -> (1 + 2) x 3 x 5 = 45     yes (two calls a step)
     hunyuan_video  16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          with --true-cfg (two calls)
     kandinsky5     16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (two calls a step)
     kandinsky6     16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162 (+11 audio) yes (two calls a step)
@@ -98,6 +99,15 @@ in every call (the 1 + in the table). Its guidance scale defaults to 1 (the rele
 CFG): ``--cfg 2`` needs ``--guidance`` above 1 (two calls a step, the negative prompt's with a
 blanked face video). Its stock processor takes the last 512 text tokens for the prompt, so the
 tiny pipeline encodes 512; its pipeline cleans prompts with ftfy unconditionally (as VACE's).
+
+Wan-Animate-2 ships as Diffusers' modular ``WanAnimate2ModularPipeline``; the example runs its core
+denoise step (``tiny_wan_animate2.tiny_wan_animate2_denoise``: segments of 5 frames, each
+conditioned on the previous one's last decoded frame, a reference pass into a KV cache, guided
+denoising at ``--guidance`` (default 3), an in-loop VAE decode) on the seeded tensors its encoder
+steps would hand over (text, CLIP and reference-image inputs: ``--prompt`` is not read), so
+``--model-path`` is refused; a checkpoint runs through the modular pipeline and
+``pipe.enable_usp()`` (docs/USAGE.md). Each call sees one segment plus the reference frame (the
+1 + in the table) and 30 reference tokens.
 
 ConsisID (CogVideoX's transformer with face conditioning) animates an image (``--image``, default a
 colour gradient) keeping a face's identity; the tiny pipeline takes seeded random face embeddings
@@ -223,6 +233,11 @@ FAMILIES = {
         "WanAnimatePipeline", 13, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, size=(80, 144),
         reference_latent_frames=1, cfg="two calls", guided_by_default=False,
         unguided_why="unguided by default, at guidance_scale 1 as released"),
+    # Wan-Animate-2: Diffusers' modular core denoise step (segments of 5 frames carrying 1 over, the
+    # reference pass, guided denoising, an in-loop decode); the tiny example only (check_args).
+    "wan_animate2": VideoFamily(
+        "WanAnimate2ModularPipeline", 9, 4, 4, "segments of 5 frames, each carrying 1 over, 4 frames per latent "
+        "frame", 8, 16, size=(48, 80), reference_latent_frames=1, cfg="two calls"),
     # With no control video: the pipeline's all-zero video and all-ones mask (VACE text-to-video).
     "wan_vace": VideoFamily(
         "WanVACEPipeline", 9, 4, 4, "Wan's VAE: 4 frames per latent frame", 8, 16, cfg="two calls"),
@@ -295,6 +310,7 @@ TRUE_CFG_FAMILIES = ("hunyuan_video", "hunyuan_video_framepack")  # guidance-dis
 PLANNED = ("cogvideox", "mochi", "wan", "hunyuan_video", "ltx_video")  # families usp_dit.plan has a cost model for
 TINY_TEXT_LENS = {"chronoedit": 512, "wan_animate": 512}  # the stock processor's fixed text length
 WAN_ANIMATE_SEGMENT = 77  # WanAnimatePipeline's segment_frame_length (the release's)
+SEGMENT_FRAMES = {"wan_animate": WAN_ANIMATE_SEGMENT, "wan_animate2": 5}  # frames a transformer call sees
 TINY_HELIOS_CHUNKS = {"history_sizes": [4, 2, 1], "num_latent_frames_per_chunk": 3}  # the release's: [16, 2, 1], 9
 # LTX-2 with --cfg 2: its batch-1 guidance calls (spatio-temporal, modality isolation) off.
 LTX2_CFG_ONLY = {"stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0, "audio_modality_scale": 1.0}
@@ -370,6 +386,10 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     if args.image is not None and not os.path.isfile(args.image):
         raise launch.UsageError(f"--image {args.image}: no such file")
     check_motion_videos(args)
+    if args.model == "wan_animate2" and args.model_path is not None:
+        raise launch.UsageError("--model-path with --model wan_animate2: the example runs the tiny core denoise step "
+                                "alone (seeded text, CLIP and reference inputs); a checkpoint runs through "
+                                "Diffusers' WanAnimate2ModularPipeline and pipe.enable_usp() (docs/USAGE.md)")
     if args.model == "consisid" and args.model_path is not None:
         raise launch.UsageError("--model-path with --model consisid: the example has no face models (InsightFace, "
                                 "EVA-CLIP) to embed a face with; it runs the tiny pipeline only")
@@ -457,6 +477,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             tiny_video,
             tiny_wan,
             tiny_wan_animate,
+            tiny_wan_animate2,
             tiny_wan_vace,
         )
 
@@ -465,6 +486,8 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             "wan": lambda **kw: tiny_wan.tiny_wan_pipeline(two_experts=True, **kw),
             "wan_vace": tiny_wan_vace.tiny_wan_vace_pipeline,
             "wan_animate": tiny_wan_animate.tiny_wan_animate_pipeline,
+            # Its core denoise step alone: its text comes as seeded embeddings (no text length to set).
+            "wan_animate2": lambda max_text_len: tiny_wan_animate2.tiny_wan_animate2_denoise(),
             "hunyuan_video": tiny_hunyuan_video.tiny_hunyuan_video_pipeline,
             "hunyuan_video15": tiny_hunyuan_video15.tiny_hunyuan_video15_pipeline,
             "hunyuan_video_framepack": tiny_hunyuan_video_framepack.tiny_framepack_pipeline,
@@ -504,6 +527,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     kwargs = {}
     if args.model in ("hunyuan_video15", "motif_video"):
         return _generate_guided_by_guider(pipe, args)
+    if args.model == "wan_animate2":
+        return _generate_wan_animate2(pipe, args)
     if args.model in ("latte", "allegro"):  # without bs4 / ftfy (LattePipeline pads prompts to 120 tokens)
         kwargs["clean_caption"] = False
     # Cosmos 3 has no text encoder; Latte's and EasyAnimate's pipelines take no text length
@@ -683,6 +708,25 @@ def save_video(frames: np.ndarray, path: str, fps: int) -> list[str]:
     return [path, mp4]
 
 
+def _generate_wan_animate2(pipe, args: argparse.Namespace) -> np.ndarray:
+    """Wan-Animate-2's core denoise step on seeded inputs (``tiny_wan_animate2.wan_animate2_denoise_inputs``:
+    what its encoder steps would hand over) in segments of 5 frames, ``--guidance`` its guider's
+    scale; the segments' frames joined and cut to ``--frames``, mapped from [-1, 1] as Diffusers'
+    video processor does."""
+    from diffusers import ClassifierFreeGuidance
+
+    from usp_dit.demo.tiny_wan_animate2 import SEGMENT_FRAMES as SEGMENT, wan_animate2_denoise_inputs
+
+    if args.guidance is not None:
+        pipe.update_components(guider=ClassifierFreeGuidance(guidance_scale=args.guidance))
+    segments = -(-(args.frames - 1) // (SEGMENT - 1))
+    inputs = wan_animate2_denoise_inputs(segments, seed=args.seed, size=(args.height, args.width))
+    chunks = pipe(**inputs, num_inference_steps=args.steps, generator=torch.Generator("cpu").manual_seed(args.seed),
+                  output="segment_frames")
+    video = torch.cat(chunks, dim=2)[0, :, : args.frames].float()  # (3, frames, height, width)
+    return (video / 2 + 0.5).clamp(0, 1).permute(1, 2, 3, 0).numpy()
+
+
 def video_tokens(args: argparse.Namespace, pipe) -> int:
     """Tokens the transformer sees: latent frames x (height / (l p)) x (width / (l p)), l pixels per
     latent pixel and p latent pixels per token side."""
@@ -691,7 +735,7 @@ def video_tokens(args: argparse.Namespace, pipe) -> int:
     p = cfg.latent_patch_size if args.model == "cosmos3" else cfg.patch_size
     p = p[-1] if isinstance(p, (tuple, list)) else p  # Wan: (t, h, w); spatial patches are square
     side = family.latent_pixels * p
-    frames = min(args.frames, WAN_ANIMATE_SEGMENT) if args.model == "wan_animate" else args.frames  # a call's
+    frames = min(args.frames, SEGMENT_FRAMES.get(args.model, args.frames))  # a call's
     latent_frames = (frames - 1) // family.frames_per_latent + 1 + family.reference_latent_frames
     # Cosmos 3 pads an odd latent size to its patch: a partial patch is a token (a no-op elsewhere).
     return latent_frames * -(-args.height // side) * -(-args.width // side)

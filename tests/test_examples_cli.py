@@ -355,10 +355,12 @@ def two_ranks(monkeypatch):
     (["--model", "wan_animate", "--pose-video", "/nonexistent.gif"], "--pose-video /nonexistent.gif: no such file"),
     (["--model", "wan", "--face-video", __file__], "--face-video with --model wan: only wan_animate takes pose and"),
     (["--model", "wan_animate", "--frames", "11"], "--frames 11 must be 4k + 1"),
+    (["--model", "wan_animate2", "--frames", "11"], "--frames 11 must be 4k + 1"),
+    (["--model", "wan_animate2", "--height", "40"], "--height 40 must be a multiple of 16"),
 ], ids=["hunyuan-cfg2-distilled", "hunyuan-cfg2-true-cfg-1", "wan-cfg2-unguided", "cfg4", "hunyuan-frames",
         "hunyuan-size", "ltx-frames", "ltx-size", "ltx-cfg2-unguided", "ltx-true-cfg", "ltx-model-path",
         "wan-animate-cfg2-unguided", "wan-animate-model-path-no-pose", "wan-animate-no-pose-file",
-        "wan-face-video", "wan-animate-frames"])
+        "wan-face-video", "wan-animate-frames", "wan-animate2-frames", "wan-animate2-size"])
 def test_video_example_rejects_what_the_new_families_cannot_take(argv, message, two_ranks):
     with pytest.raises(UsageError, match=re.escape(message)):
         _example("generate_video").parse_args(argv)
@@ -385,6 +387,7 @@ def test_video_example_rejects_what_the_new_families_cannot_take(argv, message, 
     (["--model", "allegro", "--cfg", "2", "--frames", "8"], (8, 96, 144, (1, 1, 2))),  # rounded up to latent frames
     (["--model", "wan_animate"], (13, 80, 144, (2, 1, 1))),
     (["--model", "wan_animate", "--cfg", "2", "--guidance", "2"], (13, 80, 144, (1, 1, 2))),
+    (["--model", "wan_animate2", "--cfg", "2"], (9, 48, 80, (1, 1, 2))),
 ])
 def test_video_example_fills_each_familys_defaults(argv, expected, two_ranks):
     args = _example("generate_video").parse_args(argv)

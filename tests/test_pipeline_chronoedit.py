@@ -243,7 +243,7 @@ def test_video_example_chronoedit_defaults_and_reasoning(monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["--model", "wan", "--image", "x.png"], "--image with --model wan: only chronoedit, consisid, hunyuan_video_framepack, "
-                                             "sana_wm take an image"),
+                                             "sana_wm, wan_animate take an image"),
     (["--model", "chronoedit", "--image", "/no/such.png"], "--image /no/such.png: no such file"),
     (["--model", "chronoedit", "--frames", "7"], "--frames 7 must be 4k + 1"),
 ])

@@ -308,5 +308,5 @@ def test_video_example_helios_defaults(monkeypatch):
     args = ex.parse_args(["--model", "helios"])
     assert (args.frames, args.height, args.width, args.degrees) == (17, 96, 144, (1, 1, 1))
     assert "helios" in ex.EMBEDS_FAMILIES and ex.TINY_HELIOS_CHUNKS["num_latent_frames_per_chunk"] == 3
-    with pytest.raises(ex.launch.UsageError, match="only chronoedit, consisid, hunyuan_video_framepack, sana_wm take an image"):
+    with pytest.raises(ex.launch.UsageError, match="only chronoedit, consisid, hunyuan_video_framepack, sana_wm, wan_animate take an image"):
         ex.parse_args(["--model", "helios", "--image", "x.png"])

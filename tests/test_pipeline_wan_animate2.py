@@ -453,3 +453,18 @@ def test_grids_outside_the_packed_buffer_raise():
         Geometry(frames=3, hw=16, ref_frames=2, ref_hw=15, origin_frames=2, origin_hw=15).check()
     with pytest.raises(NotImplementedError, match="beyond origin_len"):
         Geometry(frames=4, hw=15, ref_frames=2, ref_hw=15, origin_frames=2, origin_hw=15).check()
+
+
+def test_the_video_example_builds_and_runs_the_tiny_wan_animate2():
+    """examples/generate_video.py --model wan_animate2: the tiny core denoise step on one process
+    (1 step, two segments), RGB frames in [0, 1]; --model-path is refused (the example seeds what
+    the encoder steps would hand over)."""
+    from tests.test_examples_cli import _example
+    from usp_dit.cli.launch import UsageError
+
+    ex = _example("generate_video")
+    args = ex.parse_args(["--model", "wan_animate2", "--steps", "1"])
+    frames = ex.generate(ex.load_pipeline(args, torch.device("cpu")), args)
+    assert frames.shape == (9, 48, 80, 3) and bool((frames >= 0).all() and (frames <= 1).all())
+    with pytest.raises(UsageError, match="--model-path with --model wan_animate2"):
+        ex.parse_args(["--model", "wan_animate2", "--model-path", "."])

@@ -177,9 +177,11 @@ def tiny_wan_animate2_denoise(seed: int = 0, guidance_scale: float = 3.0):
     return pipe
 
 
-def wan_animate2_denoise_inputs(num_segments: int = 2, seed: int = 0) -> dict:
+def wan_animate2_denoise_inputs(num_segments: int = 2, seed: int = 0,
+                                size: tuple[int, int] = PIPELINE_SIZE) -> dict:
     """Seeded keyword arguments of ``tiny_wan_animate2_denoise()``'s call, as the stock encoder
-    steps would hand them over, at ``PIPELINE_SIZE`` with ``SEGMENT_FRAMES``-frame segments that
+    steps would hand them over, at ``size`` (height, width: multiples of 16; the shapes below are
+    the default's) with ``SEGMENT_FRAMES``-frame segments that
     carry one frame over (so ``num_segments`` segments span 4 * num_segments + 1 driving frames, and
     each segment after the first conditions on the previous one's decoded last frame):
 
@@ -196,7 +198,7 @@ def wan_animate2_denoise_inputs(num_segments: int = 2, seed: int = 0) -> dict:
     from diffusers.modular_pipelines.wan_animate_2.encoders import get_i2v_mask
 
     g = torch.Generator().manual_seed(seed)
-    height, width = PIPELINE_SIZE
+    height, width = size
     latent_h, latent_w = height // 8, width // 8
     carried = 1
     effective = SEGMENT_FRAMES - carried

@@ -133,7 +133,8 @@ def _loop_blocks(blocks: Any) -> Iterator[Any]:
 
 
 def patch_modular(pipe: Any, mesh: USPMesh, sync_latents: bool, quiet: bool) -> ModularPatch:
-    """Note [modular pipelines] on ``pipe``: latents synced (``sync_latents``), bars off (``quiet``)."""
+    """Note [modular pipelines] on ``pipe``: with ``sync_latents`` each call's generators and first
+    latents are the replica's first rank's; with ``quiet`` every loop block's bar is off."""
     patch = ModularPatch()
     if getattr(pipe, "_blocks", None) is None:  # components alone, no blocks to run: nothing to patch
         return patch
