@@ -356,7 +356,7 @@ def two_ranks(monkeypatch):
     (["--model", "wan", "--face-video", __file__], "--face-video with --model wan: only wan_animate takes pose and"),
     (["--model", "wan_animate", "--frames", "11"], "--frames 11 must be 4k + 1"),
     (["--model", "wan_animate2", "--frames", "11"], "--frames 11 must be 4k + 1"),
-    (["--model", "wan_animate2", "--height", "40"], "--height 40 must be a multiple of 16"),
+    (["--model", "wan_animate2", "--height", "40"], "--height 40 must be a positive multiple of 16"),
 ], ids=["hunyuan-cfg2-distilled", "hunyuan-cfg2-true-cfg-1", "wan-cfg2-unguided", "cfg4", "hunyuan-frames",
         "hunyuan-size", "ltx-frames", "ltx-size", "ltx-cfg2-unguided", "ltx-true-cfg", "ltx-model-path",
         "wan-animate-cfg2-unguided", "wan-animate-model-path-no-pose", "wan-animate-no-pose-file",
