@@ -37,7 +37,9 @@ Note [modular pipelines]
                 (``generator=None``) is synced only where it reaches a ``*latents`` key.
       progress  the bars belong to the loop blocks (``LoopSequentialPipelineBlocks``), anywhere in
                 the tree, and ``ModularPipeline.set_progress_bar_config`` reaches the top level
-                only: ranks > 0 disable every loop block's bar and restore each config after.
+                only: ranks > 0 disable every loop block's bar and restore each config after. A
+                block that opens a ``tqdm`` of its own (Wan-Animate-2's and Helios's denoise steps
+                in Diffusers 0.42.1) has no config to set: its bar still shows on every rank.
 """
 from __future__ import annotations
 
