@@ -164,7 +164,9 @@ def _rank_seeded_case() -> dict[str, float]:
     """Note [modular pipelines]: each rank passes a generator of its own seed; under
     ``pipe.enable_usp()`` on (2,2,1) every rank's latents and image equal one process's with rank
     0's seed, and every rank's generator ends in the state rank 0's one-process call left its own
-    in. A call where rank 0 passes a generator and the others none raises ValueError on every rank.
+    in; with no generator and each rank's global RNG seeded by its rank, the latents are one
+    process's with seed 0. A call where rank 0 passes a generator and the others none raises
+    ValueError on every rank.
     Ranks > 0 show no progress bar (every loop block's, however deep) while enabled, and
     ``disable_usp`` gives back the pipeline's own blocks object and each bar's config."""
     import torch.distributed as dist
@@ -174,6 +176,9 @@ def _rank_seeded_case() -> dict[str, float]:
 
     pipe = tiny_flux3_pipeline()
     rank = dist.get_rank()
+    torch.manual_seed(0)
+    unseeded_ref = pipe(prompt=PROMPT, num_inference_steps=1, text_encoder_out_layers=(2,), height=36, width=52,
+                        generator=None, output="latents")
     ref_generator = torch.Generator().manual_seed(0)
     ref = _generate(pipe, generator=ref_generator, negative_prompt=NEGATIVE)
     generator = torch.Generator().manual_seed(rank)
@@ -184,6 +189,9 @@ def _rank_seeded_case() -> dict[str, float]:
         quiet = all(getattr(b, "_progress_bar_config", {}).get("disable") for b in loops)
         synced_copy = pipe._blocks is not blocks and type(pipe._blocks).__name__ == type(blocks).__name__
         got = _generate(pipe, generator=generator, negative_prompt=NEGATIVE)
+        torch.manual_seed(rank)  # no generator: the blocks draw from each rank's global RNG
+        unseeded = pipe(prompt=PROMPT, num_inference_steps=1, text_encoder_out_layers=(2,), height=36, width=52,
+                        generator=None, output="latents")
         try:
             pipe(prompt=PROMPT, num_inference_steps=1, text_encoder_out_layers=(2,), height=36, width=52,
                  generator=generator if rank == 0 else None, output="latents")  # rank 0 passes one, the others none
@@ -195,6 +203,7 @@ def _rank_seeded_case() -> dict[str, float]:
     return {"latents": rel_err(got[0], ref[0]), "images": rel_err(got[1], ref[1]),
             "bars_not_quiet": float(bool(loops) and rank > 0 and not quiet),
             "generator_not_rank0s": float(not torch.equal(generator.get_state(), ref_generator.get_state())),
+            "global_rng_latents": rel_err(unseeded, unseeded_ref),
             "mismatch_not_refused": float(not refused),
             "blocks_not_a_synced_copy": float(not synced_copy), "blocks_not_restored": float(pipe._blocks is not blocks),
             "bars_not_restored": float([dict(getattr(b, "_progress_bar_config", {})) for b in loops] != before)}

@@ -150,18 +150,26 @@ def _pipeline_cases() -> dict[str, dict[str, float]]:
 def _rank_seeded_case() -> dict[str, float]:
     """Note [modular pipelines], noise in loops: each window draws its noise inside the loop from
     the call's generator; with each rank's generator seeded by its rank, ``pipe.enable_usp()`` on
-    (2,2,1) gives every rank one process's latents with rank 0's seed."""
+    (2,2,1) gives every rank one process's latents with rank 0's seed; so does a call without a
+    generator whose ranks seeded their global RNG by their rank."""
     import torch.distributed as dist
 
     pipe = tiny_minimax_music3_denoise()
     pipe.set_progress_bar_config(disable=True)
-    (ref,) = _denoise(pipe)
+    frames = torch.randn(1, PIPELINE_FRAMES, FRAME_LAYERS * FRAME_DIM, generator=torch.Generator().manual_seed(5))
+
+    def unseeded(seed: int) -> torch.Tensor:  # no generator: each window's noise from the global RNG
+        torch.manual_seed(seed)
+        return torch.cat(pipe(frame_hiddens=frames, num_inference_steps=STEPS, output="latent_chunks"), dim=-1)
+
+    (ref,), unseeded_ref = _denoise(pipe), unseeded(0)
     pipe.enable_usp(ulysses_degree=2, ring_degree=2)
     try:
         (got,) = _denoise(pipe, torch.Generator().manual_seed(dist.get_rank()))
+        unseeded_got = unseeded(dist.get_rank())
     finally:
         pipe.disable_usp()
-    return {"latents": rel_err(got, ref)}
+    return {"latents": rel_err(got, ref), "global_rng_latents": rel_err(unseeded_got, unseeded_ref)}
 
 
 def _run_all() -> dict[str, dict | str]:

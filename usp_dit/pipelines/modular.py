@@ -32,9 +32,10 @@ Note [modular pipelines]
                 ``torch.Generator`` the call passes (``generator=``, or a list of them) takes the
                 replica's first rank's state: every draw from it, anywhere in the blocks, is then
                 the same on every rank (the user's generators on ranks > 0 are left in rank 0's
-                state). Ranks that pass different kinds or counts of generators are refused on
-                every rank (``ValueError``) before any broadcast. Noise from the global RNG
-                (``generator=None``) is synced only where it reaches a ``*latents`` key.
+                state). A call without one (``generator=None``) draws from the global RNGs: the
+                CPU's default generator and this rank's GPU's (once CUDA is in use) then take rank
+                0's state the same way. Ranks that pass different kinds or counts of generators
+                are refused on every rank (``ValueError``) before any broadcast.
       progress  the bars belong to the loop blocks (``LoopSequentialPipelineBlocks``), anywhere in
                 the tree, and ``ModularPipeline.set_progress_bar_config`` reaches the top level
                 only: ranks > 0 disable every loop block's bar and restore each config after. A
@@ -109,13 +110,23 @@ def _sync_generators(value: Any, mesh: USPMesh) -> None:
     """Note [modular pipelines], noise in loops: each ``torch.Generator`` in ``value`` (one, a list,
     or None) takes the replica's first rank's state. Collective on every rank of the replica."""
     generators = [g for g in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(g, torch.Generator)]
+    if value is None:  # the blocks draw from the global RNGs: those of the CPU and this rank's GPU
+        generators = [torch.default_generator] + _cuda_default_generators()
     states = [g.get_state() for g in generators]
-    shape = torch.tensor([len(states), sum(s.numel() for s in states)], dtype=torch.float64)
+    shape = torch.tensor([value is None, len(states), sum(s.numel() for s in states)], dtype=torch.float64)
     if not same_on_replica(shape, mesh):  # before any broadcast: mismatched ones would hang
         raise ValueError(f"generator={value!r}: the ranks of a replica pass different numbers or kinds of "
                          "torch.Generator (pass the same on every rank; their seeds may differ)")
     for generator, generator_state in zip(generators, states):
         generator.set_state(broadcast_from_first_rank(generator_state, mesh))
+
+
+def _cuda_default_generators() -> list[torch.Generator]:
+    """This rank's current GPU's default generator, once CUDA is in use (none before: it would
+    initialise CUDA)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return []
+    return [torch.cuda.default_generators[torch.cuda.current_device()]]
 
 
 def _synced_class(cls: type) -> type:
