@@ -34,8 +34,6 @@ log-sum-exp, gradients summed over ranks).
 """
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from diffusers.models.transformers import transformer_minimax_music3
@@ -126,25 +124,15 @@ def _denoise(pipe, generator: torch.Generator | None = None) -> tuple[torch.Tens
     return (torch.cat(chunks, dim=-1),)
 
 
-@contextlib.contextmanager
-def _window_computations(pipe, grid: tuple[int, int, int]):
-    """A ``pipeline_cases`` probe: at cfg 2, 1.0 unless block 0 ran ``steps + 1`` times a window on
-    this rank (each window's condition is new: its first step's two calls teach the pair again,
-    ``cfg_pair`` Note [two calls a step])."""
-    computed = []
-    hook = pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda m, a: computed.append(1))
-    try:
-        yield lambda: {"computations_not_windows_x_steps_plus_1": float(
-            len(computed) != WINDOWS * (STEPS + 1))} if grid[2] == 2 else {}
-    finally:
-        hook.remove()
-
-
 def _pipeline_cases() -> dict[str, dict[str, float]]:
     """The core denoise pipeline through ``pipe.enable_usp()`` on each grid vs one process."""
     pipe = tiny_minimax_music3_denoise()
     pipe.set_progress_bar_config(disable=True)
-    return parity.pipeline_cases(pipe, _denoise, PIPELINE_GRIDS, names=("latents",), probe=_window_computations)
+    # At cfg 2 block 0 runs steps + 1 times a window (each window's condition is new: its first
+    # step's two calls teach the pair again, cfg_pair Note [two calls a step]): the shared probe's
+    # "steps + 1" with steps := WINDOWS (STEPS + 1) - 1.
+    probe = lambda pipe, grid: parity.cfg_pair_computations(pipe, grid, WINDOWS * (STEPS + 1) - 1)  # noqa: E731
+    return parity.pipeline_cases(pipe, _denoise, PIPELINE_GRIDS, names=("latents",), probe=probe)
 
 
 def _rank_seeded_case() -> dict[str, float]:
