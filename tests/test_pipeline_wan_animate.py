@@ -46,6 +46,7 @@ import torch
 from tests import adapter_parity as parity
 from usp_dit import init_usp, single_rank_mesh
 from usp_dit.demo.tiny_wan import I2V_TEXT_LEN
+from tests.test_examples_cli import one_rank  # noqa: F401  (the fixture: no RANK / WORLD_SIZE)
 from usp_dit.demo.tiny_wan_animate import (
     tiny_wan_animate,
     tiny_wan_animate_pipeline,
@@ -192,14 +193,12 @@ def test_disable_usp_gives_back_the_bit_identical_video(grid_results):
     parity.assert_within(grid_results, "pipeline-after-disable", 0.0)
 
 
-def test_the_video_example_builds_and_runs_the_tiny_wan_animate(monkeypatch):
+def test_the_video_example_builds_and_runs_the_tiny_wan_animate(one_rank):
     """examples/generate_video.py --model wan_animate: its tiny default pipeline on one process (1
     step, 5 frames: one segment, 3 x 3 x 5 = 45 tokens a call with the reference frame), seeded
     reference image, pose and face videos, RGB frames in [0, 1]."""
     from tests.test_examples_cli import _example
 
-    for name in ("RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
     ex = _example("generate_video")
     args = ex.parse_args(["--model", "wan_animate", "--steps", "1", "--frames", "5", "--height", "48",
                           "--width", "80"])
