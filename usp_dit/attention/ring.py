@@ -54,6 +54,7 @@ from usp_dit.attention.masked_joint import JointKV, add_masked_joint, joint_grad
 from usp_dit.attention.masks import SubCall
 from usp_dit.attention.merge import LSEMerger
 from usp_dit.distributed.comm import RingExchanger, start_all_gather, start_all_gather_into, wait_gathered
+from usp_dit.distributed import fp8_wire
 from usp_dit.distributed.config import canonical_schedule
 from usp_dit.kernels.autograd import kernel_backward
 from usp_dit.kernels.lse_grad import lse_cotangent
@@ -122,25 +123,40 @@ def _kv_shape(like: torch.Tensor, length: int) -> tuple[int, ...]:
     return (2, b, length, h, d)
 
 
-def _ring_blocks(k: torch.Tensor, v: torch.Tensor, spec: RingSpec):
-    """Yield ``(step, kv)``: the (2, B, S_j, Hk, D) K/V block held at each step of the ring.
+def _ring_blocks(k: torch.Tensor, v: torch.Tensor, spec: RingSpec, v_wire: torch.Tensor | None = None):
+    """Yield ``(step, kv)``: the K/V block held at each step of the ring, a stacked
+    (2, B, S_j, Hk, D) tensor, or with ``v_wire`` (Note [fp8 ring V]) a ``(k, v)`` pair unpacked
+    from the travelling bytes (the own block at step 0 is ``(k, v)`` as given).
 
     The next block's transfer is posted before yielding, so it travels while the caller computes;
     it is waited for when the caller asks for the next step (after any transfer the caller posted).
     """
-    cur = torch.stack([k, v])  # one contiguous buffer, one send per step
+    # one contiguous buffer, one send per step
+    cur = torch.stack([k, v]) if v_wire is None else fp8_wire.pack_kv(k, v_wire)
     for step in range(spec.size):
         receive = None
         if step < spec.size - 1:
-            shape = _kv_shape(cur, spec.block_sizes[spec.block_at(step + 1)])
+            shape = _travel_shape(cur, spec.block_sizes[spec.block_at(step + 1)], v_wire is not None)
             receive = spec.exchanger.post(cur, shape, cur.dtype, _KV_TAG, kind="ring_kv")
         try:
-            yield step, cur
+            if v_wire is None:
+                yield step, cur
+            else:
+                yield step, ((k, v) if step == 0 else fp8_wire.unpack_kv(cur, k.dtype, k.shape[-1]))
         except BaseException:  # the caller raised or closed the loop early: Note [draining a posted transfer]
             if receive is not None:
                 receive.drain()
             raise
         cur = receive() if receive is not None else cur
+
+
+def _travel_shape(cur: torch.Tensor, length: int, packed: bool) -> tuple[int, ...]:
+    """The shape of another rank's travelling block of ``length`` tokens like ``cur``: stacked
+    (2, B, length, Hk, D), or packed bytes (B, length, Hk, W)."""
+    if packed:
+        b, _, h, w = cur.shape
+        return (b, length, h, w)
+    return _kv_shape(cur, length)
 
 
 def _in_call(joint: JointKV | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -164,15 +180,19 @@ def _empty_result(q: torch.Tensor):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
 
 
-def ring_forward(q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float):
-    """Forward of Note [ring schedule] in ``spec``'s schedule; returns ``(out, lse)``."""
-    return spec.schedule.forward(q, k, v, joint, spec, backend, scale)
+def ring_forward(q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float,
+                 v_wire: torch.Tensor | None = None):
+    """Forward of Note [ring schedule] in ``spec``'s schedule; returns ``(out, lse)``. ``v_wire``
+    (B, S, Hk, D + 4) uint8: ``v``'s FP8 wire rows, which then travel instead of ``v`` (Note
+    [fp8 ring V]; ``v`` must be their decoding)."""
+    return spec.schedule.forward(q, k, v, joint, spec, backend, scale, v_wire)
 
 
-def _stream_forward(q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float):
+def _stream_forward(q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float,
+                    v_wire=None):
     """The "stream" forward of Note [ring schedule]: block by block, merged as they come."""
     merger = LSEMerger()
-    for step, cur in _ring_blocks(k, v, spec):
+    for step, cur in _ring_blocks(k, v, spec, v_wire):
         k_t, v_t = _with_joint(cur, joint, step)
         if q.shape[1] and k_t.shape[1]:
             merger.add(*backend.forward(q, k_t, v_t, scale))
@@ -234,23 +254,33 @@ def _longest(block_sizes: tuple[int, ...]) -> int:
     return max(block_sizes)
 
 
-def _start_block_gather(k, v, spec: RingSpec) -> list[torch.Tensor]:
-    """Post the all-gather of every ring rank's K and V block, padded to the longest block."""
+def _start_block_gather(k, v, spec: RingSpec, v_wire=None) -> list[torch.Tensor]:
+    """Post the all-gather of every ring rank's K and V block (V's wire rows where given), padded
+    to the longest block."""
     longest = _longest(spec.block_sizes)
-    return [start_all_gather(_padded(t, longest), spec.exchanger.group, kind="ring_gather") for t in (k, v)]
+    return [start_all_gather(_padded(t, longest), spec.exchanger.group, kind="ring_gather")
+            for t in (k, v if v_wire is None else v_wire)]
 
 
-def _gathered_blocks(pending: torch.Tensor, spec: RingSpec, batch: int) -> torch.Tensor:
-    """The result of one ``_start_block_gather`` transfer as (R, B, L, Hk, D) blocks (waits for it)."""
-    return wait_gathered(pending).unflatten(0, (spec.size, batch))
+def _gathered_blocks(pending: torch.Tensor, spec: RingSpec, batch: int, like: torch.Tensor | None = None) -> torch.Tensor:
+    """The result of one ``_start_block_gather`` transfer as (R, B, L, Hk, D) blocks (waits for
+    it); wire rows (uint8) decoded to ``like``'s dtype (padding rows decode to zeros)."""
+    blocks = wait_gathered(pending).unflatten(0, (spec.size, batch))
+    return fp8_wire.decode(blocks, like.dtype) if blocks.dtype == torch.uint8 and like is not None else blocks
 
 
-def _gather_merge_forward(q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float):
+def _gathered_kv(pending: list[torch.Tensor], spec: RingSpec, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_all, v_all) (R, B, L, Hk, D) of ``_start_block_gather``'s two transfers."""
+    return _gathered_blocks(pending[0], spec, k.shape[0]), _gathered_blocks(pending[1], spec, k.shape[0], k)
+
+
+def _gather_merge_forward(q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float,
+                          v_wire=None):
     """The "gather_merge" forward of Note [ring schedule]; returns ``(out, lse)``."""
-    pending = _start_block_gather(k, v, spec)  # travels during the local block
+    pending = _start_block_gather(k, v, spec, v_wire)  # travels during the local block
     merger = attend_local(q, *_with_joint((k, v), joint, 0), backend, scale)
     add_masked_joint(merger, q, joint, backend, scale)
-    k_all, v_all = (_gathered_blocks(p, spec, k.shape[0]) for p in pending)
+    k_all, v_all = _gathered_kv(pending, spec, k)
     stacks = [(k_all[a:b, :, :n], v_all[a:b, :, :n]) for a, b, n in remote_runs(spec.block_sizes, spec.rank)]
     return attend_stacks(merger, q, stacks, backend, scale)
 
@@ -279,20 +309,19 @@ def _gather_in_place(k, v, joint_k, joint_v, spec: RingSpec):
     return bufs
 
 
-def _gather_one_call_forward(q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float):
+def _gather_one_call_forward(q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float,
+                             v_wire=None):
     """The "gather_one_call" forward of Note [ring schedule]: one call against the whole sequence
     (masked joint tokens: one more call, merged)."""
     joint_k, joint_v = _in_call(joint)
     # Under torch.compile the gather into a preallocated buffer (an in-place collective) cannot be
-    # traced; the functional gather below can.
-    if not torch.compiler.is_compiling() and k.shape[0] == 1 and len(set(spec.block_sizes)) == 1:
+    # traced; the functional gather below can. Wire rows are decoded into a new tensor anyway.
+    if (not torch.compiler.is_compiling() and v_wire is None and k.shape[0] == 1
+            and len(set(spec.block_sizes)) == 1):
         k_all, v_all = _gather_in_place(k, v, joint_k, joint_v, spec)
     else:
-        pending = _start_block_gather(k, v, spec)
-        k_all, v_all = (
-            gathered_sequence(_gathered_blocks(p, spec, k.shape[0]), spec.block_sizes, j)
-            for p, j in zip(pending, (joint_k, joint_v))
-        )
+        blocks = _gathered_kv(_start_block_gather(k, v, spec, v_wire), spec, k)
+        k_all, v_all = (gathered_sequence(b, spec.block_sizes, j) for b, j in zip(blocks, (joint_k, joint_v)))
     merger = LSEMerger()
     if q.shape[1] and k_all.shape[1]:
         merger.add(*backend.forward(q, k_all, v_all, scale))
@@ -309,7 +338,8 @@ class RingSchedule(Protocol):
 
     name: str
 
-    def forward(self, q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float): ...
+    def forward(self, q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float,
+                v_wire: torch.Tensor | None = None): ...
 
     def keys_per_call(self, block: int, ring: int, joint: int) -> int: ...
 
@@ -322,8 +352,9 @@ class _Schedule:
     forward_fn: Callable
     keys_fn: Callable[[int, int, int], int]
 
-    def forward(self, q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float):
-        return self.forward_fn(q, k, v, joint, spec, backend, scale)
+    def forward(self, q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float,
+                v_wire: torch.Tensor | None = None):
+        return self.forward_fn(q, k, v, joint, spec, backend, scale, v_wire)
 
     def keys_per_call(self, block: int, ring: int, joint: int) -> int:
         return self.keys_fn(block, ring, joint)
@@ -338,21 +369,21 @@ SCHEDULES: dict[str, RingSchedule] = {
 }
 
 
-def _masked_stream_forward(q, k, v, joint, spec: RingSpec, backend: AttentionBackend, scale: float):
+def _masked_stream_forward(q, k, v, joint, spec: RingSpec, backend: AttentionBackend, scale: float, v_wire=None):
     """"stream" under a mask: each arriving block runs its plan (nothing for a hidden block)."""
     merger = RowMerger(q)
-    for step, cur in _ring_blocks(k, v, spec):
+    for step, cur in _ring_blocks(k, v, spec, v_wire):
         attend_plan(merger, q, cur[0], cur[1], spec.plans[spec.block_at(step)], backend, scale)
     return merger.result(q.dtype)
 
 
-def _masked_gather_forward(q, k, v, joint, spec: RingSpec, backend: AttentionBackend, scale: float):
+def _masked_gather_forward(q, k, v, joint, spec: RingSpec, backend: AttentionBackend, scale: float, v_wire=None):
     """"gather_merge" under a mask: the local block's plan while the blocks travel, then the
     gathered blocks' plans (blocks the mask hides are never read)."""
-    pending = _start_block_gather(k, v, spec)
+    pending = _start_block_gather(k, v, spec, v_wire)
     merger = RowMerger(q)
     attend_plan(merger, q, k, v, spec.plans[spec.rank], backend, scale)
-    k_all, v_all = (_gathered_blocks(p, spec, k.shape[0]) for p in pending)
+    k_all, v_all = _gathered_kv(pending, spec, k)
     for j, n in enumerate(spec.block_sizes):
         if j != spec.rank and spec.plans[j]:
             attend_plan(merger, q, k_all[j, :, :n], v_all[j, :, :n], spec.plans[j], backend, scale)
@@ -409,7 +440,7 @@ def ring_backward(dout, q, k, v, joint: JointKV | None, out, lse, spec: RingSpec
                 plan = spec.plans[spec.block_at(step)]
                 dq_t, dk_t, dv_t = masked_block_grads(backend, dout, q, k_t, v_t, out, lse, scale, plan, dlse)
             dq += dq_t
-            n = cur.shape[2]
+            n = cur[0].shape[1]
             if step == 0 and _in_call(joint)[0] is not None:
                 djk, djv = dk_t[:, n:], dv_t[:, n:]
             dkv = torch.stack([dk_t[:, :n], dv_t[:, :n]]).to(acc)
@@ -434,9 +465,9 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, joint_k, joint_v, joint_mask, spec: RingSpec, backend: AttentionBackend, scale: float,
-                lse_grad: bool = False):
+                lse_grad: bool = False, v_wire: torch.Tensor | None = None):
         joint = None if joint_k is None else JointKV(joint_k, joint_v, joint_mask)
-        out, lse = ring_forward(q, k, v, joint, spec, backend, scale)
+        out, lse = ring_forward(q, k, v, joint, spec, backend, scale, v_wire)
         ctx.save_for_backward(q, k, v, joint_k, joint_v, joint_mask, out, lse)
         ctx.spec, ctx.backend, ctx.scale, ctx.lse_grad = spec, backend, scale, lse_grad
         ctx.set_materialize_grads(False)
@@ -450,4 +481,4 @@ class RingAttention(torch.autograd.Function):
         joint = None if joint_k is None else JointKV(joint_k, joint_v, joint_mask)
         dlse = lse_cotangent(dlse, ctx.lse_grad)
         grads = ring_backward(dout.contiguous(), q, k, v, joint, out, lse, ctx.spec, ctx.backend, ctx.scale, dlse)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)

@@ -75,6 +75,14 @@ def scatter_heads(x: torch.Tensor, plan: A2APlan | None, fp8: bool = False) -> t
     return all_to_all_seq_to_heads(x, plan)
 
 
+def scatter_heads_encoded(x: torch.Tensor, plan: A2APlan | None) -> torch.Tensor:
+    """(B, S_shard, H, D) float -> (B, S_block, h_local, D + 4) uint8: the FP8 wire rows of
+    ``scatter_heads(x, plan, fp8=True)`` before they are decoded (encoded here when U == 1), for a
+    ring that passes them on as they are (Note [fp8 ring V])."""
+    wire = fp8_wire.encode(x)
+    return wire if plan is None else seq_to_heads(wire, plan)
+
+
 def gather_heads(y: torch.Tensor, plan: A2APlan | None, fp8: bool = False) -> torch.Tensor:
     """(B, S_block, h_local, *rest) -> (B, S_shard, H, *rest); identity when U == 1. ``fp8``: an
     output (rest = (D,)) travels in the FP8 wire format; its query heads tile H, so no received

@@ -48,8 +48,8 @@ from usp_dit.attention.masked import masked_attend
 from usp_dit.attention.masked_joint import JointMaskedAttention, joint_backend
 from usp_dit.attention.masks import check_frame, ring_plans
 from usp_dit.attention.ring import RingAttention, RingSpec, choose_schedule, masked_schedule
-from usp_dit.attention.ulysses import gather_heads, scatter_heads, ulysses_layout
-from usp_dit.distributed import traffic
+from usp_dit.attention.ulysses import gather_heads, scatter_heads, scatter_heads_encoded, ulysses_layout
+from usp_dit.distributed import fp8_wire, traffic
 from usp_dit.distributed.comm import gather_uneven, heads_to_seq, seq_to_heads
 from usp_dit.distributed.config import canonical_schedule
 from usp_dit.distributed.fp8_wire import check_comm_dtype
@@ -258,10 +258,10 @@ def _check_comm(comm_dtype: str | None, mesh: USPMesh, needs_grad: bool) -> str:
     """The call's wire dtype (the mesh's when ``None``); an FP8 exchange that would carry a
     gradient is refused (Note [fp8 wire]: forward only)."""
     comm = mesh.comm_dtype if comm_dtype is None else check_comm_dtype(comm_dtype)
-    if comm == "fp8" and needs_grad and mesh.ulysses_degree > 1:
+    if comm == "fp8" and needs_grad and (mesh.ulysses_degree > 1 or mesh.ring_degree > 1):
         raise NotImplementedError(
-            "comm_dtype='fp8' with gradients: the FP8 Ulysses exchange is forward only (its rounding has "
-            "no exact adjoint); train with comm_dtype='model', or call under torch.no_grad()"
+            "comm_dtype='fp8' with gradients: the FP8 exchanges (Ulysses, and V round the ring) are forward "
+            "only (their rounding has no exact adjoint); train with comm_dtype='model', or call under torch.no_grad()"
         )
     return comm
 
@@ -350,7 +350,12 @@ def _sharded_call(q, k, v, call: _Call, mesh: USPMesh, seq_len):
     fp8 = call.comm == "fp8"  # Q, V and the output travel in e4m3, K in its dtype (Note [fp8 wire])
     q_blk = scatter_heads(q, layout.q_plan, fp8)
     k_blk = layout.local_kv(scatter_heads(k, layout.kv_plan))
-    v_blk = layout.local_kv(scatter_heads(v, layout.kv_plan, fp8))
+    v_wire = None
+    if fp8 and r_deg > 1:  # V's wire rows go round the ring as they are (Note [fp8 ring V])
+        v_wire = layout.local_kv(scatter_heads_encoded(v, layout.kv_plan))
+        v_blk = fp8_wire.decode(v_wire, v.dtype)
+    else:
+        v_blk = layout.local_kv(scatter_heads(v, layout.kv_plan, fp8))
     n_blk = q_blk.shape[1]
     jk = jv = None
     joint_sizes = [0] * r_deg
@@ -362,13 +367,13 @@ def _sharded_call(q, k, v, call: _Call, mesh: USPMesh, seq_len):
         q_blk = torch.cat([q_blk, jq[:, start:start + joint_sizes[r], qlo:qhi]], dim=1)
         jk, jv = layout.local_kv(jk[:, :, kvlo:kvhi]), layout.local_kv(jv[:, :, kvlo:kvhi])
     if call.frame is not None:  # no joint tokens (refused in _prepare)
-        out_ext, lse_ext = _masked_blocks(q_blk, k_blk, v_blk, call, mesh, shards)
+        out_ext, lse_ext = _masked_blocks(q_blk, k_blk, v_blk, call, mesh, shards, v_wire)
     elif r_deg > 1:
         sizes = tuple(ring_block_sizes(shards, u_deg))
         schedule = choose_schedule(call.schedule, sizes, q_blk.shape[2], k_blk.shape[2])
         spec = RingSpec(mesh.ring_exchanger, sizes, schedule)
         out_ext, lse_ext = RingAttention.apply(q_blk, k_blk, v_blk, jk, jv, call.joint_mask, spec, kernel, scale,
-                                               call.want_lse)
+                                               call.want_lse, v_wire)
     elif jk is not None and call.joint_mask is not None:  # Note [masked joint tokens]
         out_ext, lse_ext = JointMaskedAttention.apply(q_blk, k_blk, v_blk, jk, jv, call.joint_mask, kernel, scale,
                                                       call.want_lse)
@@ -400,9 +405,10 @@ def _gather_back(out_ext, lse_ext, n_blk: int, layout, joint_sizes: list[int], m
 _sharded_eager = torch.compiler.disable(_sharded_call)
 
 
-def _masked_blocks(q_blk, k_blk, v_blk, call: _Call, mesh: USPMesh, shards: list[int]):
+def _masked_blocks(q_blk, k_blk, v_blk, call: _Call, mesh: USPMesh, shards: list[int], v_wire=None):
     """``(out, lse)`` of this rank's ring block under the call's mask: the ring with one plan per
-    block pair, or (ring degree 1) the plan of the whole sequence (Note [staircase masks])."""
+    block pair, or (ring degree 1) the plan of the whole sequence (Note [staircase masks]);
+    ``v_wire``: V's FP8 wire rows to pass round the ring (Note [fp8 ring V])."""
     u_deg, r_deg, r = mesh.ulysses_degree, mesh.ring_degree, mesh.ring_rank
     plans = ring_plans(_concrete(sum(shards)), r_deg, u_deg, call.layout, call.frame, r)
     if r_deg == 1:
@@ -410,7 +416,8 @@ def _masked_blocks(q_blk, k_blk, v_blk, call: _Call, mesh: USPMesh, shards: list
     sizes = tuple(ring_block_sizes(shards, u_deg))
     schedule = choose_schedule(call.schedule, sizes, q_blk.shape[2], k_blk.shape[2], masked=True)
     spec = RingSpec(mesh.ring_exchanger, sizes, schedule, plans)
-    return RingAttention.apply(q_blk, k_blk, v_blk, None, None, None, spec, call.kernel, call.scale, call.want_lse)
+    return RingAttention.apply(q_blk, k_blk, v_blk, None, None, None, spec, call.kernel, call.scale, call.want_lse,
+                               v_wire)
 
 
 class JointPieces(NamedTuple):
@@ -604,8 +611,9 @@ def usp_attention(
             ``usp_dit.sharding.layouts``): where the tokens of each rank sit; "zigzag" and "stripe" give
             every ring rank the same causal work. Shard and gather with the same layout.
         comm_dtype: what the Ulysses all-to-alls carry: "model" (the inputs' dtype: exact) or
-            "fp8" (Q, V and the output in e4m3 with one scale per (token, head): lossy, about
-            half the bytes of bf16, forward only; Note [fp8 wire] in ``usp_dit.distributed.fp8_wire``
+            "fp8" (Q, V and the output in e4m3 with one scale per (token, head), and V's rows
+            round the ring likewise (Note [fp8 ring V]): lossy, about half the bytes of bf16,
+            forward only; Note [fp8 wire] in ``usp_dit.distributed.fp8_wire``
             states its error). ``None`` takes the mesh's (``init_usp(comm_dtype=...)``). Nothing
             changes where ``ulysses_degree`` is 1.
 

@@ -25,8 +25,22 @@ Note [fp8 wire]
     that needs gradients is refused). K keeps the model's dtype: an error in K moves every score
     of a row through the softmax's exponent, where Q's error is spread over D products the same
     way but V's and the output's are not exponentiated at all; K is the tensor issue 32 asked to
-    keep until measured safe (docs/FP8.md has the measurement). The LSE, the joint (text) tokens'
-    gathers and the ring's K/V blocks keep their dtype too.
+    keep until measured safe (docs/FP8.md has the measurement). The LSE and the joint (text)
+    tokens' gathers keep their dtype too; the ring's V blocks travel as wire rows (Note [fp8 ring V]).
+
+Note [fp8 ring V]
+    With ``comm_dtype="fp8"`` and a ring (R > 1), V's wire rows are what travels around the ring:
+    each rank encodes its V rows once -- or, with U > 1, keeps the very bytes its Ulysses exchange
+    received (``scatter_heads_encoded``) -- decodes them for its own block, and passes the bytes
+    on; every other rank decodes the same bytes. So every V row is encoded exactly once on every
+    grid with U > 1 or R > 1 (never twice: re-encoding a decoded row could move it by an ulp of
+    its dtype), and the ring adds no rounding of its own: on (U, R) every V row has the bits it
+    has on (U, 1), ``roundtrip(v)``, and a pure ring (1, R) computes attention of the exact Q and
+    K with ``roundtrip(V)`` (Q and the output cross no Ulysses exchange there). K keeps the
+    model's dtype (why: Note [fp8 wire]). A stream step's block is one buffer of K's bytes and V's
+    wire row (``pack_kv``: D e + D + 4 bytes a (token, head) instead of 2 D e, 0.76x at bf16);
+    the gather schedules all-gather K and the wire rows, each padded as before (padding rows
+    decode to zeros). Forward only, as the Ulysses exchange.
 """
 from __future__ import annotations
 
@@ -81,6 +95,18 @@ def decode(wire: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     values = wire[..., :d].contiguous().view(torch.float8_e4m3fn).to(work)
     scale = wire[..., d:].contiguous().view(torch.float32).to(work)
     return (values * scale).to(dtype)
+
+
+def pack_kv(k: torch.Tensor, v_wire: torch.Tensor) -> torch.Tensor:
+    """K (B, L, Hk, D) of any float dtype and V's wire rows (B, L, Hk, D + 4) -> one uint8 buffer
+    (B, L, Hk, D e + D + 4): a ring block as it travels (Note [fp8 ring V])."""
+    return torch.cat([k.contiguous().view(torch.uint8), v_wire], dim=-1)
+
+
+def unpack_kv(buf: torch.Tensor, dtype: torch.dtype, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``pack_kv``: ``(k, v)`` (B, L, Hk, D) of ``dtype``, V decoded."""
+    k_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
+    return buf[..., :k_bytes].contiguous().view(dtype), decode(buf[..., k_bytes:], dtype)
 
 
 def roundtrip(x: torch.Tensor) -> torch.Tensor:

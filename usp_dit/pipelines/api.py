@@ -321,7 +321,8 @@ def enable_usp(
             family must declare its cuts; a rank then holds about 1/T of each block's weights.
             Ignored when ``mesh`` is given (``init_usp(tensor_degree=...)``).
         comm_dtype: what the Ulysses all-to-alls carry: "model" (exact) or "fp8" (Q, V and the
-            attention output in e4m3 with a scale per (token, head): lossy and opt-in, for
+            attention output in e4m3 with a scale per (token, head), V's rows round the ring
+            likewise (Note [fp8 ring V]): lossy and opt-in, for
             inference only; Note [fp8 wire] in ``usp_dit.distributed.fp8_wire`` and docs/FP8.md
             state its error). A training step under it is refused.
 

@@ -19,7 +19,8 @@ Note [predicted traffic]
         backward its gradient comes in like q (it travels whatever each rank's loss read: Note
         [joint gradient] in ``usp_dit.attention.usp``).
         With ``comm_dtype="fp8"`` (forward only) q, v and out rows are B (D + 4) bytes (Note [fp8
-        wire]: e4m3 values and a float32 scale per (token, head)); k keeps w.
+        wire]: e4m3 values and a float32 scale per (token, head)); k keeps w. On the ring (Note
+        [fp8 ring V]) V's rows travel likewise: a token's K/V is B hr (D e + D + 4) bytes.
     ring_kv (R > 1, "stream", and every backward): R - 1 block rotations; a block of L tokens is
         2 B L hr D e (K and V stacked; hr = hk_u, or hq_u where the rank's query heads straddle K/V
         groups unevenly and get one K/V copy each). Rank r sends every block but r + 1's and
@@ -126,12 +127,15 @@ def _ring(t: _Tally, shape: CallShape, blocks: list[int], r: int, ring_heads: in
     """The ring's K/V transfers (forward by ``schedule``; the backward streams) and gradients."""
     ring = len(blocks)
     token = 2 * shape.batch * ring_heads * shape.head_dim  # K and V of one token, in elements
-    stream = (token * shape.dtype_bytes * (sum(blocks) - blocks[(r + 1) % ring]),
-              token * shape.dtype_bytes * (sum(blocks) - blocks[r]))
+    k_bytes = shape.batch * ring_heads * shape.head_dim * shape.dtype_bytes  # K of one token
+    # V of one token: its FP8 wire rows with comm_dtype="fp8" (Note [fp8 ring V]), else like K
+    v_bytes = shape.batch * ring_heads * wire_row_bytes(shape.head_dim) if shape.comm_dtype == "fp8" else k_bytes
+    stream = ((k_bytes + v_bytes) * (sum(blocks) - blocks[(r + 1) % ring]),
+              (k_bytes + v_bytes) * (sum(blocks) - blocks[r]))
     if schedule == "stream":
         t.add("ring_kv", *stream)
     else:  # "gather_merge", "gather_one_call": K and V all-gathered, padded to the longest block
-        gathered = (ring - 1) * token * shape.dtype_bytes * max(blocks)
+        gathered = (ring - 1) * (k_bytes + v_bytes) * max(blocks)
         t.add("ring_gather", gathered, gathered)
     if backward:
         t.add("ring_kv", *stream)
