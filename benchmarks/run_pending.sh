@@ -9,6 +9,7 @@
 #     pip download -q --no-deps -d .whl/tao --only-binary=:all: --python-version 3.12 --implementation cp \
 #         --platform manylinux_2_28_x86_64 torchao==0.17.0
 #     bash scripts/gpu_backends/prepare_fp8_flashinfer.sh        # .whl/fi (item K only)
+#     bash scripts/gpu_backends/prepare_fp8_fa3.sh               # scratch/fa3_fp8 (items K3, K4, A8*: carry it too)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site
@@ -19,6 +20,9 @@ if [ ! -e /tmp/site/.done ]; then
     touch /tmp/site/.done
 fi
 export PYTHONPATH=/tmp/site:$PWD
+if [ -e scratch/fa3_fp8/_vllm_fa3_C.abi3.so.xz ]; then  # backend fp8_fa3 (carry scratch/fa3_fp8)
+    bash scripts/gpu_backends/fp8_fa3.sh && export USP_DIT_FA3_FP8_LIB=/tmp/fa3_fp8/_vllm_fa3_C.abi3.so
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
 cmd_for() {  # ITEM -> its command line (the command each GPU_PENDING.md item names)
@@ -42,6 +46,10 @@ cmd_for() {  # ITEM -> its command line (the command each GPU_PENDING.md item na
         vaepeaks) echo "python3 benchmarks/bench_vae.py --vae sd,cogview4,hunyuan_image,sana,qwen_image21,wan22,ltx2,minimax_h3,oobleck,oobleck_48k,same,longcat_audio,music3_vocoder --json $j" ;;
         K) echo "python3 benchmarks/bench_fp8_step.py --model hunyuan_video --compile --warmup 1 --rounds 2" ;;
         K2) echo "python3 benchmarks/bench_fp8_step.py --model hunyuan_video --compile --recipe-only --warmup 1 --rounds 1 --json $j" ;;
+        K3) echo "python3 benchmarks/bench_fp8_step.py --model wan --compile --recipe-only --backend fp8_fa3 --warmup 1 --rounds 2 --json $j" ;;
+        K4) echo "python3 benchmarks/bench_fp8_step.py --model hunyuan_video --compile --recipe-only --backend fp8_fa3 --warmup 1 --rounds 1 --json $j" ;;
+        A8) echo "python3 -m pytest -q --noconftest tests/gpu/test_fp8_attention_gpu.py -k fa3 && python3 benchmarks/bench_attention.py --suite backends --shapes wan,hunyuan_video,flux --backends sdpa_cudnn,fa3_varlen,fp8_fa3,fp8_fa3_kernel --out $j" ;;
+        A8ring) echo "python3 benchmarks/bench_attention.py --suite ring --shapes flux,hunyuan_video --backend fp8_fa3 --out $j" ;;
         *) return 1 ;;
     esac
 }

@@ -109,3 +109,41 @@ def test_fp8_flashinfer_scales_are_per_head_and_it_is_opt_in_only():
     with pytest.raises(NotImplementedError, match="device 'cpu'"):
         select_backend("fp8_flashinfer", "cpu", torch.float32, 128, needs_grad=False)
     assert all(rule.backend != "fp8_flashinfer" for rules in AUTO_TABLE.values() for rule in rules)
+
+
+def test_fp8_fa3_scales_per_kv_head_and_it_is_opt_in_only(monkeypatch, tmp_path):
+    """``fp8_fa3`` (Note [fp8 attention, FA3]): Q's scale is shared by the query heads of one K/V
+    head (FA3's descale shape (B, Hk)), every group's largest value mapped to e4m3's 448,
+    dequantised values within e4m3's half step; with H == Hk it is ``head_quant``. Forward only,
+    never on CPU, never picked by "auto"; a library that does not load makes the backend
+    unavailable with the loader's reason and the install line."""
+    from usp_dit.kernels import fp8_fa3, get_backend
+    from usp_dit.kernels.fp8_quant import head_quant, kv_head_quant
+
+    q, k, _ = _inputs()  # q (2, 13, 4, 16), k (2, 11, 2, 16): two query heads a K/V head
+    q8, sq = kv_head_quant(q, 2)
+    assert sq.shape == (2, 2) and q8.shape == q.shape and q8.dtype == torch.float8_e4m3fn
+    assert (q8.double().unflatten(2, (2, 2)).abs().amax(dim=(1, 3, 4)) == 448).all()
+    s = sq.double().repeat_interleave(2, dim=1)[:, None, :, None]
+    bound = torch.maximum(q.abs() * 2.0 ** -4, s * 2.0 ** -9)
+    assert ((q8.double() * s - q).abs() <= bound).all()
+    for a, b in zip(kv_head_quant(k, 2), head_quant(k)):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        select_backend("fp8_fa3", "cuda", torch.bfloat16, 128, needs_grad=True)
+    with pytest.raises(NotImplementedError, match="device 'cpu'"):
+        select_backend("fp8_fa3", "cpu", torch.float32, 128, needs_grad=False)
+    assert all(rule.backend != "fp8_fa3" for rules in AUTO_TABLE.values() for rule in rules)
+    bogus = tmp_path / "_vllm_fa3_C.abi3.so"
+    bogus.write_bytes(b"not a library")
+    monkeypatch.setenv(fp8_fa3.LIB_ENV, str(bogus))
+    fp8_fa3._ops.cache_clear()
+    try:
+        ops, why = fp8_fa3._ops()
+        assert ops is None and str(bogus) in why and "does not load" in why
+        assert not get_backend("fp8_fa3").available()
+        with pytest.raises(RuntimeError, match="pip install vllm"):
+            get_backend("fp8_fa3").require()
+    finally:
+        fp8_fa3._ops.cache_clear()

@@ -96,13 +96,17 @@ def fp8_flashinfer():
     return backend
 
 
-def _dequantised_lse(q, k, scale):
-    """The LSE of the scores of per-head e4m3 Q and K (Note [fp8 attention, per head]), float64."""
-    from usp_dit.kernels.fp8_quant import head_quant
+def _dequantised_lse(q, k, scale, per_kv_head: bool = False):
+    """The LSE of the scores of per-head e4m3 Q and K (Note [fp8 attention, per head]; with
+    ``per_kv_head`` Q's scale is shared by the query heads of a K/V head, Note [fp8 attention,
+    FA3]), float64."""
+    from usp_dit.kernels.fp8_quant import head_quant, kv_head_quant
 
-    (q8, sq), (k8, sk) = head_quant(q), head_quant(k)
+    group = q.shape[2] // k.shape[2]
+    (q8, sq), (k8, sk) = (kv_head_quant(q, k.shape[2]) if per_kv_head else head_quant(q)), head_quant(k)
+    sq = sq.repeat_interleave(group, dim=1) if per_kv_head else sq
     qd = q8.double() * sq.double()[:, None, :, None] * scale
-    kd = (k8.double() * sk.double()[:, None, :, None]).repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    kd = (k8.double() * sk.double()[:, None, :, None]).repeat_interleave(group, dim=2)
     return torch.logsumexp(torch.einsum("bihd,bjhd->bhij", qd, kd), dim=-1).transpose(1, 2)
 
 
@@ -124,3 +128,33 @@ def test_fp8_flashinfer_lse_is_its_scores_and_near_exact(fp8_flashinfer, name):
             blocks, _ = blockwise_forward(q, k, v, fp8_flashinfer, scale, n, "stream")
             b_l1 = ((blocks.double().flatten() - exact).abs().sum() / exact.abs().sum()).item()
             assert b_l1 <= 2 * l1 + 1e-3, (n, b_l1, l1)
+
+
+@pytest.fixture(scope="module")
+def fp8_fa3():
+    backend = get_backend("fp8_fa3")
+    if not backend.available():
+        pytest.skip("fp8_fa3 needs vLLM's FA3 library (scripts/gpu_backends/fp8_fa3.sh) and an sm90 GPU")
+    return backend
+
+
+@pytest.mark.parametrize("name", ["flux", "wan", "hunyuan_video", "gqa-batch2", "d64"])
+def test_fp8_fa3_lse_is_its_scores_and_near_exact(fp8_fa3, name):
+    """As ``fp8_flashinfer``'s: the LSE of the dequantised scores (1e-3: FP8 tensor-core sums),
+    cosine >= 0.99 and rel L1 <= 8e-2 against exact attention, ring blocks (N = 2, 4, 8; both
+    schedules) as near exact as the whole call (each block quantises its own keys)."""
+    q, k, v = _inputs(*SHAPES[name])
+    scale = q.shape[-1] ** -0.5
+    with torch.no_grad():
+        out, lse = fp8_fa3.forward(q, k, v, scale)
+        assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == q.shape[:3]
+        assert rel_err(lse, _dequantised_lse(q, k, scale, per_kv_head=True)) <= 1e-3
+        exact = _exact(q, k, v, scale).flatten()
+        got = out.double().flatten()
+        l1 = ((got - exact).abs().sum() / exact.abs().sum()).item()
+        assert F.cosine_similarity(got, exact, dim=0) >= 0.99 and l1 <= 8e-2, l1
+        for n in (2, 4, 8):
+            for schedule in ("stream", "gather_merge"):
+                blocks, _ = blockwise_forward(q, k, v, fp8_fa3, scale, n, schedule)
+                b_l1 = ((blocks.double().flatten() - exact).abs().sum() / exact.abs().sum()).item()
+                assert b_l1 <= 2 * l1 + 1e-3, (n, schedule, b_l1, l1)

@@ -52,6 +52,16 @@ def head_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _e4m3(x, (1, 3))
 
 
+def kv_head_quant(x: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (B, S, H, D) with H a multiple of ``kv_heads`` -> e4m3 values (B, S, H, D) and float32
+    scales (B, kv_heads): one per (element, K/V head) over the tokens, channels and the query heads
+    that share it (the ``fp8_fa3`` backend's scales, Note [fp8 attention, FA3]; = ``head_quant``
+    when H == kv_heads)."""
+    b, s, h, d = x.shape
+    values, scale = _e4m3(x.reshape(b, s, kv_heads, h // kv_heads, d), (1, 3, 4))
+    return values.reshape(b, s, h, d), scale
+
+
 def reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """What the ``fp8`` kernel computes (Note [fp8 attention]), in float64 on any device: the same
     e4m3 inputs and scales, the probabilities rounded to e4m3 for P.V, their sum unrounded.
