@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import math
 from unittest import mock
 
@@ -335,17 +336,23 @@ def _rank_seeded_case() -> dict[str, float]:
     """Note [modular pipelines], noise in loops: each segment draws its noise inside the loop from
     the call's generator; seeded by each rank's rank, ``pipe.enable_usp()`` on (2,2,1) gives every
     rank one process's latents and frames with rank 0's seed (without the generator sync the
-    parallel VAE refuses the first decode: the ranks' latents differ)."""
+    parallel VAE refuses the first decode: the ranks' latents differ). The step's own ``tqdm``
+    (one bar a segment) shows on rank 0 alone."""
     import torch.distributed as dist
 
     pipe = tiny_wan_animate2_denoise()
     ref = _denoise(pipe)
     pipe.enable_usp(ulysses_degree=2, ring_degree=2)
+    bars = io.StringIO()  # the block's own tqdm ("Segment k/S") writes to sys.stderr
     try:
-        got = _denoise(pipe, seed=dist.get_rank())
+        with contextlib.redirect_stderr(bars):
+            got = _denoise(pipe, seed=dist.get_rank())
     finally:
         pipe.disable_usp()
-    return {"latents": rel_err(got[0], ref[0]), "frames": rel_err(got[1], ref[1])}
+    shown = "Segment 1/" in bars.getvalue()
+    return {"latents": rel_err(got[0], ref[0]), "frames": rel_err(got[1], ref[1]),
+            # Note [modular pipelines], progress: rank 0 alone shows the block's own bar
+            "bar_wrong": float(shown != (dist.get_rank() == 0))}
 
 
 def _run_all() -> dict[str, dict | str]:

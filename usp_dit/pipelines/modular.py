@@ -40,11 +40,16 @@ Note [modular pipelines]
                 the tree, and ``ModularPipeline.set_progress_bar_config`` reaches the top level
                 only: ranks > 0 disable every loop block's bar and restore each config after. A
                 block that opens a ``tqdm`` of its own (Wan-Animate-2's and Helios's denoise steps
-                in Diffusers 0.42.1) has no config to set: its bar still shows on every rank.
+                in Diffusers 0.42.1) has no config to set: on ranks > 0, while the blocks run,
+                every ``tqdm`` bar starts disabled unless its caller says otherwise (tqdm's own
+                ``__init__`` takes ``disable=True`` as its default for the call's duration; its
+                subclasses, ``tqdm.auto``'s included, go through it). Rank 0's bars are untouched.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,12 +103,33 @@ def _synced_call(self, pipeline: Any, state: Any) -> Any:
                 value = synced[key][1]
         original_set(key, value, kwargs_type)
 
+    if not self._usp_sync:  # ranks > 0 of an unsynced pipeline: only the blocks' own bars to quiet
+        with _own_bars_off(self._usp_quiet):
+            return super(type(self), self).__call__(pipeline, state)
     _sync_generators(state.get("generator"), mesh)
     state.set = set_synced  # an instance attribute: the state's blocks call ``state.set(...)``
     try:
-        return super(type(self), self).__call__(pipeline, state)
+        with _own_bars_off(self._usp_quiet):
+            return super(type(self), self).__call__(pipeline, state)
     finally:
         del state.set  # the returned state is a plain ``PipelineState`` again
+
+
+@contextlib.contextmanager
+def _own_bars_off(quiet: bool) -> Iterator[None]:
+    """With ``quiet``: every ``tqdm`` bar opened inside starts disabled unless its caller passes
+    ``disable`` (Note [modular pipelines], progress). Nothing changes otherwise."""
+    if not quiet:
+        yield
+        return
+    from tqdm import std
+
+    original = std.tqdm.__dict__["__init__"]
+    std.tqdm.__init__ = functools.partialmethod(original, disable=True)  # the caller's own keywords win
+    try:
+        yield
+    finally:
+        std.tqdm.__init__ = original
 
 
 def _sync_generators(value: Any, mesh: USPMesh) -> None:
@@ -147,7 +173,8 @@ def _loop_blocks(blocks: Any) -> Iterator[Any]:
 
 def patch_modular(pipe: Any, mesh: USPMesh, sync_latents: bool, quiet: bool) -> ModularPatch:
     """Note [modular pipelines] on ``pipe``: with ``sync_latents`` each call's generators and first
-    latents are the replica's first rank's; with ``quiet`` every loop block's bar is off."""
+    latents are the replica's first rank's; with ``quiet`` every loop block's bar is off, and so
+    is every ``tqdm`` a block opens itself while the blocks run."""
     patch = ModularPatch()
     if getattr(pipe, "_blocks", None) is None:  # components alone, no blocks to run: nothing to patch
         return patch
@@ -155,11 +182,11 @@ def patch_modular(pipe: Any, mesh: USPMesh, sync_latents: bool, quiet: bool) -> 
         for block in _loop_blocks(pipe._blocks):
             patch.progress.append((block, block.__dict__.get("_progress_bar_config", MISSING)))
             block.set_progress_bar_config(disable=True)
-    if sync_latents:
+    if sync_latents or quiet:
         patch.blocks = pipe._blocks
         synced = copy.copy(pipe._blocks)  # shares the sub-blocks; only the class and the mesh differ
         synced.__class__ = _synced_class(type(pipe._blocks))
-        synced._usp_mesh = mesh
+        synced._usp_mesh, synced._usp_sync, synced._usp_quiet = mesh, sync_latents, quiet
         pipe._blocks = synced
     return patch
 
