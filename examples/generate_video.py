@@ -1,7 +1,7 @@
 """torchrun: generate a video with any video family of usp_dit (CogVideoX, Mochi, Wan, Wan VACE, Wan Animate (2),
 HunyuanVideo, HunyuanVideo 1.5, FramePack, Kandinsky 5, LTX-Video, LTX-2, ChronoEdit, Helios, Cosmos 3,
-Sana-Video, ConsisID, Latte, Allegro, AnyFlow, SANA-WM) on a Ulysses x Ring (x CFG) grid, checked
-against one rank.
+Sana-Video, ConsisID, Latte, Allegro, AnyFlow, SANA-WM, MiniMax-H3) on a Ulysses x Ring (x CFG) grid,
+checked against one rank.
 
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model cogvideox --ulysses 2 --ring 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model mochi --ring 2 --cfg 2
@@ -21,6 +21,8 @@ against one rank.
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model allegro --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 4 examples/generate_video.py --model wan_animate --ring 2 --cfg 2 \
         --guidance 2
+    torchrun --standalone --nproc-per-node 2 examples/generate_video.py --model minimax_h3 --ulysses 2
+    torchrun --standalone --nproc-per-node 2 examples/generate_video.py --model minimax_h3 --ring 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model cogvideox \
         --model-path THUDM/CogVideoX-5b --height 480 --width 720 --frames 49 --steps 50 --ulysses 2 --ring 2 --cfg 2
     torchrun --standalone --nproc-per-node 8 examples/generate_video.py --model ltx_video \
@@ -72,6 +74,7 @@ pipelines compress as the real ones do):
     easyanimate    16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          yes (batched CFG)
     anyflow        16            4k + 1    96 x 144, 9  -> 3 x 6 x 9 = 162          with --guidance > 1 (batched)
     sana_wm        32            8k + 1    96 x 160, 17 -> 3 x 3 x 5 = 45           yes (batched CFG)
+    minimax_h3     32            17k + 5   64 x 96, 124 -> 37 x 2 x 3 = 222 (+414 audio, +7 text) no (distilled)
 
 Helios generates chunk after chunk, each attending to the history of the earlier ones (short,
 mid, long memory: 162 + 108 + 15 + 6 = 291 tokens a call for the tiny default); the tiny pipeline
@@ -108,6 +111,21 @@ steps would hand over (text, CLIP and reference-image inputs: ``--prompt`` is no
 ``--model-path`` is refused; a checkpoint runs through the modular pipeline and
 ``pipe.enable_usp()`` (docs/USAGE.md). Each call sees one segment plus the reference frame (the
 1 + in the table) and 30 reference tokens.
+
+MiniMax-H3 ships as Diffusers' modular ``MiniMaxH3ModularPipeline``; the example runs its
+text-to-video+audio path less its text encoder (``tiny_minimax_h3.tiny_minimax_h3_pipeline``: the stock
+``MiniMaxH3CoreDenoiseStep``, then ``MiniMaxH3DecodeStep``) on seeded prompt embeddings (what the
+Qwen3-VL encoder step would hand over: ``--prompt`` is not read), so ``--model-path`` is refused; a
+checkpoint runs through the modular pipeline and ``pipe.enable_usp()`` (docs/USAGE.md). One packed
+sequence holds the text, audio and video rows, all split over the grid. Its VAE turns chunks of 17
+frames into 5 latent frames (17k + 5 frames -> 5k + 2 latent frames, 16 pixels per latent pixel) and
+it generates 5 to 15 s at 24 fps: ``--frames`` 124 to 345, ``--fps`` 24 by default. Its video VAE (a
+ViT decoder) and audio VAE (1-D) have no parallel-VAE recipe: every rank decodes the whole latents
+(``usp_dit.pipelines.vae.recipes.NO_RECIPE``). Rank 0 also writes the stereo 32 kHz soundtrack beside
+the video (``--output`` with ``.wav``, 16-bit, stdlib ``wave``), and the one-rank check compares the
+frames and the soundtrack's samples together. It is guidance-distilled (guidance in the weights: no
+guider, no guidance scale, one transformer call a step), so ``--guidance`` and ``--cfg 2`` are refused.
+Its schedule counts its terminal sigma: ``--steps N`` makes N - 1 transformer calls (N >= 2).
 
 ConsisID (CogVideoX's transformer with face conditioning) animates an image (``--image``, default a
 colour gradient) keeping a face's identity; the tiny pipeline takes seeded random face embeddings
@@ -201,7 +219,7 @@ class VideoFamily:
     pipeline: str  # the diffusers pipeline class that --model-path loads
     frames: int  # default --frames
     frames_per_latent: int  # frames the VAE compresses into one latent frame
-    frame_step: int  # --frames must be frame_step * k + 1 ...
+    frame_step: int  # --frames must be frame_step * k + frame_rest ...
     frame_why: str  # ... because of this
     latent_pixels: int  # pixels per latent pixel (VAE), each side
     pixels_per_token: int  # latent_pixels x the transformer's spatial patch: --height/--width multiple
@@ -209,14 +227,26 @@ class VideoFamily:
     size_multiple: int = 0  # --height/--width multiple when the pipeline needs more than pixels_per_token
     min_steps: tuple[int, str] = (1, "")  # (minimum --steps, why)
     reference_latent_frames: int = 0  # latent frames a conditioning image adds to every transformer call
+    frame_rest: int = 1  # see frame_step
+    frame_range: tuple[int, int, str] | None = None  # (least, most --frames, why) where the pipeline bounds them
+    fps: int = 8  # default --fps
     # How the pipeline runs classifier-free guidance, which --cfg 2 spreads over two groups of ranks:
-    # "batched" ([uncond, cond] in one call of batch 2: the cfg axis splits it) or "two calls" (one
+    # "batched" ([uncond, cond] in one call of batch 2: the cfg axis splits it), "two calls" (one
     # call per guidance branch, batch 1 each: the two groups run a step's two calls at once,
-    # usp_dit.pipelines.cfg_pair Note [two calls a step]).
+    # usp_dit.pipelines.cfg_pair Note [two calls a step]) or "none" (guidance in the weights: no
+    # scale to set, one call a step; --guidance and --cfg 2 refused).
     cfg: str = "batched"
     cfg_flag: str = "--guidance"  # the scale that turns that guidance on above 1
     guided_by_default: bool = True  # the pipeline guides when cfg_flag is not given (its default > 1)
     unguided_why: str = "guidance-distilled"  # why, when not guided_by_default: "<pipeline> is <this>"
+
+
+@dataclass(frozen=True)
+class Soundtrack:
+    """A generated soundtrack: ``samples`` (channels, samples) float32 in [-1, 1] at ``rate`` Hz."""
+
+    samples: np.ndarray
+    rate: int
 
 
 FAMILIES = {
@@ -301,13 +331,24 @@ FAMILIES = {
     # Image + camera trajectory to video; batched CFG (its default guidance 5).
     "sana_wm": VideoFamily(
         "SanaWMPipeline", 17, 8, 8, "SANA-WM's VAE (LTX-2's): 8 frames per latent frame", 32, 32, size=(96, 160)),
+    # Video and audio from Diffusers' modular blocks (core denoise, decode); the tiny example only
+    # (check_args). Its VAE compresses 4 frames a latent frame but in chunks of 17 frames with 3
+    # latent frames dropped a chunk: 17k + 5 frames -> 5k + 2 latent frames (video_tokens).
+    "minimax_h3": VideoFamily(
+        "MiniMaxH3ModularPipeline", 124, 4, 17, "MiniMax-H3's VAE: chunks of 17 frames, 5 latent frames each, "
+        "3 dropped", 16, 32, size=(64, 96), frame_rest=5,
+        frame_range=(124, 345, "MiniMax-H3 generates 5 to 15 s at 24 fps: 17k + 5 frames from 124 to 345"),
+        min_steps=(2, "MiniMax-H3's schedule counts its terminal sigma: N steps make N - 1 transformer calls"),
+        fps=24, cfg="none", guided_by_default=False,
+        unguided_why="guidance-distilled (guidance in its weights: no guider, no guidance scale)"),
 }
 # Families whose pipeline cleans prompts with ftfy unconditionally (diffusers 0.42): without ftfy
 # the example passes embeds made by Wan's T5 encoding (ftfy only when installed) instead.
 EMBEDS_FAMILIES = ("wan_vace", "wan_animate", "chronoedit", "helios")
 IMAGE_FAMILIES = ("chronoedit", "consisid", "hunyuan_video_framepack", "sana_wm", "wan_animate")  # on --image
 TRUE_CFG_FAMILIES = ("hunyuan_video", "hunyuan_video_framepack")  # guidance-distilled: --true-cfg adds a negative call
-PLANNED = ("cogvideox", "mochi", "wan", "hunyuan_video", "ltx_video")  # families usp_dit.plan has a cost model for
+# Families usp_dit.plan has a cost model for.
+PLANNED = ("cogvideox", "mochi", "wan", "hunyuan_video", "ltx_video", "minimax_h3")
 TINY_TEXT_LENS = {"chronoedit": 512, "wan_animate": 512}  # the stock processor's fixed text length
 WAN_ANIMATE_SEGMENT = 77  # WanAnimatePipeline's segment_frame_length (the release's)
 SEGMENT_FRAMES = {"wan_animate": WAN_ANIMATE_SEGMENT, "wan_animate2": 5}  # frames a transformer call sees
@@ -353,7 +394,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="how the ring's forward moves K/V blocks (README: ring schedules)")
     p.add_argument("--degrees", default="manual", choices=["manual", "auto"],
                    help="auto: usp_dit.plan chooses --ulysses, --ring, --cfg and the ring schedule for the world size")
-    p.add_argument("--fps", type=int, default=8)
+    p.add_argument("--fps", type=int, default=None, help="frames a second of the written video (default: 8; "
+                                                         "MiniMax-H3: 24, its own, the soundtrack's)")
     p.add_argument("--output", default="video_usp.webp",
                    help="animated .webp or .gif (an .mp4 is added beside it if imageio-ffmpeg is installed), or .mp4")
     p.add_argument("--no-check", action="store_true", help="skip the one-rank comparison")
@@ -364,12 +406,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace, world: int) -> None:
     """Raise ``launch.UsageError`` for a value that would fail later; fills ``args.frames``,
-    ``args.height``, ``args.width`` and ``args.degrees``."""
+    ``args.height``, ``args.width``, ``args.fps`` and ``args.degrees``."""
     family = FAMILIES[args.model]
     args.frames = args.frames or family.frames
     args.height = args.height if args.height is not None else family.size[0]
     args.width = args.width if args.width is not None else family.size[1]
-    launch.check_frames("--frames", args.frames, family.frame_step, family.frame_why)
+    args.fps = args.fps if args.fps is not None else family.fps
+    least, most, frames_why = family.frame_range or (0, 0, "")
+    launch.check_frames("--frames", args.frames, family.frame_step, family.frame_why, rest=family.frame_rest,
+                        least=least)
+    if family.frame_range is not None:
+        launch.check_at_least("--frames", args.frames, least, frames_why)
+        launch.check_at_most("--frames", args.frames, most, frames_why)
     why = (f"{args.model}: {family.latent_pixels} pixels per latent pixel, "
            + ("2x2 per token" if family.pixels_per_token != family.latent_pixels else "1 per token"))
     if family.size_multiple:
@@ -390,9 +438,17 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         raise launch.UsageError("--model-path with --model wan_animate2: the example runs the tiny core denoise step "
                                 "alone (seeded text, CLIP and reference inputs); a checkpoint runs through "
                                 "Diffusers' WanAnimate2ModularPipeline and pipe.enable_usp() (docs/USAGE.md)")
+    if args.model == "minimax_h3" and args.model_path is not None:
+        raise launch.UsageError("--model-path with --model minimax_h3: the example runs the tiny denoise and decode "
+                                "steps alone (seeded prompt embeddings in place of the Qwen3-VL encoder's); a "
+                                "checkpoint runs through Diffusers' MiniMaxH3ModularPipeline and pipe.enable_usp() "
+                                "(docs/USAGE.md)")
     if args.model == "consisid" and args.model_path is not None:
         raise launch.UsageError("--model-path with --model consisid: the example has no face models (InsightFace, "
                                 "EVA-CLIP) to embed a face with; it runs the tiny pipeline only")
+    if args.guidance is not None and family.cfg == "none":
+        raise launch.UsageError(f"--guidance with --model {args.model}: {family.pipeline} is {family.unguided_why}; "
+                                f"one transformer call a step")
     if args.true_cfg is not None and args.model not in TRUE_CFG_FAMILIES:
         raise launch.UsageError(f"--true-cfg with --model {args.model}: only HunyuanVideo and FramePack "
                                 f"(guidance-distilled) have a separate true CFG scale; use --guidance")
@@ -402,7 +458,8 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         launch.check_installed("--output", args.output, MP4_MODULES,
                                "pip install imageio imageio-ffmpeg (or 'usp-dit[video]'), or write .webp / .gif")
     if args.degrees == "auto":
-        guided = args.model not in TRUE_CFG_FAMILIES or args.true_cfg is not None  # guidance-distilled
+        # guidance-distilled: HunyuanVideo without --true-cfg, MiniMax-H3
+        guided = family.cfg != "none" and (args.model not in TRUE_CFG_FAMILIES or args.true_cfg is not None)
         args.degrees = launch.planned_degrees(args, world, args.model if args.model in PLANNED else None, guided,
                                               args.frames)
     else:
@@ -414,6 +471,10 @@ def check_cfg(args: argparse.Namespace, family: VideoFamily) -> None:
     if args.cfg != 2:
         raise launch.UsageError(f"--cfg {args.cfg}: the cfg groups run classifier-free guidance's two branches "
                                 f"(unconditional, conditional), so the cfg degree is 1 or 2")
+    if family.cfg == "none":
+        raise launch.UsageError(f"--cfg {args.cfg} with --model {args.model}: {family.pipeline} is "
+                                f"{family.unguided_why}: one transformer call a step on one prompt, so there is no "
+                                f"second branch for the other cfg group; use --cfg 1")
     flag = family.cfg_flag
     scale = getattr(args, flag.removeprefix("--").replace("-", "_"))
     what = ("an [uncond, cond] batch to split" if family.cfg == "batched"
@@ -471,6 +532,7 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             tiny_latte,
             tiny_ltx2,
             tiny_ltx_video,
+            tiny_minimax_h3,
             tiny_motif_video,
             tiny_sana_video,
             tiny_sana_wm,
@@ -511,6 +573,8 @@ def load_pipeline(args: argparse.Namespace, device: torch.device):
             "easyanimate": tiny_easyanimate.tiny_easyanimate_pipeline,
             "anyflow": tiny_anyflow.tiny_anyflow_pipeline,
             "sana_wm": tiny_sana_wm.tiny_sana_wm_pipeline,
+            # Its denoise and decode steps alone: its text comes as seeded embeddings (no text length to set).
+            "minimax_h3": lambda max_text_len: tiny_minimax_h3.tiny_minimax_h3_pipeline(),
         }
         return builders[args.model](max_text_len=TINY_TEXT_LENS.get(args.model, TINY_TEXT_LEN)).to(device)
     import diffusers
@@ -529,6 +593,8 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
         return _generate_guided_by_guider(pipe, args)
     if args.model == "wan_animate2":
         return _generate_wan_animate2(pipe, args)
+    if args.model == "minimax_h3":
+        return _generate_minimax_h3(pipe, args)[0]
     if args.model in ("latte", "allegro"):  # without bs4 / ftfy (LattePipeline pads prompts to 120 tokens)
         kwargs["clean_caption"] = False
     # Cosmos 3 has no text encoder; Latte's and EasyAnimate's pipelines take no text length
@@ -575,6 +641,21 @@ def generate(pipe, args: argparse.Namespace) -> np.ndarray:
     if args.model == "sana_wm":  # SanaWMPipelineOutput.frames: the one video, (frames, height, width, 3)
         return np.asarray(out.frames, dtype=np.float32)
     return np.asarray(out.frames[0], dtype=np.float32)
+
+
+def generate_with_audio(pipe, args: argparse.Namespace) -> tuple[np.ndarray, Soundtrack | None]:
+    """``generate``'s frames and, for the families whose soundtrack the example writes (MiniMax-H3),
+    that soundtrack; else None."""
+    if args.model == "minimax_h3":
+        return _generate_minimax_h3(pipe, args)
+    return generate(pipe, args), None
+
+
+def compared(frames: np.ndarray, soundtrack: Soundtrack | None) -> np.ndarray:
+    """What the one-rank check compares: the frames, then the soundtrack's samples (flattened)."""
+    if soundtrack is None:
+        return frames
+    return np.concatenate([frames.ravel(), soundtrack.samples.ravel()])
 
 
 def chronoedit_kwargs(args: argparse.Namespace) -> dict:
@@ -727,6 +808,33 @@ def _generate_wan_animate2(pipe, args: argparse.Namespace) -> np.ndarray:
     return (video / 2 + 0.5).clamp(0, 1).permute(1, 2, 3, 0).numpy()
 
 
+def _generate_minimax_h3(pipe, args: argparse.Namespace) -> tuple[np.ndarray, Soundtrack]:
+    """MiniMax-H3's denoise and decode steps on seeded prompt embeddings
+    (``tiny_minimax_h3.minimax_h3_text``: what its encoder step would hand over): the one video's
+    frames and its stereo soundtrack ((2, samples) in [-1, 1] at the audio VAE's rate)."""
+    from usp_dit.demo.tiny_minimax_h3 import minimax_h3_text
+
+    out = pipe(**minimax_h3_text(seed=args.seed), height=args.height, width=args.width, num_frames=args.frames,
+               num_inference_steps=args.steps, generator=torch.Generator("cpu").manual_seed(args.seed),
+               output_type="np", output=["videos", "audio", "sampling_rate"])
+    frames = np.asarray(out["videos"][0], dtype=np.float32)  # (frames, height, width, 3)
+    samples = out["audio"][0].float().cpu().numpy()  # (1, 2, samples) -> (2, samples)
+    return frames, Soundtrack(samples, int(out["sampling_rate"]))
+
+
+def save_wav(soundtrack: Soundtrack, path: str) -> str:
+    """A 16-bit PCM WAV (stdlib ``wave``), channels interleaved. Returns ``path``."""
+    import wave
+
+    pcm = (np.clip(soundtrack.samples, -1, 1) * 32767).round().astype("<i2")
+    with wave.open(path, "wb") as out:
+        out.setnchannels(pcm.shape[0])
+        out.setsampwidth(2)
+        out.setframerate(soundtrack.rate)
+        out.writeframes(np.ascontiguousarray(pcm.T).tobytes())  # (samples, channels): interleaved
+    return path
+
+
 def video_tokens(args: argparse.Namespace, pipe) -> int:
     """Tokens the transformer sees: latent frames x (height / (l p)) x (width / (l p)), l pixels per
     latent pixel and p latent pixels per token side."""
@@ -736,7 +844,12 @@ def video_tokens(args: argparse.Namespace, pipe) -> int:
     p = p[-1] if isinstance(p, (tuple, list)) else p  # Wan: (t, h, w); spatial patches are square
     side = family.latent_pixels * p
     frames = min(args.frames, SEGMENT_FRAMES.get(args.model, args.frames))  # a call's
-    latent_frames = (frames - 1) // family.frames_per_latent + 1 + family.reference_latent_frames
+    if args.model == "minimax_h3":  # 17k + 5 frames -> 5k + 2 latent frames
+        from diffusers.modular_pipelines.minimax_h3.modular_pipeline import video_latent_num_frames
+
+        latent_frames = video_latent_num_frames(frames, pipe.vae_frames_per_chunk, pipe.vae_latents_per_chunk)
+    else:
+        latent_frames = (frames - 1) // family.frames_per_latent + 1 + family.reference_latent_frames
     # Cosmos 3 pads an odd latent size to its patch: a partial patch is a token (a no-op elsewhere).
     return latent_frames * -(-args.height // side) * -(-args.width // side)
 
@@ -762,12 +875,16 @@ def main(argv: list[str] | None = None) -> None:
               f"{args.model_path or f'tiny random {type(pipe).__name__}'}, {args.frames} frames of "
               f"{args.height}x{args.width} ({video_tokens(args, pipe)} video tokens), {args.steps} steps", flush=True)
     start = time.perf_counter()
-    frames = generate(pipe, args)
+    frames, soundtrack = generate_with_audio(pipe, args)
     if rank == 0:
         print(f"grid: {time.perf_counter() - start:.1f} s", flush=True)
-        print(f"wrote {', '.join(save_video(frames, args.output, args.fps))}", flush=True)
+        written = save_video(frames, args.output, args.fps)
+        if soundtrack is not None:
+            written.append(save_wav(soundtrack, os.path.splitext(args.output)[0] + ".wav"))
+        print(f"wrote {', '.join(written)}", flush=True)
     if not args.no_check:
-        compare_with_one_rank(pipe, lambda: generate(pipe, args), frames, rank)
+        compare_with_one_rank(pipe, lambda: compared(*generate_with_audio(pipe, args)), compared(frames, soundtrack),
+                              rank)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -357,10 +357,24 @@ def two_ranks(monkeypatch):
     (["--model", "wan_animate", "--frames", "11"], "--frames 11 must be 4k + 1"),
     (["--model", "wan_animate2", "--frames", "11"], "--frames 11 must be 4k + 1"),
     (["--model", "wan_animate2", "--height", "40"], "--height 40 must be a positive multiple of 16"),
+    (["--model", "minimax_h3", "--cfg", "2"],
+     "--cfg 2 with --model minimax_h3: MiniMaxH3ModularPipeline is guidance-distilled (guidance in its weights: no "
+     "guider, no guidance scale): one transformer call a step on one prompt, so there is no second branch"),
+    (["--model", "minimax_h3", "--guidance", "3"],
+     "--guidance with --model minimax_h3: MiniMaxH3ModularPipeline is guidance-distilled"),
+    (["--model", "minimax_h3", "--model-path", "."],
+     "--model-path with --model minimax_h3: the example runs the tiny denoise and decode steps alone"),
+    (["--model", "minimax_h3", "--frames", "125"], "--frames 125 must be 17k + 5, e.g. 124 or 141 (MiniMax-H3's VAE"),
+    (["--model", "minimax_h3", "--frames", "107"], "--frames 107 must be at least 124 (MiniMax-H3 generates 5 to 15 s"),
+    (["--model", "minimax_h3", "--frames", "362"], "--frames 362 must be at most 345 (MiniMax-H3 generates 5 to 15 s"),
+    (["--model", "minimax_h3", "--width", "80"], "--width 80 must be a positive multiple of 32 (minimax_h3: 16 pixels"),
+    (["--model", "minimax_h3", "--steps", "1"], "--steps 1 must be at least 2 (MiniMax-H3's schedule counts its"),
 ], ids=["hunyuan-cfg2-distilled", "hunyuan-cfg2-true-cfg-1", "wan-cfg2-unguided", "cfg4", "hunyuan-frames",
         "hunyuan-size", "ltx-frames", "ltx-size", "ltx-cfg2-unguided", "ltx-true-cfg", "ltx-model-path",
         "wan-animate-cfg2-unguided", "wan-animate-model-path-no-pose", "wan-animate-no-pose-file",
-        "wan-face-video", "wan-animate-frames", "wan-animate2-frames", "wan-animate2-size"])
+        "wan-face-video", "wan-animate-frames", "wan-animate2-frames", "wan-animate2-size", "minimax-h3-cfg2-distilled",
+        "minimax-h3-guidance", "minimax-h3-model-path", "minimax-h3-frames", "minimax-h3-too-short",
+        "minimax-h3-too-long", "minimax-h3-size", "minimax-h3-steps"])
 def test_video_example_rejects_what_the_new_families_cannot_take(argv, message, two_ranks):
     with pytest.raises(UsageError, match=re.escape(message)):
         _example("generate_video").parse_args(argv)
@@ -388,10 +402,21 @@ def test_video_example_rejects_what_the_new_families_cannot_take(argv, message, 
     (["--model", "wan_animate"], (13, 80, 144, (2, 1, 1))),
     (["--model", "wan_animate", "--cfg", "2", "--guidance", "2"], (13, 80, 144, (1, 1, 2))),
     (["--model", "wan_animate2", "--cfg", "2"], (9, 48, 80, (1, 1, 2))),
+    (["--model", "minimax_h3"], (124, 64, 96, (2, 1, 1))),
+    (["--model", "minimax_h3", "--ring", "2", "--frames", "141"], (141, 64, 96, (1, 2, 1))),
 ])
 def test_video_example_fills_each_familys_defaults(argv, expected, two_ranks):
     args = _example("generate_video").parse_args(argv)
     assert (args.frames, args.height, args.width, args.degrees) == expected
+
+
+def test_video_example_runs_minimax_h3_at_its_own_frame_rate_and_plans_it_unguided(two_ranks):
+    """MiniMax-H3's video (and soundtrack) at its 24 fps unless --fps says otherwise; --degrees auto
+    asks the planner for the guidance-distilled model (no cfg axis to fill)."""
+    ex = _example("generate_video")
+    assert (ex.parse_args(["--model", "minimax_h3"]).fps, ex.parse_args(["--model", "wan"]).fps) == (24, 8)
+    assert ex.parse_args(["--model", "minimax_h3", "--fps", "12"]).fps == 12
+    assert ex.parse_args(["--model", "minimax_h3", "--degrees", "auto"]).degrees[2] == 1
 
 
 def test_video_example_generates_with_the_tiny_hunyuan_video15(two_ranks):

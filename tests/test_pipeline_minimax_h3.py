@@ -26,6 +26,12 @@ a tiny transformer, 64 x 64 x 124 frames (148 video + 414 audio + 7 text = 569 r
 batch of one whole), its final video and audio latents equal to one process's; bit-identical after
 ``disable_usp``. Text encoder and VAEs are not built (seeded prompt embeds; latents compared).
 
+The video example (``examples/generate_video.py --model minimax_h3``): the stock core denoise and
+decode steps with tiny VAEs (``tiny_minimax_h3_pipeline``) under torchrun on 2 ranks, Ulysses 2 and
+ring 2 in one job (``tests/_examples_job.py``), 64 x 96 x 124 frames (222 video + 414 audio + 7 text
+= 643 rows), 2 steps: each prints MATCH against one rank (frames and soundtrack; the example's
+tolerance, 1e-4) and rank 0 writes a 124-frame GIF and a stereo 32 kHz WAV of 124 / 24 s.
+
 Tolerance: max|err| / max|ref| <= 1e-5 (float32) on outputs and gradients: sharding only reorders
 float32 sums (attention merged by log-sum-exp, gradients summed over ranks). FSDP2 against the
 unsharded grid: 0 (the same weights reach the same maths; only where they sit changed).
@@ -33,6 +39,10 @@ unsharded grid: 0 (the same weights reach the same maths; only where they sit ch
 from __future__ import annotations
 
 import math
+import re
+import subprocess
+import sys
+import wave
 from dataclasses import dataclass
 
 import pytest
@@ -41,7 +51,7 @@ import torch.distributed as dist
 
 from tests import adapter_parity as parity
 from usp_dit import disable_usp, enable_usp, init_usp, single_rank_mesh
-from usp_dit.demo.tiny_minimax_h3 import minimax_h3_inputs, tiny_minimax_h3, tiny_minimax_h3_denoise
+from usp_dit.demo.tiny_minimax_h3 import minimax_h3_inputs, minimax_h3_text, tiny_minimax_h3, tiny_minimax_h3_denoise
 from usp_dit.pipelines.families.minimax_h3 import ADAPTER
 from usp_dit.testing import rel_err
 
@@ -148,9 +158,8 @@ def _shard_weights_case(mesh) -> dict[str, float]:
 
 def _denoise(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     """(video latents, audio latents) of a seeded 3-step text-to-video+audio run at 64 x 64."""
-    prompt = torch.randn(1, 7, 24, generator=torch.Generator().manual_seed(3))
-    out = pipe(prompt_embeds=prompt, text_token_tags=torch.ones(7, dtype=torch.long), height=64, width=64,
-               num_frames=124, num_inference_steps=3, generator=torch.Generator().manual_seed(0),
+    out = pipe(**minimax_h3_text(seed=3), height=64, width=64, num_frames=124, num_inference_steps=3,
+               generator=torch.Generator().manual_seed(0),
                output=["latents", "audio_latents"])
     return out["latents"], out["audio_latents"]
 
@@ -263,3 +272,34 @@ def test_per_row_vector_of_another_length_is_refused():
     finally:
         hook.remove()
         ADAPTER.disable(model)
+
+
+# ---- the video example under torchrun ----------------------------------------------------------------
+
+
+def test_the_video_example_prints_match_on_two_ranks(tmp_path):
+    """Ulysses 2, then ring 2, in one torchrun job (the imports paid once): each run's header, its
+    MATCH line, its GIF (124 frames of 96 x 64) and its WAV (stereo, 16-bit, 32 kHz, 207 audio
+    latents x 800 samples)."""
+    from PIL import Image
+
+    from tests.test_examples_cli import ROOT, _env
+
+    runs = {"u2": ("--ulysses 2", "ring=1, ulysses=2"), "r2": ("--ring 2 --ulysses 1", "ring=2, ulysses=1")}
+    jobs = [f"generate_video --model minimax_h3 {grid} --steps 2 --output {name}.gif" for name, (grid, _) in runs.items()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tests" / "_examples_job.py"), *jobs]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    blocks = re.split(r"(?m)^usp_dit \S+: USPMesh\(dp=1, cfg=1, ", proc.stdout)[1:]
+    assert len(blocks) == len(runs), proc.stdout
+    for (name, (_, mesh)), block in zip(runs.items(), blocks):
+        assert block.startswith(f"{mesh}, device_type='cpu') on 2 ranks, cpu; tiny random MiniMaxH3ModularPipeline, "
+                                "124 frames of 64x96 (222 video tokens), 2 steps"), block
+        assert f"wrote {name}.gif" in block and f"{name}.wav" in block, block
+        assert re.search(r"max\|diff\|/max\|one rank\| = \S+ \(tolerance 1e-04\): MATCH", block), block
+        with Image.open(tmp_path / f"{name}.gif") as video:
+            assert (video.size, video.n_frames) == ((96, 64), 124)
+        with wave.open(str(tmp_path / f"{name}.wav")) as audio:
+            assert (audio.getnchannels(), audio.getsampwidth(), audio.getframerate(), audio.getnframes()) == (
+                2, 2, 32000, 207 * 800)

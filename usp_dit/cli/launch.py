@@ -148,10 +148,18 @@ def check_multiple(flag: str, value: int, multiple: int, why: str) -> None:
         raise UsageError(f"{flag} {value} must be a positive multiple of {multiple} ({why})")
 
 
-def check_frames(flag: str, value: int, step: int, why: str) -> None:
-    """``value`` must be ``step * k + 1`` for some k >= 0."""
-    if value < 1 or (value - 1) % step:
-        raise UsageError(f"{flag} {value} must be {step}k + 1, e.g. {step + 1} or {2 * step + 1} ({why})")
+def check_frames(flag: str, value: int, step: int, why: str, rest: int = 1, least: int = 0) -> None:
+    """``value`` must be ``step * k + rest`` for some k >= 0; the message's examples are the first two
+    such counts above ``least``."""
+    if value < rest or (value - rest) % step:
+        first = rest + step * max(1, -(-(least - rest) // step))
+        raise UsageError(f"{flag} {value} must be {step}k + {rest}, e.g. {first} or {first + step} ({why})")
+
+
+def check_at_most(flag: str, value: float, maximum: float, why: str = "") -> None:
+    """``value <= maximum``."""
+    if value > maximum:
+        raise UsageError(f"{flag} {value} must be at most {maximum}" + (f" ({why})" if why else ""))
 
 
 def check_at_least(flag: str, value: float, minimum: float, why: str = "") -> None:

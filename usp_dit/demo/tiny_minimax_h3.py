@@ -1,10 +1,14 @@
-"""Tiny randomly initialised MiniMax-H3 transformers and their packed inputs, for tests.
+"""Tiny randomly initialised MiniMax-H3 transformers and their packed inputs, for tests; its two
+VAEs, and the stock modular pipeline of its text-to-video+audio denoise and decode steps around them
+(``tiny_minimax_h3_pipeline``), for the video example.
 
 Layout: the transformer takes patchified rows, not latents: video (batch, n_video, in_channels * 4)
 (patch (1, 2, 2)), audio (batch, n_audio, audio_in_channels), text (batch, n_text, text_dim); and
 one packed layout shared by the batch: positions of each modality's rows in the sequence, each
 (n,), per-row ``token_tags`` and ``timestep_indices`` (seq,), ``position_ids`` (seq, 3), the
-distinct timesteps (num_timesteps,).
+distinct timesteps (num_timesteps,). The VAEs': video latents (1, VAE_LATENT_CHANNELS, 5k + 2,
+height / 16, width / 16) for 17k + 5 frames; audio latents (2, AUDIO_LATENT_CHANNELS, frames / 24 *
+40) (the stereo channels as a batch of two mono ones) for (2, 1, 800 x that) samples at 32 kHz.
 
 Built from a seed, in code, with no download: every rank gets bit-identical weights and inputs.
 """
@@ -15,12 +19,15 @@ from dataclasses import dataclass
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
 
-from usp_dit.demo.tiny_video import _perturb
+from usp_dit.demo.tiny_video import _perturb, quiet_diffusers_log
 
 IN_CHANNELS = 4  # video latent channels (the release's 24); rows are 4 * 2 * 2 = 16 wide
 AUDIO_CHANNELS = 6  # the release's 32
 TEXT_DIM = 24  # the release's 5120
 NUM_TIMESTEPS = 3  # distinct noise levels in one packed call (target video, audio, conditioning)
+# The stock modular pipeline reads its latent widths from the VAEs (24 and 32 without them, the release's).
+VAE_LATENT_CHANNELS = 24
+AUDIO_LATENT_CHANNELS = 32
 
 
 def tiny_minimax_h3(num_heads: int = 4, head_dim: int = 16, seed: int = 0, in_channels: int = IN_CHANNELS,
@@ -96,6 +103,84 @@ def tiny_minimax_h3_denoise(seed: int = 0):
     from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3CoreDenoiseStep
 
     pipe = MiniMaxH3CoreDenoiseStep().init_pipeline()
-    pipe.update_components(transformer=tiny_minimax_h3(seed=seed, in_channels=24, audio_channels=32),
+    pipe.update_components(transformer=tiny_minimax_h3(seed=seed, in_channels=VAE_LATENT_CHANNELS,
+                                                       audio_channels=AUDIO_LATENT_CHANNELS),
                            scheduler=MiniMaxH3Scheduler(), audio_scheduler=MiniMaxH3Scheduler())
     return pipe
+
+
+def tiny_minimax_h3_vae(seed: int = 0):
+    """A tiny ``AutoencoderKLMiniMaxH3`` with the release's geometry and ``VAE_LATENT_CHANNELS``:
+    16x spatial (four 2x levels), 4x temporal in chunks of 17 frames (``clip_length``, 3 latent
+    frames dropped a chunk: 17k + 5 frames decode from 5k + 2 latent frames), so the stock blocks'
+    frame and canvas arithmetic is the release's; a 3D CNN encoder of 8 channels a level and a
+    1-layer ViT decoder of 2 heads x 16 (12 rotated channels a head), 2 register tokens. Its
+    latents' mean and std are the identity (the release's are per-channel statistics). Float32,
+    eval mode, every parameter perturbed."""
+    from diffusers import AutoencoderKLMiniMaxH3
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLMiniMaxH3(
+        latent_channels=VAE_LATENT_CHANNELS, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+        spatial_downsample_factors=(2, 2, 2, 2), temporal_downsample_factors=(1, 2, 2, 1), norm_num_groups=4,
+        decoder_num_layers=1, decoder_num_attention_heads=2, decoder_attention_head_dim=16,
+        decoder_num_register_tokens=2, decoder_ffn_mult=2,
+        latents_mean=(0.0,) * VAE_LATENT_CHANNELS, latents_std=(1.0,) * VAE_LATENT_CHANNELS,
+    )
+    _perturb(vae, seed + 1)
+    return vae.eval()
+
+
+def tiny_minimax_h3_audio_vae(seed: int = 0):
+    """A tiny ``AutoencoderKLMiniMaxH3Audio`` with the release's rates: a hop of 800 samples
+    (strides 8, 10, 10 in place of 2, 4, 4, 5, 5) at 32 kHz, so 40 latents a second as the stock
+    blocks assume; ``AUDIO_LATENT_CHANNELS`` latents, a 64-wide trunk, a BigVGAN decoder of 32, 16,
+    8, 4 channels with one AMP block (kernel 3, dilations 1 and 3) an upsampling. Identity latent
+    statistics. Float32, eval mode, every parameter perturbed."""
+    from diffusers import AutoencoderKLMiniMaxH3Audio
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLMiniMaxH3Audio(
+        encoder_dim=4, encoder_rates=(8, 10, 10), latent_dim=64, latent_channels=AUDIO_LATENT_CHANNELS,
+        num_attention_heads=2, decoder_dim=32, decoder_rates=(8, 10, 10), decoder_kernel_sizes=(16, 20, 20),
+        resblock_kernel_sizes=(3,), resblock_dilation_sizes=((1, 3),),
+        latents_mean=[0.0] * AUDIO_LATENT_CHANNELS, latents_std=[1.0] * AUDIO_LATENT_CHANNELS,
+    )
+    _perturb(vae, seed + 1)
+    return vae.eval()
+
+
+def tiny_minimax_h3_pipeline(seed: int = 0):
+    """``MiniMaxH3Blocks``' text-to-video+audio path less its text encoder, as a
+    ``MiniMaxH3ModularPipeline`` of tiny random models, float32: the stock ``MiniMaxH3CoreDenoiseStep``
+    (as ``tiny_minimax_h3_denoise``; the release's schedules: shift 12 video, 3 audio), then the stock
+    ``MiniMaxH3DecodeStep`` (``tiny_minimax_h3_vae``, ``tiny_minimax_h3_audio_vae``). Call it with
+    ``minimax_h3_text()``, ``height``/``width`` multiples of 32, ``num_frames`` 17k + 5 of 5 to 15 s
+    at 24 fps (124 to 345), ``output=["videos", "audio", "sampling_rate"]``."""
+    from diffusers import MiniMaxH3Scheduler
+    from diffusers.modular_pipelines import SequentialPipelineBlocks
+    from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import (
+        MiniMaxH3CoreDenoiseStep,
+        MiniMaxH3DecodeStep,
+    )
+
+
+    with quiet_diffusers_log():
+        blocks = SequentialPipelineBlocks.from_blocks_dict(
+            {"denoise": MiniMaxH3CoreDenoiseStep(), "decode": MiniMaxH3DecodeStep()})
+        pipe = blocks.init_pipeline()  # a MiniMaxH3ModularPipeline (the blocks' model_name)
+        pipe.update_components(
+            transformer=tiny_minimax_h3(seed=seed, in_channels=VAE_LATENT_CHANNELS,
+                                        audio_channels=AUDIO_LATENT_CHANNELS),
+            scheduler=MiniMaxH3Scheduler(shift=12.0), audio_scheduler=MiniMaxH3Scheduler(shift=3.0),
+            vae=tiny_minimax_h3_vae(seed + 20), audio_vae=tiny_minimax_h3_audio_vae(seed + 30),
+        )
+    return pipe
+
+
+def minimax_h3_text(length: int = 7, seed: int = 0) -> dict:
+    """Seeded stand-ins for the text encoder step's outputs: ``prompt_embeds`` (1, length,
+    ``TEXT_DIM``) and ``text_token_tags`` (length,), every row a text row (tag 1)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"prompt_embeds": torch.randn(1, length, TEXT_DIM, generator=g),
+            "text_token_tags": torch.ones(length, dtype=torch.long)}
