@@ -47,6 +47,10 @@ from usp_dit.pipelines.families.dit import ADAPTER
 from usp_dit.pipelines.families.pixart import USPPixArtSelfAttnProcessor
 
 TOL = 1e-5
+# Gradients under tensor parallelism (1,2,1,2): each row-parallel projection's output, and each
+# column-parallel one's input gradient, is a sum of two partial products all-reduced in float32, an
+# order stock never uses: 1.09e-5 measured on an AVX2 CPU (below 1e-5 on an AVX-512 one).
+TOL_TP_GRAD = 2e-5
 # Key biases: zero gradient by maths (softmax ignores a shift shared by a query row's keys), float32
 # rounding noise (~1e-8) in stock too; measured against their ``to_k.weight`` gradient's scale.
 KEY_BIASES = r"transformer_blocks\.\d+\.attn1\.to_k\.bias"
@@ -151,8 +155,9 @@ def test_tensor_parallel_matches_one_process(grid_results, key: str):
         errors = res.get(key) or res.get("tensor", "no result")
         assert not isinstance(errors, str), f"rank {rank}: {errors}"
         assert errors.get("local_heads", 3.0) == 3.0 or key.startswith("grad"), errors  # ceil(5 / 2) heads a rank
-        worst = {k: v for k, v in errors.items() if k not in ("local_heads", "single_widths") and not k.startswith("worst_is_") and not v <= TOL}
-        assert not worst, f"rank {rank}: above {TOL}: {worst}"
+        tol = TOL_TP_GRAD if key.startswith("grad") else TOL
+        worst = {k: v for k, v in errors.items() if k not in ("local_heads", "single_widths") and not k.startswith("worst_is_") and not v <= tol}
+        assert not worst, f"rank {rank}: above {tol}: {worst}"
 
 
 def test_cfg_split_of_a_batch_matches_stock(grid_results):

@@ -34,8 +34,11 @@ reordering of ~1e-7 in its input can move a value across a bfloat16 rounding bou
 bfloat16 step (2^-8 relative) on that value, so that shape's outputs are held to TOL_BF16 = 2e-3
 TOL_BF16_GRAD = 1e-2
 (a quarter of a bfloat16 step less than 2^-8 = 3.9e-3 of the largest output; measured 3e-7 to
-4e-5). The "softmax" shape (its blocks' inputs equal to the stock ones bit for bit before each bf16
-cast) and "gdn" (no bf16 cast) are held to 1e-5. Gradients, summed over the sequence group (each
+4e-5). "gdn" (no bf16 cast) is held to 1e-5. The "softmax" shape (its blocks' inputs equal to the
+stock ones bit for bit before each bf16 cast) to TOL_SOFTMAX = 1e-4: on (2,2) and (1,4) a softmax
+layer's bf16 attention is merged from ring blocks, not stock's one call, and the CPU's kernels
+decide whether a merged value rounds to the same bf16 neighbour (measured below 1e-5 on an AVX-512
+CPU, 1.25e-5 on an AVX2 one; one bf16 step would be 3.9e-3). Gradients, summed over the sequence group (each
 rank's loss L / P): "gdn" within 1e-5; "released" within TOL_BF16_GRAD = 1e-2 (measured 6.7e-3):
 the stock softmax layer's backward runs in bfloat16 too (its Q/K/V gradients rounded to bfloat16,
 2^-8 relative each, from inputs that differ by float32 reordering), a weaker check of that path.
@@ -92,6 +95,7 @@ from usp_dit.pipelines.families.sana_wm import ADAPTER
 from usp_dit.testing import rel_err
 
 TOL = 1e-5
+TOL_SOFTMAX = 1e-4  # the all-softmax shape's output (module docstring)
 TOL_BF16 = 2e-3
 TOL_BF16_GRAD = 1e-2
 TOL_VIDEO = 1e-4
@@ -244,7 +248,7 @@ def test_parameter_gradients_match_one_process(grid_results, key: str):
 
 @pytest.mark.parametrize("grid", SOFTMAX_GRIDS)
 def test_all_softmax_model_matches_one_process(grid_results, grid):
-    assert_within(grid_results, f"softmax-u{grid[0]}r{grid[1]}", TOL)
+    assert_within(grid_results, f"softmax-u{grid[0]}r{grid[1]}", TOL, {"out": TOL_SOFTMAX})
 
 
 def test_cfg_split_of_a_masked_batch_matches_stock(grid_results):

@@ -116,7 +116,11 @@ def tiny_helios_pipeline(max_text_len: int = 16, seed: int = 0, pyramid: bool = 
     cls = HeliosPyramidPipeline if pyramid else HeliosPipeline
     # Stage 1 (Helios-Base) denoises in one stage; the pyramid pipeline in one stage per resolution
     # (two here: call it with two entries in pyramid_num_inference_steps_list).
-    scheduler = HeliosScheduler(stages=2, stage_range=[0, 1 / 2, 1]) if pyramid else HeliosScheduler(stages=1)
+    # gamma 0.3, not the release's 1/3: the pyramid's block noise factors the covariance
+    # (1 + gamma) I - gamma 1 1^T of a 2 x 2 patch, whose least eigenvalue 1 - 3 gamma is 0 at 1/3
+    # (stock adds 1e-8), and its float32 Cholesky then fails in stock itself on some CPUs (AVX2 MKL).
+    scheduler = (HeliosScheduler(stages=2, stage_range=[0, 1 / 2, 1], gamma=0.3) if pyramid
+                 else HeliosScheduler(stages=1))
     return cls(
         tokenizer=tokenizer, text_encoder=text_encoder, vae=tiny_wan_vae(LATENT_CHANNELS, seed=seed + 20),
         scheduler=scheduler, transformer=tiny_helios(seed=seed + 30),
