@@ -262,16 +262,16 @@ def _start_block_gather(k, v, spec: RingSpec, v_wire=None) -> list[torch.Tensor]
             for t in (k, v if v_wire is None else v_wire)]
 
 
-def _gathered_blocks(pending: torch.Tensor, spec: RingSpec, batch: int, like: torch.Tensor | None = None) -> torch.Tensor:
-    """The result of one ``_start_block_gather`` transfer as (R, B, L, Hk, D) blocks (waits for
-    it); wire rows (uint8) decoded to ``like``'s dtype (padding rows decode to zeros)."""
-    blocks = wait_gathered(pending).unflatten(0, (spec.size, batch))
-    return fp8_wire.decode(blocks, like.dtype) if blocks.dtype == torch.uint8 and like is not None else blocks
+def _gathered_blocks(pending: torch.Tensor, spec: RingSpec, batch: int) -> torch.Tensor:
+    """The result of one ``_start_block_gather`` transfer as (R, B, L, Hk, D) blocks (waits for it)."""
+    return wait_gathered(pending).unflatten(0, (spec.size, batch))
 
 
 def _gathered_kv(pending: list[torch.Tensor], spec: RingSpec, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k_all, v_all) (R, B, L, Hk, D) of ``_start_block_gather``'s two transfers."""
-    return _gathered_blocks(pending[0], spec, k.shape[0]), _gathered_blocks(pending[1], spec, k.shape[0], k)
+    """(k_all, v_all) (R, B, L, Hk, D) of ``_start_block_gather``'s two transfers; V's wire rows
+    (uint8) decoded to K's dtype (padding rows decode to zeros)."""
+    k_all, v_all = (_gathered_blocks(p, spec, k.shape[0]) for p in pending)
+    return k_all, (fp8_wire.decode(v_all, k.dtype) if v_all.dtype == torch.uint8 else v_all)
 
 
 def _gather_merge_forward(q, k, v, joint: JointKV | None, spec: RingSpec, backend: AttentionBackend, scale: float,

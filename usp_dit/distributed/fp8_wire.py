@@ -105,7 +105,7 @@ def pack_kv(k: torch.Tensor, v_wire: torch.Tensor) -> torch.Tensor:
 
 def unpack_kv(buf: torch.Tensor, dtype: torch.dtype, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of ``pack_kv``: ``(k, v)`` (B, L, Hk, D) of ``dtype``, V decoded."""
-    k_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
+    k_bytes = head_dim * dtype.itemsize
     return buf[..., :k_bytes].contiguous().view(dtype), decode(buf[..., k_bytes:], dtype)
 
 

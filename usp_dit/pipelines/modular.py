@@ -88,10 +88,23 @@ class ModularPatch:
 
 
 def _synced_call(self, pipeline: Any, state: Any) -> Any:
-    """The blocks' ``__call__`` under Note [modular pipelines]: the call's generators take the
-    replica's first rank's state, and the first value written to each ``*latents`` key in this run
-    is the replica's first rank's."""
-    mesh: USPMesh = self._usp_mesh
+    """The blocks' ``__call__`` under Note [modular pipelines]: with ``_usp_sync`` the call's
+    generators take the replica's first rank's state and the first value written to each
+    ``*latents`` key in this run is the replica's first rank's; with ``_usp_quiet`` the blocks'
+    own ``tqdm`` bars start disabled."""
+    with contextlib.ExitStack() as stack:
+        if self._usp_sync:
+            _sync_generators(state.get("generator"), self._usp_mesh)
+            stack.enter_context(_first_latents_synced(state, self._usp_mesh))
+        if self._usp_quiet:
+            stack.enter_context(_own_bars_off())
+        return super(type(self), self).__call__(pipeline, state)
+
+
+@contextlib.contextmanager
+def _first_latents_synced(state: Any, mesh: USPMesh) -> Iterator[None]:
+    """While open, the first value written to each ``*latents`` key of ``state`` (and the same
+    object written back) is the replica's first rank's (Note [modular pipelines], latents)."""
     original_set = state.set
     synced: dict[str, tuple[Any, Any]] = {}  # key -> (the rank's own first value, the first rank's)
 
@@ -103,25 +116,17 @@ def _synced_call(self, pipeline: Any, state: Any) -> Any:
                 value = synced[key][1]
         original_set(key, value, kwargs_type)
 
-    if not self._usp_sync:  # ranks > 0 of an unsynced pipeline: only the blocks' own bars to quiet
-        with _own_bars_off(self._usp_quiet):
-            return super(type(self), self).__call__(pipeline, state)
-    _sync_generators(state.get("generator"), mesh)
     state.set = set_synced  # an instance attribute: the state's blocks call ``state.set(...)``
     try:
-        with _own_bars_off(self._usp_quiet):
-            return super(type(self), self).__call__(pipeline, state)
+        yield
     finally:
         del state.set  # the returned state is a plain ``PipelineState`` again
 
 
 @contextlib.contextmanager
-def _own_bars_off(quiet: bool) -> Iterator[None]:
-    """With ``quiet``: every ``tqdm`` bar opened inside starts disabled unless its caller passes
-    ``disable`` (Note [modular pipelines], progress). Nothing changes otherwise."""
-    if not quiet:
-        yield
-        return
+def _own_bars_off() -> Iterator[None]:
+    """While open, every ``tqdm`` bar starts disabled unless its caller passes ``disable`` (Note
+    [modular pipelines], progress)."""
     from tqdm import std
 
     original = std.tqdm.__dict__["__init__"]
