@@ -114,13 +114,16 @@ class FamilyPipelines:
     or steps distilled), where ``cfg_degree=2`` splits a batch of prompts and runs a batch of one
     whole on both groups (correct, no faster). ``whole_vae``: why the pipelines' VAE has no parallel
     recipe and decodes whole on every rank (empty: it has one). ``cfg``: the CFG column's text where
-    the plan's CFG arguments do not describe the pipelines (a pipeline with no guidance at all)."""
+    the plan's CFG arguments do not describe the pipelines (a pipeline with no guidance at all).
+    ``vae``: the VAE column's text where the VAE is split otherwise than by a row recipe (MiniMax-H3's
+    ViT: ``usp_dit.pipelines.vae.vit``)."""
 
     variants: str
     pipelines: tuple[str, ...]
     one_call: str = ""
     whole_vae: str = ""
     cfg: str = ""
+    vae: str = ""
 
 
 # Adapter name -> what the plan does not say; the README table's rows, in this order (images, then video).
@@ -258,8 +261,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
                                    ("EasyAnimatePipeline", "EasyAnimateInpaintPipeline", "EasyAnimateControlPipeline")),
     "MiniMax-H3": FamilyPipelines("MiniMax-H3 (33B): text-, first-last-frame-, reference-to-video with audio",
                                   ("MiniMaxH3ModularPipeline",),
-                                  whole_vae="a ViT decoder (every latent token attends to all, with shared register "
-                                            "tokens)"),
+                                  vae="yes (`AutoencoderKLMiniMaxH3`: its tiles dealt out over the ranks; untiled, "
+                                      "its ViT decoder's tokens split)"),
     "StableAudio": FamilyPipelines("Stable Audio Open 1.0 (text-to-audio; audio latents, 1025 tokens)",
                                    ("StableAudioPipeline",), whole_vae="no recipe yet (a 1-D convolutional decoder)"),
     "StableAudio3": FamilyPipelines(
@@ -391,7 +394,8 @@ def supported_families() -> list[FamilyRow]:
                                  f"not {adapter.model_class.__name__}")
             vaes += [v for v in _components(pipeline, "vae") if v not in vaes]
         rows.append(FamilyRow(name, adapter.model_class.__name__, info.variants, info.pipelines,
-                              info.cfg or _cfg_mode(adapter, info.one_call), _vae_mode(vaes, info.whole_vae)))
+                              info.cfg or _cfg_mode(adapter, info.one_call),
+                              info.vae or _vae_mode(vaes, info.whole_vae)))
     return rows
 
 

@@ -503,7 +503,7 @@ _MEASURED_20261206 = {
     "qwen_image21": (11.03, {2: 0.494, 4: 0.253, 8: 0.121}),
     "wan22": (10.55, {2: 0.49, 4: 0.248, 8: 0.137}),
     "ltx2": (5.23, {2: 0.502, 4: 0.253, 8: 0.129}),
-    "minimax_h3": (1.63, None),
+    "minimax_h3": (1.63, None),  # tiles dealt out (Note [a parallel ViT VAE]): the time splits, a rank's peak is a tile's, as stock
     "oobleck": (2.75, None),
     "oobleck_48k": (3.78, None),
     "same": (0.4, None),

@@ -6,6 +6,7 @@ VAE] in ``rows``; Note [parallel VAE fallback] in ``patch``).
     norm.py       GroupNorm with statistics over every rank's rows
     attention.py  VAE attention: this rank's queries against every rank's keys and values
     recipes.py    per VAE class: how each module of its decoder takes part
+    vit.py        MiniMax-H3's ViT-decoder VAE: tiles dealt out, or tokens split (Note [a parallel ViT VAE])
     patch.py      enable_parallel_vae / disable_parallel_vae
 """
 from __future__ import annotations

@@ -33,6 +33,7 @@ from usp_dit.distributed.mesh import USPMesh, resolve_mesh
 from usp_dit.distributed.replica import replica_group, same_on_replica
 from usp_dit.pipelines._routing import with_global
 from usp_dit.pipelines.base import restore_instance_attr, saved_instance_attr
+from usp_dit.pipelines.vae import vit
 from usp_dit.pipelines.vae.attention import GATHERED_F
 from usp_dit.pipelines.vae.halo import ROWS, RowGroup, decoding, gathered_counts, halo_conv_forward
 from usp_dit.pipelines.vae.norm import group_norm_forward
@@ -160,6 +161,9 @@ def enable_parallel_vae(vae: torch.nn.Module, mesh: USPMesh | None = None) -> VA
     mesh = resolve_mesh(mesh)
     state = VAEState(mesh, replica_group(mesh), {})
     _STATES[vae] = state
+    if type(vae).__name__ in vit.VIT_VAES:
+        _install_vit(vae, state)
+        return state
     for direction, (_, method) in _REGIONS.items():
         sites, state.reasons[direction] = _classified(vae, direction)
         if state.group is None:
@@ -174,6 +178,29 @@ def enable_parallel_vae(vae: torch.nn.Module, mesh: USPMesh | None = None) -> VA
         run = _parallel_decode if direction == "decode" else _parallel_encode
         _set(state, vae, method, functools.partial(run, vae, getattr(type(vae), method)))
     return state
+
+
+def _install_vit(vae: torch.nn.Module, state: VAEState) -> None:
+    """MiniMax-H3's video VAE (Note [a parallel ViT VAE]): its clip decode and encode replaced."""
+    untiled = vit.refusal(vae)
+    state.reasons = {"decode": None, "encode": None}
+    if state.group is None:
+        return
+    if untiled is not None:
+        state.note("decode", f"an untiled decode is not split: {untiled}")
+    else:
+        for block in vae.decoder.transformer_blocks:
+            _set(state, block.attn, "processor", vit.gathered_processor_class()())
+    for name, run in (("_decode_clip", functools.partial(vit.decode_clip, vae, state.group, untiled is None)),
+                      ("_encode_clip", functools.partial(vit.encode_clip, vae, state.group))):
+        _set(state, vae, name, functools.partial(_same_input, state, name, run))
+
+
+def _same_input(state: VAEState, name: str, run, x: torch.Tensor) -> torch.Tensor:
+    if not same_on_replica(x, state.mesh):
+        raise ValueError(f"parallel VAE: the input of {name} differs between the ranks of a replica; "
+                         f"every rank must pass the same tensor")
+    return run(x)
 
 
 def disable_parallel_vae(vae: torch.nn.Module) -> None:

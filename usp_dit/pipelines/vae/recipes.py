@@ -29,9 +29,6 @@ _AUDIO = "a 1-D audio VAE: no image rows to split (it decodes locally on every r
 NO_RECIPE: dict[str, str] = {
     "AutoencoderKLAllegro": "it decodes only in its own overlapping, blended 3D tiles (its untiled decode raises "
                             "NotImplementedError), which a split by rows would change",
-    "AutoencoderKLMiniMaxH3": "its decoder is a ViT: every latent token attends to every other and to shared "
-                              "register tokens, with positions normalised by the whole latent's size (not "
-                              "convolutions over rows)",
     "Kandinsky6SRVAE": "no recipe yet: it has no _decode / _encode to split (its decode runs time segments "
                        "through one cache dict), and its Kandinsky6SRSafeConv3d chunks time by the input's element "
                        "count, so ranks holding different rows would make different numbers of halo exchanges",
