@@ -366,6 +366,36 @@ def share(vae: torch.nn.Module, z: torch.Tensor, parts: int, warmup: int,
     return ms, peak, dict(sim.counts)
 
 
+def share_tiles(vae: torch.nn.Module, z: torch.Tensor, parts: int, warmup: int, rounds: int) -> tuple[float, float, dict]:
+    """``share`` for MiniMax-H3's tile-dealt decode (Note [a parallel ViT VAE]): rank parts // 2
+    decodes its run of each clip's tiles; the gather is simulated by repeating them (its stitch
+    then blends P copies: the same work as the real one). (ms, peak GiB, gathers per decode)."""
+    import functools
+
+    from usp_dit.pipelines.vae import vit
+    from usp_dit.pipelines.vae.rows import row_offsets, row_split
+
+    rank, counts = parts // 2, {"gathers": 0}
+
+    def dealt(inputs, run, group):
+        sizes = row_split(len(inputs), parts)
+        start = row_offsets(sizes)[rank]
+        mine = [run(x) for x in inputs[start:start + sizes[rank]]] or [run(inputs[0])]
+        counts["gathers"] += 1
+        return [mine[i % len(mine)] for i in range(len(inputs))]
+
+    saved, vit.dealt = vit.dealt, dealt
+    vae._decode_clip = functools.partial(vit.decode_clip, vae, None, False)
+    try:
+        ms, peak, _ = _timed(lambda: _decode(vae, z), warmup, rounds)
+        counts["gathers"] = 0
+        _decode(vae, z)
+    finally:
+        vit.dealt = saved
+        del vae._decode_clip
+    return ms, peak, counts
+
+
 def _latent_channels(vae: torch.nn.Module) -> int:
     config = vae.config
     return config["latent_channels"] if "latent_channels" in config else config["z_dim"]
@@ -387,7 +417,10 @@ def _stock(vae: torch.nn.Module, z: torch.Tensor, warmup: int, rounds: int, devi
     from usp_dit.pipelines.vae.recipes import recipes
 
     pairs = []  # world size 1, side by side: stock, then enabled (no group: nothing is replaced), 3 pairs
-    for _ in range(3 if type(vae) in recipes() else 0):  # no recipe: enabling replaces nothing
+    from usp_dit.pipelines.vae.vit import VIT_VAES
+
+    split = type(vae) in recipes() or type(vae).__name__ in VIT_VAES
+    for _ in range(3 if split else 0):  # no recipe: enabling replaces nothing
         s, _, o = _timed(lambda: _decode(vae, z), 0, 1)
         del o
         enable_parallel_vae(vae, single_rank_mesh(device.type))
@@ -421,9 +454,12 @@ def bench(name: str, parts: list[int], warmup: int, rounds: int, skip_stock: boo
         row = Row(name, case.label, stock_ms, stock_peak, world1, None)
         from usp_dit.pipelines.vae.recipes import recipes
 
-        for p in parts if type(vae) in recipes() else ():  # no recipe: every rank decodes whole
+        from usp_dit.pipelines.vae.vit import VIT_VAES
+
+        tiles = type(vae).__name__ in VIT_VAES and getattr(vae, "use_tiling", False)
+        for p in parts if type(vae) in recipes() or tiles else ():  # no recipe: every rank decodes whole
             try:
-                result = share(vae, z, p, warmup, rounds)
+                result = (share_tiles if tiles else share)(vae, z, p, warmup, rounds)
             except torch.cuda.OutOfMemoryError:
                 print(f"{name}: the P={p} share ran out of memory", flush=True)
                 torch.cuda.empty_cache()
