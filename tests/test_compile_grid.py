@@ -26,7 +26,9 @@ would see them, without spending minutes compiling C++ on two cores, and counts 
   output vs one process; its cache call is not traced)
   (Wan's and LTX's attn2 run the stock processor beside the routed attn1: the two must not be
   mixed up by the tracer), output vs the eager enabled model. (docs/COMPILE.md lists the
-  families that do not trace yet, and why.)
+  families that do not trace yet, and why.) CI traces 32 of the 52 families' adapters: each of
+  the other 20 (``SLOW_ADAPTERS``) adds no routing or hook that a kept family's trace does not
+  cover, and runs with ``--full``.
 - Flux enabled and compiled, four image sizes: at most three graphs on a rank (two on ranks
   that hold text). PEFT LoRA with gradient
   checkpointing on (2,2): the LoRA gradients through the compiled model equal eager's.
@@ -399,7 +401,7 @@ def _run_two_rank_adapters() -> dict[str, dict | str]:
     """The adapter cases of 2-rank grids, in a group of 2 (Note [adapters on two ranks])."""
     results: dict[str, dict | str] = {}
     for family, grid, shape in ADAPTER_CASES:
-        if math.prod(grid) == 2:  # a failed case is recorded as its error, reported by its own test
+        if math.prod(grid) == 2 and (family not in SLOW_ADAPTERS or full_suite()):  # a failed case: its error
             record_case(results, f"{family}-{grid}-{shape}", lambda: _adapter_case(family, grid, shape))
     record_case(results, "anyflow_far-cached", _anyflow_far_case)
     torch._dynamo.reset()
@@ -446,6 +448,21 @@ def _grid_key(g) -> str:
 #   ring, so each family traces one of them on 2 ranks, ring where its comment says a rank's shard
 #   has an edge (padded keys only, mid-frame starts), and the 4-rank grids (U x R together, the
 #   cfg groups) are traced by the core cases and by Flux's two cases.
+# Families whose traced mechanism another family's kept case traces already (Note [adapters on two
+# ranks]: what a family adds to the graph is its routing and its hooks): their fullgraph case runs
+# with --full (2026-12-07, for CI's budget: ~5 s of tracing each). family -> the kept case that
+# traces the same mechanism.
+SLOW_ADAPTERS = {
+    "dit": "pixart", "hunyuan_dit": "pixart", "allegro": "pixart", "latte": "pixart", "lumina_next": "pixart",
+    "stable_audio": "pixart", "sana_wm_refiner": "pixart",  # AttnProcessor2_0-style routed F.sdpa, RoPE cut per call
+    "auraflow": "sd3", "easyanimate": "sd3",  # SD3's routed F namespace, text first
+    "longcat_image": "flux", "ovis_image": "flux", "chroma": "mochi",  # Flux's joint split; masked padded prompts
+    "glm_image": "cogview4",  # the text mask as a bias channel
+    "dreamlite": "cosmos", "nucleus_moe": "prx",  # a routed dispatch call; image queries over [text; shard] keys
+    "ernie_image": "zimage", "joyimage": "joyimage_plus",  # single stream [shard; masked text]; rolled joint RoPE
+    "consisid": "cogvideox", "chronoedit": "wan", "sana_video": "sana",  # the base family's plan plus local parts
+}
+
 ADAPTER_CASES = [  # (family, (ulysses, ring, cfg), index into the family test's SHAPES)
     ("flux", (2, 2, 1), 0), ("flux", (1, 2, 2), 0), ("cogvideox", (2, 1, 1), 0), ("flux2", (1, 2, 1), 0),
     ("wan", (2, 1, 1), 0), ("ltx_video", (1, 2, 1), 0), ("sd3", (1, 2, 1), 0), ("ltx2", (2, 1, 1), 0),
@@ -544,7 +561,7 @@ def test_untraceable_calls_are_refused(results):
         assert all(v == 0.0 for v in res.values()), res
 
 
-@pytest.mark.parametrize("case", ADAPTER_CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-shape{c[2]}")
+@pytest.mark.parametrize("case", sweep(ADAPTER_CASES, lambda c: c[0] in SLOW_ADAPTERS), ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-shape{c[2]}")
 def test_adapter_compiles_fullgraph_and_equals_eager(results, case):
     _assert_case(results, f"{case[0]}-{case[1]}-{case[2]}", "graphs_not_1")
 
