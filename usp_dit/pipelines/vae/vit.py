@@ -73,7 +73,8 @@ def _tiles(vae, x: torch.Tensor, unit: int) -> tuple[list[torch.Tensor], int, li
                                                vae.tile_sample_min_overlap_height)
     xs, widths, x_overlaps = vae._split_tiles(x.shape[-1] * unit, vae.tile_sample_min_width,
                                               vae.tile_sample_min_overlap_width)
-    tiles = [x[..., y // unit:(y + h) // unit, x0 // unit:(x0 + w) // unit]
+    # Start and length each divided by ``unit``, as the stock loops index (not the end divided).
+    tiles = [x[..., y // unit:y // unit + h // unit, x0 // unit:x0 // unit + w // unit]
              for y, h in zip(ys, heights) for x0, w in zip(xs, widths)]
     return tiles, len(xs), y_overlaps, x_overlaps
 
