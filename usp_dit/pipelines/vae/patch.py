@@ -33,12 +33,12 @@ from usp_dit.distributed.mesh import USPMesh, resolve_mesh
 from usp_dit.distributed.replica import replica_group, same_on_replica
 from usp_dit.pipelines._routing import with_global
 from usp_dit.pipelines.base import restore_instance_attr, saved_instance_attr
-from usp_dit.pipelines.vae import vit
 from usp_dit.pipelines.vae.attention import GATHERED_F
 from usp_dit.pipelines.vae.halo import ROWS, RowGroup, decoding, gathered_counts, halo_conv_forward
 from usp_dit.pipelines.vae.norm import group_norm_forward
 from usp_dit.pipelines.vae.recipes import NO_RECIPE, Sites, classify, recipes
 from usp_dit.pipelines.vae.rows import aligned_split, can_split, row_offsets, row_split
+from usp_dit.pipelines.vae.vit import VIT_VAES, decode_clip, encode_clip, gathered_processor_class, refusal
 
 _log = get_logger("vae")
 
@@ -161,7 +161,7 @@ def enable_parallel_vae(vae: torch.nn.Module, mesh: USPMesh | None = None) -> VA
     mesh = resolve_mesh(mesh)
     state = VAEState(mesh, replica_group(mesh), {})
     _STATES[vae] = state
-    if type(vae).__name__ in vit.VIT_VAES:
+    if type(vae).__name__ in VIT_VAES:
         _install_vit(vae, state)
         return state
     for direction, (_, method) in _REGIONS.items():
@@ -182,7 +182,7 @@ def enable_parallel_vae(vae: torch.nn.Module, mesh: USPMesh | None = None) -> VA
 
 def _install_vit(vae: torch.nn.Module, state: VAEState) -> None:
     """MiniMax-H3's video VAE (Note [a parallel ViT VAE]): its clip decode and encode replaced."""
-    untiled = vit.refusal(vae)
+    untiled = refusal(vae)
     state.reasons = {"decode": None, "encode": None}
     if state.group is None:
         return
@@ -190,9 +190,9 @@ def _install_vit(vae: torch.nn.Module, state: VAEState) -> None:
         state.note("decode", f"an untiled decode is not split: {untiled}")
     else:
         for block in vae.decoder.transformer_blocks:
-            _set(state, block.attn, "processor", vit.gathered_processor_class()())
-    for name, run in (("_decode_clip", functools.partial(vit.decode_clip, vae, state.group, untiled is None)),
-                      ("_encode_clip", functools.partial(vit.encode_clip, vae, state.group))):
+            _set(state, block.attn, "processor", gathered_processor_class()())
+    for name, run in (("_decode_clip", functools.partial(decode_clip, vae, state.group, untiled is None)),
+                      ("_encode_clip", functools.partial(encode_clip, vae, state.group))):
         _set(state, vae, name, functools.partial(_same_input, state, name, run))
 
 
