@@ -48,7 +48,10 @@ import usp_dit
 def errors(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     """``fp8_step_error.errors`` (cosine, relative L1 in float64), rounded for the JSON."""
     e = fp8_step_error.errors(got, ref)
-    return {"cosine": round(e["cosine"], 6), "rel_l1": round(e["rel_l1"], 5)}
+    # NaN or inf anywhere makes both figures NaN: count them, in the output and in the reference,
+    # so a NaN says which side overflowed
+    return {"cosine": round(e["cosine"], 6), "rel_l1": round(e["rel_l1"], 5),
+            "nonfinite": int((~torch.isfinite(got)).sum()), "ref_nonfinite": int((~torch.isfinite(ref)).sum())}
 
 
 def timed(forward, args: argparse.Namespace) -> tuple[float, torch.Tensor]:
