@@ -158,3 +158,38 @@ def test_fp8_fa3_lse_is_its_scores_and_near_exact(fp8_fa3, name):
                 blocks, _ = blockwise_forward(q, k, v, fp8_fa3, scale, n, schedule)
                 b_l1 = ((blocks.double().flatten() - exact).abs().sum() / exact.abs().sum()).item()
                 assert b_l1 <= 2 * l1 + 1e-3, (n, schedule, b_l1, l1)
+
+
+def _bf16_cosine(out: torch.Tensor, q, k, v, scale) -> float:
+    """Cosine of ``out`` against bf16 SDPA of the same call (the long lengths have no float64 reference)."""
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+    return F.cosine_similarity(out.double().flatten(), ref.transpose(1, 2).double().flatten(), dim=0).item()
+
+
+def test_fp8_fa3_finite_at_hunyuan_video_720p_length(fp8_fa3):
+    """HunyuanVideo 720p's joint length (118 800 video + 77 valid text tokens, odd), one call: the
+    FP8 step recipe's output came back NaN at this shape on 2026-12-07 (docs/FP8.md), so the kernel
+    alone is checked here: every output and LSE finite, cosine >= 0.999 against bf16 SDPA (the
+    short shapes above measure ~0.9995 against float64)."""
+    q, k, v = _inputs(1, 118877, 24, 24, 128)
+    scale = q.shape[-1] ** -0.5
+    with torch.no_grad():
+        out, lse = fp8_fa3.forward(q, k, v, scale)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert _bf16_cosine(out, q, k, v, scale) >= 0.999
+
+
+def test_fp8_fa3_compiled_equals_eager(fp8_fa3):
+    """The backend under ``torch.compile`` (as the FP8 step recipe compiles the blocks) gives what
+    eager gives: the same quantisation (inductor fuses it) and the same kernel call, so the output
+    within one bf16 step of its largest value and the LSE within 1e-5 (reductions may be ordered
+    differently; the e4m3 values and scales are the same up to float32 rounding of the scale)."""
+    q, k, v = _inputs(*SHAPES["hunyuan_video"])
+    scale = q.shape[-1] ** -0.5
+    with torch.no_grad():
+        out, lse = fp8_fa3.forward(q, k, v, scale)
+        c_out, c_lse = torch.compile(fp8_fa3.forward, fullgraph=False)(q, k, v, scale)
+        assert torch.isfinite(c_out).all() and torch.isfinite(c_lse).all()
+        assert c_out.shape == out.shape and c_lse.shape == lse.shape and c_lse.stride() == lse.stride()
+        assert (c_out.float() - out.float()).abs().max() <= 1e-2 * out.float().abs().max()
+        assert (c_lse - lse).abs().max() <= 1e-5 * lse.abs().max()
