@@ -30,10 +30,11 @@ import torch.distributed as dist
 from usp_dit.distributed.comm import gather_uneven
 from usp_dit.distributed.logs import get_logger
 from usp_dit.distributed.mesh import USPMesh, resolve_mesh
-from usp_dit.distributed.replica import replica_group, same_on_replica
+from usp_dit.distributed.replica import replica_group
 from usp_dit.pipelines._routing import with_global
 from usp_dit.pipelines.base import restore_instance_attr, saved_instance_attr
 from usp_dit.pipelines.vae.attention import GATHERED_F
+from usp_dit.pipelines.vae.calls import needs_grad, require_same
 from usp_dit.pipelines.vae.halo import ROWS, RowGroup, decoding, gathered_counts, halo_conv_forward
 from usp_dit.pipelines.vae.norm import group_norm_forward
 from usp_dit.pipelines.vae.recipes import NO_RECIPE, Sites, classify, recipes
@@ -197,9 +198,7 @@ def _install_vit(vae: torch.nn.Module, state: VAEState) -> None:
 
 
 def _same_input(state: VAEState, name: str, run, x: torch.Tensor) -> torch.Tensor:
-    if not same_on_replica(x, state.mesh):
-        raise ValueError(f"parallel VAE: the input of {name} differs between the ranks of a replica; "
-                         f"every rank must pass the same tensor")
+    require_same(x, state.mesh, name)
     return run(x)
 
 
@@ -223,17 +222,11 @@ def _untiled(vae: torch.nn.Module):
         vae.use_tiling = tiling
 
 
-def _needs_grad(vae: torch.nn.Module, x: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in vae.parameters()))
-
-
 def _pieces(vae: torch.nn.Module, state: VAEState, x: torch.Tensor, direction: str) -> list[int] | None:
     """Every rank's rows of ``x``, or None when this call runs whole (noted once)."""
-    if not same_on_replica(x, state.mesh):
-        raise ValueError(f"parallel VAE: the input of {direction} differs between the ranks of a replica; "
-                         f"every rank must {direction} the same tensor")
+    require_same(x, state.mesh, direction)
     rows, reason = x.shape[ROWS], None
-    if _needs_grad(vae, x):
+    if needs_grad(vae, x):
         reason = f"the {direction} needs a gradient (the split one is for inference: call it under torch.no_grad())"
     else:
         sizes = _sizes(state, rows, direction)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from usp_dit.distributed.comm import gather_uneven
+from usp_dit.pipelines.vae.calls import needs_grad
 from usp_dit.pipelines.vae.halo import RowGroup, active, decoding
 from usp_dit.pipelines.vae.rows import row_offsets, row_split
 
@@ -87,7 +88,7 @@ def _stitched(vae, tiles: list[torch.Tensor], per_row: int, y_overlaps: list[int
 def decode_clip(vae, group: dist.ProcessGroup, split_tokens: bool, z: torch.Tensor) -> torch.Tensor:
     """``AutoencoderKLMiniMaxH3._decode_clip`` over ``group`` (z (batch, latent channels, frames,
     rows, width)): tiles dealt out, or (``split_tokens``) the untiled decoder's tokens split."""
-    if _needs_grad(vae, z) or not (vae.use_tiling or split_tokens):
+    if needs_grad(vae, z) or not (vae.use_tiling or split_tokens):
         return type(vae)._decode_clip(vae, z)
     if not vae.use_tiling:
         return _token_split(vae.decoder, group, vae.post_quant_conv(z))
@@ -99,16 +100,12 @@ def decode_clip(vae, group: dist.ProcessGroup, split_tokens: bool, z: torch.Tens
 def encode_clip(vae, group: dist.ProcessGroup, x: torch.Tensor) -> torch.Tensor:
     """``AutoencoderKLMiniMaxH3._encode_clip`` over ``group`` (x (batch,
     channels, frames, rows, width)): tiles dealt out; untiled, stock on every rank."""
-    if _needs_grad(vae, x) or not vae.use_tiling:
+    if needs_grad(vae, x) or not vae.use_tiling:
         return type(vae)._encode_clip(vae, x)
     tiles, per_row, y_overlaps, x_overlaps = _tiles(vae, x, 1)
     ratio = vae.spatial_compression_ratio
     encoded = dealt(tiles, lambda tile: vae.quant_conv(vae.encoder(tile)), group)
     return _stitched(vae, encoded, per_row, [o // ratio for o in y_overlaps], [o // ratio for o in x_overlaps])
-
-
-def _needs_grad(vae, x: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in vae.parameters()))
 
 
 # ---- the untiled decoder: tokens split ----------------------------------------------------------
