@@ -118,7 +118,10 @@ class Server:
     def rank_pids(self) -> dict[int, int]:
         ranks = {}
         for pid in _children(self.proc.pid):
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:  # the rank exited meanwhile
+                continue
             rank = [e for e in env if e.startswith(b"RANK=")]
             if rank:
                 ranks[int(rank[0][5:])] = pid
@@ -129,8 +132,7 @@ class Server:
             # torchrun starts each worker in a session of its own: killing torchrun's group alone
             # would leave the ranks running, orphaned (seen: idle servers heartbeating for hours).
             workers = list(self.rank_pids().values())
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            for pid in workers:
+            for pid in [-self.proc.pid, *workers]:  # the group, then each rank; any may be gone by now
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -179,6 +181,9 @@ def server(tmp_path_factory):
     srv = Server(tmp_path_factory.mktemp("serve") / "server4.log", 4, "--ulysses", "2", "--ring", "2",
                  "--max-batch", "4", "--queue-size", "80", "--warmup", f"{SIZE[0]}x{SIZE[1]}", "--steps", "2",
                  "--hang-timeout", "90",  # a stalled batch: stacks logged at 45 s, everything answered at 90
+                 # the drain test's video (20 steps) and two queued images must finish after SIGTERM
+                 # even on a loaded 2-core CI machine (the 25 s default was exceeded there once)
+                 "--drain-timeout", "90",
                  env={"USP_DIT_SERVE_FAULT_RANK": str(FAULT_RANK)})
     try:
         yield srv
@@ -549,12 +554,18 @@ def test_sigterm_drains_then_exits_0(ready):
     _wait_status(ready, video["id"], {"in_progress"})
     with ThreadPoolExecutor(2) as pool:
         queued = [pool.submit(_post, ready.url + "/v1/images/generations", _image_body(f"q{i}", seed=i)) for i in range(2)]
-        time.sleep(0.3)
+        # SIGTERM only once the server holds both (a fixed sleep let a loaded CI machine deliver them
+        # after the signal, and they were rightly refused with 503)
+        deadline = time.monotonic() + 30
+        while (h := json.loads(_get(ready.url + "/health")[1]))["queue"] + h["running"] < 3:
+            assert time.monotonic() < deadline, f"the two requests were not taken within 30 s: {h}"
+            time.sleep(0.05)
         os.kill(rank0, signal.SIGTERM)
         time.sleep(0.3)
         status, body = _post(ready.url + "/v1/images/generations", _image_body("too late", seed=0))
         assert status == 503, body
-        assert all(f.result()[0] == 200 for f in queued)  # the queue was answered
+        answers = [f.result() for f in queued]
+        assert [a[0] for a in answers] == [200, 200], answers  # the queue was answered
     assert ready.proc.wait(60) == 0, ready.tail()
     assert not [p for p in workers.values() if _alive(p)]
 
