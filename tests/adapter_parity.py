@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from unittest import mock
@@ -44,17 +46,29 @@ def forward(model, inputs) -> torch.Tensor:
     return torch.cat([t.flatten() for t in out]) if isinstance(out, list) else out
 
 
-def compiled_case(model, inputs, mesh, backend: str = "aot_eager") -> dict[str, float]:
+def compile_backend() -> str:
+    """The backend of a family's fullgraph case: "aot_eager" under ``--full``, "eager" in CI.
+
+    Dynamo alone still fails ``fullgraph`` on any graph break and runs every op on fake tensors
+    (the custom ops' fake kernels, the functional collectives' shapes); AOTAutograd's
+    functionalisation of the same graph is what "aot_eager" adds, at about twice the time
+    (measured: HunyuanVideo 1.5's case 14 s of its file's 41 s), and tests/test_compile_grid.py
+    runs it on the core and on Flux in CI (its ``AOT_FAMILIES``)."""
+    return "aot_eager" if full_suite() else "eager"
+
+
+def compiled_case(model, inputs, mesh, backend: str | None = None) -> dict[str, float]:
     """``model`` enabled on ``mesh``, then ``torch.compile(fullgraph=True)`` through a graph counter
     against the eager enabled model: ``{"err": rel. error, "graphs_not_1": 0.0 for one graph}``.
     ``backend``: "aot_eager" (forward and backward traced as inductor sees them, no C++ build) or
-    "eager" (Dynamo's graph alone: a graph break still fails ``fullgraph``; about half the time)."""
+    "eager" (Dynamo's graph alone: a graph break still fails ``fullgraph``; about half the time);
+    default ``compile_backend()``."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     enable_usp(model, mesh=mesh)
     ref = forward(model, inputs)
     torch._dynamo.reset()
-    counter = CompileCounterWithBackend(backend)
+    counter = CompileCounterWithBackend(backend or compile_backend())
     got = forward(torch.compile(model, backend=counter, fullgraph=True), inputs)
     return {"err": rel_err(got, ref), "graphs_not_1": float(counter.frame_count != 1)}
 
@@ -198,6 +212,8 @@ def assert_within(per_rank: list[dict], key: str, tol: float, by_name: dict[str,
     (the error string of a ``record(..., many=True)`` that raised) is what fails."""
     for rank, res in enumerate(per_rank):
         errors = res[key] if fallback is None else res.get(key) or res.get(fallback, "no result")
+        if isinstance(errors, str) and errors.startswith(NOT_IN_CI):
+            pytest.skip(f"{errors}: run with bash scripts/test.sh --full")
         assert not isinstance(errors, str), f"rank {rank}: {errors}"
         if by_name is None:
             worst = {k: v for k, v in errors.items() if not v <= tol}
@@ -293,10 +309,21 @@ def grid_id(grid: tuple[int, int, int, str | None]) -> str:
 def record(results: dict, key: str, fn: Callable[[], Any], many: bool = False) -> None:
     """``results[key] = fn()`` (``many``: ``fn()`` is a dict of keys), or the error as a string,
     asserted by the parent (``assert_within``)."""
+    start = time.perf_counter()
     try:
         results.update(fn()) if many else results.__setitem__(key, fn())
     except Exception as exc:
         results[key] = f"{type(exc).__name__}: {exc}"
+    _log_time(key, time.perf_counter() - start)
+
+
+def _log_time(key: str, seconds: float) -> None:
+    """With ``USP_DIT_CASE_TIMES=FILE`` set, rank 0 appends "seconds key" to FILE: where a family
+    file's one spawned group spends its time (docs/TESTING.md, "Keeping CI within budget")."""
+    path = os.environ.get("USP_DIT_CASE_TIMES")
+    if path and (not dist.is_initialized() or dist.get_rank() == 0):
+        with open(path, "a") as f:
+            f.write(f"{seconds:7.2f} {key}\n")
 
 
 def run_grid_cases(
@@ -397,6 +424,28 @@ def pipeline_grids(grids: list[tuple[int, int, int]], prefix: str = "pipeline") 
     return {f"{prefix}-u{u}r{r}cfg{c}": (u, r, c) for u, r, c in grids}
 
 
+NOT_IN_CI = "--full only: "  # a result that says its case runs under scripts/test.sh --full alone
+
+
+def pipeline_grids_in_ci(grids: dict[str, tuple[int, int, int]]) -> dict[str, tuple[int, int, int]]:
+    """The pipeline grids CI runs (all of them under ``--full``).
+
+    Note [pipeline grids in CI]
+        A family's pipeline case (its stock Diffusers call through ``pipe.enable_usp``, one
+        reference and one run a grid) checks what the family's pipeline code adds: its call's
+        shapes, its CFG (batched or two-call), its VAE. A 2-rank sequence group without cfg, e.g.
+        (2, 1, 1) in the 4-rank group (two replicas), adds nothing to that which the 4-rank
+        sequence grid (2, 2, 1: Ulysses and the ring together) and the cfg grid do not: the
+        replicas are the core's (tests/test_pipelines_api.py, tests/test_replica.py). So CI keeps
+        the grids of 4 ranks and those with cfg, and a file whose grids are all 2-rank sequence
+        groups keeps them all (2026-12-07, for CI's budget: ~1 s a family a pipeline).
+    """
+    if full_suite():
+        return dict(grids)
+    kept = {k: g for k, g in grids.items() if math.prod(g) > 2 or g[2] > 1}
+    return kept or dict(grids)
+
+
 def pipeline_cases(
     pipe, generate: Callable[[Any], tuple[torch.Tensor, ...]], grids: dict[str, tuple[int, int, int]],
     names: tuple[str, ...] = ("latents", "images"), check_enabled: bool = True,
@@ -413,7 +462,11 @@ def pipeline_cases(
     pipe.set_progress_bar_config(disable=True)
     ref = generate(pipe)
     results = {}
+    kept = pipeline_grids_in_ci(grids)
     for key, (u, r, c) in grids.items():
+        if key not in kept:
+            results[key] = f"{NOT_IN_CI}a 2-rank sequence group's pipeline run (Note [pipeline grids in CI])"
+            continue
         pipe.enable_usp(ulysses_degree=u, ring_degree=r, cfg_degree=c)
         enabled = is_usp_enabled(pipe.transformer)
         try:

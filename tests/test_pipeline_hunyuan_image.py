@@ -133,14 +133,14 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
 
 
 def _compiled_blocks_case(mesh) -> dict[str, float]:
-    """The enabled model with each dual-stream block ``torch.compile(fullgraph=True)`` ("aot_eager")
+    """The enabled model with each dual-stream block ``torch.compile(fullgraph=True)`` (``parity.compile_backend()``: "aot_eager" under --full, Dynamo alone in CI)
     vs the enabled eager model (the routed attention, the RoPE table's rows and the key mask traced)."""
     model, inputs, _ = _build(SHAPE_IDS[1])
     enable_usp(model, mesh=mesh)
     ref = parity.forward(model, inputs)
     torch._dynamo.reset()
     for block in model.transformer_blocks:
-        block.compile(backend="aot_eager", fullgraph=True)
+        block.compile(backend=parity.compile_backend(), fullgraph=True)
     got = parity.forward(model, inputs)
     return {"err": rel_err(got, ref)}
 

@@ -115,7 +115,7 @@ def _compiled_blocks_case(mesh) -> dict[str, float]:
     try:
         ref = parity.forward(model, inputs)
         torch._dynamo.reset()
-        counter = CompileCounterWithBackend("aot_eager")
+        counter = CompileCounterWithBackend(parity.compile_backend())
         model.compile_repeated_blocks(backend=counter, fullgraph=True)
         got = parity.forward(model, inputs)
     finally:
