@@ -8,7 +8,8 @@ Note [the FP8 step recipe]
     1/3 projections and MLPs on an H100). usp_dit's FP8 attention backends (``fp8_flashinfer``,
     ``fp8``) take the first; torchao takes the second, composed and not rewritten:
     ``quantize_fp8_linears(transformer)`` applies torchao's
-    ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` -- one scale per weight row
+    ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=ACTIVATION_LB)``
+    -- one scale per weight row
     and one per activation row (token) -- so a shard of the tokens computes exactly the rows one
     process computes (Note [offload and quantization under USP] in ``composition``: a per-tensor
     activation scale would be the max over this rank's tokens only, and is refused there). Then
@@ -23,6 +24,14 @@ Note [the FP8 step recipe]
     Embedders, the final projection (which writes the prediction itself) and everything outside
     the blocks keep the model's dtype. The error this costs is measured per model in docs/FP8.md
     ("The FP8 step recipe"), next to its speed: the recipe is lossy and opt-in.
+
+    An all-zero activation row (a zero-padded token, a zero register) would get the scale
+    max|row| / 448 = 0 from torchao, and 0 / 0 = NaN in every output of that row (torchao 0.17,
+    its PyTorch quantisation path; checked on CPU in tests/test_fp8_linears.py). The default config
+    therefore bounds the scale from below (``activation_value_lb``, ``ACTIVATION_LB``): such a row
+    quantises to zeros and its output is the layer's bias, as in bf16. A row whose largest value is
+    below the bound loses nothing measurable. (torchao then takes its PyTorch quantisation rather
+    than the MSLK kernel, which refuses a lower bound.)
 """
 from __future__ import annotations
 
@@ -34,6 +43,7 @@ from usp_dit.pipelines.base import find_adapter
 
 _MODULATION = ("norm", "modulation", "adaln", "scale_shift")
 _ALIGN = 16
+ACTIVATION_LB = 1e-12  # the smallest max|row| an activation scale is computed from (above: zero rows)
 INSTALL = "pip install torchao  # and a GPU of compute capability >= 8.9 (H100, L40S, RTX 4090)"
 
 
@@ -66,7 +76,7 @@ def quantize_fp8_linears(transformer: torch.nn.Module, config: Any = None) -> li
     Args:
         transformer: a Diffusers transformer of a supported family, on its GPU, enabled or not.
         config: a torchao ``quantize_`` config (default ``Float8DynamicActivationFloat8WeightConfig(
-            granularity=PerRow())``); it must scale activations per token or not at all (checked
+            granularity=PerRow(), activation_value_lb=ACTIVATION_LB)``); it must scale activations per token or not at all (checked
             again by ``enable_usp`` and before each call).
 
     Raises:
@@ -79,6 +89,6 @@ def quantize_fp8_linears(transformer: torch.nn.Module, config: Any = None) -> li
         raise RuntimeError(f"quantize_fp8_linears needs torchao: {INSTALL}") from err
     names = set(fp8_linear_names(transformer))
     if config is None:
-        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=ACTIVATION_LB)
     quantize_(transformer, config, filter_fn=lambda module, fqn: fqn in names)
     return sorted(names)
