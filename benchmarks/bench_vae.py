@@ -131,6 +131,22 @@ def _tiny_dc_ae():
     return d.AutoencoderDC(**{**SANA_DC_AE, **small})
 
 
+def _allegro_vae():
+    import diffusers as d
+
+    vae = d.AutoencoderKLAllegro()
+    vae.enable_tiling()  # it decodes only tiled
+    return vae
+
+
+def _tiny_allegro_vae():
+    from usp_dit.demo.tiny_allegro import tiny_allegro_vae
+
+    vae = tiny_allegro_vae(8, 32, 32)
+    vae.kernel, vae.stride = (8, 32, 32), (8, 16, 16)  # overlapping cubes over the dry run's 9 x 7 latent
+    return vae
+
+
 def _demo(module: str, name: str) -> Callable[[], torch.nn.Module]:
     def build():
         import importlib
@@ -212,6 +228,9 @@ def _case(name: str) -> Case:
         # (one latent frame a decoder call, the causal convolutions' frame caches between calls).
         "easyanimate": Case(lambda: d.AutoencoderKLMagvit(), (1, 16, 13, 64, 64), "49x512x512",
                             _demo("tiny_easyanimate", "tiny_magvit_vae")),
+        # Allegro's VAE: Diffusers' defaults as the release (4 channels, 8x / 4x; cubes of 24 x 320 x 320
+        # pixels every 16 x 200 x 240), tiled as AllegroPipeline decodes; its 88 x 720 x 1280 (75 cubes).
+        "allegro": Case(_allegro_vae, (1, 4, 22, 90, 160), "88x720x1280", _tiny_allegro_vae),
     }
     if name not in cases:
         raise ValueError(f"--model {name!r}: expected one of {', '.join(cases)}")
@@ -366,13 +385,10 @@ def share(vae: torch.nn.Module, z: torch.Tensor, parts: int, warmup: int,
     return ms, peak, dict(sim.counts)
 
 
-def share_tiles(vae: torch.nn.Module, z: torch.Tensor, parts: int, warmup: int, rounds: int) -> tuple[float, float, dict]:
-    """``share`` for MiniMax-H3's tile-dealt decode (Note [a parallel ViT VAE]): rank parts // 2
-    decodes its run of each clip's tiles; the gather is simulated by repeating them (its stitch
-    then blends P copies: the same work as the real one). (ms, peak GiB, gathers per decode)."""
-    import functools
-
-    from usp_dit.pipelines.vae import vit
+def _rank_share(parts: int):
+    """A stand-in for ``tiles.dealt`` on one GPU: rank parts // 2's run of the pieces computed, the
+    gather simulated by repeating them (what follows then gets P copies: the same work as the real
+    results); and the count of gathers it stands for."""
     from usp_dit.pipelines.vae.rows import row_offsets, row_split
 
     rank, counts = parts // 2, {"gathers": 0}
@@ -384,6 +400,38 @@ def share_tiles(vae: torch.nn.Module, z: torch.Tensor, parts: int, warmup: int, 
         counts["gathers"] += 1
         return [mine[i % len(mine)] for i in range(len(inputs))]
 
+    return dealt, counts
+
+
+def share_cubes(vae: torch.nn.Module, z: torch.Tensor, parts: int, warmup: int, rounds: int) -> tuple[float, float, dict]:
+    """``share`` for Allegro's cube-dealt decode (Note [Allegro's cubes dealt out]): rank parts // 2
+    decodes its run of the cubes, the gather simulated (``_rank_share``). (ms, peak GiB, gathers)."""
+    import functools
+
+    from usp_dit.pipelines.vae import allegro
+
+    dealt, counts = _rank_share(parts)
+    saved, allegro.dealt = allegro.dealt, dealt
+    vae.tiled_decode = functools.partial(allegro.tiled_decode, vae, None)
+    try:
+        ms, peak, _ = _timed(lambda: _decode(vae, z), warmup, rounds)
+        counts["gathers"] = 0
+        _decode(vae, z)
+    finally:
+        allegro.dealt = saved
+        del vae.tiled_decode
+    return ms, peak, counts
+
+
+def share_tiles(vae: torch.nn.Module, z: torch.Tensor, parts: int, warmup: int, rounds: int) -> tuple[float, float, dict]:
+    """``share`` for MiniMax-H3's tile-dealt decode (Note [a parallel ViT VAE]): rank parts // 2
+    decodes its run of each clip's tiles; the gather is simulated by repeating them (its stitch
+    then blends P copies: the same work as the real one). (ms, peak GiB, gathers per decode)."""
+    import functools
+
+    from usp_dit.pipelines.vae import vit
+
+    dealt, counts = _rank_share(parts)
     saved, vit.dealt = vit.dealt, dealt
     vae._decode_clip = functools.partial(vit.decode_clip, vae, None, False)
     try:
@@ -394,6 +442,10 @@ def share_tiles(vae: torch.nn.Module, z: torch.Tensor, parts: int, warmup: int, 
         vit.dealt = saved
         del vae._decode_clip
     return ms, peak, counts
+
+
+# The VAEs split per call (their tiles dealt out), by class name -> their tiled share's timing.
+_PER_CALL = {"AutoencoderKLMiniMaxH3": share_tiles, "AutoencoderKLAllegro": share_cubes}
 
 
 def _latent_channels(vae: torch.nn.Module) -> int:
@@ -417,9 +469,7 @@ def _stock(vae: torch.nn.Module, z: torch.Tensor, warmup: int, rounds: int, devi
     from usp_dit.pipelines.vae.recipes import recipes
 
     pairs = []  # world size 1, side by side: stock, then enabled (no group: nothing is replaced), 3 pairs
-    from usp_dit.pipelines.vae.vit import VIT_VAES
-
-    split = type(vae) in recipes() or type(vae).__name__ in VIT_VAES
+    split = type(vae) in recipes() or type(vae).__name__ in _PER_CALL
     for _ in range(3 if split else 0):  # no recipe: enabling replaces nothing
         s, _, o = _timed(lambda: _decode(vae, z), 0, 1)
         del o
@@ -454,12 +504,10 @@ def bench(name: str, parts: list[int], warmup: int, rounds: int, skip_stock: boo
         row = Row(name, case.label, stock_ms, stock_peak, world1, None)
         from usp_dit.pipelines.vae.recipes import recipes
 
-        from usp_dit.pipelines.vae.vit import VIT_VAES
-
-        tiles = type(vae).__name__ in VIT_VAES and getattr(vae, "use_tiling", False)
-        for p in parts if type(vae) in recipes() or tiles else ():  # no recipe: every rank decodes whole
+        dealt = _PER_CALL.get(type(vae).__name__) if getattr(vae, "use_tiling", False) else None
+        for p in parts if type(vae) in recipes() or dealt else ():  # no recipe: every rank decodes whole
             try:
-                result = (share_tiles if tiles else share)(vae, z, p, warmup, rounds)
+                result = (dealt or share)(vae, z, p, warmup, rounds)
             except torch.cuda.OutOfMemoryError:
                 print(f"{name}: the P={p} share ran out of memory", flush=True)
                 torch.cuda.empty_cache()

@@ -116,7 +116,7 @@ class FamilyPipelines:
     recipe and decodes whole on every rank (empty: it has one). ``cfg``: the CFG column's text where
     the plan's CFG arguments do not describe the pipelines (a pipeline with no guidance at all).
     ``vae``: the VAE column's text where the VAE is split otherwise than by a row recipe (MiniMax-H3's
-    ViT: ``usp_dit.pipelines.vae.vit``)."""
+    ViT: ``usp_dit.pipelines.vae.vit``; Allegro's cubes: ``usp_dit.pipelines.vae.allegro``)."""
 
     variants: str
     pipelines: tuple[str, ...]
@@ -197,7 +197,8 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "Mochi": FamilyPipelines("Mochi 1", ("MochiPipeline",)),
     "Latte": FamilyPipelines("Latte-1 text-to-video (spatial and temporal blocks)", ("LattePipeline",)),
     "Allegro": FamilyPipelines("Allegro T2V (88 frames, 720p)", ("AllegroPipeline",),
-                               whole_vae="it decodes only in its own overlapping, blended 3D tiles"),
+                               vae="yes (`AutoencoderKLAllegro`: its overlapping 3D tiles dealt out over the "
+                                   "ranks, blended as stock)"),
     "Wan": FamilyPipelines("Wan 2.1 T2V, I2V, FLF2V; Wan 2.2 A14B (both experts on one mesh), TI2V-5B",
                            ("WanPipeline", "WanImageToVideoPipeline")),
     "WanAnimate": FamilyPipelines("Wan 2.2 Animate-14B (animation, replacement)", ("WanAnimatePipeline",)),

@@ -39,6 +39,7 @@ from usp_dit.pipelines.vae.halo import ROWS, RowGroup, decoding, gathered_counts
 from usp_dit.pipelines.vae.norm import group_norm_forward
 from usp_dit.pipelines.vae.recipes import NO_RECIPE, Sites, classify, recipes
 from usp_dit.pipelines.vae.rows import aligned_split, can_split, row_offsets, row_split
+from usp_dit.pipelines.vae.allegro import ALLEGRO_VAES, tiled_decode, tiled_encode
 from usp_dit.pipelines.vae.vit import VIT_VAES, decode_clip, encode_clip, gathered_processor_class, refusal
 
 _log = get_logger("vae")
@@ -165,6 +166,10 @@ def enable_parallel_vae(vae: torch.nn.Module, mesh: USPMesh | None = None) -> VA
     if type(vae).__name__ in VIT_VAES:
         _install_vit(vae, state)
         return state
+    if type(vae).__name__ in ALLEGRO_VAES:
+        _install_calls(vae, state, {"tiled_decode": functools.partial(tiled_decode, vae, state.group),
+                                    "tiled_encode": functools.partial(tiled_encode, vae, state.group)})
+        return state
     for direction, (_, method) in _REGIONS.items():
         sites, state.reasons[direction] = _classified(vae, direction)
         if state.group is None:
@@ -184,16 +189,23 @@ def enable_parallel_vae(vae: torch.nn.Module, mesh: USPMesh | None = None) -> VA
 def _install_vit(vae: torch.nn.Module, state: VAEState) -> None:
     """MiniMax-H3's video VAE (Note [a parallel ViT VAE]): its clip decode and encode replaced."""
     untiled = refusal(vae)
+    if state.group is not None and untiled is not None:
+        state.note("decode", f"an untiled decode is not split: {untiled}")
+    elif state.group is not None:
+        for block in vae.decoder.transformer_blocks:
+            _set(state, block.attn, "processor", gathered_processor_class()())
+    _install_calls(vae, state, {"_decode_clip": functools.partial(decode_clip, vae, state.group, untiled is None),
+                                "_encode_clip": functools.partial(encode_clip, vae, state.group)})
+
+
+def _install_calls(vae: torch.nn.Module, state: VAEState, calls: dict[str, Any]) -> None:
+    """The VAEs split per call, not per row (Note [a parallel ViT VAE], Note [Allegro's cubes dealt
+    out]): each method named in ``calls`` replaced on the instance by its split version, behind the
+    same-input check. Nothing runs whole for want of a recipe (``reasons`` None)."""
     state.reasons = {"decode": None, "encode": None}
     if state.group is None:
         return
-    if untiled is not None:
-        state.note("decode", f"an untiled decode is not split: {untiled}")
-    else:
-        for block in vae.decoder.transformer_blocks:
-            _set(state, block.attn, "processor", gathered_processor_class()())
-    for name, run in (("_decode_clip", functools.partial(decode_clip, vae, state.group, untiled is None)),
-                      ("_encode_clip", functools.partial(encode_clip, vae, state.group))):
+    for name, run in calls.items():
         _set(state, vae, name, functools.partial(_same_input, state, name, run))
 
 

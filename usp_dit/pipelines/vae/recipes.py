@@ -27,8 +27,6 @@ GENERIC_LOCAL: tuple[type, ...] = (
 # Why a VAE class that a supported family's pipeline uses has no recipe (the fallback's message).
 _AUDIO = "a 1-D audio VAE: no image rows to split (it decodes locally on every rank)"
 NO_RECIPE: dict[str, str] = {
-    "AutoencoderKLAllegro": "it decodes only in its own overlapping, blended 3D tiles (its untiled decode raises "
-                            "NotImplementedError), which a split by rows would change",
     "Kandinsky6SRVAE": "no recipe yet: it has no _decode / _encode to split (its decode runs time segments "
                        "through one cache dict), and its Kandinsky6SRSafeConv3d chunks time by the input's element "
                        "count, so ranks holding different rows would make different numbers of halo exchanges",

@@ -33,7 +33,6 @@ Note [a parallel ViT VAE]
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,28 +41,10 @@ from usp_dit.distributed.comm import gather_uneven
 from usp_dit.pipelines.vae.calls import needs_grad
 from usp_dit.pipelines.vae.halo import RowGroup, active, decoding
 from usp_dit.pipelines.vae.rows import row_offsets, row_split
+from usp_dit.pipelines.vae.tiles import dealt
 
 TOKENS = 1
 VIT_VAES = ("AutoencoderKLMiniMaxH3",)  # VAE class names split this way (by name: Diffusers is imported late)
-
-
-def dealt(inputs: list[torch.Tensor], run: Callable[[torch.Tensor], torch.Tensor],
-          group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """``[run(x) for x in inputs]`` with the work split over ``group``: rank r runs its contiguous
-    run of inputs (``row_split`` of their count), and the results, which must share one shape, are
-    all-gathered in input order. Every rank passes the same ``inputs``.
-
-    A rank with no input (fewer inputs than ranks) learns the result's shape from group rank 0,
-    which always has one."""
-    sizes = row_split(len(inputs), dist.get_world_size(group))
-    rank = dist.get_rank(group)
-    start = row_offsets(sizes)[rank]
-    mine = [run(x) for x in inputs[start:start + sizes[rank]]]
-    shape = [tuple(mine[0].shape), mine[0].dtype] if mine else [None, None]
-    if min(sizes) == 0:
-        dist.broadcast_object_list(shape, group_src=0, group=group)
-    stacked = torch.stack(mine) if mine else inputs[0].new_empty((0, *shape[0]), dtype=shape[1])
-    return list(gather_uneven(stacked, sizes, 0, group).unbind(0))
 
 
 def _tiles(vae, x: torch.Tensor, unit: int) -> tuple[list[torch.Tensor], int, list[int], list[int]]:
