@@ -442,8 +442,18 @@ def pipeline_grids_in_ci(grids: dict[str, tuple[int, int, int]]) -> dict[str, tu
     """
     if full_suite():
         return dict(grids)
-    kept = {k: g for k, g in grids.items() if math.prod(g) > 2 or g[2] > 1}
+    kept = {k: g for k, g in grids.items() if math.prod(g[:3]) > 2 or (len(g) > 2 and g[2] > 1)}
     return kept or dict(grids)
+
+
+def ci_grids(grids: list[tuple] | dict[str, tuple]) -> list[tuple] | dict[str, tuple]:
+    """A family file's ``PIPELINE_GRIDS`` (a list of (U, R, cfg) or a dict of them) as CI runs it:
+    ``pipeline_grids_in_ci``'s choice, in the same container, so its cases and its parametrized
+    tests both follow (Note [pipeline grids in CI])."""
+    if isinstance(grids, dict):
+        return pipeline_grids_in_ci(grids)
+    kept = pipeline_grids_in_ci(dict(enumerate(grids)))
+    return [g for i, g in enumerate(grids) if i in kept]
 
 
 def pipeline_cases(

@@ -104,7 +104,7 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
                               num_inference_steps=2, generator=torch.Generator().manual_seed(0), max_text_length=32)
 
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])  # (U, R, cfg)
 
 
 def _run_all() -> dict[str, dict | str]:

@@ -272,7 +272,7 @@ def compile_case(mesh) -> dict[str, float]:
     return {"err": max(rel_err(a, b) for a, b in zip(got, ref)), "graphs_not_1": float(counter.frame_count != 1)}
 
 
-PIPELINE_GRIDS = parity.pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
+PIPELINE_GRIDS = parity.ci_grids(parity.pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)]))
 
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:

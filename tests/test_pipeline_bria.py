@@ -165,7 +165,7 @@ def _generate(pipe, call: dict) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
 
 
 def _pipeline_cases(name: str, pipe, call: dict) -> dict[str, dict[str, float]]:

@@ -122,7 +122,7 @@ def _generate(pipe, edit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
 EDIT_GRIDS = [(2, 2, 1)]
 
 

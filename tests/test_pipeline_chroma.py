@@ -155,7 +155,8 @@ def _generate(pipe, prompts: tuple = PROMPTS) -> tuple[torch.Tensor, torch.Tenso
     )
 
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last: cfg split (step 1), then the calls paired
+# the last: cfg split (step 1), then the calls paired
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:

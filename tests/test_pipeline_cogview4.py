@@ -118,7 +118,7 @@ def _pipeline_runs(pipe, grids: list, prompts: tuple = PROMPTS, **kwargs) -> dic
     return results
 
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last: the first step's calls split over cfg
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])  # the last: the first step's calls split over cfg
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:

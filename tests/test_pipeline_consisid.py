@@ -82,7 +82,7 @@ def _cfg_split_case() -> dict[str, float]:
 
 # ---- the stock pipeline ----------------------------------------------------------------------------
 
-PIPELINE_GRIDS = {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipeline-u2cfg2": (2, 1, 2)}
+PIPELINE_GRIDS = parity.ci_grids({"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipeline-u2cfg2": (2, 1, 2)})
 
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:

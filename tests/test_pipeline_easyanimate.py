@@ -164,7 +164,7 @@ def _text_spread_under_dropout(mesh) -> dict[str, float]:
 
 # ---- the stock pipeline ----------------------------------------------------------------------------
 
-PIPELINE_GRIDS = {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipeline-u2cfg2": (2, 1, 2)}
+PIPELINE_GRIDS = parity.ci_grids({"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipeline-u2cfg2": (2, 1, 2)})
 
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:

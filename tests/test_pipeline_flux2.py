@@ -157,7 +157,7 @@ def _generate(pipe, prompts: list[str] = PROMPTS) -> tuple[torch.Tensor, torch.T
     )
 
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits the batch of 2 prompts over cfg
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])  # the last splits the batch of 2 prompts over cfg
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:

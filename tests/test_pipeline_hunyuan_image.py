@@ -161,7 +161,7 @@ def _generate(pipe, refiner: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return parity.decoded_latents_and(pipe, **args)
 
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])  # (U, R, cfg)
 STEPS = 2
 
 

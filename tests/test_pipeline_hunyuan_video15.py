@@ -183,7 +183,7 @@ def _generate(pipe, image_to_video: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return parity.decoded_latents_and(pipe, "frames", **args)
 
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])  # (U, R, cfg)
 STEPS = 2
 
 

@@ -170,7 +170,7 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
                               generator=torch.Generator().manual_seed(0), output_type="pt")
 
 
-PIPELINE_GRIDS = parity.pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
+PIPELINE_GRIDS = parity.ci_grids(parity.pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)]))
 
 
 @contextlib.contextmanager

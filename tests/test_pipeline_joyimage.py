@@ -143,7 +143,7 @@ def _tensor_case(mesh) -> dict[str, float]:
 
 
 STEPS = 2
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])  # (U, R, cfg)
 
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:

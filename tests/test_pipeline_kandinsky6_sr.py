@@ -74,7 +74,7 @@ GRAD_GRIDS = [(2, 1), (4, 1)]
 # each rank's estimate runs over its own uneven head range.
 UNEVEN_HEADS = 5
 UNEVEN_GRIDS = [(2, 1), (4, 1)]
-PIPELINE_GRIDS = parity.pipeline_grids([(2, 1, 1), (4, 1, 1)])  # batch-1 tiles: cfg_degree=2 refused
+PIPELINE_GRIDS = parity.ci_grids(parity.pipeline_grids([(2, 1, 1), (4, 1, 1)]))  # batch-1 tiles: cfg_degree=2 refused
 
 
 def _build(shape: tuple[int, int, int] = SHAPE, window: tuple[int, int, int] = (1, 1, 1), num_heads: int = 4):

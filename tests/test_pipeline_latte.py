@@ -163,7 +163,7 @@ def _cfg_mask_case(mesh) -> dict[str, float]:
 
 
 PROMPTS = (["a red fox jumps", "a cat"], "")  # of different lengths: padded (Latte's negative prompt is "")
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits [uncond, cond] over cfg
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])  # the last splits [uncond, cond] over cfg
 PIPELINE_FRAMES = 3
 
 

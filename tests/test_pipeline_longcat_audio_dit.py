@@ -84,7 +84,7 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
                               generator=torch.Generator().manual_seed(0), output_type="pt")
 
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])  # (U, R, cfg)
 
 
 def _run_all() -> dict[str, dict | str]:

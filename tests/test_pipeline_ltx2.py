@@ -198,7 +198,8 @@ def _generate(pipe, **guidance) -> dict[str, torch.Tensor]:
     return {"latents": last["latents"], "frames": out.frames, "audio": out.audio}
 
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (2, 1, 2)]  # (U, R, cfg); cfg 2 with classifier-free guidance only
+# (U, R, cfg); cfg 2 with classifier-free guidance only
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (2, 1, 2)])
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:

@@ -142,7 +142,7 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (2, 1, 2)]  # (U, R, cfg)
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (2, 1, 2)])  # (U, R, cfg)
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:

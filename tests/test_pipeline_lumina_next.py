@@ -108,7 +108,8 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-PIPELINE_GRIDS = parity.pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])  # the last: [cond, uncond] split over cfg
+# the last: [cond, uncond] split over cfg
+PIPELINE_GRIDS = parity.ci_grids(parity.pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)]))
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:

@@ -164,7 +164,8 @@ def _denoise(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     return out["latents"], out["audio_latents"]
 
 
-PIPELINE_GRIDS = {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipeline-u1r2cfg2": (1, 2, 2)}
+PIPELINE_GRIDS = parity.ci_grids(
+    {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipeline-u1r2cfg2": (1, 2, 2)})
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:

@@ -113,7 +113,8 @@ def _two_call_cfg_case(mesh) -> dict[str, float]:
 # [0, 200) and [100, 230): 689 and 447 latent frames (+ the time token: 690 and 448 tokens, neither
 # divides 4), each flow-matched from its own noise in STEPS steps of the guider's two calls.
 PIPELINE_FRAMES, WINDOWS = 230, 2
-PIPELINE_GRIDS = {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipeline-u1r2cfg2": (1, 2, 2)}
+PIPELINE_GRIDS = parity.ci_grids(
+    {"pipeline-u2r1": (2, 1, 1), "pipeline-u2r2": (2, 2, 1), "pipeline-u1r2cfg2": (1, 2, 2)})
 
 
 def _denoise(pipe, generator: torch.Generator | None = None) -> tuple[torch.Tensor]:

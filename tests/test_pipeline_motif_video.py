@@ -151,7 +151,7 @@ def _rotated_qk_case(mesh) -> dict[str, float]:
 
 # ---- the pipeline ------------------------------------------------------------------------------------
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # (U, R, cfg)
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])  # (U, R, cfg)
 STEPS = 2
 
 

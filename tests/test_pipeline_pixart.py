@@ -114,7 +114,7 @@ def _cfg_split_case(mesh) -> dict[str, float]:
 
 
 PROMPTS = (["a red fox jumps", "a cat"], ["blurry", "dark and dim"])  # of different lengths: padded, masked
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits [uncond, cond] over cfg
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])  # the last splits [uncond, cond] over cfg
 
 
 def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:

@@ -135,7 +135,7 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
                               use_resolution_binning=False)
 
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:

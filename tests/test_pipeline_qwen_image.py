@@ -204,7 +204,7 @@ def _generate(pipe, prompts: tuple = PROMPTS) -> tuple[torch.Tensor, torch.Tenso
     )
 
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits the batch of 2 prompts over cfg
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])  # the last splits the batch of 2 prompts over cfg
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:

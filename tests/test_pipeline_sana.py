@@ -193,7 +193,7 @@ def _generate(pipe) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits [uncond, cond] over cfg
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])  # the last splits [uncond, cond] over cfg
 
 
 def _pipeline_cases() -> dict[str, dict[str, float]]:

@@ -173,7 +173,8 @@ def _cfg_cache_refused(mesh) -> dict[str, float]:
         disable_usp(model)
 
 
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1)]  # (U, R, cfg): the refiner runs no guidance (cfg 2 refused: batch 1)
+# (U, R, cfg): the refiner runs no guidance (cfg 2 refused: batch 1)
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1)])
 
 
 def _refine(pipe) -> tuple[torch.Tensor]:

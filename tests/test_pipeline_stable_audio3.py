@@ -106,7 +106,7 @@ def _rope_rows_case(mesh) -> dict[str, float]:
 
 
 PROMPTS = (["a dog barks", "rain"], ["noise", "low quality"])  # of different lengths: padded, masked
-PIPELINE_GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]  # the last splits [uncond, cond] over cfg
+PIPELINE_GRIDS = parity.ci_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])  # the last splits [uncond, cond] over cfg
 INPAINT_GRIDS = [(2, 1, 1), (2, 2, 1)]  # no CFG in the inpainting pipeline
 DURATION = 2.0  # seconds: 16 latent frames + 7 memory tokens = 23 tokens
 

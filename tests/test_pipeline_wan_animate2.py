@@ -284,7 +284,7 @@ def _enable_usp_case(mesh) -> dict[str, float]:
 # ---- the stock modular pipeline ------------------------------------------------------------------
 
 PIPELINE_STEPS, PIPELINE_SEGMENTS = 2, 2
-PIPELINE_GRIDS = parity.pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)])
+PIPELINE_GRIDS = parity.ci_grids(parity.pipeline_grids([(2, 1, 1), (2, 2, 1), (1, 2, 2)]))
 
 
 def _denoise(pipe, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
