@@ -403,45 +403,45 @@ def _rank_share(parts: int):
     return dealt, counts
 
 
-def share_cubes(vae: torch.nn.Module, z: torch.Tensor, parts: int, warmup: int, rounds: int) -> tuple[float, float, dict]:
-    """``share`` for Allegro's cube-dealt decode (Note [Allegro's cubes dealt out]): rank parts // 2
-    decodes its run of the cubes, the gather simulated (``_rank_share``). (ms, peak GiB, gathers)."""
-    import functools
-
-    from usp_dit.pipelines.vae import allegro
-
+def _share_dealt(vae: torch.nn.Module, z: torch.Tensor, parts: int, warmup: int, rounds: int, module,
+                 method: str, split) -> tuple[float, float, dict]:
+    """Rank parts // 2's share of a decode whose pieces ``module`` (vit, allegro) deals out: its
+    ``dealt`` replaced by ``_rank_share``'s stand-in, the VAE's ``method`` by ``split`` (the split
+    call, no group) for the timing. (ms, peak GiB, gathers per decode)."""
     dealt, counts = _rank_share(parts)
-    saved, allegro.dealt = allegro.dealt, dealt
-    vae.tiled_decode = functools.partial(allegro.tiled_decode, vae, None)
+    saved, module.dealt = module.dealt, dealt
+    setattr(vae, method, split)
     try:
         ms, peak, _ = _timed(lambda: _decode(vae, z), warmup, rounds)
         counts["gathers"] = 0
         _decode(vae, z)
     finally:
-        allegro.dealt = saved
-        del vae.tiled_decode
+        module.dealt = saved
+        delattr(vae, method)
     return ms, peak, counts
+
+
+def share_cubes(vae: torch.nn.Module, z: torch.Tensor, parts: int, warmup: int, rounds: int) -> tuple[float, float, dict]:
+    """``share`` for Allegro's cube-dealt decode (Note [Allegro's cubes dealt out]): rank parts // 2
+    decodes its run of the cubes, the gather simulated (``_rank_share``)."""
+    import functools
+
+    from usp_dit.pipelines.vae import allegro
+
+    split = functools.partial(allegro.tiled_decode, vae, None)
+    return _share_dealt(vae, z, parts, warmup, rounds, allegro, "tiled_decode", split)
 
 
 def share_tiles(vae: torch.nn.Module, z: torch.Tensor, parts: int, warmup: int, rounds: int) -> tuple[float, float, dict]:
     """``share`` for MiniMax-H3's tile-dealt decode (Note [a parallel ViT VAE]): rank parts // 2
     decodes its run of each clip's tiles; the gather is simulated by repeating them (its stitch
-    then blends P copies: the same work as the real one). (ms, peak GiB, gathers per decode)."""
+    then blends P copies: the same work as the real one)."""
     import functools
 
     from usp_dit.pipelines.vae import vit
 
-    dealt, counts = _rank_share(parts)
-    saved, vit.dealt = vit.dealt, dealt
-    vae._decode_clip = functools.partial(vit.decode_clip, vae, None, False)
-    try:
-        ms, peak, _ = _timed(lambda: _decode(vae, z), warmup, rounds)
-        counts["gathers"] = 0
-        _decode(vae, z)
-    finally:
-        vit.dealt = saved
-        del vae._decode_clip
-    return ms, peak, counts
+    split = functools.partial(vit.decode_clip, vae, None, False)
+    return _share_dealt(vae, z, parts, warmup, rounds, vit, "_decode_clip", split)
 
 
 # The VAEs split per call (their tiles dealt out), by class name -> their tiled share's timing.

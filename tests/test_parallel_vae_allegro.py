@@ -24,6 +24,7 @@ import math
 import pytest
 import torch
 
+from tests.adapter_parity import grid_tag, rank_checks
 from usp_dit.testing import run_spawned
 
 WORLD = 4
@@ -150,15 +151,12 @@ def _run_all() -> dict:
 
     results: dict = {}
     for grid, latent in DECODED:
-        record(results, f"decode-{latent}-{_tag(grid)}", lambda: _decode_case(grid, latent))
+        record(results, f"decode-{latent}-{grid_tag(grid)}", lambda: _decode_case(grid, latent))
     for grid in ENCODED:
-        record(results, f"encode-{_tag(grid)}", lambda: _encode_case(grid))
+        record(results, f"encode-{grid_tag(grid)}", lambda: _encode_case(grid))
     record(results, "fallbacks", _fallbacks)
     return results
 
-
-def _tag(grid) -> str:
-    return f"u{grid[0]}r{grid[1]}cfg{grid[2]}"
 
 
 @pytest.fixture(scope="module")
@@ -166,27 +164,19 @@ def per_rank():
     return run_spawned(_run_all, WORLD)
 
 
-def _checks(per_rank, key: str) -> list[dict]:
-    out = []
-    for rank, res in enumerate(per_rank):
-        assert "__error__" not in res, res.get("__error__")
-        assert not isinstance(res[key], str), f"rank {rank}: {res[key]}"
-        out.append(dict(res[key]))
-    return out
-
 
 @pytest.mark.parametrize("grid, latent", DECODED)
 def test_decode_deals_cubes_out_and_equals_stock_bit_for_bit(per_rank, grid, latent):
-    for rank, checks in enumerate(_checks(per_rank, f"decode-{latent}-{_tag(grid)}")):
+    for rank, checks in enumerate(rank_checks(per_rank, f"decode-{latent}-{grid_tag(grid)}")):
         assert not any(checks.values()), f"rank {rank}: {checks}"
 
 
 @pytest.mark.parametrize("grid", ENCODED)
 def test_encode_deals_cubes_out_and_equals_stock_bit_for_bit(per_rank, grid):
-    for rank, checks in enumerate(_checks(per_rank, f"encode-{_tag(grid)}")):
+    for rank, checks in enumerate(rank_checks(per_rank, f"encode-{grid_tag(grid)}")):
         assert not any(checks.values()), f"rank {rank}: {checks}"
 
 
 def test_fallbacks(per_rank):
-    for rank, checks in enumerate(_checks(per_rank, "fallbacks")):
+    for rank, checks in enumerate(rank_checks(per_rank, "fallbacks")):
         assert not any(checks.values()), f"rank {rank}: {checks}"

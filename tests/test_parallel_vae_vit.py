@@ -28,6 +28,7 @@ import math
 import pytest
 import torch
 
+from tests.adapter_parity import grid_tag, rank_checks
 from usp_dit.testing import rel_err, run_spawned
 
 TOL = 1e-5
@@ -187,17 +188,14 @@ def _run_all() -> dict:
 
     results: dict = {}
     for grid, latent in TILED:
-        record(results, f"tiled-{latent}-{_tag(grid)}", lambda: _tiled_case(grid, latent))
+        record(results, f"tiled-{latent}-{grid_tag(grid)}", lambda: _tiled_case(grid, latent))
     for grid in UNTILED:
-        record(results, f"untiled-{_tag(grid)}", lambda: _untiled_case(grid))
+        record(results, f"untiled-{grid_tag(grid)}", lambda: _untiled_case(grid))
     for grid in ENCODED:
-        record(results, f"encode-{_tag(grid)}", lambda: _encode_case(grid))
+        record(results, f"encode-{grid_tag(grid)}", lambda: _encode_case(grid))
     record(results, "fallbacks", _fallbacks)
     return results
 
-
-def _tag(grid) -> str:
-    return f"u{grid[0]}r{grid[1]}cfg{grid[2]}"
 
 
 @pytest.fixture(scope="module")
@@ -207,34 +205,26 @@ def per_rank():
 
 
 
-def _checks(per_rank, key: str) -> list[dict]:
-    out = []
-    for rank, res in enumerate(per_rank):
-        assert "__error__" not in res, res.get("__error__")
-        assert not isinstance(res[key], str), f"rank {rank}: {res[key]}"
-        out.append(dict(res[key]))
-    return out
-
 
 @pytest.mark.parametrize("grid, latent", TILED)
 def test_tiled_decode_equals_stock_bit_for_bit(per_rank, grid, latent):
-    for rank, checks in enumerate(_checks(per_rank, f"tiled-{latent}-{_tag(grid)}")):
+    for rank, checks in enumerate(rank_checks(per_rank, f"tiled-{latent}-{grid_tag(grid)}")):
         assert not any(checks.values()), f"rank {rank}: {checks}"
 
 
 @pytest.mark.parametrize("grid", UNTILED)
 def test_untiled_decode_splits_the_tokens(per_rank, grid):
-    for rank, checks in enumerate(_checks(per_rank, f"untiled-{_tag(grid)}")):
+    for rank, checks in enumerate(rank_checks(per_rank, f"untiled-{grid_tag(grid)}")):
         assert checks.pop("out") <= TOL, f"rank {rank}"
         assert not any(checks.values()), f"rank {rank}: {checks}"
 
 
 @pytest.mark.parametrize("grid", ENCODED)
 def test_encode_deals_tiles_out(per_rank, grid):
-    for rank, checks in enumerate(_checks(per_rank, f"encode-{_tag(grid)}")):
+    for rank, checks in enumerate(rank_checks(per_rank, f"encode-{grid_tag(grid)}")):
         assert not any(checks.values()), f"rank {rank}: {checks}"
 
 
 def test_fallbacks(per_rank):
-    for rank, checks in enumerate(_checks(per_rank, "fallbacks")):
+    for rank, checks in enumerate(rank_checks(per_rank, "fallbacks")):
         assert not any(checks.values()), f"rank {rank}: {checks}"
