@@ -76,8 +76,8 @@ def quantize_fp8_linears(transformer: torch.nn.Module, config: Any = None) -> li
     Args:
         transformer: a Diffusers transformer of a supported family, on its GPU, enabled or not.
         config: a torchao ``quantize_`` config (default ``Float8DynamicActivationFloat8WeightConfig(
-            granularity=PerRow(), activation_value_lb=ACTIVATION_LB)``); it must scale activations per token or not at all (checked
-            again by ``enable_usp`` and before each call).
+            granularity=PerRow(), activation_value_lb=ACTIVATION_LB)``); it must scale activations
+            per token or not at all (checked again by ``enable_usp`` and before each call).
 
     Raises:
         RuntimeError: torchao is not installed (the message has the install line).

@@ -97,6 +97,8 @@ def tiled_decode(vae, group: dist.ProcessGroup, z: torch.Tensor) -> torch.Tensor
     capture = vae.post_quant_conv.register_forward_hook(lambda module, args, out: captured.append(out))
 
     def cut() -> list[torch.Tensor]:
+        if not captured:  # a stock method that no longer starts with post_quant_conv: nothing served
+            return []
         # post_quant_conv ran on (batch * frames, channels, rows, width): back to stock's 5-D layout
         latent = captured[0].unflatten(0, (z.shape[0], -1)).permute(0, 2, 1, 3, 4)
         return cubes(latent, kernel, stride)

@@ -1,5 +1,5 @@
 """What every split VAE call checks before it splits: the same input on every rank of the replica,
-and no gradient wanted. Shared by the row-split VAEs (``patch``) and the ViT VAE (``vit``).
+and no gradient wanted. Shared by the row-split VAEs (``patch``), the ViT VAE (``vit``) and Allegro's (``allegro``).
 
 Layout: any (the checks read a whole tensor; no dimension is split here).
 """
