@@ -50,8 +50,8 @@ cmd_for() {  # ITEM -> its command line (the command each GPU_PENDING.md item na
         K2) echo "python3 benchmarks/bench_fp8_step.py --model hunyuan_video --compile --recipe-only --warmup 1 --rounds 1 --json $j" ;;
         K3) echo "python3 benchmarks/bench_fp8_step.py --model wan --compile --recipe-only --backend fp8_fa3 --warmup 1 --rounds 2 --json $j" ;;
         K4) echo "python3 benchmarks/bench_fp8_step.py --model hunyuan_video --compile --recipe-only --backend fp8_fa3 --warmup 1 --rounds 1 --json $j" ;;
-        K5) echo "python3 -m pytest -q --noconftest tests/gpu/test_fp8_attention_gpu.py -k 'finite_at or compiled_equals'; python3 benchmarks/diag_fp8_nonfinite.py --model hunyuan_video --backend fp8_fa3 --compile --json $j" ;;
-        K5e) echo "python3 benchmarks/diag_fp8_nonfinite.py --model hunyuan_video --backend fp8_fa3 --json $j" ;;
+        K5) echo "python3 -m pytest -q --noconftest tests/gpu/test_fp8_attention_gpu.py -k 'finite_at or compiled_equals'; python3 benchmarks/diag_fp8_nonfinite.py --model hunyuan_video --backend fp8_fa3 --json $j" ;;
+        K5c) echo "python3 benchmarks/diag_fp8_nonfinite.py --model hunyuan_video --backend fp8_fa3 --compile --json $j" ;;
         A8) echo "python3 -m pytest -q --noconftest tests/gpu/test_fp8_attention_gpu.py -k fa3 && python3 benchmarks/bench_attention.py --suite backends --shapes wan,hunyuan_video,flux --backends sdpa_cudnn,fa3_varlen,fp8_fa3,fp8_fa3_kernel --out $j" ;;
         A8ring) echo "python3 benchmarks/bench_attention.py --suite ring --shapes flux,hunyuan_video --backend fp8_fa3 --out $j" ;;
         *) return 1 ;;
