@@ -301,24 +301,9 @@ def kept_in_ci(grid: tuple[int, int, int, str | None], shape_index: int) -> bool
     return RING_GRIDS[shape_index % len(RING_GRIDS)] == grid[:3]
 
 
-def rank_checks(per_rank: list[dict], key: str) -> list[dict]:
-    """Each rank's ``res[key]`` (a dict of flags and errors), failing on a crashed job or a case
-    that raised (its error string)."""
-    out = []
-    for rank, res in enumerate(per_rank):
-        assert "__error__" not in res, res.get("__error__")
-        assert not isinstance(res[key], str), f"rank {rank}: {res[key]}"
-        out.append(dict(res[key]))
-    return out
-
-
-def grid_tag(grid: tuple[int, int, int]) -> str:
-    """``"u<U>r<R>cfg<C>"`` of a (U, R, cfg) grid."""
-    return f"u{grid[0]}r{grid[1]}cfg{grid[2]}"
-
-
-def grid_id(grid: tuple[int, int, int, str | None]) -> str:
-    u, r, c, s = grid
+def grid_id(grid: tuple[int, int, int] | tuple[int, int, int, str | None]) -> str:
+    """``"u<U>r<R>cfg<C>"`` of a (U, R, cfg) grid, ``-<schedule>`` added for a forced one."""
+    u, r, c, s = (*grid, None)[:4]
     return f"u{u}r{r}cfg{c}" + (f"-{s}" if s else "")
 
 

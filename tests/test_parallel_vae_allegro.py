@@ -24,8 +24,7 @@ import math
 import pytest
 import torch
 
-from tests.adapter_parity import grid_tag, rank_checks
-from usp_dit.testing import run_spawned
+from tests import adapter_parity as parity
 
 WORLD = 4
 GRIDS = [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
@@ -147,36 +146,29 @@ def _fallbacks() -> dict[str, float]:
 
 
 def _run_all() -> dict:
-    from tests.adapter_parity import record
-
     results: dict = {}
     for grid, latent in DECODED:
-        record(results, f"decode-{latent}-{grid_tag(grid)}", lambda: _decode_case(grid, latent))
+        parity.record(results, f"decode-{latent}-{parity.grid_id(grid)}", lambda: _decode_case(grid, latent))
     for grid in ENCODED:
-        record(results, f"encode-{grid_tag(grid)}", lambda: _encode_case(grid))
-    record(results, "fallbacks", _fallbacks)
+        parity.record(results, f"encode-{parity.grid_id(grid)}", lambda: _encode_case(grid))
+    parity.record(results, "fallbacks", _fallbacks)
     return results
-
 
 
 @pytest.fixture(scope="module")
 def per_rank():
-    return run_spawned(_run_all, WORLD)
-
+    return parity.spawn_grid(_run_all, WORLD)  # a crashed rank fails here
 
 
 @pytest.mark.parametrize("grid, latent", DECODED)
 def test_decode_deals_cubes_out_and_equals_stock_bit_for_bit(per_rank, grid, latent):
-    for rank, checks in enumerate(rank_checks(per_rank, f"decode-{latent}-{grid_tag(grid)}")):
-        assert not any(checks.values()), f"rank {rank}: {checks}"
+    parity.assert_within(per_rank, f"decode-{latent}-{parity.grid_id(grid)}", 0.0)  # every flag 0 on every rank
 
 
 @pytest.mark.parametrize("grid", ENCODED)
 def test_encode_deals_cubes_out_and_equals_stock_bit_for_bit(per_rank, grid):
-    for rank, checks in enumerate(rank_checks(per_rank, f"encode-{grid_tag(grid)}")):
-        assert not any(checks.values()), f"rank {rank}: {checks}"
+    parity.assert_within(per_rank, f"encode-{parity.grid_id(grid)}", 0.0)  # every flag 0 on every rank
 
 
 def test_fallbacks(per_rank):
-    for rank, checks in enumerate(rank_checks(per_rank, "fallbacks")):
-        assert not any(checks.values()), f"rank {rank}: {checks}"
+    parity.assert_within(per_rank, "fallbacks", 0.0)  # every flag 0 on every rank

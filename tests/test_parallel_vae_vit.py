@@ -28,8 +28,8 @@ import math
 import pytest
 import torch
 
-from tests.adapter_parity import grid_tag, rank_checks
-from usp_dit.testing import rel_err, run_spawned
+from tests import adapter_parity as parity
+from usp_dit.testing import rel_err
 
 TOL = 1e-5
 WORLD = 4
@@ -184,47 +184,38 @@ def _fallbacks() -> dict[str, float]:
 
 
 def _run_all() -> dict:
-    from tests.adapter_parity import record
-
     results: dict = {}
     for grid, latent in TILED:
-        record(results, f"tiled-{latent}-{grid_tag(grid)}", lambda: _tiled_case(grid, latent))
+        parity.record(results, f"tiled-{latent}-{parity.grid_id(grid)}", lambda: _tiled_case(grid, latent))
     for grid in UNTILED:
-        record(results, f"untiled-{grid_tag(grid)}", lambda: _untiled_case(grid))
+        parity.record(results, f"untiled-{parity.grid_id(grid)}", lambda: _untiled_case(grid))
     for grid in ENCODED:
-        record(results, f"encode-{grid_tag(grid)}", lambda: _encode_case(grid))
-    record(results, "fallbacks", _fallbacks)
+        parity.record(results, f"encode-{parity.grid_id(grid)}", lambda: _encode_case(grid))
+    parity.record(results, "fallbacks", _fallbacks)
     return results
-
 
 
 @pytest.fixture(scope="module")
 def per_rank():
-    return run_spawned(_run_all, WORLD)
-
-
-
+    return parity.spawn_grid(_run_all, WORLD)  # a crashed rank fails here
 
 
 @pytest.mark.parametrize("grid, latent", TILED)
 def test_tiled_decode_equals_stock_bit_for_bit(per_rank, grid, latent):
-    for rank, checks in enumerate(rank_checks(per_rank, f"tiled-{latent}-{grid_tag(grid)}")):
-        assert not any(checks.values()), f"rank {rank}: {checks}"
+    parity.assert_within(per_rank, f"tiled-{latent}-{parity.grid_id(grid)}", 0.0)  # every flag 0 on every rank
 
 
 @pytest.mark.parametrize("grid", UNTILED)
 def test_untiled_decode_splits_the_tokens(per_rank, grid):
-    for rank, checks in enumerate(rank_checks(per_rank, f"untiled-{grid_tag(grid)}")):
-        assert checks.pop("out") <= TOL, f"rank {rank}"
-        assert not any(checks.values()), f"rank {rank}: {checks}"
+    key = f"untiled-{parity.grid_id(grid)}"
+    assert all("out" in res[key] for res in per_rank), [res[key] for res in per_rank]
+    parity.assert_within(per_rank, key, 0.0, {"out": TOL})  # the output's error, and every flag 0
 
 
 @pytest.mark.parametrize("grid", ENCODED)
 def test_encode_deals_tiles_out(per_rank, grid):
-    for rank, checks in enumerate(rank_checks(per_rank, f"encode-{grid_tag(grid)}")):
-        assert not any(checks.values()), f"rank {rank}: {checks}"
+    parity.assert_within(per_rank, f"encode-{parity.grid_id(grid)}", 0.0)  # every flag 0 on every rank
 
 
 def test_fallbacks(per_rank):
-    for rank, checks in enumerate(rank_checks(per_rank, "fallbacks")):
-        assert not any(checks.values()), f"rank {rank}: {checks}"
+    parity.assert_within(per_rank, "fallbacks", 0.0)  # every flag 0 on every rank
