@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,12 +36,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "a lighthouse on a cliff at dawn"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict) -> dict:
@@ -170,23 +163,27 @@ def direct_caller(args):
     return call
 
 
-def start_server(args, port: int) -> subprocess.Popen:
+def start_server(args) -> tuple[subprocess.Popen, int]:
+    """The server on a port it picks (``--port 0``; it names it in ``--port-file``) and that port."""
     from usp_dit.serve.worker import FAULT_ENV
 
     # Rank 0 raises in a request whose prompt holds the fault sentinel (and in no other).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), FAULT_ENV: "0"}
-    cmd = [sys.executable, "-m", "usp_dit.serve", "--family", args.family, "--port", str(port),
+    cmd = [sys.executable, "-m", "usp_dit.serve", "--family", args.family, "--port", "0",
            "--max-batch", str(args.max_batch), "--queue-size", "256", "--warmup", args.size,
            "--max-side", "2048", "--steps", str(args.steps)] + (["--model", args.model] if args.model else [])
     log = open(os.environ.get("BENCH_SERVE_LOG", "/tmp/bench_serve_server.log"), "w")  # noqa: SIM115 -- the server's lifetime
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/health"
+    port_file = Path(f"{log.name}.port")
+    port_file.unlink(missing_ok=True)
+    proc = subprocess.Popen([*cmd, "--port-file", str(port_file)], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
+            port = int(port_file.read_text())
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
                 if resp.status == 200:
-                    return proc
+                    return proc, port
         except OSError:
             time.sleep(0.5)
     proc.kill()
@@ -213,8 +210,7 @@ def main() -> None:
         args.family, args.model = "flux", args.random_flux_dev
 
     call_direct = direct_caller(args)
-    port = _free_port()
-    server = start_server(args, port)
+    server, port = start_server(args)
     url = f"http://127.0.0.1:{port}/v1/images/generations"
     body = {"prompt": PROMPT, "size": args.size, "steps": args.steps}
     try:

@@ -34,8 +34,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from usp_dit.testing.pool import free_port
-
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
@@ -76,11 +74,13 @@ def _alive(pid: int) -> bool:
 
 class Server:
     def __init__(self, log: Path, ranks: int, *flags: str, env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # --port 0: the server binds a port the kernel picks and names it in --port-file. A port picked
+        # free here was taken before the server bound it once (CI: another job's gloo connections).
+        self.port: int | None = None
+        self.port_file = log.with_suffix(".port")
         self.log = log
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               "-m", "usp_dit.serve", "--family", "wan", "--port", str(self.port), *flags]
+               "-m", "usp_dit.serve", "--family", "wan", "--port", "0", "--port-file", str(self.port_file), *flags]
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -89,13 +89,21 @@ class Server:
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}:\n{self.tail()}"
+            if self.port is None and self.port_file.exists():
+                self.port = int(self.port_file.read_text())
             try:
-                if _get(self.url + "/health")[0] == 200:
+                if self.port is not None and _get(self.url + "/health")[0] == 200:
                     return
             except OSError:
                 pass
             time.sleep(0.5)
         raise AssertionError(f"the server was not ready within {START_TIMEOUT} s:\n{self.tail()}")
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise AssertionError("the server has not named its port yet (call wait_ready first)")
+        return f"http://127.0.0.1:{self.port}"
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text().splitlines()[-lines:])
@@ -216,6 +224,25 @@ def ready(server, reference):
     """The server, once it answers /health with 200 (the reference pipeline built meanwhile)."""
     server.wait_ready()
     return server
+
+
+# ---------------------------------------------------------------------------------------------
+# The listening socket: --port 0 takes a port the kernel picks; a taken port fails with its reason
+
+
+def test_port_zero_listens_and_a_taken_port_or_a_bad_one_is_refused():
+    from usp_dit.cli.launch import UsageError
+    from usp_dit.serve.server import _listen, parse_args
+
+    with _listen("127.0.0.1", 0) as first:
+        port = first.getsockname()[1]
+        assert port > 0
+        with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port} .*[Aa]ddress already in use"):
+            _listen("127.0.0.1", port)
+    for bad in ("-1", "65536"):
+        with pytest.raises(UsageError, match=f"--port {bad}: a TCP port is 0"):
+            parse_args(["--family", "wan", "--port", bad])
+    assert parse_args(["--family", "wan", "--port", "0", "--port-file", "p"]).port_file == "p"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -60,7 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-weights", action="store_true", help="FSDP2-shard the transformer's weights over the grid")
     p.add_argument("--backend", default="auto")
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (the log and --port-file name it)")
+    p.add_argument("--port-file", default=None,
+                   help="write the port listened on to this file once listening (for scripts using --port 0)")
     p.add_argument("--max-batch", type=int, default=4, help="images per batch (and per request's n) at most")
     p.add_argument("--queue-size", type=int, default=64, help="requests waiting at most; then 429")
     p.add_argument("--warmup", default="", help="sizes to run once before /health is ready: 1024x1024,768x1344")
@@ -83,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_args(args: argparse.Namespace, world: int) -> None:
     """Fill defaults; ``launch.UsageError`` for a value that would fail later."""
     launch.check_at_least("--replicas", args.replicas, 1)
+    if not 0 <= args.port <= 65535:
+        raise launch.UsageError(f"--port {args.port}: a TCP port is 0 (any free one) to 65535")
     if world % args.replicas:
         raise launch.UsageError(f"--replicas {args.replicas} on {world} rank(s): the replicas must split the ranks "
                                 f"evenly (a divisor of {world})")
@@ -122,6 +127,18 @@ def warm_up(pipe, args: argparse.Namespace, control: Control) -> None:
         outcome = execute(pipe, args.family, args.model is None, spec, control)
         if outcome.error is not None:
             raise RuntimeError(f"warm-up at {width}x{height} failed: {outcome.error}")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (port 0: one the kernel picks), bound here rather than by
+    uvicorn so that a taken port fails with its reason and ``--port 0`` can report the port it got
+    (a port picked free beforehand by a script can be taken by anything before the server binds it:
+    on a busy machine, by another job's gloo connections)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise RuntimeError(f"cannot listen on {host}:{port} (--host, --port): {e.strerror or e}") from None
 
 
 def _log(message: str) -> None:
@@ -173,16 +190,25 @@ class Leader:
 
         from usp_dit.serve.app import build_app
 
-        config = uvicorn.Config(build_app(self.state), host=self.args.host, port=self.args.port,
-                                log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        sock = _listen(self.args.host, self.args.port)
+        config = uvicorn.Config(build_app(self.state), log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=5)
         self.http = uvicorn.Server(config)
-        self.http_thread = threading.Thread(target=self.http.run, name="usp_dit-http", daemon=True)
+        self.http_thread = threading.Thread(target=self.http.run, kwargs={"sockets": [sock]}, name="usp_dit-http",
+                                            daemon=True)
         self.http_thread.start()
         while not self.http.started:
             if not self.http_thread.is_alive():
                 raise RuntimeError(f"the HTTP server could not start on {self.args.host}:{self.args.port}")
             time.sleep(0.05)
-        _log(f"listening on http://{self.args.host}:{self.args.port}")
+        port = sock.getsockname()[1]
+        if self.args.port_file:
+            # Written whole, then renamed: a reader polling the file never sees half a number.
+            partial = f"{self.args.port_file}.partial"
+            with open(partial, "w") as f:
+                f.write(f"{port}\n")
+            os.replace(partial, self.args.port_file)
+        _log(f"listening on http://{self.args.host}:{port}")
 
     def drain(self, signum: int = signal.SIGTERM, frame=None) -> None:
         """Note [shutting down]: from the signal handler (main thread, between bytecodes)."""
