@@ -231,6 +231,11 @@ def _case(name: str) -> Case:
         # Allegro's VAE: Diffusers' defaults as the release (4 channels, 8x / 4x; cubes of 24 x 320 x 320
         # pixels every 16 x 200 x 240), tiled as AllegroPipeline decodes; its 88 x 720 x 1280 (75 cubes).
         "allegro": Case(_allegro_vae, (1, 4, 22, 90, 160), "88x720x1280", _tiny_allegro_vae),
+        # Kandinsky 6 SR's K-VAE: Diffusers' defaults (its docstring's: 64 channels, 16x / 4x, decoder
+        # widths 16 .. 2048); a 2x super-resolved 61-frame 1088 x 1920 video (16 latent frames: four
+        # of its 16-frame time segments). Its convolutions chunk time above 2e9 elements.
+        "kandinsky6_sr": Case(lambda: d.Kandinsky6SRVAE(), (1, 64, 16, 68, 120), "61x1088x1920",
+                              _demo("tiny_kandinsky6_sr", "tiny_kandinsky6_sr_vae")),
     }
     if name not in cases:
         raise ValueError(f"--model {name!r}: expected one of {', '.join(cases)}")
@@ -337,12 +342,15 @@ def simulated(sim: Simulated):
 
 
 def _decode_rows(vae: torch.nn.Module, piece: torch.Tensor) -> torch.Tensor:
-    """The stock ``_decode`` of ``piece``: a tensor, whatever the class returns (HunyuanVideo 1.5's and
-    the HunyuanImage refiner's ``_decode`` take no ``return_dict`` and return the tensor), with the
-    frame caches cleared after it as the class's ``decode`` does."""
+    """The stock method the parallel VAE splits (``_decode``; Kandinsky 6 SR's ``decode``) on ``piece``:
+    a tensor, whatever the class returns (HunyuanVideo 1.5's and the HunyuanImage refiner's
+    ``_decode`` take no ``return_dict`` and return the tensor), with the frame caches cleared after
+    it as the class's ``decode`` does."""
     import inspect
 
-    decode = type(vae)._decode
+    from usp_dit.pipelines.vae.recipes import recipes
+
+    decode = getattr(type(vae), recipes()[type(vae)].calls["decode"])
     out = decode(vae, piece, return_dict=False) if "return_dict" in inspect.signature(decode).parameters else decode(
         vae, piece)
     if hasattr(vae, "_clear_conv_cache"):  # EasyAnimate's frame caches: its ``decode`` clears them after ``_decode``

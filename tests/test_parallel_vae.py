@@ -236,6 +236,9 @@ def test_every_decoder_and_encoder_module_is_known(family):
         assert sites.methods, "the linear attention must be split"
     if family == "cosmos":
         assert len(sites.methods) == 6, "every spatial and temporal attention takes the recipe's forward"
+    if family in ("cogvideox", "mochi"):  # CogVideoXSafeConv3d chunks time by size (Note [chunked convolutions])
+        safe = [c for c, _ in sites.convs if type(c).__name__ == "CogVideoXSafeConv3d"]
+        assert safe and [c for c, _ in sites.chunked] == safe
     sites, reason = classify(vae.encoder, recipes()[type(vae)])
     if family in ENCODE_WHOLE:
         assert ENCODE_WHOLE[family] in reason

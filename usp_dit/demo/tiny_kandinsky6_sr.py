@@ -90,12 +90,20 @@ def tiny_kandinsky6_sr_pipeline(seed: int = 0) -> Kandinsky6SRPipeline:
     channels; perturbed by 0.01 so its decode stays in range) and a flow-matching Euler scheduler;
     no latent upscaler (the 2x path resizes pixels). A 64 x 128 video at ``resolution_scale=2``
     is one tile: 8 x 16 tokens a latent frame."""
+    vae = tiny_kandinsky6_sr_vae(seed)
+    return Kandinsky6SRPipeline(transformer=tiny_kandinsky6_sr(seed=seed), vae=vae,
+                                scheduler=FlowMatchEulerDiscreteScheduler())
+
+
+def tiny_kandinsky6_sr_vae(seed: int = 0, std: float = 0.01) -> Kandinsky6SRVAE:
+    """A tiny K-VAE (``Kandinsky6SRVAE``): five levels of 8 channels (16x spatial, 4x temporal, as
+    released), ``LATENT_CHANNELS`` latent channels, built from ``seed``, every parameter perturbed by
+    seeded noise of ``std`` (the norms' gains too); float32, eval mode."""
     torch.manual_seed(seed)
     vae = Kandinsky6SRVAE(latent_channels=LATENT_CHANNELS, encoder_block_out_channels=(8,) * 5,
                           decoder_block_out_channels=(8,) * 5, layers_per_block=1)
-    _perturb(vae, seed + 2, std=0.01)
-    return Kandinsky6SRPipeline(transformer=tiny_kandinsky6_sr(seed=seed), vae=vae.eval(),
-                                scheduler=FlowMatchEulerDiscreteScheduler())
+    _perturb(vae, seed + 2, std=std)
+    return vae.eval()
 
 
 def kandinsky6_sr_video(frames: int = 5, height: int = 64, width: int = 128, seed: int = 0) -> torch.Tensor:

@@ -214,9 +214,7 @@ FAMILY_PIPELINES: dict[str, FamilyPipelines] = {
     "Kandinsky6SR": FamilyPipelines("Kandinsky 6.0 video super-resolution (NABLA sparse attention: ring_degree=1 grids)",
                                     ("Kandinsky6SRPipeline",),
                                     cfg="none: no guidance, one call a step; `cfg_degree=2` splits a batch of tiles "
-                                        "(`tiles_batch_size` >= 2; a batch of one refused)",
-                                    whole_vae="no recipe yet (the K-VAE has no _decode to split, and its chunked "
-                                              "convolutions chunk by each rank's element count)"),
+                                        "(`tiles_batch_size` >= 2; a batch of one refused)"),
     "HunyuanVideo": FamilyPipelines("T2V; I2V (latent_concat, token_replace)",
                                     ("HunyuanVideoPipeline", "HunyuanVideoImageToVideoPipeline"),
                                     one_call="T2V without true CFG (guidance-distilled)"),

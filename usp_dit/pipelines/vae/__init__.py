@@ -2,7 +2,7 @@
 VAE] in ``rows``; Note [parallel VAE fallback] in ``patch``).
 
     rows.py       which rows each rank decodes (index maths)
-    halo.py       halo rows between neighbours; the convolutions that read them
+    halo.py       halo rows between neighbours; the convolutions that read them (chunked ones too)
     norm.py       GroupNorm with statistics over every rank's rows
     attention.py  VAE attention: this rank's queries against every rank's keys and values
     recipes.py    per VAE class: how each module of its decoder takes part

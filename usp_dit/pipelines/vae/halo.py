@@ -13,6 +13,17 @@ the instance while the parallel VAE is enabled; it behaves as stock outside a pa
     "explicit"  the stock code padded the input before the call (``F.pad`` in a causal
                 convolution wrapper, with zeros or by replicating): the pad rows on the sides
                 facing another rank are replaced by that rank's rows.
+
+Note [chunked convolutions]
+    Some VAEs' convolutions (CogVideoX's and Mochi's ``CogVideoXSafeConv3d``, Kandinsky 6 SR's
+    ``Kandinsky6SRSafeConv3d``) cut a large input into time chunks by its size and convolve each
+    chunk: their ``_conv_forward`` runs once a chunk, and the chunk count follows the element
+    count of the rank's own piece. Pieces of different row counts would then make different
+    numbers of halo exchanges, which pair up wrongly or wait for ever. Their ``forward`` is
+    replaced too (``chunked_conv_forward``): the halo is added once, to the whole input, and the
+    chunks' ``_conv_forward`` calls within use it without an exchange. The time chunks are still
+    cut by each rank's own size (the stock memory bound), and each chunk's rows are exactly the
+    rows the stock code convolves.
 """
 from __future__ import annotations
 
@@ -54,6 +65,7 @@ class RowGroup:
 
 class _Active(threading.local):
     rows: RowGroup | None = None
+    haloed: bool = False  # the input of the convolution running now holds its halo (Note [chunked convolutions])
 
 
 _ACTIVE = _Active()
@@ -172,19 +184,33 @@ def conv_reason(conv: torch.nn.Module, top: int, bottom: int, where: str) -> str
     return None
 
 
+def _with_halo(conv: torch.nn.Module, x: torch.Tensor, top: int, bottom: int, where: str,
+               rows: RowGroup) -> torch.Tensor:
+    """``x`` with its halo rows: the stock pad rows replaced ("explicit") or rows added ("module")."""
+    if where == "explicit":
+        return replace_pad_rows(x, top, bottom, rows)
+    return add_halo(x, top, bottom, rows, conv.padding_mode)
+
+
+def _checked_pads(conv: torch.nn.Module, pads_of: PadsOf) -> tuple[int, int, str]:
+    top, bottom, where = pads_of(conv)
+    reason = conv_reason(conv, top, bottom, where)  # the pads can change at call time (a pad_mode)
+    if reason:
+        raise NotImplementedError(f"parallel VAE: {reason}")
+    return top, bottom, where
+
+
 def halo_conv_forward(conv: torch.nn.Module, pads_of: PadsOf, x: torch.Tensor, weight, bias) -> torch.Tensor:
     """``conv._conv_forward`` with the halo rows of the parallel decode (stock outside one)."""
     stock = type(conv)._conv_forward
     rows = active()
     if rows is None:
         return stock(conv, x, weight, bias)
-    top, bottom, where = pads_of(conv)
-    reason = conv_reason(conv, top, bottom, where)  # the pads can change at call time (a pad_mode)
-    if reason:
-        raise NotImplementedError(f"parallel VAE: {reason}")
+    top, bottom, where = _checked_pads(conv, pads_of)
+    if not _ACTIVE.haloed:
+        x = _with_halo(conv, x, top, bottom, where, rows)
     if where == "explicit":
-        return stock(conv, replace_pad_rows(x, top, bottom, rows), weight, bias)
-    x = add_halo(x, top, bottom, rows, conv.padding_mode)
+        return stock(conv, x, weight, bias)
     other = list(conv.padding)
     other[-2] = 0
     conv_fn = F.conv3d if weight.dim() == 5 else F.conv2d
@@ -192,3 +218,19 @@ def halo_conv_forward(conv: torch.nn.Module, pads_of: PadsOf, x: torch.Tensor, w
         pairs = [p for pad in reversed(other) for p in (pad, pad)]
         x, other = F.pad(x, pairs, mode=conv.padding_mode), [0] * len(other)
     return conv_fn(x, weight, bias, conv.stride, tuple(other), conv.dilation, conv.groups)
+
+
+def chunked_conv_forward(conv: torch.nn.Module, pads_of: PadsOf, x: torch.Tensor) -> torch.Tensor:
+    """``forward`` of a convolution that convolves its input in chunks cut by size: the halo added
+    once, here, for every chunk's ``_conv_forward`` within (Note [chunked convolutions])."""
+    stock = type(conv).forward
+    rows = active()
+    if rows is None or _ACTIVE.haloed:
+        return stock(conv, x)
+    top, bottom, where = _checked_pads(conv, pads_of)
+    x = _with_halo(conv, x, top, bottom, where, rows)
+    _ACTIVE.haloed = True
+    try:
+        return stock(conv, x)
+    finally:
+        _ACTIVE.haloed = False

@@ -35,7 +35,7 @@ from usp_dit.pipelines._routing import with_global
 from usp_dit.pipelines.base import restore_instance_attr, saved_instance_attr
 from usp_dit.pipelines.vae.attention import GATHERED_F
 from usp_dit.pipelines.vae.calls import needs_grad, require_same
-from usp_dit.pipelines.vae.halo import ROWS, RowGroup, decoding, gathered_counts, halo_conv_forward
+from usp_dit.pipelines.vae.halo import ROWS, RowGroup, chunked_conv_forward, decoding, gathered_counts, halo_conv_forward
 from usp_dit.pipelines.vae.norm import group_norm_forward
 from usp_dit.pipelines.vae.recipes import NO_RECIPE, Sites, classify, recipes
 from usp_dit.pipelines.vae.rows import aligned_split, can_split, row_offsets, row_split
@@ -75,7 +75,7 @@ class VAEState:
 
 
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, VAEState] = weakref.WeakKeyDictionary()
-_REGIONS = {"decode": ("decoder", "_decode"), "encode": ("encoder", "_encode")}
+_REGIONS = {"decode": "decoder", "encode": "encoder"}
 
 
 def is_parallel_vae_enabled(vae: torch.nn.Module) -> bool:
@@ -91,6 +91,8 @@ def _install(sites: Sites, state: VAEState) -> None:
     """Replace, on the instances only, what ``sites`` names; ``state.undo`` records it."""
     for conv, pads_of in sites.convs:
         _set(state, conv, "_conv_forward", functools.partial(halo_conv_forward, conv, pads_of))
+    for conv, pads_of in sites.chunked:
+        _set(state, conv, "forward", functools.partial(chunked_conv_forward, conv, pads_of))
     for norm in sites.norms:
         _set(state, norm, "forward", functools.partial(group_norm_forward, norm))
     for attn in sites.processors:
@@ -122,12 +124,12 @@ def _gathered_processor_class() -> type:
 
 def _classified(vae: torch.nn.Module, direction: str) -> tuple[Sites | None, str | None]:
     recipe = recipes().get(type(vae))
-    region = getattr(vae, _REGIONS[direction][0], None)
+    region = getattr(vae, _REGIONS[direction], None)
     if recipe is None:
         why = NO_RECIPE.get(type(vae).__name__, f"supported: {', '.join(c.__name__ for c in recipes())}")
         return None, f"{type(vae).__name__} has no parallel recipe ({why})"
-    if not isinstance(region, torch.nn.Module) or not hasattr(type(vae), _REGIONS[direction][1]):
-        return None, f"{type(vae).__name__} has no {_REGIONS[direction][0]}"
+    if not isinstance(region, torch.nn.Module) or not hasattr(type(vae), recipe.calls[direction]):
+        return None, f"{type(vae).__name__} has no {_REGIONS[direction]}"
     return classify(region, recipe)
 
 
@@ -170,7 +172,7 @@ def enable_parallel_vae(vae: torch.nn.Module, mesh: USPMesh | None = None) -> VA
         _install_calls(vae, state, {"tiled_decode": functools.partial(tiled_decode, vae, state.group),
                                     "tiled_encode": functools.partial(tiled_encode, vae, state.group)})
         return state
-    for direction, (_, method) in _REGIONS.items():
+    for direction in _REGIONS:
         sites, state.reasons[direction] = _classified(vae, direction)
         if state.group is None:
             continue
@@ -182,6 +184,7 @@ def enable_parallel_vae(vae: torch.nn.Module, mesh: USPMesh | None = None) -> VA
         if direction == "encode":
             state.row_stride = _alignment(vae, sites)
         run = _parallel_decode if direction == "decode" else _parallel_encode
+        method = recipes()[type(vae)].calls[direction]
         _set(state, vae, method, functools.partial(run, vae, getattr(type(vae), method)))
     return state
 
@@ -226,7 +229,10 @@ def disable_parallel_vae(vae: torch.nn.Module) -> None:
 @contextmanager
 def _untiled(vae: torch.nn.Module):
     """The stock code on one row piece must not tile it (tiles are blended approximations)."""
-    tiling = getattr(vae, "use_tiling", False)
+    if not hasattr(vae, "use_tiling"):  # a VAE that never tiles (Kandinsky 6 SR's)
+        yield
+        return
+    tiling = vae.use_tiling
     vae.use_tiling = False
     try:
         yield
@@ -291,12 +297,17 @@ def _parallel_encode(vae: torch.nn.Module, stock, x: torch.Tensor, *args: Any, *
 
 
 def _gathered(result: Any, rows: RowGroup) -> Any:
-    """The output (a tensor, a tuple led by one, or an output with ``sample``) with every rank's rows."""
-    sample = result if torch.is_tensor(result) else result[0] if isinstance(result, tuple) else result.sample
-    full = gather_uneven(sample, gathered_counts(sample.shape[ROWS], rows, sample.device), ROWS, rows.group)
+    """The output with every rank's rows: a tensor, a tuple led by one, an output with ``sample``, or
+    an encode's posterior (``DiagonalGaussianDistribution``, alone or as ``latent_dist``: rebuilt
+    from its gathered moments, as stock builds it from the whole moments)."""
     if torch.is_tensor(result):
-        return full
+        return gather_uneven(result, gathered_counts(result.shape[ROWS], rows, result.device), ROWS, rows.group)
     if isinstance(result, tuple):
-        return (full,) + tuple(result[1:])
-    result.sample = full
+        return (_gathered(result[0], rows),) + tuple(result[1:])
+    if hasattr(result, "latent_dist"):
+        result.latent_dist = _gathered(result.latent_dist, rows)
+    elif hasattr(result, "parameters") and hasattr(result, "deterministic"):
+        return type(result)(_gathered(result.parameters, rows), deterministic=result.deterministic)
+    else:
+        result.sample = _gathered(result.sample, rows)
     return result

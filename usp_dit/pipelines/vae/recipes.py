@@ -27,9 +27,6 @@ GENERIC_LOCAL: tuple[type, ...] = (
 # Why a VAE class that a supported family's pipeline uses has no recipe (the fallback's message).
 _AUDIO = "a 1-D audio VAE: no image rows to split (it decodes locally on every rank)"
 NO_RECIPE: dict[str, str] = {
-    "Kandinsky6SRVAE": "no recipe yet: it has no _decode / _encode to split (its decode runs time segments "
-                       "through one cache dict), and its Kandinsky6SRSafeConv3d chunks time by the input's element "
-                       "count, so ranks holding different rows would make different numbers of halo exchanges",
     "AutoencoderOobleck": _AUDIO, "AutoencoderSAME": _AUDIO, "LongCatAudioDiTVae": _AUDIO,
     "AutoencoderKLLTX2Audio": _AUDIO, "AutoencoderKLMiniMaxH3Audio": _AUDIO, "Cosmos3AVAEAudioTokenizer": _AUDIO,
 }
@@ -59,6 +56,9 @@ class Recipe:
     class -> {attribute: value} set on its instances (e.g. a static mask builder its forward reads
     off ``self``). ``methods``: module class -> {method name: function(module, ...)} bound to each
     instance (e.g. a linear attention whose sums over tokens must cover every rank's tokens).
+    ``chunked``: convolution classes that convolve their input in chunks cut by its size (Note
+    [chunked convolutions] in ``halo``). ``calls``: the VAE's methods split, decode's and encode's
+    (a VAE without Diffusers' ``_decode`` / ``_encode`` splits its public ``decode`` / ``encode``).
     """
 
     explicit: dict[type, Explicit] = field(default_factory=dict)
@@ -68,6 +68,8 @@ class Recipe:
     forward_globals: dict[type, dict[str, object]] = field(default_factory=dict)
     attributes: dict[type, dict[str, object]] = field(default_factory=dict)
     methods: dict[type, dict[str, Callable]] = field(default_factory=dict)
+    chunked: tuple[type, ...] = ()
+    calls: dict[str, str] = field(default_factory=lambda: {"decode": "_decode", "encode": "_encode"})
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Sites:
     """What ``classify`` found in one VAE's decoder or encoder."""
 
     convs: list[tuple[nn.Module, PadsOf]] = field(default_factory=list)
+    chunked: list[tuple[nn.Module, PadsOf]] = field(default_factory=list)  # of ``convs``: their forward too
     norms: list[nn.GroupNorm] = field(default_factory=list)
     processors: list[nn.Module] = field(default_factory=list)
     forwards: list[nn.Module] = field(default_factory=list)
@@ -100,7 +103,7 @@ def _explicit_convs(region: nn.Module, recipe: Recipe) -> dict[nn.Module, PadsOf
     return found
 
 
-def _classify_conv(conv: nn.Module, pads_of: PadsOf, sites: Sites) -> str | None:
+def _classify_conv(conv: nn.Module, pads_of: PadsOf, sites: Sites, chunked: tuple[type, ...]) -> str | None:
     top, bottom, where = pads_of(conv)
     if conv.kernel_size[-2] == 1 and conv.stride[-2] == 1 and not (top or bottom):
         return None  # acts per row
@@ -108,6 +111,8 @@ def _classify_conv(conv: nn.Module, pads_of: PadsOf, sites: Sites) -> str | None
     if reason:
         return reason
     sites.convs.append((conv, pads_of))
+    if type(conv) in chunked:
+        sites.chunked.append((conv, pads_of))
     sites.row_stride *= conv.stride[-2]
     sites.halo = max(sites.halo, top, bottom)
     return None
@@ -131,7 +136,7 @@ def classify(region: nn.Module, recipe: Recipe) -> tuple[Sites | None, str | Non
     for name, module in region.named_modules():
         cls, reason = type(module), recipe.refuse(module)
         if isinstance(module, (nn.Conv2d, nn.Conv3d)):
-            reason = reason or _classify_conv(module, explicit.get(module, module_pads), sites)
+            reason = reason or _classify_conv(module, explicit.get(module, module_pads), sites, recipe.chunked)
         elif cls is nn.GroupNorm:
             sites.norms.append(module)
         elif cls in recipe.attention:
@@ -409,6 +414,38 @@ def _magvit_recipe() -> Recipe:
     )
 
 
+def _height_pads(conv) -> tuple[int, int, str]:
+    """``Kandinsky6SRCausalConv3d``: ``F.pad`` of ``height_pad`` zero rows each side before its call."""
+    return conv.height_pad, conv.height_pad, "explicit"
+
+
+def _kandinsky6_sr_recipe() -> Recipe:
+    """Kandinsky 6 SR's K-VAE (``Kandinsky6SRVAE``), 16x in space, 4x in time; no attention, no GroupNorm.
+
+    Its public ``decode`` / ``encode`` run time segments of 16 frames through one cache dict of
+    each causal convolution's carried frames: on a piece, the cache holds the rank's own rows,
+    and every rank runs the same segments (they depend on the frame count alone), so the halo
+    exchanges pair up. ``Kandinsky6SRCausalConv3d`` pads rows with zeros by ``F.pad`` before its
+    ``Kandinsky6SRSafeConv3d`` (an "explicit" halo); the up / downsamplers' (1, 3, 3) spatial
+    convolutions pad their rows themselves (a "module" halo; stride 2 in the encoder). Every
+    ``Kandinsky6SRSafeConv3d`` cuts large inputs into time chunks by its element count (Note
+    [chunked convolutions]). ``Kandinsky6VAERMSNorm`` normalises over channels (per pixel); the
+    decoder's spatial norm nearest-interpolates the latent piece to the piece's rows (an integer
+    factor 2^k: latent row r to rows 2^k r .. 2^k r + 2^k - 1); the upsampler repeats rows (nearest
+    x2); the downsampler's pixel-unshuffle averages 2 x 2 pixels (encode pieces are multiples of
+    ``spatial_compression_ratio`` rows) and its temporal pooling acts per pixel."""
+    from diffusers.models.autoencoders import autoencoder_kandinsky6_sr as k6
+
+    return Recipe(
+        explicit={k6.Kandinsky6SRCausalConv3d: Explicit(_child_conv, _height_pads)},
+        local=(k6.Kandinsky6SREncoder3D, k6.Kandinsky6SRDecoder3D, k6.Kandinsky6SRResnetBlock3D,
+               k6.Kandinsky6SRSpatialNorm3D, k6.Kandinsky6VAERMSNorm, k6.Kandinsky6SRUpsample,
+               k6.Kandinsky6SRDownsample, nn.PixelUnshuffle, nn.Module),  # nn.Module: the plain `mid` / `up` holders
+        chunked=(k6.Kandinsky6SRSafeConv3d,),
+        calls={"decode": "decode", "encode": "encode"},
+    )
+
+
 @functools.cache
 def recipes() -> dict[type, Recipe]:
     """Exact VAE class -> recipe (imports the Diffusers autoencoders on first use; built once)."""
@@ -427,6 +464,7 @@ def recipes() -> dict[type, Recipe]:
         AutoencoderKLQwenImage,
         AutoencoderKLQwenImage21,
         AutoencoderKLWan,
+        Kandinsky6SRVAE,
     )
     from diffusers.models import downsampling, normalization, resnet, upsampling
     from diffusers.models.attention_processor import Attention
@@ -496,14 +534,16 @@ def recipes() -> dict[type, Recipe]:
                   downsampling.CogVideoXDownsample3D: Explicit(_child_conv, _bottom_row_pads)},
         local=(cog.CogVideoXDecoder3D, cog.CogVideoXEncoder3D, cog.CogVideoXMidBlock3D, cog.CogVideoXUpBlock3D,
                cog.CogVideoXDownBlock3D, cog.CogVideoXResnetBlock3D, cog.CogVideoXSpatialNorm3D,
-               cog.CogVideoXSafeConv3d, upsampling.CogVideoXUpsample3D),
+               upsampling.CogVideoXUpsample3D),
+        chunked=(cog.CogVideoXSafeConv3d,),
     )
     mochi_recipe = Recipe(
         explicit={cog.CogVideoXCausalConv3d: causal},
         attention={Attention: "processor"},
         local=(mochi.MochiDecoder3D, mochi.MochiEncoder3D, mochi.MochiMidBlock3D, mochi.MochiUpBlock3D,
                mochi.MochiDownBlock3D, mochi.MochiResnetBlock3D, mochi.MochiChunkedGroupNorm3D,
-               cog.CogVideoXSafeConv3d, mochi.FourierFeatures, normalization.LpNorm),
+               mochi.FourierFeatures, normalization.LpNorm),
+        chunked=(cog.CogVideoXSafeConv3d,),
     )
     hunyuan_recipe = Recipe(
         explicit={hy.HunyuanVideoCausalConv3d: causal},
@@ -541,4 +581,5 @@ def recipes() -> dict[type, Recipe]:
         AutoencoderKLLTX2Video: _ltx2_recipe(), AutoencoderKLQwenImage21: wan_recipe(qwen21, qwen21_local),
         AutoencoderDC: _dc_recipe(), **_hunyuan_image_recipes(),
         AutoencoderKLCosmos: _cosmos_recipe(), AutoencoderKLMagvit: _magvit_recipe(),
+        Kandinsky6SRVAE: _kandinsky6_sr_recipe(),
     }
