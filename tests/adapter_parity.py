@@ -224,6 +224,17 @@ def assert_within(per_rank: list[dict], key: str, tol: float, by_name: dict[str,
             assert not worst, f"rank {rank}: above {tols}: {worst}"
 
 
+def differing_inputs_flags(call: Callable[[torch.Tensor], Any], x: torch.Tensor) -> dict[str, float]:
+    """``call(x + rank)`` under no_grad (an input differing between the ranks): flags, each 0.0 when
+    it raised on this rank the ValueError of ``usp_dit.pipelines.vae.calls.require_same``."""
+    try:
+        with torch.no_grad():
+            call(x + dist.get_rank())
+    except ValueError as exc:
+        return {"differing_inputs_wrong_error": float("differs between the ranks" not in str(exc))}
+    return {"differing_inputs_did_not_raise": 1.0}
+
+
 def spawn_grid(run_all: Callable[[], dict], world: int, **kwargs) -> list[dict]:
     """Every rank's ``run_all()`` results from one spawned group of ``world`` ranks (``kwargs`` to
     ``usp_dit.testing.run_spawned``); a crashed rank fails here, the module fixture's caller."""

@@ -78,10 +78,17 @@ def _worker_exit_codes(output: str) -> tuple[int, list[int]]:
     return int(root.group(1)), codes
 
 
+# Each case is a torchrun job (~5 s of start-up). The path from a bad value to one line and exit 2 is
+# the same for every argument checked before the process group starts (degrees, model path,
+# backend: the argument parser's checks); the size is checked later, against the model. CI keeps one
+# of each; ``launch.check_model_path`` and ``check_backend``'s messages are tested in process below
+# (the video example's --model-path, the LLM example's --backend).
 @pytest.mark.parametrize("script, args, message", [
     ("generate_image", ["--ulysses", "3"], "error: --ulysses 3 on 2 rank(s): world_size=2 is not a multiple of"),
-    ("generate_image", ["--model", "/nonexistent"], "error: --model /nonexistent: no such file or folder"),
-    ("finetune_video", ["--backend", "nope"], "error: --backend 'nope' is not a kernel; choose 'auto' or one of"),
+    pytest.param("generate_image", ["--model", "/nonexistent"], "error: --model /nonexistent: no such file or folder",
+                 marks=pytest.mark.slow),
+    pytest.param("finetune_video", ["--backend", "nope"],
+                 "error: --backend 'nope' is not a kernel; choose 'auto' or one of", marks=pytest.mark.slow),
     ("generate_video", ["--height", "1000"], "error: --height 1000 must be a positive multiple of 16"),
 ], ids=["degrees", "model-path", "backend", "size"])
 def test_user_error_is_one_line_and_exit_2_under_torchrun(script, args, message, tmp_path):
