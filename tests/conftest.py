@@ -10,6 +10,7 @@ the kept cases are listed in docs/TESTING.md with the bug class each one guards.
 from __future__ import annotations
 
 import collections
+import gc
 import os
 
 import pytest
@@ -36,6 +37,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # Distributed tests share warm ranks (Note [warm pool] in usp_dit.testing.pool): process
     # start-up was most of CI's time. USP_DIT_TEST_POOL=0 spawns fresh ranks for every job.
     os.environ.setdefault(POOL_ENV, "1")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Every test module is imported (torch, Diffusers, transformers...): collections skip them from
+    # now on (Note [frozen heap] in usp_dit.testing.pool; the in-process tests build many models).
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

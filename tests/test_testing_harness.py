@@ -1,6 +1,7 @@
 """The spawned-group harness's own checks: its gloo-thread counter (in this process), its report of
 a rank killed by a signal, the one re-run such a death gets and the none a Python error gets
-(2-rank groups)."""
+(2-rank groups), and the warm pool's: a job whose rank dies there runs again in a new pool.
+A rank "dies" by ``os.abort()``, what a C++ abort in a gloo thread (or glibc's heap check) does."""
 from __future__ import annotations
 
 import datetime
@@ -13,6 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from usp_dit.testing import _gloo_threads, run_spawned
+from usp_dit.testing.pool import POOL_ENV, pool_for
 
 
 def test_gloo_thread_count_sees_a_live_group_and_none_after_destroy():
@@ -77,3 +79,21 @@ def test_a_rank_that_raises_is_not_run_again(recwarn):
     results = run_spawned(_raise_on_rank_one, 2, check_groups=False, fresh=True)
     assert "ValueError: a Python error" in results[1]["__error__"]
     assert not [w for w in recwarn if "running the group once more" in str(w.message)]
+
+
+def _pid_once_alive(marker: str) -> int:
+    """``_abort_first_time``, returning this rank's process id."""
+    _abort_first_time(marker)
+    return os.getpid()
+
+
+def test_a_job_whose_pool_rank_dies_runs_again_in_a_new_pool_that_serves_on(tmp_path, monkeypatch):
+    """Note [warm pool]: the job's result comes from a new pool (other processes than the broken
+    one's), with the break in a warning, and the next job runs in that new pool without a start-up."""
+    monkeypatch.setenv(POOL_ENV, "1")
+    before = [p.pid for p in pool_for(2).procs]
+    with pytest.warns(RuntimeWarning, match="the warm pool broke; running the job once more in a new pool"):
+        pids = run_spawned(functools.partial(_pid_once_alive, str(tmp_path / "died")), 2)
+    assert (tmp_path / "died").exists()
+    assert not set(pids) & set(before), (pids, before)
+    assert run_spawned(functools.partial(_pid_once_alive, str(tmp_path / "died")), 2) == pids

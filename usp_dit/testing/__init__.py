@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import functools
+import gc
 import os
 import pickle
 import sys
@@ -56,6 +57,8 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[[],
     torch.set_num_threads(1)  # several ranks share two cores: oversubscription makes runs crawl
     # A bounded timeout turns a rank stuck in a collective (its peer failed) into an error, not a hang.
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    gc.collect()
+    gc.freeze()  # the imports are never scanned again (Note [frozen heap] in usp_dit.testing.pool)
     try:
         result = fn()
     except BaseException:  # report the failure to the parent instead of hanging the others
@@ -133,13 +136,19 @@ def run_spawned(fn: Callable[[], Any], world_size: int, check_groups: bool = Tru
 
 
 def _run_pooled(fn: Callable[[], Any], world_size: int) -> list[Any] | None:
-    """The pool's results, or None (with a warning) when the job failed or the pool broke: the
-    caller then runs it in fresh ranks (Note [warm pool])."""
-    try:
-        results = pool_for(world_size).run(fn)
-    except PoolBroken as exc:
-        warnings.warn(f"usp_dit.testing: the warm pool broke; running the job in fresh ranks:\n{exc}",
-                      RuntimeWarning, stacklevel=3)
+    """The pool's results, or None (with a warning) when the job failed or the pool broke twice:
+    the caller then runs it in fresh ranks (Note [warm pool]). A pool that broke (a rank died) is
+    replaced by a new one, fresh processes, which runs the job once more and serves the next jobs:
+    one start-up instead of two (fresh ranks, then a new pool for the next job)."""
+    for attempt in (1, 2):
+        try:
+            results = pool_for(world_size).run(fn)
+            break
+        except PoolBroken as exc:
+            again = "once more in a new pool" if attempt == 1 else "in fresh ranks"
+            warnings.warn(f"usp_dit.testing: the warm pool broke; running the job {again}:\n{exc}",
+                          RuntimeWarning, stacklevel=3)
+    else:
         return None
     crashed = [r["__error__"] for r in results if isinstance(r, dict) and "__error__" in r]
     if crashed:
