@@ -5,7 +5,7 @@ inputs on every rank), enables the adapter on a mesh, runs, disables and runs ag
 max|err| / max|ref| (``usp_dit.testing.rel_err``).
 
 A family's file spawns one group of 4 ranks and calls ``run_grid_cases`` there (the 2-rank grids
-run on it as two data-parallel replicas); the 8-rank grids are in tests/test_pipeline_world8.py.
+run on it as two data-parallel replicas); the 8-rank grids are in tests/test_world8.py.
 """
 from __future__ import annotations
 

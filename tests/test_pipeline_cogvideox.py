@@ -12,7 +12,7 @@ stock, block 0's attention sees at most ceil(video tokens / P) video tokens (the
 replicated), and the last run must be bit-identical to the first. Gradient cases (5B, 27 tokens)
 on (1,2,1) and (2,2,1) check fine-tuning: per-rank losses L/P, parameter gradients summed over the
 sequence group equal the one-process gradients. ulysses_degree 4 on a 2-head model raises at
-enable. The 8-rank grids are in tests/test_pipeline_world8.py.
+enable. The 8-rank grids are in tests/test_world8.py.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32, the issue's bar). Sharding changes only the
 order of float32 sums (attention split in blocks merged by log-sum-exp, projections on fewer

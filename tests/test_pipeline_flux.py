@@ -19,7 +19,7 @@ and the 111-token one. Then, on (2,2): inputs that differ per rank (made equal b
 disable_usp's bit-identical restore with the same processor objects; ulysses_degree 4 on a 2-head
 model raises at enable; and the whole tiny FluxPipeline for 2 steps on (2,2) (also without a
 generator: the same image on every rank) and on (1,2,2) (cfg splitting a batch of two images; a
-batch of one refused). The 8-rank grids are in tests/test_pipeline_world8.py.
+batch of one refused). The 8-rank grids are in tests/test_world8.py.
 
 Tolerance (max |err| / max |ref|): float32 1e-5, the issue's bar. The grid changes only the order
 of float32 sums inside attention (blocks merged by log-sum-exp) and the split of matrix products,

@@ -12,7 +12,7 @@ each ring grid also with the "stream" and "gather_merge" schedules forced. Each 
 stock, block 0's attention sees at most ceil(video tokens / P) video tokens (the prompt is
 replicated), and after ``disable`` the output must be bit-identical to the stock output. Gradient
 cases (27 tokens, padded prompts) on (1,2,1) and (2,2,1) check fine-tuning; ulysses_degree 4 on a
-2-head model raises at enable. The 8-rank grids are in tests/test_pipeline_world8.py.
+2-head model raises at enable. The 8-rank grids are in tests/test_world8.py.
 
 Tolerance: max|err| / max|ref| <= 1e-5 (float32, the issue's bar); sharding only reorders float32
 sums (blockwise attention merged by log-sum-exp), a few 1e-7 relative at these sizes.

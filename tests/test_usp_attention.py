@@ -178,7 +178,7 @@ def run_grid(world: int) -> dict[str, dict[str, float] | str]:
 @pytest.fixture(scope="module")
 def grid_results():
     # The 8-rank world (every 2-D split of 8) runs only under --full: the 4-rank world already covers
-    # Ulysses and ring degrees above 2 and uneven splits, and tests/test_pipeline_world8.py keeps an
+    # Ulysses and ring degrees above 2 and uneven splits, and tests/test_world8.py keeps an
     # 8-rank group in CI (docs/TESTING.md). Its spawn of 8 processes on 2 cores was ~60 s of CI.
     return {1: [run_grid(1)], **run_spawned_worlds(run_grid, (2, 4, 8) if full_suite() else (2, 4))}
 

@@ -1,6 +1,12 @@
-"""Flux, CogVideoX and Mochi on 8 ranks (one full node; gloo on CPU standing in for NCCL).
+"""Every 8-rank case of CI in one spawned group (one full node; gloo on CPU standing in for NCCL):
+causal and block-causal usp_attention on the 8-rank grids, then Flux, CogVideoX and Mochi.
 
-One spawned group of 8 ranks runs every case; each family's file (tests/test_pipeline_flux.py,
+Eight processes start up in about 25 s on CI's two cores, so the 8-rank cases share one group:
+tests/test_causal.py's ``run_grid(8)`` (its cases and tolerances: every 2-D grid of 8, every layout,
+both masked ring schedules, float64 and float32, against the float64 masked reference) runs first,
+and its results are asserted here with that file's helpers.
+
+One spawned group of 8 ranks runs every family case; each family's file (tests/test_pipeline_flux.py,
 tests/test_pipeline_cogvideox.py, tests/test_pipeline_mochi.py) has its 2- and 4-rank grids and its
 other checks, and this file imports its model builder and output case. One odd-token batch-2 shape
 per family: Flux 6 text + 63 image tokens (69 joint tokens, split with the text) with ControlNet
@@ -21,6 +27,7 @@ from __future__ import annotations
 import pytest
 
 from tests import adapter_parity as parity
+from tests import test_causal as causal
 from tests import test_pipeline_cogvideox as cogvideox
 from tests import test_pipeline_flux as flux
 from tests import test_pipeline_mochi as mochi
@@ -44,7 +51,7 @@ def _key(family: str, grid: tuple[int, int, int]) -> str:
 
 def _run_all() -> dict[str, dict | str]:
     """Every case, on each of the 8 ranks."""
-    results = {}
+    results = {"causal": causal.run_grid(WORLD)}
     meshes = {grid: init_usp(*grid) for grid in GRIDS + [(2, 2, 2)]}
     for family, (module, shape, grids) in FAMILIES.items():
         for grid in grids:
@@ -70,3 +77,12 @@ def test_sharded_output_matches_one_process(grid_results, key: str):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_parameter_gradients_match_one_process(grid_results, family: str):
     parity.assert_within(grid_results, f"{family}-grad-{parity.grid_id((*GRAD_GRID, None))}", TOL)
+
+
+@pytest.mark.parametrize("case", causal.cases(WORLD), ids=[c.id for c in causal.cases(WORLD)])
+def test_causal_matches_float64_masked_reference(grid_results, case):
+    causal.assert_case([res["causal"] for res in grid_results], case)
+
+
+def test_causal_layout_round_trips_and_refusals(grid_results):
+    causal.assert_round_trips_and_refusals([res["causal"] for res in grid_results])
