@@ -119,6 +119,15 @@ def run_spawned(fn: Callable[[], Any], world_size: int, check_groups: bool = Tru
         a second death fails as before. A rank that raises is never retried. To find the cause,
         each rank's log gets every thread's Python stack at the fatal signal (``faulthandler``)
         and a line per teardown phase, and the result is written before teardown.
+
+        Seen since (three fresh-clone runs of 2026-12-07, 2 to 4 deaths a run, each costing a
+        rerun): always in groups of 4 ranks, in warm pools, new pools and fresh ranks alike,
+        mostly "malloc(): unaligned tcache chunk detected" (a small freed chunk written after
+        its free: a transfer landing in memory already released), at varied points of a job (the
+        length handshake's all-gather, a sharded forward's all-to-all, a ring's K/V gather, a
+        checkpointed backward); once one job (AuraFlow's) died in the pool and again in a new
+        pool, then passed in fresh ranks. No 4-rank stress loop of the ring or Ulysses call alone
+        (2000-3000 calls, tiny and uneven shapes) reproduced it. Not found yet.
     """
     if not fresh and pool_enabled(world_size):
         pooled = _run_pooled(fn, world_size)
