@@ -13,8 +13,9 @@ import time
 import pytest
 import torch.distributed as dist
 
+import usp_dit.testing
 from usp_dit.testing import _gloo_threads, run_spawned
-from usp_dit.testing.pool import POOL_ENV, pool_for
+from usp_dit.testing.pool import POOL_ENV, PoolBroken, pool_for
 
 
 def test_gloo_thread_count_sees_a_live_group_and_none_after_destroy():
@@ -97,3 +98,26 @@ def test_a_job_whose_pool_rank_dies_runs_again_in_a_new_pool_that_serves_on(tmp_
     assert (tmp_path / "died").exists()
     assert not set(pids) & set(before), (pids, before)
     assert run_spawned(functools.partial(_pid_once_alive, str(tmp_path / "died")), 2) == pids
+
+
+class _BrokenPool:
+    """A pool whose every job breaks it the way ``WarmPool.run`` reports it (no processes)."""
+
+    def __init__(self, hung: bool) -> None:
+        self.hung, self.jobs = hung, 0
+
+    def run(self, fn):
+        self.jobs += 1
+        raise PoolBroken("warm pool of 2 ranks broke: test", hung=self.hung)
+
+
+@pytest.mark.parametrize("hung, jobs", [(False, 2), (True, 1)], ids=["died", "hung"])
+def test_a_broken_pool_is_tried_once_more_unless_the_job_hung(monkeypatch, hung, jobs):
+    """A death gets one new pool, then fresh ranks (None); a job that outlived its time goes to
+    fresh ranks at once: a new pool would only hang again (and CI would wait twice as long)."""
+    pool = _BrokenPool(hung)
+    monkeypatch.setattr(usp_dit.testing, "pool_for", lambda world_size: pool)
+    with pytest.warns(RuntimeWarning) as seen:
+        assert usp_dit.testing._run_pooled(lambda: 0, 2) is None
+    assert pool.jobs == jobs
+    assert "running the job in fresh ranks" in str(seen[-1].message)

@@ -148,17 +148,19 @@ def _run_pooled(fn: Callable[[], Any], world_size: int) -> list[Any] | None:
     """The pool's results, or None (with a warning) when the job failed or the pool broke twice:
     the caller then runs it in fresh ranks (Note [warm pool]). A pool that broke (a rank died) is
     replaced by a new one, fresh processes, which runs the job once more and serves the next jobs:
-    one start-up instead of two (fresh ranks, then a new pool for the next job)."""
+    one start-up instead of two (fresh ranks, then a new pool for the next job). A job that outlived
+    its time (``PoolBroken.hung``) goes to fresh ranks at once."""
     for attempt in (1, 2):
         try:
             results = pool_for(world_size).run(fn)
             break
         except PoolBroken as exc:
-            again = "once more in a new pool" if attempt == 1 else "in fresh ranks"
+            retry = attempt == 1 and not exc.hung  # a job that hung would hang a new pool too
+            again = "once more in a new pool" if retry else "in fresh ranks"
             warnings.warn(f"usp_dit.testing: the warm pool broke; running the job {again}:\n{exc}",
                           RuntimeWarning, stacklevel=3)
-    else:
-        return None
+            if not retry:
+                return None
     crashed = [r["__error__"] for r in results if isinstance(r, dict) and "__error__" in r]
     if crashed:
         warnings.warn(f"usp_dit.testing: a job failed in the warm pool; running it in fresh ranks, whose result "

@@ -94,7 +94,12 @@ def log_tails(directory: str, world_size: int, lines: int = 30) -> str:
 
 
 class PoolBroken(RuntimeError):
-    """A pool worker died, hung or could not send its result: the job's result is unknown."""
+    """A pool worker died, hung or could not send its result: the job's result is unknown.
+    ``hung``: the job outlived its time (a new pool would only hang again)."""
+
+    def __init__(self, message: str, hung: bool = False) -> None:
+        super().__init__(message)
+        self.hung = hung
 
 
 def _fresh_state(environ: dict[str, str]) -> None:
@@ -187,14 +192,15 @@ class WarmPool:
                     if not self.alive():
                         raise PoolBroken(f"rank(s) {[r for r, p in enumerate(self.procs) if not p.is_alive()]} died")
                     if time.monotonic() > deadline:
-                        raise PoolBroken(f"rank {rank} did not finish within {timeout_s:.0f} s")
+                        raise PoolBroken(f"rank {rank} did not finish within {timeout_s:.0f} s", hung=True)
                 result, alive = conn.recv()
                 results.append(result)
                 still_alive = still_alive and alive
         except (EOFError, OSError, BrokenPipeError, PoolBroken) as exc:
             tails = self.tails()
             self.close()
-            raise PoolBroken(f"warm pool of {self.world_size} ranks broke: {exc}\n{tails}") from exc
+            raise PoolBroken(f"warm pool of {self.world_size} ranks broke: {exc}\n{tails}",
+                             hung=getattr(exc, "hung", False)) from exc
         if not still_alive:
             self.close()
         return results
