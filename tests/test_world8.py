@@ -79,10 +79,19 @@ def test_parameter_gradients_match_one_process(grid_results, family: str):
     parity.assert_within(grid_results, f"{family}-grad-{parity.grid_id((*GRAD_GRID, None))}", TOL)
 
 
-@pytest.mark.parametrize("case", causal.cases(WORLD), ids=[c.id for c in causal.cases(WORLD)])
-def test_causal_matches_float64_masked_reference(grid_results, case):
-    causal.assert_case([res["causal"] for res in grid_results], case)
+CAUSAL_CASES = causal.cases(WORLD)
 
 
-def test_causal_layout_round_trips_and_refusals(grid_results):
-    causal.assert_round_trips_and_refusals([res["causal"] for res in grid_results])
+@pytest.fixture(scope="module")
+def causal_results(grid_results) -> list[dict]:
+    """Each rank's ``causal.run_grid(8)`` results."""
+    return [res["causal"] for res in grid_results]
+
+
+@pytest.mark.parametrize("case", CAUSAL_CASES, ids=[c.id for c in CAUSAL_CASES])
+def test_causal_matches_float64_masked_reference(causal_results, case):
+    causal.assert_case(causal_results, case)
+
+
+def test_causal_layout_round_trips_and_refusals(causal_results):
+    causal.assert_round_trips_and_refusals(causal_results)
