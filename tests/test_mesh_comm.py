@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from usp_dit import gather_sequence, init_usp, set_default_mesh, shard_sequence, usp_attention
 from usp_dit.distributed.comm import A2APlan, RingExchanger, heads_to_seq, seq_to_heads
+from usp_dit.distributed.gloo import gloo_threads
 from usp_dit.distributed.mesh import release_groups, resolve_mesh
 from usp_dit.sharding.partition import head_plan, split_sizes
 from usp_dit.testing import assert_no_crash, run_spawned
@@ -117,6 +118,7 @@ def _worker():
            "sharding": _sharding(), "missing_mesh": _missing_mesh_error()}
     res["seq_len_mismatch"] = _seq_len_mismatch()
     res["timeouts"] = _group_timeouts()
+    res["gloo_threads"] = _group_threads()
     res["released"] = _released_mesh()  # last: it releases every mesh built above
     return res
 
@@ -179,6 +181,19 @@ def test_mesh_groups_inherit_the_job_timeout(results):
     """run_spawned starts the job with a 120 s timeout; the mesh's groups must not fall back to 30 min."""
     for r in results:
         assert r["timeouts"] == [120.0, 120.0, 120.0], r["timeouts"]
+
+
+def _group_threads():
+    mesh = init_usp(ulysses_degree=2, ring_degree=2)
+    groups = [None, mesh.ulysses_group, mesh.ring_group, mesh.seq_group, mesh.cfg_group]
+    return [gloo_threads(g) for g in groups]
+
+
+def test_gloo_groups_run_one_collective_at_a_time(results):
+    """Note [gloo all-gather race]: the default group (the test ranks') and every mesh group run
+    on one gloo worker thread, so two all-gathers posted together never run at once."""
+    for r in results:
+        assert r["gloo_threads"] == [1, 1, 1, 1, 1], r["gloo_threads"]
 
 
 def _released_mesh():

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from usp_dit.distributed.config import fill_degrees
+from usp_dit.distributed.gloo import serialize_gloo_groups
 from usp_dit.distributed.logs import configure_logging, env_rank, get_logger
 from usp_dit.kernels import get_backend, list_backends
 
@@ -259,6 +260,8 @@ def init_distributed(timeout_minutes: float = 10) -> tuple[int, int, torch.devic
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "gloo":
+            serialize_gloo_groups()  # Note [gloo all-gather race]
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     rank = dist.get_rank() if dist.is_initialized() else 0
     return rank, world, device

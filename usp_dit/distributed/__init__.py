@@ -4,6 +4,7 @@ Layout: the collectives take ``(batch, seq, heads, head_dim)`` tensors where the
 
     config.py     USPConfig: the parallel degrees, validated once
     groups.py     process-group teardown at exit
+    gloo.py       gloo groups that run one collective at a time (a heap-corruption workaround)
     traffic.py    bytes sent and received per collective (off unless counted)
     comm.py       the Ulysses all-to-all, uneven gathers, the ring exchanger
     handshake.py  cross-rank agreement on a call before size-dependent transfers

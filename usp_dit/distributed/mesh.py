@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from usp_dit.distributed.comm import RingExchanger
 from usp_dit.distributed.config import USPConfig
+from usp_dit.distributed.gloo import serialize_gloo_groups
 from usp_dit.distributed.groups import (
     hold_groups,
     on_release,
@@ -210,6 +211,8 @@ def _ensure_process_group() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        serialize_gloo_groups()  # Note [gloo all-gather race]
     dist.init_process_group(backend=backend)
 
 
@@ -303,6 +306,8 @@ def _build_mesh(config: USPConfig, dp: int, device_type: str) -> USPMesh:
     axes, seq_axes = mesh_axes(config)
     tensor = (config.tensor_degree,) if config.tensor_degree > 1 else ()
     shape = (dp, config.cfg_degree, config.ring_degree, config.ulysses_degree, *tensor)
+    if device_type == "cpu":
+        serialize_gloo_groups()  # the groups below run one collective at a time (Note [gloo all-gather race])
     device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=axes)
     # seq_rank = ring_rank * U + ulysses_rank (Note [sequence rank order]): merging the ring and
     # Ulysses axes keeps every rank's place, the tensor axis stays innermost.

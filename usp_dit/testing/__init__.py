@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
+from usp_dit.distributed.gloo import serialize_gloo_groups
 from usp_dit.distributed.mesh import release_groups
 from usp_dit.testing.pool import PoolBroken, free_port, log_tails, pool_enabled, pool_for
 
@@ -55,6 +56,7 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[[],
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)  # several ranks share two cores: oversubscription makes runs crawl
+    serialize_gloo_groups()  # Note [gloo all-gather race]: the rank deaths of Note [a rank killed by a signal]
     # A bounded timeout turns a rank stuck in a collective (its peer failed) into an error, not a hang.
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
     gc.collect()
@@ -127,7 +129,13 @@ def run_spawned(fn: Callable[[], Any], world_size: int, check_groups: bool = Tru
         length handshake's all-gather, a sharded forward's all-to-all, a ring's K/V gather, a
         checkpointed backward); once one job (AuraFlow's) died in the pool and again in a new
         pool, then passed in fresh ranks. No 4-rank stress loop of the ring or Ulysses call alone
-        (2000-3000 calls, tiny and uneven shapes) reproduced it. Not found yet.
+        (2000-3000 calls, tiny and uneven shapes) reproduced it.
+
+        Found (2026-12-07, thirteenth session, from the core files of three deaths in one suite
+        run): two collectives of one gloo group running at once on its two worker threads, one
+        of them an all-gather, corrupt the heap (Note [gloo all-gather race] in
+        ``usp_dit.distributed.gloo``). Test ranks, and every gloo group usp_dit builds, now run
+        one worker thread per group; the retry stays for what else may kill a rank.
     """
     if not fresh and pool_enabled(world_size):
         pooled = _run_pooled(fn, world_size)

@@ -52,6 +52,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from usp_dit.distributed.gloo import serialize_gloo_groups
+
 POOL_ENV = "USP_DIT_TEST_POOL"
 POOL_WORLDS = (2, 4)
 JOB_TIMEOUT_S = 1800.0  # a job past this is a hang: the pool is killed and the job fails
@@ -125,6 +127,7 @@ def _worker(rank: int, world_size: int, port: int, conn, log_path: str) -> None:
                       LOCAL_RANK=str(rank))
     os.environ.pop(POOL_ENV, None)  # a job that spawns ranks of its own spawns them fresh
     torch.set_num_threads(1)  # several ranks share two cores
+    serialize_gloo_groups()  # Note [gloo all-gather race]: the rank deaths of Note [a rank killed by a signal]
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
     environ = dict(os.environ)
     while True:
