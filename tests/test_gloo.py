@@ -72,3 +72,34 @@ def test_a_torch_without_the_hooks_is_left_as_it_is(monkeypatch):
     monkeypatch.setattr(c10d, "ProcessGroupGloo", Bare)
     assert gloo.serialize_gloo_groups() is False
     assert c10d.ProcessGroupGloo is Bare
+
+
+def _torch_class() -> type:
+    cls = c10d.ProcessGroupGloo
+    return cls.__mro__[1] if getattr(cls, "usp_dit_one_thread", False) else cls
+
+
+def test_a_mesh_over_a_users_two_thread_default_group_gets_groups_of_its_own(monkeypatch):
+    """A user's own ``init_process_group("gloo")`` (torch's two threads) before ``init_usp``: the
+    mesh's axes get one-thread groups, even those spanning the world (size 1 here: every axis),
+    which DeviceMesh would otherwise hand the default group."""
+    from usp_dit import init_usp
+    from usp_dit.distributed.mesh import mesh_axes, release_groups
+
+    monkeypatch.setattr(c10d, "ProcessGroupGloo", _torch_class())  # as torch ships it; restored after
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert gloo.gloo_threads() == 2
+        mesh = init_usp(ulysses_degree=1)
+        axes, seq_axes = mesh_axes(mesh.config)
+        groups = [mesh.device_mesh.get_group(a) for a in axes] + [mesh.seq_mesh.get_group(a) for a in seq_axes]
+        assert len(groups) == 7
+        assert [gloo.gloo_threads(g) for g in groups] == [1] * 7
+        assert all(g is not c10d._get_default_group() for g in groups)
+        x = torch.arange(4.0)
+        dist.all_reduce(x, group=groups[-1])  # the groups work
+        assert torch.equal(x, torch.arange(4.0))
+    finally:
+        release_groups()
+        dist.destroy_process_group()

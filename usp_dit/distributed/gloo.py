@@ -13,9 +13,9 @@ Note [gloo all-gather race]
 
     Measured on the 2-core CPU machine (``python benchmarks/stress_gloo.py``: 4 ranks, two
     collectives in flight on one group, then both waited, in a loop): two all-gathers, or an
-    all-gather with an all-to-all, crash a rank within 2 000 to 16 000 iterations (10 to 80 s)
-    with two worker threads, and never in 30 000 with one; two all-to-alls or two all-reduces ran
-    30 000 / 12 000 iterations clean with two. Cores of the test ranks that died in CI-like runs
+    all-gather with an all-to-all, killed a rank (or stalled the group) within 16 000 iterations
+    in each of eight runs with two worker threads, and 30 000 ran clean with one; two all-to-alls
+    or two all-reduces ran 30 000 / 12 000 iterations clean with two. Cores of the test ranks that died in CI-like runs
     show the same picture: both worker threads of one group inside an all-gather, one crashing in
     ``~UnboundBuffer`` and the other finding the corrupted tcache. PyTorch has known this path
     to crash since 2021 (pytorch/pytorch#65237, "test_allgather_coalesced_async is flaky").
@@ -27,7 +27,10 @@ Note [gloo all-gather race]
     constructs for a subclass that passes one thread in the options, with the devices torch
     itself would pick (``GLOO_SOCKET_IFNAME`` honoured). NCCL groups are untouched. A gloo
     default group made before (a user's own ``init_process_group``) keeps torch's two threads;
-    usp_dit's mesh groups are built after the call.
+    usp_dit's mesh groups are built after the call, and where the default group runs more than
+    one thread, every mesh axis gets a group of its own (``_own_groups`` in
+    ``usp_dit.distributed.mesh``), even one spanning the world, which DeviceMesh would otherwise
+    hand the default group.
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from usp_dit.distributed.comm import RingExchanger
 from usp_dit.distributed.config import USPConfig
-from usp_dit.distributed.gloo import serialize_gloo_groups
+from usp_dit.distributed.gloo import gloo_threads, serialize_gloo_groups
 from usp_dit.distributed.groups import (
     hold_groups,
     on_release,
@@ -308,12 +308,24 @@ def _build_mesh(config: USPConfig, dp: int, device_type: str) -> USPMesh:
     shape = (dp, config.cfg_degree, config.ring_degree, config.ulysses_degree, *tensor)
     if device_type == "cpu":
         serialize_gloo_groups()  # the groups below run one collective at a time (Note [gloo all-gather race])
-    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=axes)
+    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=axes, backend_override=_own_groups(device_type, axes))
     # seq_rank = ring_rank * U + ulysses_rank (Note [sequence rank order]): merging the ring and
     # Ulysses axes keeps every rank's place, the tensor axis stays innermost.
-    seq_mesh = init_device_mesh(device_type, (dp, config.cfg_degree, config.sequence_degree, *tensor), mesh_dim_names=seq_axes)
+    seq_mesh = init_device_mesh(device_type, (dp, config.cfg_degree, config.sequence_degree, *tensor),
+                                mesh_dim_names=seq_axes, backend_override=_own_groups(device_type, seq_axes))
     _inherit_timeout((device_mesh, axes), (seq_mesh, seq_axes))
     return USPMesh(config, dp, device_type, register_device_mesh(device_mesh), register_device_mesh(seq_mesh))
+
+
+def _own_groups(device_type: str, axes: tuple[str, ...]) -> dict[str, str] | None:
+    """DeviceMesh's ``backend_override`` that gives every axis a group of its own, where the
+    default group is a gloo group running more than one worker thread (one the user started
+    before usp_dit): an axis spanning the whole world would otherwise reuse it, and its
+    collectives could run two at a time (Note [gloo all-gather race]). None (torch's choice)
+    elsewhere."""
+    if device_type != "cpu" or (gloo_threads() or 1) <= 1:
+        return None
+    return {axis: "gloo" for axis in axes}  # a fresh dict: torch pops what it reads
 
 
 def default_timeout(device_type: str):
