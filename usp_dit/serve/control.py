@@ -58,6 +58,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from usp_dit.distributed.gloo import serialize_gloo_groups
+
 CONTROL_TIMEOUT = datetime.timedelta(days=30)  # an idle server waits here: no timeout in practice
 
 
@@ -82,6 +84,7 @@ class Control:
         self.links: dict[int, Link] = {}  # rank 0: replica r -> its link; replica r's first rank: {r: link}
         if self.total == 1:
             return
+        serialize_gloo_groups()  # these gloo groups and the links' (Note [gloo all-gather race])
         self.everyone = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         self.heartbeat_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=heartbeat_timeout_s))
         for r in range(replicas):  # every rank creates every group, in the same order
