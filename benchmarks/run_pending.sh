@@ -43,7 +43,7 @@ cmd_for() {  # ITEM -> its command line (the command each GPU_PENDING.md item na
         V4a) echo "python3 benchmarks/bench_vae.py --model hunyuan_video15_480p --parts 2,4,8 --warmup 1 --rounds 1 --json $j" ;;
         V4b) echo "python3 benchmarks/bench_vae.py --model hunyuan_video15 --parts 2 --skip-stock --warmup 1 --rounds 1 --json $j" ;;
         V6) echo "python3 benchmarks/bench_vae.py --vae minimax_h3 --parts 2,4,8 --warmup 1 --rounds 2 --json $j" ;;
-        V7) echo "python3 benchmarks/bench_vae.py --model allegro --parts 2,4,8 --warmup 1 --rounds 1 --json $j" ;;
+        V7) echo "python3 benchmarks/bench_vae.py --model allegro --parts 2,4,8 --warmup 0 --rounds 1 --json $j" ;;
         V8) echo "python3 benchmarks/bench_vae.py --model kandinsky6_sr --parts 2,4,8 --warmup 1 --rounds 1 --json $j" ;;
         V5) echo "python3 benchmarks/bench_vae.py --model cosmos1,easyanimate --parts 2,4,8 --warmup 1 --rounds 1 --json $j" ;;
         vaepeaks) echo "python3 benchmarks/bench_vae.py --vae sd,cogview4,hunyuan_image,sana,qwen_image21,wan22,ltx2,minimax_h3,oobleck,oobleck_48k,same,longcat_audio,music3_vocoder --json $j" ;;
