@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
+
+from usp_dit.testing.pool import free_port
 
 WORLD = 4
 
@@ -70,9 +71,7 @@ def main() -> None:
     pair = args.pair.split(",")
     if len(pair) != 2:
         raise ValueError(f"--pair: {args.pair!r} must name two collectives, e.g. gather,a2a")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, port, pair, args.iters, args.one_thread)) for r in range(WORLD)]
     for p in procs:
