@@ -15,7 +15,8 @@ Note [gloo all-gather race]
     collectives in flight on one group, then both waited, in a loop): two all-gathers, or an
     all-gather with an all-to-all, killed a rank (or stalled the group) within 16 000 iterations
     in each of eight runs with two worker threads, and 30 000 ran clean with one; two all-to-alls
-    or two all-reduces ran 30 000 / 12 000 iterations clean with two. Cores of the test ranks that died in CI-like runs
+    or two all-reduces ran 30 000 / 12 000 iterations clean with two (those two, and six of the
+    eight, with the script's first draft: the same loop). Cores of the test ranks that died in CI-like runs
     show the same picture: both worker threads of one group inside an all-gather, one crashing in
     ``~UnboundBuffer`` and the other finding the corrupted tcache. PyTorch has known this path
     to crash since 2021 (pytorch/pytorch#65237, "test_allgather_coalesced_async is flaky").
