@@ -4,21 +4,23 @@
 #     bash benchmarks/run_pending.sh N:150 sana_video:90 V1:150
 # Each ITEM:SECONDS runs ITEM's command under `timeout SECONDS`; its stdout+stderr go to
 # $OUT/ITEM.log and any JSON it writes to $OUT/ITEM.json. The wheels are installed once (diffusers,
-# accelerate, torchao, FlashInfer's) into /tmp/site. On a fresh checkout, fill .whl first (here):
+# accelerate, torchao, FlashInfer's) into /tmp/site (each carried folder once a machine). On a fresh checkout, fill .whl first (here):
 #     pip download -q --no-deps -d .whl/diff diffusers==0.42.1 accelerate==1.16.0
 #     pip download -q --no-deps -d .whl/tao --only-binary=:all: --python-version 3.12 --implementation cp \
 #         --platform manylinux_2_28_x86_64 torchao==0.17.0
 #     bash scripts/gpu_backends/prepare_fp8_flashinfer.sh        # .whl/fi (item K only)
-#     bash scripts/gpu_backends/prepare_fp8_fa3.sh               # scratch/fa3_fp8 (items K3, K4, A8*: carry it too)
+#     bash scripts/gpu_backends/prepare_fp8_fa3.sh               # scratch/fa3_fp8 (items K3, K4, A8*, A9: carry it too)
+#     pip download -q --no-deps -d .whl/cfe --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux_2_28_x86_64 nvidia-cudnn-frontend==1.18.0   # backend fp8_cudnn (item A9)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site
-if [ ! -e /tmp/site/.done ]; then
-    for d in .whl/diff .whl/tao .whl/fi; do
-        [ -d "$d" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl
-    done
-    touch /tmp/site/.done
-fi
+for d in .whl/diff .whl/tao .whl/fi .whl/cfe; do  # each carried folder once a machine (a later call may carry more)
+    if [ -d "$d" ] && [ ! -e "/tmp/site/.done-${d##*/}" ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl \
+            && touch "/tmp/site/.done-${d##*/}"
+    fi
+done
 export PYTHONPATH=/tmp/site:$PWD
 if [ -e scratch/fa3_fp8/_vllm_fa3_C.abi3.so.xz ]; then  # backend fp8_fa3 (carry scratch/fa3_fp8)
     bash scripts/gpu_backends/fp8_fa3.sh && export USP_DIT_FA3_FP8_LIB=/tmp/fa3_fp8/_vllm_fa3_C.abi3.so
@@ -54,6 +56,8 @@ cmd_for() {  # ITEM -> its command line (the command each GPU_PENDING.md item na
         K5) echo "python3 -m pytest -q --noconftest tests/gpu/test_fp8_attention_gpu.py -k 'finite_at or compiled_equals'; python3 benchmarks/diag_fp8_nonfinite.py --model hunyuan_video --backend fp8_fa3 --json $j" ;;
         K5c) echo "python3 benchmarks/diag_fp8_nonfinite.py --model hunyuan_video --backend fp8_fa3 --compile --json $j" ;;
         A8) echo "python3 -m pytest -q --noconftest tests/gpu/test_fp8_attention_gpu.py -k fa3 && python3 benchmarks/bench_attention.py --suite backends --shapes wan,hunyuan_video,flux --backends sdpa_cudnn,fa3_varlen,fp8_fa3,fp8_fa3_kernel --out $j" ;;
+        A9) echo "python3 benchmarks/bench_attention.py --suite backends --shapes wan,hunyuan_video,flux --backends sdpa_cudnn,fa3_varlen,fp8_fa3_kernel,fp8_cudnn,fp8_cudnn_kernel --out $j; python3 -m pytest -q -s --noconftest tests/gpu/test_fp8_attention_gpu.py -k cudnn" ;;
+        A9len) echo "python3 benchmarks/diag_fp8_length.py --backends fp8_cudnn,fp8_fa3,fp8_flashinfer --json $j" ;;
         A8ring) echo "python3 benchmarks/bench_attention.py --suite ring --shapes flux,hunyuan_video --backend fp8_fa3 --out $j" ;;
         *) return 1 ;;
     esac

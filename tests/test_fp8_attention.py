@@ -147,3 +147,101 @@ def test_fp8_fa3_scales_per_kv_head_and_it_is_opt_in_only(monkeypatch, tmp_path)
             get_backend("fp8_fa3").require()
     finally:
         fp8_fa3._ops.cache_clear()
+
+
+def test_fp8_cudnn_scales_per_tensor_and_it_is_opt_in_only(monkeypatch):
+    """``fp8_cudnn`` (Note [fp8 attention, cuDNN]): one scale per tensor, its largest value mapped
+    to e4m3's 448, dequantised values within e4m3's half step (relative 2^-4, absolute 2^-9 of the
+    scale below the normal range). Forward only, never on CPU, never picked by "auto"; without the
+    cudnn frontend the backend is unavailable and names the install line."""
+    from usp_dit.kernels import fp8_cudnn, get_backend
+    from usp_dit.kernels.fp8_quant import tensor_quant
+
+    q, _, _ = _inputs()
+    q8, sq = tensor_quant(q)
+    assert sq.shape == () and sq.dtype == torch.float32 and q8.shape == q.shape and q8.dtype == torch.float8_e4m3fn
+    assert q8.double().abs().max() == 448 and torch.isclose(sq.double(), q.abs().max() / 448, rtol=1e-6)
+    bound = torch.maximum(q.abs() * 2.0 ** -4, sq.double() * 2.0 ** -9)
+    assert ((q8.double() * sq.double() - q).abs() <= bound).all()
+    zero8, zero_s = tensor_quant(torch.zeros(2, 3, 4, 8))
+    assert zero_s == 1 and (zero8.double() == 0).all()  # an all-zero tensor: scale 1, values 0 (never 0/0)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        select_backend("fp8_cudnn", "cuda", torch.bfloat16, 128, needs_grad=True)
+    with pytest.raises(NotImplementedError, match="device 'cpu'"):
+        select_backend("fp8_cudnn", "cpu", torch.float32, 128, needs_grad=False)
+    assert all(rule.backend != "fp8_cudnn" for rules in AUTO_TABLE.values() for rule in rules)
+    monkeypatch.setitem(__import__("sys").modules, "cudnn", None)  # "import cudnn" now fails
+    fp8_cudnn._frontend.cache_clear()
+    try:
+        module, why = fp8_cudnn._frontend()
+        assert module is None and "does not import" in why
+        assert not get_backend("fp8_cudnn").available()
+        with pytest.raises(RuntimeError, match="pip install nvidia-cudnn-frontend"):
+            get_backend("fp8_cudnn").require()
+    finally:
+        fp8_cudnn._frontend.cache_clear()
+
+
+def test_fp8_cudnn_refuses_a_shape_cudnn_cannot_run_by_name(monkeypatch):
+    """A shape the installed cuDNN does not support (the frontend raises while building the plan)
+    becomes a NotImplementedError naming the shapes and cuDNN's reason, never a wrong answer. A
+    stand-in frontend records the graph it is asked for: Q/K/V seen as (b, h, s, d) over
+    (B, S, H, D) memory, the output in q's dtype, the statistics (b, h, s, 1) float32."""
+    import types
+
+    from usp_dit.kernels import fp8_cudnn
+
+    calls: dict = {}
+
+    class Tensor:
+        def __init__(self, **kw):
+            self.kw = kw
+
+        def __getattr__(self, name):  # set_uid / set_output / set_dim / ...: record, chain
+            def setter(value):
+                self.kw[name] = value
+                return self
+            return setter
+
+    class Graph:
+        def __init__(self, **kw):
+            calls["graph"] = kw
+
+        def tensor(self, **kw):
+            return Tensor(**kw)
+
+        def sdpa_fp8(self, **kw):
+            calls["sdpa"] = kw
+            calls["outputs"] = [Tensor() for _ in range(4)]
+            return calls["outputs"]
+
+        def validate(self):
+            pass
+
+        build_operation_graph = validate
+
+        def create_execution_plans(self, modes):
+            pass
+
+        def check_support(self):
+            raise RuntimeError("no FP8 engine for this head_dim")
+
+    dt = types.SimpleNamespace(FLOAT="f32", FP8_E4M3="e4m3", BFLOAT16="bf16", HALF="f16")
+    fake = types.SimpleNamespace(data_type=dt, heur_mode=types.SimpleNamespace(A="A", FALLBACK="F"),
+                                 pygraph=Graph, create_handle=lambda: 7)
+    monkeypatch.setattr(fp8_cudnn, "_frontend", lambda: (fake, ""))
+    monkeypatch.setattr(fp8_cudnn, "_handle", lambda device: 7)
+    fp8_cudnn._graph.cache_clear()
+    try:
+        with pytest.raises(NotImplementedError, match=r"fp8_cudnn.*\(2, 13, 4, 96\).*no FP8 engine"):
+            fp8_cudnn._graph(0, 2, 4, 2, 13, 11, 96, 96, 0.25, torch.bfloat16)
+    finally:
+        fp8_cudnn._graph.cache_clear()
+    q = calls["sdpa"]["q"].kw
+    assert q["dim"] == (2, 4, 13, 96) and q["stride"] == (13 * 4 * 96, 96, 4 * 96, 1) and q["data_type"] == "e4m3"
+    assert calls["sdpa"]["k"].kw["dim"] == (2, 2, 11, 96) and calls["sdpa"]["attn_scale"] == 0.25
+    assert calls["sdpa"]["generate_stats"] is True
+    out, stats = calls["outputs"][0].kw, calls["outputs"][1].kw
+    assert out["set_dim"] == (2, 4, 13, 96) and out["set_stride"] == (13 * 4 * 96, 96, 4 * 96, 1)
+    assert out["set_data_type"] == "bf16"
+    assert stats["set_dim"] == (2, 4, 13, 1) and stats["set_data_type"] == "f32"

@@ -11,7 +11,7 @@ Nothing here knows about distribution: the ring, Ulysses and the one-device ring
 """
 from __future__ import annotations
 
-from usp_dit.kernels import autograd, flash2, flash3, flash4, flashinfer, fp8, fp8_fa3, fp8_flashinfer, reference, sage, sdpa_cpu, sdpa_cuda  # noqa: F401  (register the backends and ops)
+from usp_dit.kernels import autograd, flash2, flash3, flash4, flashinfer, fp8, fp8_cudnn, fp8_fa3, fp8_flashinfer, reference, sage, sdpa_cpu, sdpa_cuda  # noqa: F401  (register the backends and ops)
 from usp_dit.kernels.autograd import KernelAttention, attend, attend_out
 from usp_dit.kernels.policy import select_backend
 from usp_dit.kernels.protocol import AttentionBackend, BackendCaps

@@ -62,6 +62,12 @@ def kv_head_quant(x: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.T
     return values.reshape(b, s, h, d), scale
 
 
+def tensor_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (any shape) -> e4m3 values (same shape) and one float32 scale (a 0-d tensor) over the
+    whole tensor (the ``fp8_cudnn`` backend's scales, Note [fp8 attention, cuDNN])."""
+    return _e4m3(x, tuple(range(x.dim())))
+
+
 def reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """What the ``fp8`` kernel computes (Note [fp8 attention]), in float64 on any device: the same
     e4m3 inputs and scales, the probabilities rounded to e4m3 for P.V, their sum unrounded.
