@@ -245,3 +245,33 @@ def test_fp8_cudnn_refuses_a_shape_cudnn_cannot_run_by_name(monkeypatch):
     assert out["set_dim"] == (2, 4, 13, 96) and out["set_stride"] == (13 * 4 * 96, 96, 4 * 96, 1)
     assert out["set_data_type"] == "bf16"
     assert stats["set_dim"] == (2, 4, 13, 1) and stats["set_data_type"] == "f32"
+
+
+def test_fp8_cudnn_warns_once_on_long_calls(monkeypatch):
+    """A call with more than ``LONG_CALL`` keys warns once per key count (Note [fp8 attention,
+    cuDNN, long calls]: the error grows with a call's keys); a call at the bound does not. The
+    kernel is stood in for (no GPU here); the warning comes before it."""
+    import warnings
+
+    from usp_dit.kernels import fp8_cudnn
+
+    monkeypatch.setattr(fp8_cudnn, "quantised_forward", lambda q8, k8, v8, descales, scale, dtype: (
+        torch.zeros(q8.shape, dtype=dtype), torch.zeros(q8.shape[:3])))
+    monkeypatch.setattr(fp8_cudnn, "_fused_quant", lambda: __import__("usp_dit.kernels.fp8_quant",
+                                                                       fromlist=["tensor_quant"]).tensor_quant)
+    fp8_cudnn._warn_long_call.cache_clear()
+    backend = fp8_cudnn.FP8CudnnBackend()
+    q = torch.randn(1, 3, 2, 8, dtype=torch.bfloat16)
+
+    def call(keys: int) -> list:
+        kv = torch.randn(1, keys, 2, 8, dtype=torch.bfloat16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            backend.forward(q, kv, kv, 0.3)
+        return [w for w in caught if "fp8_cudnn" in str(w.message)]
+
+    assert call(fp8_cudnn.LONG_CALL) == []
+    first = call(fp8_cudnn.LONG_CALL + 1)
+    assert len(first) == 1 and "fp8_fa3" in str(first[0].message) and str(fp8_cudnn.LONG_CALL + 1) in str(first[0].message)
+    assert call(fp8_cudnn.LONG_CALL + 1) == []  # once per key count
+    fp8_cudnn._warn_long_call.cache_clear()

@@ -32,12 +32,25 @@ Note [fp8 attention, cuDNN]
     ``cudnnGraphNotSupportedError`` for a shape this cuDNN cannot run; that becomes a
     ``NotImplementedError`` naming the shape and cuDNN's reason.
 
+Note [fp8 attention, cuDNN, long calls]
+    The output's error grows with the keys of one call, unlike ``fp8_fa3``'s (measured on an
+    H100, 2026-12-07, DiT-like inputs against bf16 SDPA; benchmarks/diag_fp8_length.py): relative
+    L1 4-5e-2 at 3-5k keys (against float64), 8.7e-2 at 16 385, 0.26 at 118 877 (cosine 0.991), where
+    ``fp8_fa3`` has 1.7e-2 and 8.2e-3. A float64 model of our quantisation stays at cosine 0.9996
+    at every length; a large L1 beside a high cosine suggests a shrinking magnitude, a bias that
+    builds up over the ~930 key blocks inside cuDNN's kernel (the FP8 tensor cores' limited
+    accumulation of P.V is the suspect; not confirmed). Splitting the keys into chunks of 16 384
+    merged by LSE brings it to 8.4e-2 at 6% more time. So a call with more than ``LONG_CALL`` keys
+    warns once per key count; ``fp8_fa3`` is the accurate FP8 path there (``fp8_flashinfer`` was
+    not measured at these lengths).
+
 Install (GPU machine): ``pip install nvidia-cudnn-frontend`` (a 2 MB wheel; it loads the libcudnn
 that torch brings). No build step, no JIT. Needs cuDNN >= 9 and a Hopper (SM90) GPU.
 """
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -48,6 +61,7 @@ from usp_dit.kernels.registry import register_backend
 INSTALL = "pip install nvidia-cudnn-frontend"
 E4M3_MAX = 448.0
 HEADROOM = 1.125  # of the e4m3 output over max|V| (Note [fp8 attention, cuDNN])
+LONG_CALL = 8192  # keys in one call past which the error grows (Note [fp8 attention, cuDNN, long calls])
 # uids of the graph's tensors (any distinct integers: they key the variant pack)
 Q, K, V, O, STATS, DQ, DK, DV, DS, SS, SO, AMAX_S, AMAX_O = range(13)
 
@@ -184,6 +198,14 @@ def quantised_forward(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
     return out, stats.view(b, h, s).transpose(1, 2).contiguous()
 
 
+@functools.cache
+def _warn_long_call(keys: int) -> None:
+    """Once per key count (Note [fp8 attention, cuDNN, long calls])."""
+    warnings.warn(f"backend 'fp8_cudnn' on {keys} keys in one call: its error grows with the keys of a call "
+                  f"(relative L1 0.26 at 118 877 keys on an H100, against fp8_fa3's 8e-3); prefer 'fp8_fa3' for long "
+                  f"calls, or more ring ranks (docs/FP8.md)", stacklevel=3)
+
+
 class FP8CudnnBackend:
     name = "fp8_cudnn"
     caps = BackendCaps(
@@ -206,6 +228,8 @@ class FP8CudnnBackend:
             raise NotImplementedError("backend 'fp8_cudnn' has no causal mode")
         if k.shape[1] == 0:  # no key: out 0 and lse -inf, as every backend
             return torch.zeros_like(q), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+        if k.shape[1] > LONG_CALL:
+            _warn_long_call(k.shape[1])
         quant = _fused_quant()
         (q8, sq), (k8, sk), (v8, sv) = quant(q), quant(k), quant(v)
         return quantised_forward(q8.contiguous(), k8.contiguous(), v8.contiguous(), (sq, sk, sv), scale, q.dtype)
