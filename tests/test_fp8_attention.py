@@ -186,7 +186,7 @@ def test_fp8_cudnn_refuses_a_shape_cudnn_cannot_run_by_name(monkeypatch):
     """A shape the installed cuDNN does not support (the frontend raises while building the plan)
     becomes a NotImplementedError naming the shapes and cuDNN's reason, never a wrong answer. A
     stand-in frontend records the graph it is asked for: Q/K/V seen as (b, h, s, d) over
-    (B, S, H, D) memory, the output in q's dtype, the statistics (b, h, s, 1) float32."""
+    (B, S, H, D) memory, the output in e4m3, the statistics (b, h, s, 1) float32."""
     import types
 
     from usp_dit.kernels import fp8_cudnn
@@ -234,7 +234,7 @@ def test_fp8_cudnn_refuses_a_shape_cudnn_cannot_run_by_name(monkeypatch):
     fp8_cudnn._graph.cache_clear()
     try:
         with pytest.raises(NotImplementedError, match=r"fp8_cudnn.*\(2, 13, 4, 96\).*no FP8 engine"):
-            fp8_cudnn._graph(0, 2, 4, 2, 13, 11, 96, 96, 0.25, torch.bfloat16)
+            fp8_cudnn._graph(0, 2, 4, 2, 13, 11, 96, 96, 0.25, torch.float8_e4m3fn)
     finally:
         fp8_cudnn._graph.cache_clear()
     q = calls["sdpa"]["q"].kw
@@ -243,7 +243,7 @@ def test_fp8_cudnn_refuses_a_shape_cudnn_cannot_run_by_name(monkeypatch):
     assert calls["sdpa"]["generate_stats"] is True
     out, stats = calls["outputs"][0].kw, calls["outputs"][1].kw
     assert out["set_dim"] == (2, 4, 13, 96) and out["set_stride"] == (13 * 4 * 96, 96, 4 * 96, 1)
-    assert out["set_data_type"] == "bf16"
+    assert out["set_data_type"] == "e4m3"  # Hopper writes FP8 output only (Note [fp8 attention, cuDNN])
     assert stats["set_dim"] == (2, 4, 13, 1) and stats["set_data_type"] == "f32"
 
 

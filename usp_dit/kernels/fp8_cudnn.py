@@ -19,13 +19,14 @@ Note [fp8 attention, cuDNN]
     9.13): it is written in e4m3 with ``scale_o`` = 1 / (9/8 s_v), i.e. in units of V's own step,
     which always fits: an output row is a convex combination of V's rows, |out| <= max|V| = 448 s_v,
     except that P's e4m3 rounding may lift the weights' sum by up to 2^-4, inside the 9/8 headroom
-    (an e4m3 value past 448 would be NaN). It is multiplied back by 9/8 s_v in q's dtype. That rounding adds e4m3's relative error (at most
-    2^-4, half a step) to the output, not to the LSE: the merge of ring blocks stays exact to what
-    the blocks computed. On Blackwell the output is written in q's dtype directly. A tensor-wide
-    scale is coarser than ``fp8_flashinfer``'s per-head ones: only values below about 2^-15 of the
-    tensor's largest lose relative precision (e4m3 keeps 3 mantissa bits down to 2^-6 of its 448,
-    subnormals below), which for a head 100x quieter than the loudest still leaves its values
-    normal. The error is measured beside the other backends' (docs/FP8.md).
+    (an e4m3 value past 448 would be NaN). It is multiplied back by 9/8 s_v in q's dtype. That
+    rounding adds e4m3's relative error (at most 2^-4, half a step) to the output, not to the LSE:
+    the merge of ring blocks stays exact to what the blocks computed. (Blackwell could write the
+    output in q's dtype; the backend runs on Hopper only, the GPU it was measured on.) A
+    tensor-wide scale is coarser than ``fp8_flashinfer``'s per-head ones: only values below about
+    2^-15 of the tensor's largest lose relative precision (e4m3 keeps 3 mantissa bits down to 2^-6
+    of its 448, subnormals below), which for a head 100x quieter than the loudest still leaves its
+    values normal. The error is measured beside the other backends' (docs/FP8.md).
 
     One graph is built per shape (batch, heads, lengths, head dims, scale, dtype) and kept: a ring
     step calls the same few shapes every layer. Graph building raises the frontend's
@@ -45,7 +46,8 @@ Note [fp8 attention, cuDNN, long calls]
     not measured at these lengths).
 
 Install (GPU machine): ``pip install nvidia-cudnn-frontend`` (a 2 MB wheel; it loads the libcudnn
-that torch brings). No build step, no JIT. Needs cuDNN >= 9 and a Hopper (SM90) GPU.
+that torch brings). No build step, no JIT. Needs cuDNN >= 9 and a Hopper (SM90) GPU (measured
+with frontend 1.18.0 on cuDNN 9.19).
 """
 from __future__ import annotations
 
@@ -115,13 +117,6 @@ def _dtype(cudnn, dtype: torch.dtype):
             torch.float8_e4m3fn: cudnn.data_type.FP8_E4M3}[dtype]
 
 
-def output_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The dtype cuDNN writes the output in: ``dtype`` on Blackwell with cuDNN >= 9.13, e4m3 before
-    (Note [fp8 attention, cuDNN])."""
-    wide = torch.cuda.get_device_capability(device)[0] >= 10 and _frontend()[0].backend_version() >= 91300
-    return dtype if wide else torch.float8_e4m3fn
-
-
 @functools.cache
 def _graph(device: int, b: int, h: int, hk: int, s: int, sk: int, d: int, dv: int, scale: float,
            out_dtype: torch.dtype) -> tuple[object, int]:
@@ -180,30 +175,27 @@ def quantised_forward(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
     b, s, h, d = q8.shape
     sk, hk, dv = k8.shape[1], k8.shape[2], v8.shape[3]
     dev = q8.device
-    out_dtype = output_dtype(dev, dtype)
-    graph, ws = _graph(dev.index, b, h, hk, s, sk, d, dv, float(scale), out_dtype)
-    out = torch.empty((b, s, h, dv), dtype=out_dtype, device=dev)
+    graph, ws = _graph(dev.index, b, h, hk, s, sk, d, dv, float(scale), torch.float8_e4m3fn)
+    out8 = torch.empty((b, s, h, dv), dtype=torch.float8_e4m3fn, device=dev)
     stats = torch.empty((b, h, s, 1), dtype=torch.float32, device=dev)
     workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device=dev)
     sv = descales[2].reshape(1, 1, 1, 1)
-    # an e4m3 output in units of V's step (Note [fp8 attention, cuDNN]); a wide one unscaled
-    scale_o = (sv * HEADROOM).reciprocal() if out_dtype == torch.float8_e4m3fn else torch.ones_like(sv)
-    pack = {Q: q8, K: k8, V: v8, O: out, STATS: stats, SO: scale_o, **_constants(dev)}
+    # the e4m3 output in units of V's step, with headroom (Note [fp8 attention, cuDNN])
+    pack = {Q: q8, K: k8, V: v8, O: out8, STATS: stats, SO: (sv * HEADROOM).reciprocal(), **_constants(dev)}
     pack.update({DQ: descales[0].reshape(1, 1, 1, 1), DK: descales[1].reshape(1, 1, 1, 1), DV: sv})
     handle = _handle(dev.index)
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(dev).cuda_stream)
     graph.execute(pack, workspace, handle=handle)
-    if out_dtype == torch.float8_e4m3fn:
-        out = _dequant()(out, descales[2] * HEADROOM, dtype)
+    out = _dequant()(out8, descales[2] * HEADROOM, dtype)
     return out, stats.view(b, h, s).transpose(1, 2).contiguous()
 
 
 @functools.cache
 def _warn_long_call(keys: int) -> None:
     """Once per key count (Note [fp8 attention, cuDNN, long calls])."""
-    warnings.warn(f"backend 'fp8_cudnn' on {keys} keys in one call: its error grows with the keys of a call "
-                  f"(relative L1 0.26 at 118 877 keys on an H100, against fp8_fa3's 8e-3); prefer 'fp8_fa3' for long "
-                  f"calls, or more ring ranks (docs/FP8.md)", stacklevel=3)
+    warnings.warn(f"backend 'fp8_cudnn' on {keys} keys in one call: its error grows with the keys of a "
+                  f"call (relative L1 0.26 at 118 877 keys on an H100, against fp8_fa3's 8e-3); prefer "
+                  f"'fp8_fa3' for long calls, or more ring ranks (docs/FP8.md)", stacklevel=3)
 
 
 class FP8CudnnBackend:
