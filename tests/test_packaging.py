@@ -37,6 +37,7 @@ OPTIONAL_MODULES = {
     "triton": None,  # ships with CUDA builds of torch; the fused ring merge runs on CUDA only
     "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "pydantic": "serve",  # usp_dit.serve
     "torchao": "fp8",  # usp_dit.quantize_fp8_linears (the FP8 step recipe)
+    "cudnn": ("fp8-cudnn", "nvidia-cudnn-frontend"),  # backend "fp8_cudnn" (module, distribution differ)
 }
 # Base dependencies; accelerate is imported by no one here, but without it from_pretrained loads slowly.
 EXPECTED_BASE = ("torch", "diffusers", "transformers", "accelerate", "numpy", "safetensors", "pillow", "tqdm")
@@ -128,7 +129,8 @@ def test_wheel_declares_what_usp_dit_and_the_examples_import(metadata):
     for module in sorted(_imported_modules()):
         if module in OPTIONAL_MODULES:
             extra = OPTIONAL_MODULES[module]
-            assert extra is None or module.replace("_", "-") in _extra_requirements(metadata, extra), (module, extra)
+            extra, dist = extra if isinstance(extra, tuple) else (extra, module.replace("_", "-"))
+            assert extra is None or dist in _extra_requirements(metadata, extra), (module, extra)
             continue
         names = {d.lower() for d in distributions.get(module, [module])}
         assert names & set(base), f"usp_dit or an example imports {module} ({names}); not a base dependency"

@@ -56,7 +56,7 @@ import warnings
 
 import torch
 
-from usp_dit.kernels import fp8_quant
+from usp_dit.kernels.fp8_quant import tensor_quant
 from usp_dit.kernels.protocol import BackendCaps, import_optional
 from usp_dit.kernels.registry import register_backend
 
@@ -92,7 +92,7 @@ def _fused_quant():
         module = import_optional("usp_dit.kernels._quant_triton")
         if module is not None:
             return module.tensor_quant
-    return fp8_quant.tensor_quant
+    return tensor_quant
 
 
 @functools.cache
