@@ -1,10 +1,11 @@
 """How the FP8 attention backends' error grows with the key length (one GPU, no model).
 
-For DiT-like Q, K, V (per-channel offsets and scales, three heavy channels a head in Q and K, as
-tests/gpu/test_fp8_attention_gpu.py makes them) at 24 x 128 heads and lengths from 4k to
-HunyuanVideo 720p's 118 877 tokens: cosine and relative L1 of each FP8 backend's output against bf16
-SDPA of the same call, the whole call and (``--blocks``) the keys split into N blocks merged by LSE
-as N ring ranks would (usp_dit.testing.blockwise, "stream").
+For DiT-like Q, K, V (per-channel offsets and scales, three heavy channels a head in Q and K:
+``usp_dit.testing.activations.dit_like_qkv``, as tests/gpu/test_fp8_attention_gpu.py draws them)
+at 24 x 128 heads and lengths from 4k to HunyuanVideo 720p's 118 877 tokens: cosine and relative
+L1 of each FP8 backend's output against bf16 SDPA of the same call, the whole call and
+(``--blocks``) the keys split into N blocks merged by LSE as N ring ranks would
+(usp_dit.testing.blockwise, "stream").
 
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/diag_fp8_length.py --backends fp8_cudnn,fp8_fa3 --json out.json
 """
@@ -17,20 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from usp_dit.kernels import get_backend
+from usp_dit.testing.activations import dit_like_qkv
 from usp_dit.testing.blockwise import blockwise_forward
-
-
-def dit_like(s: int, h: int, d: int, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-
-    def t(heavy: bool):
-        scale = torch.exp(0.5 * torch.randn(h, d, generator=g, device="cuda"))
-        if heavy:
-            scale.scatter_(1, torch.randint(0, d, (h, 3), generator=g, device="cuda"), 4.0)
-        offset = 0.5 * torch.randn(h, d, generator=g, device="cuda")
-        return (torch.randn(1, s, h, d, generator=g, device="cuda") * scale + offset).bfloat16()
-
-    return t(True), t(True), t(False)
 
 
 def key_chunks(backend, q, k, v, scale: float, chunk: int) -> torch.Tensor:
@@ -71,7 +60,7 @@ def main() -> int:
     rows = []
     lengths = [int(x) for x in args.lengths.split(",")]
     for s in lengths:
-        q, k, v = dit_like(s, 24, 128)
+        q, k, v = dit_like_qkv(1, s, 24, 24, 128)
         scale = 128 ** -0.5
         with torch.no_grad():
             ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

@@ -226,7 +226,7 @@ def test_fp8_cudnn_refuses_a_shape_cudnn_cannot_run_by_name(monkeypatch):
         def check_support(self):
             raise RuntimeError("no FP8 engine for this head_dim")
 
-    dt = types.SimpleNamespace(FLOAT="f32", FP8_E4M3="e4m3", BFLOAT16="bf16", HALF="f16")
+    dt = types.SimpleNamespace(FLOAT="f32", FP8_E4M3="e4m3")
     fake = types.SimpleNamespace(data_type=dt, heur_mode=types.SimpleNamespace(A="A", FALLBACK="F"),
                                  pygraph=Graph, create_handle=lambda: 7)
     monkeypatch.setattr(fp8_cudnn, "_frontend", lambda: (fake, ""))
@@ -234,7 +234,7 @@ def test_fp8_cudnn_refuses_a_shape_cudnn_cannot_run_by_name(monkeypatch):
     fp8_cudnn._graph.cache_clear()
     try:
         with pytest.raises(NotImplementedError, match=r"fp8_cudnn.*\(2, 13, 4, 96\).*no FP8 engine"):
-            fp8_cudnn._graph(0, 2, 4, 2, 13, 11, 96, 96, 0.25, torch.float8_e4m3fn)
+            fp8_cudnn._graph(0, 2, 4, 2, 13, 11, 96, 96, 0.25)
     finally:
         fp8_cudnn._graph.cache_clear()
     q = calls["sdpa"]["q"].kw

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from usp_dit.kernels import get_backend
 from usp_dit.kernels.fp8_quant import reference_forward
 from usp_dit.testing import rel_err
+from usp_dit.testing.activations import dit_like_qkv as _inputs  # DiT-like, heavy channels in Q and K
 from usp_dit.testing.blockwise import blockwise_forward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -37,21 +38,6 @@ def fp8():
     if not backend.available():
         pytest.skip("the fp8 backend needs Triton and an sm90 GPU")
     return backend
-
-
-def _inputs(b, s, h, hk, d, seed=0):
-    """DiT-like: per-channel offsets and scales, three heavy channels per head in Q and K."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-
-    def t(heads, heavy):
-        scale = torch.exp(0.5 * torch.randn(heads, d, generator=g, device="cuda"))
-        if heavy:
-            idx = torch.randint(0, d, (heads, 3), generator=g, device="cuda")
-            scale.scatter_(1, idx, 4.0)  # scores then span about +-10, as trained DiTs' do
-        offset = 0.5 * torch.randn(heads, d, generator=g, device="cuda")
-        return (torch.randn(b, s, heads, d, generator=g, device="cuda") * scale + offset).bfloat16()
-
-    return t(h, True), t(hk, True), t(hk, False)
 
 
 def _exact(q, k, v, scale):

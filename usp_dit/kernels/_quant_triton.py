@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-E4M3_MAX = 448.0
+from usp_dit.kernels.fp8_quant import E4M3_MAX
 _BLOCK = 4096
 
 

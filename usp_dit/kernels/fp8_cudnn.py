@@ -28,7 +28,7 @@ Note [fp8 attention, cuDNN]
     of its 448, subnormals below), which for a head 100x quieter than the loudest still leaves its
     values normal. The error is measured beside the other backends' (docs/FP8.md).
 
-    One graph is built per shape (batch, heads, lengths, head dims, scale, dtype) and kept: a ring
+    One graph is built per shape (batch, heads, lengths, head dims, scale) and kept: a ring
     step calls the same few shapes every layer. Graph building raises the frontend's
     ``cudnnGraphNotSupportedError`` for a shape this cuDNN cannot run; that becomes a
     ``NotImplementedError`` naming the shape and cuDNN's reason.
@@ -56,12 +56,11 @@ import warnings
 
 import torch
 
-from usp_dit.kernels.fp8_quant import tensor_quant
+from usp_dit.kernels.fp8_quant import E4M3_MAX, tensor_quant
 from usp_dit.kernels.protocol import BackendCaps, import_optional
 from usp_dit.kernels.registry import register_backend
 
 INSTALL = "pip install nvidia-cudnn-frontend"
-E4M3_MAX = 448.0
 HEADROOM = 1.125  # of the e4m3 output over max|V| (Note [fp8 attention, cuDNN])
 LONG_CALL = 8192  # keys in one call past which the error grows (Note [fp8 attention, cuDNN, long calls])
 # uids of the graph's tensors (any distinct integers: they key the variant pack)
@@ -85,24 +84,22 @@ def _frontend() -> tuple[object | None, str]:
 
 
 @functools.cache
+def _triton_module():
+    """``usp_dit.kernels._quant_triton`` (the quantisation in two passes, the output's conversion in
+    one), or ``None`` without Triton."""
+    return import_optional("usp_dit.kernels._quant_triton") if import_optional("triton") is not None else None
+
+
 def _fused_quant():
-    """The one-pass Triton quantisation (``usp_dit.kernels._quant_triton``), else PyTorch's
-    (``fp8_quant.tensor_quant``: the same values, more passes)."""
-    if import_optional("triton") is not None:
-        module = import_optional("usp_dit.kernels._quant_triton")
-        if module is not None:
-            return module.tensor_quant
-    return tensor_quant
+    """Triton's quantisation, else PyTorch's (``fp8_quant.tensor_quant``: the same values, more passes)."""
+    module = _triton_module()
+    return tensor_quant if module is None else module.tensor_quant
 
 
-@functools.cache
 def _dequant():
     """e4m3 output -> ``dtype``: Triton's one pass (``_quant_triton.dequant``), else PyTorch's."""
-    if import_optional("triton") is not None:
-        module = import_optional("usp_dit.kernels._quant_triton")
-        if module is not None:
-            return module.dequant
-    return lambda x8, s, dtype: (x8.float() * s).to(dtype)
+    module = _triton_module()
+    return (lambda x8, s, dtype: (x8.float() * s).to(dtype)) if module is None else module.dequant
 
 
 @functools.cache
@@ -112,15 +109,11 @@ def _handle(device: int) -> int:
         return _frontend()[0].create_handle()
 
 
-def _dtype(cudnn, dtype: torch.dtype):
-    return {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF,
-            torch.float8_e4m3fn: cudnn.data_type.FP8_E4M3}[dtype]
-
-
 @functools.cache
-def _graph(device: int, b: int, h: int, hk: int, s: int, sk: int, d: int, dv: int, scale: float,
-           out_dtype: torch.dtype) -> tuple[object, int]:
-    """The built graph of one shape and its workspace size in bytes (Note [fp8 attention, cuDNN])."""
+def _graph(device: int, b: int, h: int, hk: int, s: int, sk: int, d: int, dv: int,
+           scale: float) -> tuple[object, int]:
+    """The built graph of one shape and its workspace size in bytes; e4m3 in and out (Note [fp8
+    attention, cuDNN])."""
     cudnn = _frontend()[0]
     f32, e4m3 = cudnn.data_type.FLOAT, cudnn.data_type.FP8_E4M3
     g = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32,
@@ -139,7 +132,7 @@ def _graph(device: int, b: int, h: int, hk: int, s: int, sk: int, d: int, dv: in
         descale_s=scalar(DS), scale_s=scalar(SS), scale_o=scalar(SO), generate_stats=True, attn_scale=scale,
     )
     o.set_uid(O).set_output(True).set_dim((b, h, s, dv)).set_stride((s * h * dv, dv, h * dv, 1))
-    o.set_data_type(_dtype(cudnn, out_dtype))
+    o.set_data_type(e4m3)
     stats.set_uid(STATS).set_output(True).set_dim((b, h, s, 1)).set_stride((h * s, s, 1, 1)).set_data_type(f32)
     for t, uid in ((amax_s, AMAX_S), (amax_o, AMAX_O)):
         t.set_uid(uid).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(f32)
@@ -175,7 +168,7 @@ def quantised_forward(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
     b, s, h, d = q8.shape
     sk, hk, dv = k8.shape[1], k8.shape[2], v8.shape[3]
     dev = q8.device
-    graph, ws = _graph(dev.index, b, h, hk, s, sk, d, dv, float(scale), torch.float8_e4m3fn)
+    graph, ws = _graph(dev.index, b, h, hk, s, sk, d, dv, float(scale))
     out8 = torch.empty((b, s, h, dv), dtype=torch.float8_e4m3fn, device=dev)
     stats = torch.empty((b, h, s, 1), dtype=torch.float32, device=dev)
     workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device=dev)
