@@ -37,13 +37,14 @@ Note [fp8 attention, cuDNN, long calls]
     The output's error grows with the keys of one call, unlike ``fp8_fa3``'s (measured on an
     H100, 2026-12-07, DiT-like inputs against bf16 SDPA; benchmarks/diag_fp8_length.py): relative
     L1 4-5e-2 at 3-5k keys (against float64), 8.7e-2 at 16 385, 0.26 at 118 877 (cosine 0.991), where
-    ``fp8_fa3`` has 1.7e-2 and 8.2e-3. A float64 model of our quantisation stays at cosine 0.9996
-    at every length; a large L1 beside a high cosine suggests a shrinking magnitude, a bias that
-    builds up over the ~930 key blocks inside cuDNN's kernel (the FP8 tensor cores' limited
-    accumulation of P.V is the suspect; not confirmed). Splitting the keys into chunks of 16 384
-    merged by LSE brings it to 8.4e-2 at 6% more time. So a call with more than ``LONG_CALL`` keys
-    warns once per key count; ``fp8_fa3`` is the accurate FP8 path there (``fp8_flashinfer`` was
-    not measured at these lengths).
+    ``fp8_fa3`` has 1.7e-2 and 8.2e-3. A float64 model of our quantisation alone
+    (benchmarks/model_fp8_cudnn.py) stays at relative L1 2.8e-2 from 30 001 to 118 877 keys
+    (4.2e-2 at 3 001, as the GPU measures there); a large L1 beside a high cosine suggests a
+    shrinking magnitude, a bias that builds up over the ~930 key blocks inside cuDNN's kernel (the
+    FP8 tensor cores' limited accumulation of P.V is the suspect; not confirmed). Splitting the
+    keys into chunks of 16 384 merged by LSE brings it to 8.4e-2 at 6% more time. So a call with
+    more than ``LONG_CALL`` keys warns once per key count; ``fp8_fa3`` is the accurate FP8 path
+    there (``fp8_flashinfer`` was not measured at these lengths).
 
 Install (GPU machine): ``pip install nvidia-cudnn-frontend`` (a 2 MB wheel; it loads the libcudnn
 that torch brings). No build step, no JIT. Needs cuDNN >= 9 and a Hopper (SM90) GPU (measured
